@@ -1,0 +1,1 @@
+"""The coordinator side: the checkpoint exchange format, streaming aggregation, strategies."""

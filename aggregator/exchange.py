@@ -1,0 +1,201 @@
+"""The checkpoint exchange format between sites and coordinator (DESIGN.md).
+
+A checkpoint is a directory holding ``model.safetensors`` (plus ``config.json`` for the
+model architecture) and ``manifest.json``: format version, run id, round, site, sample and
+token counts, metrics, the sha256 of every file, the tensor index and the digest of the
+parent global checkpoint. Directories are written under a temporary name, fsynced and then
+renamed, so a reader sees a whole checkpoint or none. Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from xffl.core.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+_CHUNK = 8 << 20
+
+
+class TensorInfo(BaseModel):
+    """One entry of the tensor index: name, safetensors dtype string, shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class Manifest(BaseModel):
+    """The manifest.json of a checkpoint directory."""
+
+    model_config = ConfigDict(extra="forbid")
+    format_version: int = FORMAT_VERSION
+    kind: Literal["update", "global"]
+    run_id: str
+    round: int = Field(ge=0)
+    site: str | None = None
+    num_samples: int = Field(default=0, ge=0)
+    num_tokens: int = Field(default=0, ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    files: dict[str, str] = Field(default_factory=dict)
+    tensors: list[TensorInfo] = Field(default_factory=list)
+    parent: str | None = None
+    created: float = Field(default_factory=time.time)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def digest(self) -> str:
+        """The checkpoint's identity: sha256 over its sorted file checksums."""
+        return digest_of_files(self.files)
+
+
+def digest_of_files(files: dict[str, str]) -> str:
+    """Combine per-file sha256 values into one digest (order independent)."""
+    joined = "\n".join(f"{name}:{files[name]}" for name in sorted(files))
+    return hashlib.sha256(joined.encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (too short).")
+            (size,) = struct.unpack("<Q", raw)
+            if size > 100 << 20:
+                raise CheckpointError(f"{path}: safetensors header too large ({size} bytes).")
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({exc}).") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object.")
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_index(path: Path) -> list[TensorInfo]:
+    """The tensor index of a safetensors file, sorted by name."""
+    header = read_safetensors_header(path)
+    return [
+        TensorInfo(name=name, dtype=str(meta["dtype"]), shape=[int(d) for d in meta["shape"]])
+        for name, meta in sorted(header.items())
+    ]
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def staged_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``final``; on success fsync it and rename it into place.
+
+    If ``final`` already exists it is replaced only after the new content is complete.
+    On an exception the temporary directory is removed and ``final`` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for child in tmp.iterdir():
+            _fsync_path(child)
+        _fsync_path(tmp)
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def finalize_manifest(
+    directory: Path, manifest: Manifest, *, checksums: Mapping[str, str] | None = None
+) -> Manifest:
+    """Fill in file checksums and the tensor index, then write manifest.json into ``directory``.
+
+    ``checksums`` may carry sha256 values the caller computed while writing a file (the
+    streaming aggregator hashes its output as it goes), so that file is not read again.
+    """
+    known = dict(checksums or {})
+    files = {
+        p.name: known[p.name] if p.name in known else sha256_file(p)
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    full = manifest.model_copy(
+        update={"files": files, "tensors": tensor_index(directory / MODEL_FILE)}
+    )
+    (directory / MANIFEST_FILE).write_text(full.model_dump_json(indent=2) + "\n")
+    return full
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Parse a checkpoint's manifest.json (no checksum verification)."""
+    path = Path(directory) / MANIFEST_FILE
+    try:
+        return Manifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{directory}: no {MANIFEST_FILE}.") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise CheckpointError(f"{path}: invalid manifest ({loc}: {first['msg']}).") from exc
+
+
+def verify_checkpoint(directory: Path) -> Manifest:
+    """Check every file's sha256 and the tensor index against the manifest; return it."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.format_version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{directory}: format version {manifest.format_version}, expected {FORMAT_VERSION}."
+        )
+    if MODEL_FILE not in manifest.files:
+        raise CheckpointError(f"{directory}: the manifest lists no {MODEL_FILE}.")
+    for name, expected in manifest.files.items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: {name} is missing.")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise CheckpointError(
+                f"{directory}: checksum mismatch for {name} (file corrupted or truncated)."
+            )
+    if tensor_index(directory / MODEL_FILE) != manifest.tensors:
+        raise CheckpointError(f"{directory}: the tensor index differs from the manifest.")
+    return manifest

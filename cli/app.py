@@ -1,0 +1,39 @@
+"""The Typer application: global options and the list of commands."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from xffl.cli import render, runs, status, submit, validate
+from xffl.cli.common import state
+
+app = typer.Typer(
+    name="xffl",
+    help="Cross-facility federated learning: train one model across HPC facilities whose "
+    "data never leaves them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+) -> None:
+    """Cross-facility federated learning orchestrator."""
+    state.debug = debug
+
+
+app.command()(submit.submit)
+app.command()(status.status)
+app.command()(runs.runs)
+app.command()(render.render)
+app.command()(validate.validate)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

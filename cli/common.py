@@ -1,0 +1,91 @@
+"""What every command shares: consoles, the --debug state, error handling and JSON output."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+
+from xffl.core.errors import ExitCode, XfflError
+from xffl.jobs.registry import Registry, RunRecord
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+class _State:
+    debug = False
+
+
+state = _State()
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn XfflError into one line on stderr and its exit code; no traceback unless --debug."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except XfflError as exc:
+            if state.debug:
+                traceback.print_exc()
+            for line in exc.lines:
+                err_console.print(f"[red]error:[/red] {line}", soft_wrap=True)
+            raise typer.Exit(int(exc.exit_code)) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if state.debug:
+                traceback.print_exc()
+            err_console.print(
+                f"[red]internal error:[/red] {type(exc).__name__}: {exc} "
+                "(run again with --debug for the traceback, and please report it)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(int(ExitCode.INTERNAL)) from None
+
+    return wrapper
+
+
+def print_json(data: Any) -> None:
+    """Write ``data`` as indented JSON on stdout."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def resolve_run(registry: Registry, ref: str) -> RunRecord:
+    """The run named by ``ref``: a full id, an unambiguous prefix, or 'last'."""
+    from xffl.core.errors import InvalidInput
+
+    if ref == "last":
+        runs = registry.list_runs()
+        if not runs:
+            raise InvalidInput("there are no runs yet; submit one with `xffl submit JOB.yaml`.")
+        return runs[0]
+    matches = registry.find_runs(ref)
+    exact = [r for r in matches if r.id == ref]
+    if exact:
+        return exact[0]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise InvalidInput(f"no run {ref!r}; `xffl runs` lists the runs.")
+    raise InvalidInput(
+        f"{ref!r} matches {len(matches)} runs ({', '.join(r.id for r in matches[:3])}, ...); "
+        "give more of the id."
+    )

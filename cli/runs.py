@@ -1,0 +1,35 @@
+"""`xffl runs`: a table of every run in the registry."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.jobs.registry import Registry
+from xffl.jobs.status import run_summary
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+@handle_errors
+def runs(as_json: JsonOpt = False) -> None:
+    """List the runs, newest first.
+
+    Example: xffl runs --json
+    """
+    records = Registry().list_runs()
+    if as_json:
+        print_json([run_summary(r) for r in records])
+        return
+    if not records:
+        console.print("no runs yet; try `xffl submit jobs/quickstart.yaml --wait`.")
+        return
+    table = Table("run", "state", "rounds", "sites", "created", "message")
+    for r in records:
+        table.add_row(r.id, r.state, f"{r.rounds_done}/{r.rounds_total}", ", ".join(r.sites),
+                      _when(r.created), r.message)
+    console.print(table)

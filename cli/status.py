@@ -1,0 +1,54 @@
+"""`xffl status`: where a run stands, round by round and site by site."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.jobs.registry import Registry
+from xffl.jobs.status import run_status
+
+
+def _num(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render_status(data: dict[str, Any]) -> None:
+    """Print a run's status as a header and a rounds x sites table."""
+    console.print(f"run [bold]{data['id']}[/bold]: {data['state']} — "
+                  f"{data['rounds_done']}/{data['rounds_total']} rounds"
+                  + (f" — {data['message']}" if data["message"] else ""))
+    table = Table("round", "site", "state", "samples", "tokens", "loss", "train s", "aggregate s")
+    for rnd in data["rounds"]:
+        for site in rnd["sites"]:
+            table.add_row(str(rnd["round"]), site["site"], site["state"] + (
+                f" ({site['reason']})" if site["reason"] else ""),
+                _num(site["num_samples"]), _num(site["num_tokens"]),
+                _num(site["loss"], "{:.4f}"), _num(site["train_seconds"], "{:.1f}"), "")
+        table.add_row(str(rnd["round"]), "[bold]global[/bold]", rnd["state"],
+                      _num(rnd["num_samples"]), "", _num(rnd["loss"], "{:.4f}"), "",
+                      _num(rnd["aggregate_seconds"], "{:.2f}"), end_section=True)
+    console.print(table)
+    if data["latest_global"]:
+        console.print(f"latest global model: {data['latest_global']}")
+    console.print(f"run directory: {data['run_dir']}")
+
+
+@handle_errors
+def status(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a run's state and a rounds x sites table (state, samples, loss, durations).
+
+    Example: xffl status quickstart-20261122-051000-a3f9
+    """
+    registry = Registry()
+    data = run_status(registry, resolve_run(registry, run))
+    if as_json:
+        print_json(data)
+    else:
+        render_status(data)

@@ -1,0 +1,37 @@
+"""`xffl validate`: check a job spec, its site profiles and the plan it compiles to."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.core.paths import registry_path
+from xffl.jobs.load import load_job
+from xffl.workflows.plan import write_plan
+from xffl.workflows.validate import validate_cwl
+
+
+@handle_errors
+def validate(
+    job: Annotated[Path, typer.Argument(help="The job spec (YAML).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Check JOB and its site profiles, compile the plan in a temp folder, validate it with cwltool.
+
+    Example: xffl validate jobs/quickstart.yaml
+    """
+    loaded = load_job(job)
+    with tempfile.TemporaryDirectory(prefix="xffl-validate-") as tmp:
+        paths = write_plan(loaded, f"validate-{loaded.spec.name}", Path(tmp), registry_path())
+        validate_cwl(paths.main)
+    if as_json:
+        print_json({"valid": True, "job": str(loaded.path), "rounds": loaded.spec.rounds,
+                    "sites": {s.name: s.profile for s in loaded.spec.sites}})
+        return
+    sites = ", ".join(f"{s.name} ({s.profile})" for s in loaded.spec.sites)
+    console.print(f"[green]valid[/green]: {loaded.path} — {loaded.spec.rounds} rounds, "
+                  f"sites {sites}; the plan passes cwltool --validate.")

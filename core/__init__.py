@@ -1,0 +1,1 @@
+"""Shared foundations of xffl: errors with exit codes, YAML loading with line numbers, paths."""

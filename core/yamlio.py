@@ -1,0 +1,97 @@
+"""YAML loading that remembers the line of every mapping key, for error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xffl.core.errors import InvalidInput
+
+Loc = tuple[str | int, ...]
+
+
+class _LineLoader(yaml.SafeLoader):
+    """A SafeLoader that records the line of each key path in ``self.lines``."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    loader.flatten_mapping(node)
+    result: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+        if key in result:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        result[key] = loader.construct_object(value_node, deep=True)  # type: ignore[no-untyped-call]
+    return result
+
+
+_LineLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)
+
+
+def _index_lines(node: yaml.Node, path: Loc, out: dict[Loc, int]) -> None:
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+            out[(*path, key)] = key_node.start_mark.line + 1
+            _index_lines(value_node, (*path, key), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out[(*path, i)] = item.start_mark.line + 1
+            _index_lines(item, (*path, i), out)
+
+
+class YamlDoc:
+    """A parsed YAML document with the line of every key path."""
+
+    def __init__(self, path: Path, data: Any, lines: dict[Loc, int]) -> None:
+        self.path = path
+        self.data = data
+        self.lines = lines
+
+    def line_of(self, loc: Loc) -> int | None:
+        """The line of ``loc`` or of its nearest ancestor that the document has."""
+        probe = tuple(loc)
+        while probe:
+            if probe in self.lines:
+                return self.lines[probe]
+            probe = probe[:-1]
+        return None
+
+
+def load_yaml(path: Path, what: str) -> YamlDoc:
+    """Read ``path`` as a YAML mapping; any problem is an InvalidInput naming the file."""
+    if not path.is_file():
+        raise InvalidInput(f"{path}: {what} not found; check the path.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{path}: cannot read the {what} ({exc}); check the file.") from exc
+    try:
+        node = yaml.compose(text, Loader=_LineLoader)
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise InvalidInput(
+            f"{path}{where}: YAML syntax error: {problem}; fix the YAML syntax."
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise InvalidInput(f"{path}: YAML syntax error ({exc}); fix the YAML syntax.") from exc
+    if not isinstance(data, dict):
+        raise InvalidInput(
+            f"{path}: the {what} must be a YAML mapping (key: value), "
+            f"not {type(data).__name__}; write it as a mapping."
+        )
+    lines: dict[Loc, int] = {}
+    if node is not None:
+        _index_lines(node, (), lines)
+    return YamlDoc(path, data, lines)

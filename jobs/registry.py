@@ -1,0 +1,275 @@
+"""The run registry: one SQLite file that records runs, rounds, per-site results and events."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xffl.core.paths import registry_path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, job_path TEXT NOT NULL, run_dir TEXT NOT NULL,
+    state TEXT NOT NULL, rounds_total INTEGER NOT NULL, rounds_done INTEGER NOT NULL DEFAULT 0,
+    sites TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL,
+    started REAL, ended REAL, runner_pid INTEGER, message TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, state TEXT NOT NULL,
+    started REAL, ended REAL, aggregate_seconds REAL, global_path TEXT, global_digest TEXT,
+    num_samples INTEGER, loss REAL, PRIMARY KEY (run_id, round)
+);
+CREATE TABLE IF NOT EXISTS site_rounds (
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, state TEXT NOT NULL,
+    num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
+    reason TEXT NOT NULL DEFAULT '', PRIMARY KEY (run_id, round, site)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL,
+    kind TEXT NOT NULL, message TEXT NOT NULL
+);
+"""
+
+TERMINAL_STATES = frozenset({"completed", "failed", "cancelled"})
+
+
+@dataclass
+class RunRecord:
+    """One row of ``runs``."""
+
+    id: str
+    name: str
+    job_path: str
+    run_dir: str
+    state: str
+    rounds_total: int
+    rounds_done: int
+    sites: list[str]
+    created: float
+    updated: float
+    started: float | None = None
+    ended: float | None = None
+    runner_pid: int | None = None
+    message: str = ""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run reached a terminal state."""
+        return self.state in TERMINAL_STATES
+
+
+@dataclass
+class SiteRound:
+    """One site's outcome in one round."""
+
+    site: str
+    state: str
+    num_samples: int | None = None
+    num_tokens: int | None = None
+    loss: float | None = None
+    train_seconds: float | None = None
+    reason: str = ""
+
+
+@dataclass
+class RoundRecord:
+    """One round of a run with its sites."""
+
+    round: int
+    state: str
+    started: float | None = None
+    ended: float | None = None
+    aggregate_seconds: float | None = None
+    global_path: str | None = None
+    global_digest: str | None = None
+    num_samples: int | None = None
+    loss: float | None = None
+    sites: list[SiteRound] = field(default_factory=list)
+
+
+def new_run_id(name: str) -> str:
+    """A unique, sortable, shell-safe run id such as ``quickstart-20261122-051000-a3f9``."""
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+class Registry:
+    """Access to the registry database; every method opens a short transaction."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = Path(path) if path is not None else registry_path()
+
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.executescript(SCHEMA)
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        finally:
+            conn.close()
+
+    def create_run(self, run_id: str, name: str, job_path: Path, run_dir: Path,
+                   rounds_total: int, sites: list[str]) -> RunRecord:
+        """Insert a new run in state ``submitted``."""
+        now = time.time()
+        with self._db() as db:
+            db.execute(
+                "INSERT INTO runs (id, name, job_path, run_dir, state, rounds_total, sites,"
+                " created, updated) VALUES (?, ?, ?, ?, 'submitted', ?, ?, ?, ?)",
+                (run_id, name, str(job_path), str(run_dir), rounds_total, json.dumps(sites),
+                 now, now),
+            )
+            self._event(db, run_id, "submitted", f"run submitted from {job_path}")
+        return self.get_run(run_id)
+
+    def delete_run(self, run_id: str) -> None:
+        """Remove every trace of a run (used when submission fails half-way)."""
+        with self._db() as db:
+            for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
+                               ("events", "run_id")):
+                db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))  # noqa: S608
+
+    def get_run(self, run_id: str) -> RunRecord:
+        """The run with this id; KeyError if there is none."""
+        with self._db() as db:
+            row = db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise KeyError(run_id)
+        return _run_from_row(row)
+
+    def find_runs(self, prefix: str) -> list[RunRecord]:
+        """Runs whose id starts with ``prefix`` (to accept unambiguous abbreviations)."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT * FROM runs WHERE id LIKE ? ESCAPE '\\' ORDER BY created",
+                (prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",),
+            ).fetchall()
+        return [_run_from_row(r) for r in rows]
+
+    def list_runs(self) -> list[RunRecord]:
+        """All runs, newest first."""
+        with self._db() as db:
+            rows = db.execute("SELECT * FROM runs ORDER BY created DESC").fetchall()
+        return [_run_from_row(r) for r in rows]
+
+    def set_state(self, run_id: str, state: str, message: str = "", **fields: Any) -> None:
+        """Move a run to ``state`` and log the transition as an event."""
+        allowed = {"started", "ended", "runner_pid", "rounds_done"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown run fields {sorted(unknown)}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._db() as db:
+            db.execute(
+                f"UPDATE runs SET state = ?, message = ?, updated = ?{', ' if sets else ''}{sets}"  # noqa: S608
+                " WHERE id = ?",
+                (state, message, time.time(), *fields.values(), run_id),
+            )
+            self._event(db, run_id, state, message or state)
+
+    def start_round(self, run_id: str, rnd: int, sites: list[str]) -> None:
+        """Record that round ``rnd`` started with these sites."""
+        now = time.time()
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO rounds (run_id, round, state, started) VALUES (?, ?, "
+                "'running', ?)", (run_id, rnd, now),
+            )
+            for site in sites:
+                db.execute(
+                    "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state) "
+                    "VALUES (?, ?, ?, 'running')", (run_id, rnd, site),
+                )
+            self._event(db, run_id, "round", f"round {rnd} started")
+
+    def finish_round(self, run_id: str, record: RoundRecord) -> None:
+        """Store a completed round with every site's outcome and advance ``rounds_done``."""
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO rounds (run_id, round, state, started, ended,"
+                " aggregate_seconds, global_path, global_digest, num_samples, loss)"
+                " VALUES (?, ?, ?, COALESCE(?, (SELECT started FROM rounds WHERE run_id = ?"
+                " AND round = ?)), ?, ?, ?, ?, ?, ?)",
+                (run_id, record.round, record.state, record.started, run_id, record.round,
+                 record.ended, record.aggregate_seconds, record.global_path,
+                 record.global_digest, record.num_samples, record.loss),
+            )
+            for s in record.sites:
+                db.execute(
+                    "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
+                    " num_tokens, loss, train_seconds, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, record.round, s.site, s.state, s.num_samples, s.num_tokens, s.loss,
+                     s.train_seconds, s.reason),
+                )
+            db.execute(
+                "UPDATE runs SET rounds_done = MAX(rounds_done, ?), updated = ? WHERE id = ?",
+                (record.round, time.time(), run_id),
+            )
+            self._event(db, run_id, "round", f"round {record.round} {record.state}")
+
+    def rounds(self, run_id: str) -> list[RoundRecord]:
+        """Every recorded round of a run with its sites, in order."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT * FROM rounds WHERE run_id = ? ORDER BY round", (run_id,)
+            ).fetchall()
+            site_rows = db.execute(
+                "SELECT * FROM site_rounds WHERE run_id = ? ORDER BY round, site", (run_id,)
+            ).fetchall()
+        by_round: dict[int, list[SiteRound]] = {}
+        for s in site_rows:
+            by_round.setdefault(s["round"], []).append(
+                SiteRound(site=s["site"], state=s["state"], num_samples=s["num_samples"],
+                          num_tokens=s["num_tokens"], loss=s["loss"],
+                          train_seconds=s["train_seconds"], reason=s["reason"])
+            )
+        return [
+            RoundRecord(round=r["round"], state=r["state"], started=r["started"],
+                        ended=r["ended"], aggregate_seconds=r["aggregate_seconds"],
+                        global_path=r["global_path"], global_digest=r["global_digest"],
+                        num_samples=r["num_samples"], loss=r["loss"],
+                        sites=by_round.get(r["round"], []))
+            for r in rows
+        ]
+
+    def events(self, run_id: str) -> list[tuple[float, str, str]]:
+        """The run's event log: (time, kind, message)."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT ts, kind, message FROM events WHERE run_id = ? ORDER BY id", (run_id,)
+            ).fetchall()
+        return [(r["ts"], r["kind"], r["message"]) for r in rows]
+
+    def event(self, run_id: str, kind: str, message: str) -> None:
+        """Append one entry to the run's event log."""
+        with self._db() as db:
+            self._event(db, run_id, kind, message)
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, run_id: str, kind: str, message: str) -> None:
+        db.execute(
+            "INSERT INTO events (run_id, ts, kind, message) VALUES (?, ?, ?, ?)",
+            (run_id, time.time(), kind, message),
+        )
+
+
+def _run_from_row(row: sqlite3.Row) -> RunRecord:
+    data = dict(row)
+    data["sites"] = json.loads(data["sites"])
+    return RunRecord(**data)

@@ -1,0 +1,46 @@
+"""Assemble what `xffl status` and `xffl runs` show from the registry."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any
+
+from xffl.jobs.registry import Registry, RunRecord
+
+
+def runner_alive(run: RunRecord) -> bool:
+    """Whether the run's runner process still exists (only meaningful on this machine)."""
+    if not run.runner_pid:
+        return False
+    try:
+        os.kill(run.runner_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def latest_global(registry: Registry, run: RunRecord) -> str | None:
+    """The path of the newest completed global checkpoint of ``run``."""
+    done = [r for r in registry.rounds(run.id) if r.state == "completed" and r.global_path]
+    return done[-1].global_path if done else None
+
+
+def run_summary(run: RunRecord) -> dict[str, Any]:
+    """One run as a plain dict (the `xffl runs` row)."""
+    data = asdict(run)
+    data["runner_alive"] = runner_alive(run) if not run.finished else False
+    return data
+
+
+def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
+    """The run, its rounds with per-site results, events and its latest global model."""
+    data = run_summary(run)
+    data["rounds"] = [asdict(r) for r in registry.rounds(run.id)]
+    data["latest_global"] = latest_global(registry, run)
+    data["events"] = [
+        {"ts": ts, "kind": kind, "message": msg} for ts, kind, msg in registry.events(run.id)
+    ]
+    return data

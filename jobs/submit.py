@@ -1,0 +1,61 @@
+"""Submit a job: validate it, write its run directory, register it and start its runner."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from xffl.core.paths import registry_path, runs_dir
+from xffl.jobs.load import LoadedJob, load_job
+from xffl.jobs.registry import Registry, RunRecord, new_run_id
+from xffl.workflows.plan import write_plan
+from xffl.workflows.runner import spawn
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What ``submit`` returns: the run as registered and its runner's pid."""
+
+    run: RunRecord
+    pid: int
+
+
+def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Path) -> None:
+    """Write job.yaml (as submitted), job.json (resolved) and the plan into ``run_dir``.
+
+    Everything is written into a temporary sibling first and renamed at the end, so a failure
+    leaves no half-written run directory behind.
+    """
+    tmp = run_dir.parent / f".{run_dir.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        shutil.copyfile(loaded.path, tmp / "job.yaml")
+        (tmp / "job.json").write_text(loaded.spec.model_dump_json(indent=2) + "\n")
+        write_plan(loaded, run_id, tmp, registry, run_dir=run_dir)
+        tmp.rename(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def submit(job_path: Path, name: str | None = None) -> Submitted:
+    """Validate ``job_path``, create the run and start its detached runner."""
+    loaded = load_job(job_path)
+    registry_file = registry_path()
+    registry = Registry(registry_file)
+    run_id = new_run_id(name or loaded.spec.name)
+    run_dir = runs_dir() / run_id
+    prepare_run_dir(loaded, run_id, run_dir, registry_file)
+    try:
+        registry.create_run(run_id, loaded.spec.name, loaded.path, run_dir, loaded.spec.rounds,
+                            [s.name for s in loaded.spec.sites])
+        pid = spawn(run_id, run_dir, registry_file)
+    except BaseException:
+        registry.delete_run(run_id)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    registry.event(run_id, "runner", f"runner spawned (pid {pid})")
+    return Submitted(run=registry.get_run(run_id), pid=pid)

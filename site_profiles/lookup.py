@@ -1,0 +1,67 @@
+"""Find site profiles by name: ./site_profiles/, the job's folder, the user's config, bundled."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from importlib import resources
+from pathlib import Path
+
+from xffl.core.errors import InvalidInput
+from xffl.core.validation import validate_doc
+from xffl.core.yamlio import load_yaml
+from xffl.site_profiles.schema import SiteProfile
+
+
+def bundled_dir() -> Path:
+    """The folder of the profiles shipped with xffl."""
+    return Path(str(resources.files("xffl.site_profiles") / "bundled"))
+
+
+def search_path(job_dir: Path | None = None) -> list[Path]:
+    """Folders searched for ``NAME.yaml``, first match wins."""
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    dirs = []
+    if job_dir is not None:
+        dirs.append(job_dir / "site_profiles")
+    dirs += [Path.cwd() / "site_profiles", config_home / "xffl" / "site_profiles", bundled_dir()]
+    unique: list[Path] = []
+    for d in dirs:
+        if d.resolve() not in [u.resolve() for u in unique]:
+            unique.append(d)
+    return unique
+
+
+def available(job_dir: Path | None = None) -> dict[str, Path]:
+    """All profile names reachable from the search path, mapped to their file."""
+    found: dict[str, Path] = {}
+    for folder in reversed(search_path(job_dir)):
+        if folder.is_dir():
+            for file in sorted(folder.glob("*.yaml")):
+                found[file.stem] = file
+    return found
+
+
+def load_profile_file(path: Path) -> SiteProfile:
+    """Load and validate one profile file."""
+    profile = validate_doc(load_yaml(path, "site profile"), SiteProfile, "site profile")
+    if profile.name != path.stem:
+        raise InvalidInput(
+            f"{path}: site profile field name: {profile.name!r} differs from the file name "
+            f"{path.stem!r}; make them equal."
+        )
+    return profile
+
+
+def find_profile(name: str, job_dir: Path | None = None, referrer: str = "") -> SiteProfile:
+    """Load the profile called ``name``; an unknown name is an InvalidInput with suggestions."""
+    profiles = available(job_dir)
+    if name not in profiles:
+        close = difflib.get_close_matches(name, list(profiles), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(profiles))}"
+        prefix = f"{referrer}: " if referrer else ""
+        raise InvalidInput(
+            f"{prefix}site profile {name!r} not found; {hint} "
+            f"(or add site_profiles/{name}.yaml)."
+        )
+    return load_profile_file(profiles[name])

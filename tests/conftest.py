@@ -1,0 +1,19 @@
+"""Shared fixtures: an isolated XFFL_HOME per test, and the real two-cluster test stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "jobs" / "quickstart.yaml"
+
+
+@pytest.fixture(autouse=True)
+def xffl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own data directory, registry and config dir."""
+    home = tmp_path / "xffl-home"
+    monkeypatch.setenv("XFFL_HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return home

@@ -1,0 +1,239 @@
+"""Compile a JobSpec and its site profiles into the run directory's plan (CWL + StreamFlow).
+
+The plan: ``main.cwl`` loops (cwltool:Loop, no JavaScript) over ``round.cwl``, in which every
+site's train step runs in parallel and the aggregate step on the coordinator folds their
+updates into the next global model and returns ``go`` for the next iteration.
+``streamflow.yml`` binds each train step to its site's deployment. CWL and YAML are emitted
+from Python data (never string templates), and names are restricted by the schemas, so no
+user value can inject into a CWL id, a path or a shell line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xffl.core.paths import xffl_home
+from xffl.jobs.load import LoadedJob
+from xffl.site_profiles.schema import SiteProfile
+from xffl.training.config import TrainJob
+
+LOOP_NS = "http://commonwl.org/cwltool#"
+CWL_VERSION = "v1.2"
+
+
+@dataclass(frozen=True)
+class PlanPaths:
+    """Where the pieces of a plan live inside its directory."""
+
+    root: Path
+
+    @property
+    def main(self) -> Path:
+        """The top-level looping workflow."""
+        return self.root / "main.cwl"
+
+    @property
+    def inputs(self) -> Path:
+        """The workflow inputs (job order)."""
+        return self.root / "inputs.yml"
+
+    @property
+    def streamflow(self) -> Path:
+        """The StreamFlow configuration file."""
+        return self.root / "streamflow.yml"
+
+    @property
+    def initial_model(self) -> Path:
+        """The round-0 global checkpoint the loop starts from."""
+        return self.root / "rounds" / "0" / "global"
+
+
+def site_workdir(profile: SiteProfile, site: str) -> str:
+    """The profile's working directory for ``site`` with placeholders substituted."""
+    return profile.workdir.replace("{xffl_home}", str(xffl_home())).replace("{site}", site)
+
+
+def site_data_path(profile: SiteProfile, site: str, path: str) -> str:
+    """A site's data path on that site's filesystem (relative paths join the workdir)."""
+    if path.startswith(("/", "~")):
+        return path
+    return f"{site_workdir(profile, site).rstrip('/')}/{path}"
+
+
+def _python(profile: SiteProfile) -> str:
+    return profile.python or sys.executable
+
+
+def _dump(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, width=100))
+
+
+def train_tool(site: str, profile: SiteProfile, ranks: int, data_path: str) -> dict[str, Any]:
+    """The CommandLineTool that trains one round at ``site`` and outputs ``update/``."""
+    env = {"PYTHONUNBUFFERED": "1", **profile.env}
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "CommandLineTool",
+        "doc": f"Train one round at site {site} and write update/ (safetensors + manifest).",
+        "requirements": {"EnvVarRequirement": {"envDef": env}},
+        "baseCommand": [_python(profile), "-m", "xffl.training.launch"],
+        "arguments": [
+            "--ranks", str(ranks), "--launcher", profile.launcher,
+            "--job", "$(inputs.job.path)", "--round", "$(inputs.round)",
+            "--model", "$(inputs.model.path)", "--data", data_path, "--out", "update",
+        ],
+        "inputs": {"round": "int", "model": "Directory", "job": "File"},
+        "outputs": {"update": {"type": "Directory", "outputBinding": {"glob": "update"}}},
+    }
+
+
+def aggregate_tool(run_id: str, run_dir: Path, registry: Path, weighting: str) -> dict[str, Any]:
+    """The CommandLineTool that aggregates a round on the coordinator."""
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "CommandLineTool",
+        "doc": "Verify the site updates, aggregate them into rounds/<r>/global, decide on the "
+        "next round (cwl.output.json: model, next_round, go).",
+        "baseCommand": [sys.executable, "-m", "xffl.workflows.aggregate_step"],
+        "arguments": [
+            "--run-id", run_id, "--run-dir", str(run_dir), "--registry", str(registry),
+            "--weighting", weighting,
+        ],
+        "inputs": {
+            "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
+            "max_rounds": {"type": "int", "inputBinding": {"prefix": "--max-rounds"}},
+            "model": {"type": "Directory", "inputBinding": {"prefix": "--previous"}},
+            "updates": {"type": "Directory[]", "inputBinding": {"position": 1}},
+        },
+        "outputs": {"model": "Directory", "next_round": "int", "go": "boolean"},
+    }
+
+
+def round_workflow(sites: list[str]) -> dict[str, Any]:
+    """One round: every site's train step in parallel, then the aggregate step."""
+    steps: dict[str, Any] = {}
+    for site in sites:
+        steps[f"train_{site}"] = {
+            "run": f"tools/train_{site}.cwl",
+            "in": {"round": "round", "model": "model", "job": f"job_{site}"},
+            "out": ["update"],
+        }
+    steps["aggregate"] = {
+        "run": "tools/aggregate.cwl",
+        "in": {
+            "round": "round", "max_rounds": "max_rounds", "model": "model",
+            "updates": {"source": [f"train_{s}/update" for s in sites],
+                        "linkMerge": "merge_flattened"},
+        },
+        "out": ["model", "next_round", "go"],
+    }
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "Workflow",
+        "doc": "One federated round: train at every site, aggregate on the coordinator.",
+        "requirements": {"MultipleInputFeatureRequirement": {}},
+        "inputs": {"round": "int", "go": "boolean", "max_rounds": "int", "model": "Directory",
+                   **{f"job_{s}": "File" for s in sites}},
+        "outputs": {
+            "model": {"type": "Directory", "outputSource": "aggregate/model"},
+            "next_round": {"type": "int", "outputSource": "aggregate/next_round"},
+            "go": {"type": "boolean", "outputSource": "aggregate/go"},
+        },
+        "steps": steps,
+    }
+
+
+def main_workflow(sites: list[str]) -> dict[str, Any]:
+    """The cyclic workflow: loop over round.cwl while the aggregate step says ``go``."""
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "Workflow",
+        "doc": "Federated training: rounds of round.cwl until the aggregator stops the loop.",
+        "$namespaces": {"cwltool": LOOP_NS},
+        "requirements": {"SubworkflowFeatureRequirement": {}},
+        "inputs": {"first_round": "int", "max_rounds": "int", "model": "Directory",
+                   **{f"job_{s}": "File" for s in sites}},
+        "outputs": {"rounds_done": {"type": "int", "outputSource": "rounds/next_round"}},
+        "steps": {
+            "rounds": {
+                "run": "round.cwl",
+                "in": {"round": "first_round", "go": {"default": True},
+                       "max_rounds": "max_rounds", "model": "model",
+                       **{f"job_{s}": f"job_{s}" for s in sites}},
+                "out": ["model", "next_round", "go"],
+                "requirements": {
+                    "cwltool:Loop": {
+                        "loopWhen": "$(inputs.go)",
+                        "loop": {"round": "next_round", "model": "model", "go": "go"},
+                        "outputMethod": "last",
+                    }
+                },
+            }
+        },
+    }
+
+
+def streamflow_config(run_id: str, loaded: LoadedJob, run_dir: Path) -> dict[str, Any]:
+    """streamflow.yml: one deployment per site, the train steps bound to them."""
+    deployments: dict[str, Any] = {}
+    bindings = []
+    for site in loaded.spec.sites:
+        deployments[f"site-{site.name}"] = {"type": "local", "config": {}}
+        bindings.append({"step": f"/rounds/train_{site.name}",
+                         "target": {"deployment": f"site-{site.name}"}})
+    return {
+        "version": "v1.0",
+        "workflows": {
+            run_id: {"type": "cwl",
+                     "config": {"file": "main.cwl", "settings": "inputs.yml"},
+                     "bindings": bindings},
+        },
+        "deployments": deployments,
+        "database": {"type": "default",
+                     "config": {"connection": str(run_dir / "streamflow" / "sqlite.db")}},
+    }
+
+
+def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
+               run_dir: Path | None = None, first_round: int = 1) -> PlanPaths:
+    """Write the complete plan for ``loaded`` into ``out`` and return its paths.
+
+    ``run_dir`` is where the plan will finally live (when ``out`` is a staging folder);
+    absolute paths inside the plan point there. Paths in inputs.yml are relative to it.
+    """
+    out = Path(out).resolve()
+    final = Path(run_dir).resolve() if run_dir is not None else out
+    paths = PlanPaths(out)
+    spec = loaded.spec
+    names = [s.name for s in spec.sites]
+    for site in spec.sites:
+        profile = loaded.profiles[site.name]
+        data_path = site_data_path(profile, site.name, site.data.path)
+        job = TrainJob(run_id=run_id, site=site.name, model=spec.model, training=spec.training,
+                       data=site.data)
+        job_file = out / "jobs" / f"{site.name}.json"
+        job_file.parent.mkdir(parents=True, exist_ok=True)
+        job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")
+        _dump(out / "tools" / f"train_{site.name}.cwl",
+              train_tool(site.name, profile, site.ranks, data_path))
+    _dump(out / "tools" / "aggregate.cwl",
+          aggregate_tool(run_id, final, registry, spec.aggregation.weighting))
+    _dump(out / "round.cwl", round_workflow(names))
+    _dump(paths.main, main_workflow(names))
+    inputs: dict[str, Any] = {
+        "first_round": first_round,
+        "max_rounds": spec.rounds,
+        "model": {"class": "Directory", "path": "rounds/0/global"},
+    }
+    for name in names:
+        inputs[f"job_{name}"] = {"class": "File", "path": f"jobs/{name}.json"}
+    _dump(paths.inputs, inputs)
+    _dump(paths.streamflow, streamflow_config(run_id, loaded, final))
+    return paths
