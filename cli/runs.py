@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from rich.table import Table
+from rich.table import Column, Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.jobs.registry import Registry
@@ -28,7 +28,8 @@ def runs(as_json: JsonOpt = False) -> None:
     if not records:
         console.print("no runs yet; try `xffl submit jobs/quickstart.yaml --wait`.")
         return
-    table = Table("run", "state", "rounds", "sites", "created", "message")
+    table = Table("state", "rounds", "sites", "created", "message")
+    table.columns.insert(0, Column("run", no_wrap=True))
     for r in records:
         table.add_row(r.id, r.state, f"{r.rounds_done}/{r.rounds_total}", ", ".join(r.sites),
                       _when(r.created), r.message)

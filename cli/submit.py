@@ -20,8 +20,12 @@ from xffl.jobs.submit import submit as submit_job
 def submit(
     job: Annotated[Path, typer.Argument(help="The job spec (YAML).")],
     wait: Annotated[bool, typer.Option("--wait", help="Follow the run until it ends.")] = False,
-    name: Annotated[str | None, typer.Option(help="Prefix of the run id (default: the job name).")] = None,
-    timeout: Annotated[float, typer.Option(help="With --wait: give up following after this many seconds.")] = 86400.0,
+    name: Annotated[
+        str | None, typer.Option(help="Prefix of the run id (default: the job name).")
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(help="With --wait: stop following after this many seconds.")
+    ] = 86400.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Validate JOB, register a run, start its runner in the background; print the run id.

@@ -49,7 +49,9 @@ def _dotted(loc: Loc) -> str:
 
 
 def _describe(model: type[BaseModel], err: Any) -> tuple[Loc, str]:
-    loc: Loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    loc: Loc = tuple(
+        p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))
+    )
     kind = err["type"]
     if kind == "extra_forbidden":
         key = str(loc[-1])
@@ -63,7 +65,8 @@ def _describe(model: type[BaseModel], err: Any) -> tuple[Loc, str]:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     got = err.get("input")
-    shown = f" (got {got!r})" if kind != "model_type" and isinstance(got, str | int | float | bool) else ""
+    scalar = isinstance(got, str | int | float | bool)
+    shown = f" (got {got!r})" if kind != "model_type" and scalar else ""
     return loc, f"{msg[0].lower()}{msg[1:]}{shown}; fix the value"
 
 

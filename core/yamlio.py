@@ -76,7 +76,7 @@ def load_yaml(path: Path, what: str) -> YamlDoc:
         raise InvalidInput(f"{path}: cannot read the {what} ({exc}); check the file.") from exc
     try:
         node = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        data = yaml.load(text, Loader=_LineLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f":{mark.line + 1}" if mark is not None else ""

@@ -143,7 +143,7 @@ class Registry:
         with self._db() as db:
             for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
                                ("events", "run_id")):
-                db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))  # noqa: S608
+                db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))
 
     def get_run(self, run_id: str) -> RunRecord:
         """The run with this id; KeyError if there is none."""
@@ -177,7 +177,7 @@ class Registry:
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._db() as db:
             db.execute(
-                f"UPDATE runs SET state = ?, message = ?, updated = ?{', ' if sets else ''}{sets}"  # noqa: S608
+                f"UPDATE runs SET state = ?, message = ?, updated = ?{', ' if sets else ''}{sets}"
                 " WHERE id = ?",
                 (state, message, time.time(), *fields.values(), run_id),
             )

@@ -59,6 +59,8 @@ class JobSpec(_Strict):
         seen: set[str] = set()
         for site in self.sites:
             if site.name in seen:
-                raise ValueError(f"site name {site.name!r} appears twice; give each site its own name")
+                raise ValueError(
+                    f"site name {site.name!r} appears twice; give each site its own name"
+                )
             seen.add(site.name)
         return self

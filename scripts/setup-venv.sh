@@ -16,16 +16,12 @@ if ! "$PY" -c 'import venv, ensurepip' 2>/dev/null; then
   fi
 fi
 stamp=.venv/.xffl-installed
-want="$(sha256sum pyproject.toml | cut -c1-16)-${1:-test}"
+want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import xffl.cli.app' 2>/dev/null; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
-if [ "${1:-test}" = test ]; then
-  .venv/bin/python -m pip install -q -e '.[test]'
-else
-  .venv/bin/python -m pip install -q -e .
-fi
+.venv/bin/python -m pip install -q -e '.[test]'
 echo "$want" > "$stamp"

@@ -17,3 +17,6 @@ def xffl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XFFL_HOME", str(home))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     return home
+
+
+from tests.stack.fixtures import slurm_stack  # noqa: E402, F401

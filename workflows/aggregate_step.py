@@ -81,7 +81,7 @@ def run_step(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m xffl.workflows.aggregate_step ...`` (see the plan's aggregate tool)."""
+    """Entry point: ``python -m xffl.workflows.aggregate_step ...`` (the plan's aggregate tool)."""
     parser = argparse.ArgumentParser(prog="xffl.workflows.aggregate_step")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--run-dir", required=True)

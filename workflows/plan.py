@@ -85,7 +85,7 @@ def train_tool(site: str, profile: SiteProfile, ranks: int, data_path: str) -> d
         "requirements": {"EnvVarRequirement": {"envDef": env}},
         "baseCommand": [_python(profile), "-m", "xffl.training.launch"],
         "arguments": [
-            "--ranks", str(ranks), "--launcher", profile.launcher,
+            "--ranks", str(ranks), "--launcher", profile.launcher, "--",
             "--job", "$(inputs.job.path)", "--round", "$(inputs.round)",
             "--model", "$(inputs.model.path)", "--data", data_path, "--out", "update",
         ],

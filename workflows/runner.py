@@ -53,7 +53,7 @@ def execute(run_id: str, registry: Registry) -> int:
         ensure_initial_model(paths, run_id)
         registry.start_round(run_id, run.rounds_done + 1, run.sites)
         run_plan(paths, run_id, log_file=paths.root / "streamflow.log")
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the registry
+    except BaseException as exc:
         traceback.print_exc()
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         registry.set_state(run_id, "failed", f"{reason} (see {paths.root / 'streamflow.log'})",

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from xffl.core.errors import InvalidInput
 from tests.conftest import QUICKSTART
+from xffl.core.errors import InvalidInput
 from xffl.jobs.load import load_job
 
 

@@ -1,0 +1,180 @@
+"""``python -m xffl.aggregator``: verify site updates and write their FedAvg as a global checkpoint.
+
+Example::
+
+    python -m xffl.aggregator -o rounds/3/global --round 3 --parent rounds/2/global \\
+        updates/leonardo updates/karolina
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from xffl.aggregator.exchange import read_manifest
+from xffl.aggregator.fedavg import WEIGHTINGS, aggregate
+from xffl.aggregator.verify import select_updates
+from xffl.core.errors import InvalidInput, RunFailed, XfflError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the aggregator entry point."""
+    p = argparse.ArgumentParser(
+        prog="python -m xffl.aggregator",
+        description="Check site updates and write their weighted average (FedAvg) atomically.",
+        epilog="example: python -m xffl.aggregator -o rounds/3/global --round 3 "
+        "--parent rounds/2/global updates/site-a updates/site-b",
+    )
+    p.add_argument(
+        "updates",
+        nargs="+",
+        type=Path,
+        metavar="UPDATE",
+        help="update checkpoint directories (model.safetensors + manifest.json)",
+    )
+    p.add_argument("-o", "--output", required=True, type=Path, help="global checkpoint to write")
+    p.add_argument(
+        "--weighting",
+        choices=WEIGHTINGS,
+        default="samples",
+        help="weight each update by its samples, tokens, or equally (default samples)",
+    )
+    p.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        metavar="SITE=W",
+        help="explicit weight of one site (repeat per site; overrides --weighting)",
+    )
+    p.add_argument("--run-id", help="accept only updates of this run")
+    p.add_argument("--round", type=int, help="accept only updates of this round")
+    parent = p.add_mutually_exclusive_group()
+    parent.add_argument(
+        "--parent",
+        type=Path,
+        metavar="DIR",
+        help="the global checkpoint the round started from: updates must name it "
+        "as parent and match its tensors",
+    )
+    parent.add_argument(
+        "--parent-digest", metavar="HEX", help="digest the updates must name as parent"
+    )
+    p.add_argument(
+        "--min-updates",
+        type=int,
+        default=1,
+        help="fail (exit 1) when fewer updates are accepted (default 1)",
+    )
+    p.add_argument(
+        "--no-finite-check", action="store_true", help="skip the NaN/Inf scan of update tensors"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def _site_weights(pairs: Sequence[str]) -> dict[str, float] | None:
+    if not pairs:
+        return None
+    out: dict[str, float] = {}
+    for pair in pairs:
+        site, sep, value = pair.partition("=")
+        try:
+            out[site] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not site:
+            raise InvalidInput(
+                f"--weight {pair!r}: expected SITE=NUMBER, e.g. --weight leonardo=2."
+            )
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Select the updates, aggregate the accepted ones and describe what happened."""
+    reference = None
+    parent_digest = args.parent_digest
+    if args.parent is not None:
+        parent_manifest = read_manifest(args.parent)
+        parent_digest = parent_manifest.digest()
+        reference = parent_manifest.tensors
+    accepted, rejected = select_updates(
+        args.updates,
+        expected_round=args.round,
+        expected_parent=parent_digest,
+        reference_index=reference,
+        expected_run_id=args.run_id,
+        check_finite=not args.no_finite_check,
+    )
+    report: dict[str, Any] = {
+        "output": str(args.output),
+        "rejected": [{"dir": str(d), "site": s, "reason": r} for d, s, r in rejected],
+    }
+    if len(accepted) < max(1, args.min_updates):
+        report["error"] = (
+            f"{len(accepted)} update(s) accepted, at least {max(1, args.min_updates)} needed."
+        )
+        return report
+    weighting = _site_weights(args.weight) or args.weighting
+    manifest = aggregate(
+        [d for d, _ in accepted],
+        args.output,
+        weighting=weighting,
+        run_id=args.run_id,
+        round=args.round,
+        parent_digest=parent_digest,
+    )
+    sites = manifest.extra["sites"]
+    report["used"] = [
+        {
+            "dir": str(d),
+            "site": m.site,
+            "num_samples": m.num_samples,
+            "weight": sites[m.site]["weight"] if m.site else None,
+        }
+        for d, m in accepted
+    ]
+    report["global"] = {
+        "round": manifest.round,
+        "digest": manifest.digest(),
+        "num_samples": manifest.num_samples,
+        "metrics": manifest.metrics,
+    }
+    return report
+
+
+def _render(report: dict[str, Any]) -> str:
+    lines = [
+        f"used      {u['site']:<16} {u['dir']}  samples={u['num_samples']} weight={u['weight']:.4f}"
+        for u in report.get("used", [])
+    ]
+    lines += [f"rejected  {r['site']:<16} {r['dir']}  {r['reason']}" for r in report["rejected"]]
+    if "global" in report:
+        g = report["global"]
+        lines.append(
+            f"wrote global round {g['round']} to {report['output']} "
+            f"(digest {g['digest'][:12]}, {g['num_samples']} samples)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code (0 ok, 1 too few updates, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except XfflError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return int(exc.exit_code)
+    print(json.dumps(report, indent=2) if args.json else _render(report))
+    if "error" in report:
+        print(f"error: {report['error']}", file=sys.stderr)
+        return int(RunFailed.exit_code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

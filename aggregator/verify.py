@@ -1,0 +1,254 @@
+"""Admission of site updates: integrity, provenance, tensor layout and finite values.
+
+A checkpoint that crossed a facility border is trusted only after :func:`check_update`:
+manifest fields (kind, run, round, parent global digest), the tensor layout against the
+global model, every file's sha256 and finite tensor values. The model file is read once,
+slice by slice into a reused buffer, for both the checksum and the finiteness check, and
+several updates are checked in parallel threads (hashing and numpy release the GIL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from xffl.aggregator.exchange import (
+    FORMAT_VERSION,
+    MODEL_FILE,
+    Manifest,
+    TensorInfo,
+    read_manifest,
+    sha256_file,
+)
+from xffl.aggregator.safetensors_io import STORAGE_DTYPES, Array, SafetensorsReader
+from xffl.core.errors import CheckpointError
+
+_SCAN_BYTES = 16 << 20
+
+
+class UpdateRejected(CheckpointError):
+    """An update failed admission; carries the directory, the site (or dir name) and why."""
+
+    def __init__(self, directory: Path, site: str, reason: str) -> None:
+        """Build the one-sentence message "update from site 'S' (DIR): REASON."."""
+        super().__init__(f"update from site '{site}' ({directory}): {reason}.")
+        self.directory = Path(directory)
+        self.site = site
+        self.reason = reason
+
+
+def site_label(directory: Path, manifest: Manifest | None) -> str:
+    """The name an update goes by: its manifest's site, else its directory name."""
+    return manifest.site if manifest is not None and manifest.site else Path(directory).name
+
+
+def canonical_key(directory: Path, manifest: Manifest) -> tuple[str, str]:
+    """Sort key that makes aggregation independent of argument order: (site, digest)."""
+    return site_label(directory, manifest), manifest.digest()
+
+
+def index_of(reader: SafetensorsReader) -> list[TensorInfo]:
+    """The tensor index (sorted by name) of an open safetensors file."""
+    return [
+        TensorInfo(name=e.name, dtype=e.dtype, shape=list(e.shape))
+        for e in sorted(reader.entries.values(), key=lambda e: e.name)
+    ]
+
+
+def layout_difference(
+    actual: Sequence[TensorInfo],
+    reference: Sequence[TensorInfo],
+    ref_name: str = "the global model",
+) -> str | None:
+    """Describe the first difference between two tensor indexes, or None if they match."""
+    ref = {t.name: t for t in reference}
+    act = {t.name: t for t in actual}
+    for name in sorted(ref.keys() | act.keys()):
+        if name not in act:
+            return f"tensor '{name}' is missing ({ref_name} has it)"
+        if name not in ref:
+            return f"unexpected tensor '{name}' ({ref_name} has none)"
+        a, r = act[name], ref[name]
+        if a.shape != r.shape:
+            return f"tensor '{name}' has shape {a.shape}, {ref_name} has {r.shape}"
+        if a.dtype != r.dtype:
+            return f"tensor '{name}' has dtype {a.dtype}, {ref_name} has {r.dtype}"
+    return None
+
+
+def _short(digest: str | None) -> str:
+    return "none" if digest is None else digest[:12]
+
+
+def _nonfinite(raw: Array, dtype: str) -> bool:
+    if dtype == "BF16":
+        return bool((np.bitwise_and(raw, np.uint16(0x7F80)) == 0x7F80).any())
+    if dtype in ("F32", "F64", "F16"):
+        return not bool(np.isfinite(raw).all())
+    return False
+
+
+def scan_model(reader: SafetensorsReader, *, check_finite: bool = True) -> tuple[str, str | None]:
+    """One pass over a model file: its sha256 and the first tensor with NaN/Inf (or None)."""
+    digest = hashlib.sha256()
+    with reader.path.open("rb") as fh:
+        digest.update(fh.read(reader.data_start))
+    bad: str | None = None
+    buffers: dict[str, Array] = {}
+    for entry in sorted(reader.entries.values(), key=lambda e: e.start):
+        step = max(1, _SCAN_BYTES // entry.itemsize)
+        if entry.dtype not in buffers:
+            buffers[entry.dtype] = np.empty(step, dtype=STORAGE_DTYPES[entry.dtype])
+        for lo in range(0, entry.numel, step):
+            hi = min(lo + step, entry.numel)
+            reader.prefetch(entry.name, hi, min(hi + step, entry.numel))
+            raw = reader.read_into(entry.name, lo, buffers[entry.dtype][: hi - lo])
+            digest.update(raw.data.cast("B"))
+            if check_finite and bad is None and _nonfinite(raw, entry.dtype):
+                bad = entry.name
+    return digest.hexdigest(), bad
+
+
+def check_update(
+    update_dir: Path,
+    *,
+    expected_round: int | None = None,
+    expected_parent: str | None = None,
+    reference_index: Sequence[TensorInfo] | None = None,
+    expected_run_id: str | None = None,
+    check_finite: bool = True,
+) -> Manifest:
+    """Admit one update or raise UpdateRejected naming its site and the reason.
+
+    Checks, cheapest first: manifest, format version, kind "update", site, run id, round,
+    parent global digest, safetensors header (truncation), tensor index against the manifest
+    and against ``reference_index``, sha256 of every file, finite values. ``None`` skips a check.
+    """
+    directory = Path(update_dir)
+    manifest: Manifest | None = None
+
+    def reject(reason: str) -> UpdateRejected:
+        return UpdateRejected(directory, site_label(directory, manifest), reason)
+
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointError as exc:
+        raise reject(str(exc).rstrip(".")) from exc
+    if manifest.format_version != FORMAT_VERSION:
+        raise reject(f"format version {manifest.format_version}, expected {FORMAT_VERSION}")
+    if manifest.kind != "update":
+        raise reject(f"kind is '{manifest.kind}', expected 'update'")
+    if not manifest.site:
+        raise reject("the manifest names no site")
+    if expected_run_id is not None and manifest.run_id != expected_run_id:
+        raise reject(f"run id '{manifest.run_id}', expected '{expected_run_id}'")
+    if expected_round is not None and manifest.round != expected_round:
+        raise reject(f"round {manifest.round}, expected round {expected_round}")
+    if expected_parent is not None and manifest.parent != expected_parent:
+        raise reject(
+            f"trained from global {_short(manifest.parent)}, expected {_short(expected_parent)}"
+        )
+    if MODEL_FILE not in manifest.files:
+        raise reject(f"the manifest lists no {MODEL_FILE}")
+    try:
+        for name in manifest.files:
+            if name in ("", ".", "..") or Path(name).name != name:
+                raise reject(f"the manifest lists {name!r}, which is not a plain file name")
+            if not (directory / name).is_file():
+                raise reject(f"{name} is missing")
+        with SafetensorsReader(directory / MODEL_FILE) as reader:
+            if index_of(reader) != manifest.tensors:
+                raise reject(f"the tensor index of {MODEL_FILE} differs from the manifest")
+            if reference_index is not None:
+                diff = layout_difference(manifest.tensors, reference_index)
+                if diff:
+                    raise reject(diff)
+            for name, expected in sorted(manifest.files.items()):
+                if name != MODEL_FILE and sha256_file(directory / name) != expected:
+                    raise reject(f"checksum mismatch for {name}")
+            digest, bad = scan_model(reader, check_finite=check_finite)
+    except UpdateRejected:
+        raise
+    except CheckpointError as exc:
+        raise reject(str(exc).rstrip(".")) from exc
+    except OSError as exc:
+        raise reject(f"unreadable ({exc.strerror or exc})") from exc
+    if digest != manifest.files[MODEL_FILE]:
+        raise reject(f"checksum mismatch for {MODEL_FILE} (corrupted or altered in transfer)")
+    if bad is not None:
+        raise reject(f"tensor '{bad}' holds non-finite values (NaN or Inf)")
+    return manifest
+
+
+def select_updates(
+    dirs: Iterable[Path],
+    *,
+    expected_round: int | None = None,
+    expected_parent: str | None = None,
+    reference_index: Sequence[TensorInfo] | None = None,
+    expected_run_id: str | None = None,
+    check_finite: bool = True,
+    workers: int | None = None,
+) -> tuple[list[tuple[Path, Manifest]], list[tuple[Path, str, str]]]:
+    """Split update dirs into accepted (dir, manifest), in canonical order, and rejected.
+
+    Rejected entries are (dir, site or dir name, reason). Besides :func:`check_update`, every
+    update of a site that sent more than one is rejected, and without ``reference_index``
+    the first accepted update (canonical order) sets the layout the others must match.
+    Updates are checked in ``workers`` threads (default: one per CPU core).
+    """
+    paths = [Path(d) for d in dirs]
+
+    def attempt(d: Path) -> Manifest | UpdateRejected:
+        try:
+            return check_update(
+                d,
+                expected_round=expected_round,
+                expected_parent=expected_parent,
+                reference_index=reference_index,
+                expected_run_id=expected_run_id,
+                check_finite=check_finite,
+            )
+        except UpdateRejected as exc:
+            return exc
+
+    n = max(1, min(len(paths), workers or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="xffl-verify") as pool:
+        outcomes = list(pool.map(attempt, paths))
+    accepted: list[tuple[Path, Manifest]] = []
+    rejected: list[tuple[Path, str, str]] = []
+    for d, outcome in zip(paths, outcomes, strict=True):
+        if isinstance(outcome, UpdateRejected):
+            rejected.append((d, outcome.site, outcome.reason))
+        else:
+            accepted.append((d, outcome))
+    by_site: dict[str, list[tuple[Path, Manifest]]] = defaultdict(list)
+    for d, m in accepted:
+        by_site[site_label(d, m)].append((d, m))
+    kept: list[tuple[Path, Manifest]] = []
+    for site, group in by_site.items():
+        if len(group) == 1:
+            kept.extend(group)
+            continue
+        others = ", ".join(str(d) for d, _ in group)
+        reason = f"more than one update from this site ({others})"
+        rejected.extend((d, site, reason) for d, _ in group)
+    kept.sort(key=lambda dm: canonical_key(*dm))
+    if reference_index is None and kept:
+        first_dir, first = kept[0]
+        ref_name = f"site '{site_label(first_dir, first)}'"
+        still: list[tuple[Path, Manifest]] = [kept[0]]
+        for d, m in kept[1:]:
+            diff = layout_difference(m.tensors, first.tensors, ref_name)
+            if diff:
+                rejected.append((d, site_label(d, m), diff))
+            else:
+                still.append((d, m))
+        kept = still
+    return kept, rejected

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh Debian machine as root: installs the system packages
+# (SLURM, munge, sshd) and the venv, then runs lint, type checks and every test (slow ones
+# included). The test fixtures start the two-cluster SLURM + sshd stack themselves.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-system-deps.sh
+bash scripts/setup-venv.sh
+.venv/bin/ruff check .
+.venv/bin/mypy core cli jobs site_profiles workflows training aggregator
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -1,0 +1,82 @@
+"""Tests of ``python -m xffl.aggregator``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from xffl.aggregator.__main__ import main
+from xffl.aggregator.exchange import MODEL_FILE, read_manifest, verify_checkpoint
+
+
+def _t(seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((4, 3)).astype(np.float32)}
+
+
+def test_cli_reports_used_and_rejected(
+    make_update: Any, write_ckpt: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    g0 = write_ckpt(tmp_path / "g0", _t(0), kind="global", site=None, round=0)
+    parent = read_manifest(g0).digest()
+    a = make_update("alpha", _t(1), round=1, parent=parent, num_samples=3)
+    b = make_update("beta", _t(2), round=1, parent=parent, num_samples=1)
+    late = make_update("gamma", _t(3), round=0, parent=parent)
+    out = tmp_path / "g1"
+    code = main(["-o", str(out), "--round", "1", "--parent", str(g0), str(a), str(b), str(late)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "used      alpha" in text and "weight=0.7500" in text
+    assert "rejected  gamma" in text and "round 0, expected round 1" in text
+    m = verify_checkpoint(out)
+    assert m.kind == "global" and m.round == 1 and m.parent == parent
+    assert set(m.extra["sites"]) == {"alpha", "beta"}
+
+    code = main(
+        [
+            "-o",
+            str(tmp_path / "g2"),
+            "--json",
+            "--weight",
+            "alpha=1",
+            "--weight",
+            "beta=1",
+            str(a),
+            str(b),
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and [u["weight"] for u in report["used"]] == [0.5, 0.5]
+
+
+def test_cli_exit_codes(
+    make_update: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = make_update("alpha", _t(1), round=3)
+    assert main(["-o", str(tmp_path / "g"), "--round", "4", str(a)]) == 1
+    assert "0 update(s) accepted" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
+    assert main(["-o", str(tmp_path / "g"), "--weight", "alpha", str(a)]) == 2
+    assert "expected SITE=NUMBER" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["-o", str(tmp_path / "g")])
+    assert exc.value.code == 2
+
+
+def test_module_runs_as_a_program(make_update: Any, tmp_path: Path) -> None:
+    a = make_update("alpha", _t(1))
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl.aggregator", "-o", str(tmp_path / "g"), str(a)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote global round 1" in proc.stdout
+    assert (tmp_path / "g" / MODEL_FILE).is_file()

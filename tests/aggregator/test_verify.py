@@ -1,0 +1,160 @@
+"""Tests of update admission: every kind of bad update is rejected with its site and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from xffl.aggregator.exchange import MODEL_FILE, read_manifest
+from xffl.aggregator.verify import UpdateRejected, check_update, select_updates
+
+SHAPES = {"w": (6, 4), "b": (4,)}
+
+
+@pytest.fixture
+def global_dir(tmp_path: Path, write_ckpt: Any) -> Path:
+    """The parent global checkpoint of the round."""
+    rng = np.random.default_rng(0)
+    t = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    return write_ckpt(tmp_path / "global0", t, kind="global", site=None, round=0)
+
+
+def _tensors(seed: int, **overrides: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    t: dict[str, Any] = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    t.update(overrides)
+    return t
+
+
+def _flip_bit(path: Path, offset_from_end: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_select_updates_rejects_each_bad_update_with_site_and_reason(
+    make_update: Any, global_dir: Path
+) -> None:
+    parent = read_manifest(global_dir).digest()
+    ok: dict[str, Any] = {"round": 1, "parent": parent}
+    good = [make_update(s, _tensors(i), **ok) for i, s in enumerate(["site-b", "site-a"])]
+    flipped = make_update("flipped", _tensors(3), **ok)
+    _flip_bit(flipped / MODEL_FILE, 5)
+    truncated = make_update("truncated", _tensors(4), **ok)
+    data = (truncated / MODEL_FILE).read_bytes()
+    (truncated / MODEL_FILE).write_bytes(data[:-16])
+    shaped = make_update("shaped", _tensors(5, w=np.zeros((4, 6), np.float32)), **ok)
+    nan_w = _tensors(6)
+    nan_w["w"][2, 1] = np.nan
+    nan = make_update("nan-site", nan_w, **ok)
+    bf16 = make_update(
+        "bf16-site",
+        {
+            "w": torch.full((6, 4), float("inf")).to(torch.bfloat16),
+            "b": torch.zeros(4).to(torch.bfloat16),
+        },
+        **ok,
+    )
+    late = make_update("late", _tensors(7), round=2, parent=parent)
+    stale = make_update("stale", _tensors(8), round=1, parent="0" * 64)
+    glob = make_update("glob", _tensors(9), kind="global", **ok)
+    no_manifest = make_update("gone", _tensors(10), **ok)
+    (no_manifest / "manifest.json").unlink()
+    dirs = [*good, flipped, truncated, shaped, nan, bf16, late, stale, glob, no_manifest]
+
+    accepted, rejected = select_updates(
+        dirs,
+        expected_round=1,
+        expected_parent=parent,
+        reference_index=read_manifest(global_dir).tensors,
+    )
+    assert [m.site for _, m in accepted] == ["site-a", "site-b"]  # canonical order
+    reasons = {site: reason for _, site, reason in rejected}
+    assert set(reasons) == {
+        "flipped",
+        "truncated",
+        "shaped",
+        "nan-site",
+        "bf16-site",
+        "late",
+        "stale",
+        "glob",
+        "gone",
+    }
+    assert "checksum mismatch for model.safetensors" in reasons["flipped"]
+    assert "truncated" in reasons["truncated"]
+    assert reasons["shaped"] == "tensor 'w' has shape [4, 6], the global model has [6, 4]"
+    assert reasons["nan-site"] == "tensor 'w' holds non-finite values (NaN or Inf)"
+    assert reasons["bf16-site"] == "tensor 'b' has dtype BF16, the global model has F32"
+    assert reasons["late"] == "round 2, expected round 1"
+    assert reasons["stale"].startswith("trained from global 000000000000, expected ")
+    assert reasons["glob"] == "kind is 'global', expected 'update'"
+    assert "no manifest.json" in reasons["gone"]
+    assert {d for d, _, _ in rejected} == set(dirs[2:])
+
+
+def test_check_update_message_names_site_and_reason(make_update: Any) -> None:
+    bad = _tensors(1)
+    bad["b"][0] = np.inf
+    d = make_update("leonardo", bad, dirname="upd-0")
+    with pytest.raises(UpdateRejected) as info:
+        check_update(d)
+    assert info.value.site == "leonardo"
+    assert "update from site 'leonardo'" in str(info.value)
+    assert "tensor 'b' holds non-finite values" in str(info.value)
+    assert check_update(d, check_finite=False).site == "leonardo"
+
+
+def test_bf16_nonfinite_values_are_found(make_update: Any) -> None:
+    t = {"w": torch.randn(6, 4).to(torch.bfloat16)}
+    t["w"][5, 3] = float("-inf")
+    d = make_update("x", t)
+    with pytest.raises(UpdateRejected, match="tensor 'w' holds non-finite"):
+        check_update(d)
+
+
+def test_bit_flip_in_header_or_config_is_caught(make_update: Any) -> None:
+    d = make_update("x", _tensors(2))
+    cfg = d / "config.json"
+    cfg.write_text(cfg.read_text().replace("8", "9"))
+    with pytest.raises(UpdateRejected, match=r"checksum mismatch for config\.json"):
+        check_update(d)
+    e = make_update("y", _tensors(2))
+    data = bytearray((e / MODEL_FILE).read_bytes())
+    data[9] ^= 0x01  # inside the JSON header
+    (e / MODEL_FILE).write_bytes(bytes(data))
+    with pytest.raises(UpdateRejected, match="site 'y'"):
+        check_update(e)
+
+
+def test_duplicates_and_layout_without_reference(make_update: Any) -> None:
+    a = make_update("a", _tensors(1))
+    a2 = make_update("a", _tensors(2), dirname="a-second")
+    b = make_update("b", _tensors(3))
+    c = make_update("c", {"w": np.zeros((6, 4), np.float32)})
+    accepted, rejected = select_updates([c, a, b, a2])
+    assert [m.site for _, m in accepted] == ["b"]
+    reasons = sorted((site, reason.split(" (")[0]) for _, site, reason in rejected)
+    assert reasons == [
+        ("a", "more than one update from this site"),
+        ("a", "more than one update from this site"),
+        ("c", "tensor 'b' is missing"),
+    ]
+
+
+def test_wrong_run_id(make_update: Any) -> None:
+    d = make_update("x", _tensors(1), run_id="other")
+    with pytest.raises(UpdateRejected, match="run id 'other', expected 'run-1'"):
+        check_update(d, expected_run_id="run-1")
+
+
+def test_manifest_paths_must_stay_inside_the_update(make_update: Any) -> None:
+    d = make_update("x", _tensors(1))
+    text = (d / "manifest.json").read_text().replace('"config.json"', '"../config.json"')
+    (d / "manifest.json").write_text(text)
+    with pytest.raises(UpdateRejected, match="not a plain file name"):
+        check_update(d)

@@ -1,0 +1,39 @@
+"""Shared fixtures of the training tests: a tiny job and its round-0 global checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from xffl.aggregator.exchange import Manifest
+from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
+from xffl.training.trainer import init_global
+
+
+def _make_job(data_dir: Path, *, language: str = "alpha", sequences: int = 64, steps: int = 4,
+             batch_size: int = 2, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
+             site: str = "site-a") -> TrainJob:
+    """A TrainJob for the tiny-test preset on a synthetic dataset."""
+    return TrainJob(
+        run_id="run-test",
+        site=site,
+        model=ModelSpec(preset="tiny-test"),
+        training=TrainingSpec(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                              seed=seed),
+        data=DataSpec(path=str(data_dir), synthetic=language, synthetic_sequences=sequences),
+    )
+
+
+@pytest.fixture
+def make_job() -> Callable[..., TrainJob]:
+    """The TrainJob factory (tests cannot import conftest under importlib mode)."""
+    return _make_job
+
+
+@pytest.fixture
+def global0(tmp_path: Path) -> tuple[Path, Manifest]:
+    """A round-0 global checkpoint of the tiny-test preset (seed 0)."""
+    out = tmp_path / "global0"
+    return out, init_global("run-test", ModelSpec(preset="tiny-test"), 0, out)

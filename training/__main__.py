@@ -1,0 +1,105 @@
+"""Per-rank entry point: ``python -m xffl.training --job JOB.json --round R --model DIR --out DIR``.
+
+Run it once per rank under torchrun or srun (or alone for a single process). It sets up the
+process group from the launcher's variables, generates the synthetic dataset on first use
+(local rank 0 writes, the others wait), trains one round and prints the update's summary as
+one JSON line on rank 0. Exit codes follow the CLI contract (0 ok, 1 failed, 2 bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from xffl.core.errors import ExitCode, InvalidInput, XfflError
+from xffl.training import distributed as xdist
+from xffl.training.config import TrainJob
+from xffl.training.data import ensure_synthetic
+from xffl.training.trainer import train_round
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of the per-rank trainer."""
+    parser = argparse.ArgumentParser(
+        prog="python -m xffl.training",
+        description="Train one federated round at this site (run once per rank).",
+        epilog="example: torchrun --standalone --nproc-per-node 2 -m xffl.training "
+        "--job job.json --round 1 --model rounds/0/global --out rounds/1/site-a",
+    )
+    parser.add_argument("--job", required=True, type=Path, help="TrainJob JSON file")
+    parser.add_argument("--round", required=True, type=int,
+                        help="round number this update belongs to")
+    parser.add_argument("--model", required=True, type=Path, help="global checkpoint directory")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="token-shard directory (default: the job's data.path, relative "
+                        "to the working directory)")
+    parser.add_argument("--out", required=True, type=Path, help="update checkpoint directory")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="collective timeout in seconds (default $XFFL_DIST_TIMEOUT or 1800)")
+    return parser
+
+
+def load_job(path: Path) -> TrainJob:
+    """Parse a TrainJob JSON file; InvalidInput naming the file and field on error."""
+    try:
+        return TrainJob.model_validate_json(Path(path).read_bytes())
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot read the job file ({exc.strerror or exc}).") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise InvalidInput(f"{path}: {loc}: {first['msg']}.") from exc
+
+
+def prepare_data(job: TrainJob, data_dir: Path, local_rank: int) -> None:
+    """Generate the synthetic corpus once per node (local rank 0) while the other ranks wait."""
+    failure: XfflError | None = None
+    if job.data.synthetic is not None and local_rank == 0:
+        try:
+            ensure_synthetic(data_dir, job.data.synthetic, job.data.synthetic_sequences,
+                             job.training.seq_len)
+        except XfflError as exc:
+            failure = exc
+    if not xdist.all_ok(failure is None):
+        raise failure or InvalidInput("preparing the dataset failed on another rank.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Set up, train one round, tear down; return the exit code."""
+    try:
+        env = xdist.setup(timeout_s=args.timeout)
+    except (RuntimeError, ValueError) as exc:
+        print(f"xffl.training: cannot set up the process group ({exc}); check MASTER_ADDR/"
+              "MASTER_PORT and that every rank started.", file=sys.stderr, flush=True)
+        return ExitCode.RUN_FAILED
+    try:
+        job = load_job(args.job)
+        if args.round < 0:
+            raise InvalidInput(f"--round must not be negative, got {args.round}.")
+        data_dir = args.data if args.data is not None else Path(job.data.path)
+        prepare_data(job, data_dir, env.local_rank)
+        manifest = train_round(job, args.round, args.model, data_dir, args.out)
+        if env.is_main:
+            summary = {"site": job.site, "round": args.round, "out": str(args.out),
+                       "digest": manifest.digest(), "num_samples": manifest.num_samples,
+                       "num_tokens": manifest.num_tokens, **manifest.metrics}
+            print(json.dumps(summary), flush=True)
+        return ExitCode.OK
+    except XfflError as exc:
+        print(f"xffl.training (rank {env.rank}): {exc.message}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    finally:
+        xdist.teardown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and run one round."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

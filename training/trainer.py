@@ -1,0 +1,275 @@
+"""One site's local training round: load the global model, train with DDP, write the update.
+
+Every rank loads the global checkpoint (safetensors only, never torch.load), trains
+``steps`` AdamW steps on its disjoint share of the site's sequences (DDP averages the
+gradients, so the ranks stay identical), and rank 0 writes the update checkpoint in the
+exchange format of :mod:`xffl.aggregator.exchange`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from xffl.aggregator.exchange import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    Manifest,
+    finalize_manifest,
+    staged_dir,
+    verify_checkpoint,
+)
+from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
+from xffl.training import distributed as xdist
+from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
+from xffl.training.data import TokenShards
+from xffl.training.model import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    build_config,
+    build_model,
+    export_state_dict,
+    lm_loss,
+    load_weights,
+)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+T = TypeVar("T")
+
+
+def read_config(model_dir: Path) -> LlamaConfig:
+    """The architecture of a checkpoint directory (its config.json)."""
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        return LlamaConfig.from_hf_dict(json.loads(path.read_text()))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{model_dir}: no {CONFIG_FILE}.") from exc
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}.") from exc
+
+
+def read_weights(model_dir: Path) -> dict[str, Tensor]:
+    """All tensors of a checkpoint: model.safetensors or a sharded HF safetensors index."""
+    model_dir = Path(model_dir)
+    single = model_dir / MODEL_FILE
+    if single.is_file():
+        return load_file(single)
+    index = model_dir / SAFETENSORS_INDEX
+    if not index.is_file():
+        raise CheckpointError(f"{model_dir}: neither {MODEL_FILE} nor {SAFETENSORS_INDEX}.")
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    tensors: dict[str, Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(load_file(model_dir / shard))
+    return tensors
+
+
+def load_model(model_dir: Path) -> LlamaForCausalLM:
+    """A CPU fp32 model with the weights of a checkpoint directory."""
+    model = build_model(read_config(model_dir))
+    try:
+        load_weights(model, read_weights(model_dir))
+    except ValueError as exc:
+        raise CheckpointError(f"{model_dir}: {exc}.") from exc
+    return model
+
+
+def save_checkpoint(model: nn.Module, config: LlamaConfig, out_dir: Path,
+                    manifest: Manifest) -> Manifest:
+    """Write model.safetensors, config.json and manifest.json atomically into ``out_dir``."""
+    with staged_dir(Path(out_dir)) as tmp:
+        save_file(export_state_dict(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        return finalize_manifest(tmp, manifest)
+
+
+def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path) -> Manifest:
+    """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights."""
+    config = build_config(model)
+    if model.init is not None:
+        net = build_model(config)
+        try:
+            load_weights(net, read_weights(Path(model.init)))
+        except ValueError as exc:
+            raise InvalidInput(f"model.init {model.init}: {exc}.") from exc
+    else:
+        net = build_model(config, seed=seed)
+    manifest = Manifest(
+        kind="global",
+        run_id=run_id,
+        round=0,
+        extra={"preset": model.preset, "init": model.init, "seed": seed,
+               "num_parameters": config.num_parameters()},
+    )
+    return save_checkpoint(net, config, Path(out_dir), manifest)
+
+
+def make_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
+    """AdamW (betas 0.9/0.95); weight decay on matrices only, not on norm weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer,
+                batches: Iterator[tuple[Tensor, Tensor]], steps: int, grad_clip: float,
+                device: torch.device) -> Tensor:
+    """Run ``steps`` optimizer steps; return this rank's per-step losses (float64, on CPU)."""
+    losses = torch.zeros(steps, dtype=torch.float64, device=device)
+    model.train()
+    for step in range(steps):
+        inputs, targets = next(batches)
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        losses[step] = loss.detach()
+    return losses.cpu()
+
+
+def rank_seed(seed: int, round: int, dp_rank: int) -> int:
+    """The torch seed of one dp rank in one round (a stable hash, not Python's hash())."""
+    digest = hashlib.sha256(f"xffl:{seed}:{round}:{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def _on_main(fn: Callable[[], T], encode: Callable[[T], str],
+             decode: Callable[[str], T]) -> T:
+    """Run ``fn`` on rank 0 only and give every rank its result, or raise its error on all."""
+    if not xdist.is_distributed():
+        return fn()
+    payload: str | None = None
+    failure: BaseException | None = None
+    error: str | None = None
+    if xdist.rank() == 0:
+        try:
+            payload = encode(fn())
+        except XfflError as exc:
+            failure, error = exc, exc.message
+        except Exception as exc:
+            failure, error = exc, f"{type(exc).__name__}: {exc}"
+    message = json.loads(xdist.broadcast_str(json.dumps({"payload": payload, "error": error}))
+                         or "{}")
+    if failure is not None:
+        raise failure
+    if message.get("error"):
+        raise RunFailed(f"rank 0 failed: {message['error']}")
+    return decode(message["payload"])
+
+
+def _site_device() -> torch.device:
+    return xdist.device_for(xdist.detect_env())
+
+
+def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
+                out_dir: Path) -> Manifest:
+    """Train the global model in ``model_dir`` on this site's data; rank 0 writes the update.
+
+    Works under an initialised process group (DDP across its ranks) or in a single process.
+    Returns the update's manifest on every rank.
+    """
+    spec = job.training
+    model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
+    rank, world = xdist.rank(), xdist.world_size()
+    device = _site_device()
+
+    parent = _on_main(lambda: verify_checkpoint(model_dir).digest(), str, str)
+    config = read_config(model_dir)
+    if spec.seq_len > config.max_position_embeddings:
+        raise InvalidInput(
+            f"training.seq_len {spec.seq_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})."
+        )
+    shards = TokenShards(data_dir, spec.seq_len)
+    if shards.vocab_size > config.vocab_size:
+        raise InvalidInput(
+            f"{data_dir}: vocabulary of {shards.vocab_size} tokens does not fit the model's "
+            f"vocab_size {config.vocab_size}."
+        )
+    model = load_model(model_dir).to(device)
+    torch.manual_seed(rank_seed(spec.seed, round, rank))
+    net: nn.Module = model
+    if xdist.is_distributed():
+        net = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    optimizer = make_optimizer(model, spec)
+    batches = shards.batches(spec.batch_size, rank, world, spec.seed, round)
+
+    xdist.barrier()
+    start = time.perf_counter()
+    losses = train_steps(net, optimizer, batches, spec.steps, spec.grad_clip, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if xdist.is_distributed():
+        losses, elapsed = losses.to(device), elapsed.to(device)
+        dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        losses, elapsed = losses.cpu() / world, elapsed.cpu()
+    seconds = float(elapsed[0])
+    num_tokens = spec.steps * spec.batch_size * spec.seq_len * world
+    metrics = {
+        "loss": float(losses.mean()),
+        "loss_first": float(losses[0]),
+        "loss_last": float(losses[-1]),
+        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
+        "train_seconds": seconds,
+    }
+    manifest = Manifest(
+        kind="update",
+        run_id=job.run_id,
+        round=round,
+        site=job.site,
+        num_samples=len(shards),
+        num_tokens=num_tokens,
+        metrics=metrics,
+        parent=parent,
+        extra={"world_size": world, "steps": spec.steps, "batch_size": spec.batch_size,
+               "seq_len": spec.seq_len,
+               "losses": [float(v) for v in losses] if spec.steps <= 1000 else []},
+    )
+    result = _on_main(
+        lambda: save_checkpoint(model, config, out_dir, manifest),
+        lambda m: m.model_dump_json(),
+        Manifest.model_validate_json,
+    )
+    xdist.barrier()
+    return result
+
+
+@torch.no_grad()
+def evaluate(model_dir: Path, data_dir: Path, seq_len: int, max_batches: int,
+             batch_size: int = 8) -> float:
+    """Mean next-token loss of a checkpoint on the first sequences of a dataset (no grad)."""
+    model = load_model(Path(model_dir))
+    model.eval()
+    shards = TokenShards(Path(data_dir), seq_len)
+    count = min(len(shards), max_batches * batch_size)
+    if count == 0:
+        raise InvalidInput(f"{data_dir}: no sequence of {seq_len + 1} tokens to evaluate on.")
+    total, tokens = 0.0, 0
+    for start in range(0, count, batch_size):
+        idx = torch.arange(start, min(start + batch_size, count)).numpy()
+        inputs, targets = shards.batch(idx)
+        loss = lm_loss(model(inputs), targets)
+        total += float(loss) * targets.numel()
+        tokens += targets.numel()
+    return total / tokens
