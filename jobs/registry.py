@@ -217,10 +217,11 @@ class Registry:
                     (run_id, record.round, s.site, s.state, s.num_samples, s.num_tokens, s.loss,
                      s.train_seconds, s.reason),
                 )
-            db.execute(
-                "UPDATE runs SET rounds_done = MAX(rounds_done, ?), updated = ? WHERE id = ?",
-                (record.round, time.time(), run_id),
-            )
+            if record.state == "completed":
+                db.execute(
+                    "UPDATE runs SET rounds_done = MAX(rounds_done, ?), updated = ? WHERE id = ?",
+                    (record.round, time.time(), run_id),
+                )
             self._event(db, run_id, "round", f"round {record.round} {record.state}")
 
     def rounds(self, run_id: str) -> list[RoundRecord]:

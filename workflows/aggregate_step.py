@@ -63,6 +63,10 @@ def run_step(args: argparse.Namespace) -> int:
     )
     seconds = time.perf_counter() - t0
     _link_tree(target, Path.cwd() / "global")
+    for update_dir, m in accepted:  # keep what was aggregated beside the result (hardlinks)
+        kept = target.parent / "updates" / (m.site or update_dir.name)
+        if not kept.exists():
+            _link_tree(update_dir, kept)
     manifest = read_manifest(target)
     registry.finish_round(args.run_id, RoundRecord(
         round=rnd, state="completed", started=None, ended=time.time(),

@@ -14,10 +14,10 @@ import traceback
 from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry import Registry, RoundRecord, SiteRound
 from xffl.jobs.spec import JobSpec
 from xffl.workflows.plan import PlanPaths
-from xffl.workflows.streamflow_run import run_plan
+from xffl.workflows.streamflow_run import StepFailed, run_plan
 
 
 def spawn(run_id: str, run_dir: Path, registry: Path) -> int:
@@ -43,6 +43,22 @@ def ensure_initial_model(paths: PlanPaths, run_id: str) -> None:
     init_global(run_id, spec.model, spec.training.seed, paths.initial_model)
 
 
+def _record_step_failure(registry: Registry, run_id: str, step: str, root: Path) -> None:
+    """Mark the failed site (or aggregation) in the round that was running."""
+    run = registry.get_run(run_id)
+    rnd = run.rounds_done + 1
+    name = step.rsplit("/", 1)[-1]
+    sites = []
+    for site in run.sites:
+        failed = name == f"train_{site}"
+        reason = (f"training job failed; see {root / 'streamflow.log'}" if failed
+                  else "round aborted: another step failed")
+        state = "failed" if failed else "aborted"
+        sites.append(SiteRound(site=site, state=state, reason=reason))
+    registry.finish_round(run_id, RoundRecord(round=rnd, state="failed", ended=time.time(),
+                                              sites=sites))
+
+
 def execute(run_id: str, registry: Registry) -> int:
     """Drive one run from its current state to a terminal state; return the exit code."""
     run = registry.get_run(run_id)
@@ -53,7 +69,12 @@ def execute(run_id: str, registry: Registry) -> int:
         ensure_initial_model(paths, run_id)
         registry.start_round(run_id, run.rounds_done + 1, run.sites)
         run_plan(paths, run_id, log_file=paths.root / "streamflow.log")
-    except BaseException as exc:
+    except StepFailed as exc:
+        _record_step_failure(registry, run_id, exc.step, paths.root)
+        registry.set_state(run_id, "failed", f"{exc} (see {paths.root / 'streamflow.log'})",
+                           ended=time.time())
+        return 1
+    except BaseException as exc:  # every failure must reach the registry
         traceback.print_exc()
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         registry.set_state(run_id, "failed", f"{reason} (see {paths.root / 'streamflow.log'})",

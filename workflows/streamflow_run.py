@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -12,22 +11,69 @@ from typing import Any
 from xffl.workflows.plan import PlanPaths
 
 
-async def _run(config_file: Path, name: str, outdir: Path) -> Any:
+class StepFailed(RuntimeError):
+    """A step of the workflow failed (StreamFlow does not always end a looping workflow then)."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__(f"step {step} failed")
+        self.step = step
+
+
+async def _watch(workflow: Any, task: asyncio.Task[Any], poll: float) -> None:
+    """Cancel ``task`` as soon as any step of ``workflow`` has failed."""
+    from streamflow.core.workflow import Status
+
+    while not task.done():
+        failed = [name for name, step in workflow.steps.items()
+                  if step.status in (Status.FAILED, Status.CANCELLED)]
+        if failed:
+            task.cancel()
+            raise StepFailed(failed[0])
+        await asyncio.sleep(poll)
+
+
+async def _run(config_file: Path, name: str, outdir: Path, poll: float = 0.5) -> Any:
     # Imported lazily: StreamFlow pulls in a large dependency tree that most commands never need.
+    import cwl_utils.parser
+    import cwl_utils.parser.utils
     from streamflow.config.config import WorkflowConfig
     from streamflow.config.validator import SfValidator
-    from streamflow.cwl.main import main as cwl_main
+    from streamflow.cwl.main import _parse_args
+    from streamflow.cwl.translator import CWLTranslator
     from streamflow.ext.utils import load_extensions
     from streamflow.main import build_context
+    from streamflow.workflow.executor import StreamFlowExecutor
 
     load_extensions()
     config = SfValidator().validate_file(str(config_file))
     config["path"] = str(config_file.resolve())
     context = build_context(config)
-    args = argparse.Namespace(name=name, outdir=str(outdir), validate=False, quiet=False)
     try:
-        for workflow in config.get("workflows", {}):
-            await cwl_main(WorkflowConfig(workflow, config), context, args)
+        for wf_name in config.get("workflows", {}):
+            # What streamflow.cwl.main.main does, keeping the workflow object in hand so that
+            # a failed step ends the run instead of leaving the loop waiting for ever.
+            wf_config = WorkflowConfig(wf_name, config)
+            cwl_args = _parse_args(wf_config, context)
+            definition = cwl_utils.parser.load_document_by_uri(cwl_args[0])
+            inputs = cwl_utils.parser.utils.load_inputfile_by_uri(
+                version=definition.cwlVersion, path=cwl_args[1],
+                loadingOptions=definition.loadingOptions,
+            )
+            workflow = CWLTranslator(
+                context=context, name=name, output_directory=str(outdir),
+                cwl_definition=definition, cwl_inputs=inputs, cwl_inputs_path=cwl_args[1],
+                workflow_config=wf_config,
+            ).translate()
+            await workflow.save(context.database)
+            task = asyncio.create_task(StreamFlowExecutor(workflow).run())
+            watcher = asyncio.create_task(_watch(workflow, task, poll))
+            try:
+                await task
+            except asyncio.CancelledError:
+                await watcher  # raises StepFailed with the step's name
+                raise
+            finally:
+                watcher.cancel()
     finally:
         await context.close()
 
