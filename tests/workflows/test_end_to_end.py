@@ -19,20 +19,30 @@ from xffl.training.trainer import evaluate
 runner = CliRunner()
 
 
-@pytest.mark.slow
-def test_two_round_job_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
+def _job(tmp_path: Path, name: str, rounds: int, steps: int) -> dict:
+    """The quickstart spec, renamed and shortened for a test."""
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec["name"] = "e2e"
-    spec["rounds"] = 2
-    spec["training"]["steps"] = 12
-    spec["sites"][0]["data"]["synthetic_sequences"] = 300
-    spec["sites"][1]["data"]["synthetic_sequences"] = 180
+    spec["name"] = name
+    spec["rounds"] = rounds
+    spec["training"]["steps"] = steps
+    return spec
+
+
+def _submit_wait(tmp_path: Path, spec: dict) -> tuple[int, dict]:
+    """Write ``spec``, run `xffl submit --wait --json` on it, return exit code and status."""
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
-
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
-    assert result.exit_code == 0, result.output
-    status = json.loads(result.stdout)
+    return result.exit_code, (json.loads(result.stdout) if result.stdout.strip() else {})
+
+
+@pytest.mark.slow
+def test_two_round_job_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
+    spec = _job(tmp_path, "e2e", rounds=2, steps=12)
+    spec["sites"][0]["data"]["synthetic_sequences"] = 300
+    spec["sites"][1]["data"]["synthetic_sequences"] = 180
+    code, status = _submit_wait(tmp_path, spec)
+    assert code == 0, status
     assert status["state"] == "completed" and status["rounds_done"] == 2
     run_dir = Path(status["run_dir"])
     assert run_dir.parent == xffl_home / "runs"
@@ -82,16 +92,10 @@ def test_two_round_job_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
 
 @pytest.mark.slow
 def test_failing_site_fails_the_run_with_exit_1(tmp_path: Path, xffl_home: Path) -> None:
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec["name"] = "broken"
-    spec["rounds"] = 1
-    spec["training"]["steps"] = 2
+    spec = _job(tmp_path, "broken", rounds=1, steps=2)
     spec["sites"][1]["data"] = {"path": str(tmp_path / "no-such-data")}  # no shards, no synthetic
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
-    assert result.exit_code == 1, result.output
-    status = json.loads(result.stdout)
+    code, status = _submit_wait(tmp_path, spec)
+    assert code == 1, status
     assert status["state"] == "failed"
     assert status["rounds_done"] == 0
     assert "step /rounds/train_beta failed" in status["message"]
