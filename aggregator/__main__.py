@@ -1,9 +1,9 @@
-"""``python -m xffl.aggregator``: verify site updates and write their FedAvg as a global checkpoint.
+"""``python -m xffl.aggregator``: verify site updates and aggregate them into a global checkpoint.
 
 Example::
 
     python -m xffl.aggregator -o rounds/3/global --round 3 --parent rounds/2/global \\
-        updates/leonardo updates/karolina
+        --strategy fedadam updates/leonardo updates/karolina
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.fedavg import WEIGHTINGS, aggregate
+from xffl.aggregator.fedavg import WEIGHTINGS
+from xffl.aggregator.strategies import STRATEGIES, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
 
@@ -50,6 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SITE=W",
         help="explicit weight of one site (repeat per site; overrides --weighting)",
     )
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="fedavg",
+        help="aggregation strategy (default fedavg)",
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=V",
+        help="a strategy parameter, e.g. --param eta=0.01 (repeat per parameter)",
+    )
+    p.add_argument(
+        "--previous",
+        type=Path,
+        metavar="DIR",
+        help="the previous global checkpoint, holding the server state of stateful "
+        "strategies (default: --parent)",
+    )
     p.add_argument("--run-id", help="accept only updates of this run")
     p.add_argument("--round", type=int, help="accept only updates of this round")
     parent = p.add_mutually_exclusive_group()
@@ -76,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _site_weights(pairs: Sequence[str]) -> dict[str, float] | None:
+def _site_weights(
+    pairs: Sequence[str], option: str = "--weight", what: str = "SITE", example: str = "leonardo=2"
+) -> dict[str, float] | None:
     if not pairs:
         return None
     out: dict[str, float] = {}
@@ -88,7 +111,7 @@ def _site_weights(pairs: Sequence[str]) -> dict[str, float] | None:
             sep = ""
         if not sep or not site:
             raise InvalidInput(
-                f"--weight {pair!r}: expected SITE=NUMBER, e.g. --weight leonardo=2."
+                f"{option} {pair!r}: expected {what}=NUMBER, e.g. {option} {example}."
             )
     return out
 
@@ -119,10 +142,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         return report
     weighting = _site_weights(args.weight) or args.weighting
-    manifest = aggregate(
+    manifest = run_strategy(
+        args.strategy,
         [d for d, _ in accepted],
+        args.previous if args.previous is not None else args.parent,
         args.output,
         weighting=weighting,
+        params=_site_weights(args.param, "--param", "KEY", "eta=0.01"),
         run_id=args.run_id,
         round=args.round,
         parent_digest=parent_digest,
@@ -139,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     report["global"] = {
         "round": manifest.round,
+        "strategy": args.strategy,
         "digest": manifest.digest(),
         "num_samples": manifest.num_samples,
         "metrics": manifest.metrics,

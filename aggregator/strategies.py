@@ -1,0 +1,366 @@
+"""Server-side strategies (FedAvgM, FedAdam, FedYogi, FedAdagrad, FedMedian, trimmed mean).
+
+Every strategy streams tensor by tensor, slice by slice (``fedavg.SLICE_ELEMENTS``
+elements): one slice of every update, of the previous global and of the server state is in
+memory at a time, whatever the model size. Arithmetic is float64; outputs are cast to the
+model's dtypes like :mod:`xffl.aggregator.fedavg` does.
+
+The server optimizers follow Flower's ``flwr.server.strategy`` (FedAvgM, FedOpt and its
+FedAdam/FedYogi/FedAdagrad subclasses, which implement Reddi et al. 2021, "Adaptive
+Federated Optimization", without Adam's bias correction):
+
+* pseudo-gradient ``delta = mean - x`` where ``mean`` is the weighted FedAvg of the updates
+  and ``x`` the previous global;
+* FedAdam / FedYogi / FedAdagrad: ``m = b1*m + (1-b1)*delta``; Adam ``v = b2*v +
+  (1-b2)*delta^2``; Yogi ``v = v - (1-b2)*delta^2*sign(v - delta^2)``; Adagrad ``v = v +
+  delta^2``; then ``x = x + eta*m / (sqrt(v) + tau)``. Flower's defaults: FedAdam eta=0.1,
+  b1=0.9, b2=0.99, tau=1e-9; FedYogi eta=0.01, b1=0.9, b2=0.99, tau=1e-3; FedAdagrad
+  eta=0.1, tau=1e-9 and b1=0 (so m = delta);
+* FedAvgM: ``buf = momentum*buf + (x - mean)``; ``x = x - lr*buf``. Flower's defaults
+  (lr=1.0, momentum=0.0) reduce it to FedAvg; we default to lr=1.0, momentum=0.9 (Hsu et
+  al. 2019).
+
+Server state (m, v or the momentum buffer) is stored in fp32 as one safetensors file per
+buffer beside the global model (``server_m.safetensors``, ``server_v.safetensors``,
+``server_momentum.safetensors``, tensors named as in the model), listed and checksummed in
+the manifest, and read back from the previous global's directory at the next round; a
+previous global without it (or written by another strategy) starts from zeros. Only
+floating-point tensors have state; integer and bool tensors get the rounded weighted mean.
+
+FedMedian and FedTrimmedAvg are coordinate-wise and unweighted, as in Flower:
+median of the updates, and the mean after dropping the ``int(beta*n)`` smallest and largest
+values of each coordinate (Flower's default beta=0.2). Updates of weight 0 are left out
+of every strategy, as in FedAvg.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+
+from xffl.aggregator.exchange import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    Manifest,
+    TensorInfo,
+    finalize_manifest,
+    read_manifest,
+    staged_dir,
+)
+from xffl.aggregator.fedavg import (
+    SLICE_ELEMENTS,
+    Weighting,
+    _agree,
+    _assign_weights,
+    _common_config,
+    _common_layout,
+    _open_updates,
+    _store,
+    _Update,
+    _weighted_metrics,
+    aggregate,
+)
+from xffl.aggregator.safetensors_io import (
+    FLOAT_DTYPES,
+    STORAGE_DTYPES,
+    Array,
+    SafetensorsReader,
+    SafetensorsWriter,
+    bf16_bits_to_f32,
+)
+from xffl.aggregator.verify import index_of, layout_difference
+from xffl.core.errors import CheckpointError, InvalidInput
+
+Progress = Callable[[int, int], None]
+
+#: strategy name -> its parameters and their defaults.
+DEFAULT_PARAMS: dict[str, dict[str, float]] = {
+    "fedavg": {},
+    "fedavgm": {"server_learning_rate": 1.0, "server_momentum": 0.9},
+    "fedadam": {"eta": 1e-1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-9},
+    "fedyogi": {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
+    "fedadagrad": {"eta": 1e-1, "beta_1": 0.0, "tau": 1e-9},
+    "fedmedian": {},
+    "fedtrimmedavg": {"beta": 0.2},
+}
+STRATEGIES: tuple[str, ...] = tuple(DEFAULT_PARAMS)
+#: the state buffers each stateful strategy keeps.
+STATE_BUFFERS: dict[str, tuple[str, ...]] = {
+    "fedavgm": ("momentum",),
+    "fedadam": ("m", "v"),
+    "fedyogi": ("m", "v"),
+    "fedadagrad": ("m", "v"),
+}
+ROBUST = frozenset({"fedmedian", "fedtrimmedavg"})
+
+
+def state_file(buffer: str) -> str:
+    """The file name of one server-state buffer inside a global checkpoint."""
+    return f"server_{buffer}.safetensors"
+
+
+def resolve_params(name: str, params: Mapping[str, float] | None) -> dict[str, float]:
+    """The strategy's defaults overridden by ``params`` (InvalidInput on unknown names)."""
+    if name not in DEFAULT_PARAMS:
+        raise InvalidInput(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}.")
+    out = dict(DEFAULT_PARAMS[name])
+    for key, value in (params or {}).items():
+        if key not in out:
+            known = ", ".join(out) or "none"
+            raise InvalidInput(f"strategy {name} has no parameter {key!r} (it has: {known}).")
+        out[key] = float(value)
+    if name == "fedtrimmedavg" and not 0 <= out["beta"] < 0.5:
+        raise InvalidInput(f"fedtrimmedavg beta must be in [0, 0.5), got {out['beta']}.")
+    return out
+
+
+def _decode(raw: Array, dtype: str) -> Array:
+    """Storage elements as float64."""
+    if dtype == "BF16":
+        raw = bf16_bits_to_f32(raw)
+    return raw.astype(np.float64)
+
+
+def _server_step(
+    name: str, p: Mapping[str, float], x: Array, mean: Array, state: dict[str, Array]
+) -> Array:
+    """One server optimizer step on a slice; updates ``state`` in place, returns the new x."""
+    if name == "fedavgm":
+        buf = state["momentum"]
+        buf *= p["server_momentum"]
+        buf += x - mean
+        return x - p["server_learning_rate"] * buf
+    delta = mean - x
+    d2 = delta * delta
+    m, v = state["m"], state["v"]
+    m *= p["beta_1"]
+    m += (1.0 - p["beta_1"]) * delta
+    if name == "fedadagrad":
+        v += d2
+    elif name == "fedadam":
+        v *= p["beta_2"]
+        v += (1.0 - p["beta_2"]) * d2
+    else:  # fedyogi
+        v -= (1.0 - p["beta_2"]) * d2 * np.sign(v - d2)
+    return x + p["eta"] * m / (np.sqrt(v) + p["tau"])
+
+
+def _robust(name: str, p: Mapping[str, float], stack: Array) -> Array:
+    """Coordinate-wise median or trimmed mean over axis 0 of ``stack``."""
+    if name == "fedmedian":
+        return np.median(stack, axis=0)
+    n = stack.shape[0]
+    cut = int(p["beta"] * n)
+    ordered = np.sort(stack, axis=0)
+    return ordered[cut : n - cut].mean(axis=0)
+
+
+def _open_previous(
+    name: str, previous: Path | None, layout: list[TensorInfo], stack: ExitStack
+) -> tuple[SafetensorsReader | None, dict[str, SafetensorsReader], bool]:
+    """Open the previous global's model and, when it has one for ``name``, its server state."""
+    if previous is None:
+        if name in STATE_BUFFERS:
+            raise InvalidInput(f"strategy {name} needs the previous global checkpoint.")
+        return None, {}, False
+    previous = Path(previous)
+    manifest = read_manifest(previous)
+    model = stack.enter_context(SafetensorsReader(previous / MODEL_FILE))
+    diff = layout_difference(index_of(model), layout, "the updates")
+    if diff:
+        raise CheckpointError(f"previous global {previous}: {diff}.")
+    buffers = STATE_BUFFERS.get(name, ())
+    files = [state_file(b) for b in buffers]
+    same = manifest.extra.get("aggregation") == name
+    if not buffers or not same or not all(f in manifest.files for f in files):
+        return model, {}, False
+    want = [(t.name, t.shape) for t in layout if t.dtype in FLOAT_DTYPES]
+    state: dict[str, SafetensorsReader] = {}
+    for b, f in zip(buffers, files, strict=True):
+        state[b] = stack.enter_context(SafetensorsReader(previous / f))
+        if [(t.name, t.shape) for t in index_of(state[b])] != want:
+            raise CheckpointError(f"previous global {previous}: {f} does not match the model.")
+    return model, state, True
+
+
+def _write(
+    name: str,
+    p: Mapping[str, float],
+    active: list[_Update],
+    layout: list[TensorInfo],
+    tmp: Path,
+    previous: tuple[SafetensorsReader | None, dict[str, SafetensorsReader]],
+    metadata: Mapping[str, str],
+    progress: Progress | None,
+) -> dict[str, str]:
+    """Stream the strategy's output (and new server state) into ``tmp``; return sha256s."""
+    prev_model, prev_state = previous
+    weights = [u.weight for u in active]
+    total = math.fsum(weights)
+    buffers = STATE_BUFFERS.get(name, ())
+    floats = [t for t in layout if t.dtype in FLOAT_DTYPES]
+    with ExitStack() as stack:
+        model = stack.enter_context(
+            SafetensorsWriter(
+                tmp / MODEL_FILE, [(t.name, t.dtype, t.shape) for t in layout], metadata
+            )
+        )
+        state_out = {
+            b: stack.enter_context(
+                SafetensorsWriter(
+                    tmp / state_file(b),
+                    [(t.name, "F32", t.shape) for t in floats],
+                    {"strategy": name, "buffer": b},
+                )
+            )
+            for b in buffers
+        }
+        for done, t in enumerate(layout, 1):
+            numel = math.prod(t.shape)
+            dt = STORAGE_DTYPES[t.dtype]
+            for lo in range(0, max(1, numel), SLICE_ELEMENTS):
+                hi = min(lo + SLICE_ELEMENTS, numel)
+                stack_ = np.empty((len(active), hi - lo), dtype=np.float64)
+                for i, u in enumerate(active):
+                    raw = u.reader.read_into(t.name, lo, np.empty(hi - lo, dtype=dt))
+                    stack_[i] = _decode(raw, t.dtype)
+                if name in ROBUST:
+                    result = _robust(name, p, stack_)
+                else:
+                    result = np.zeros(hi - lo, dtype=np.float64)
+                    for w, row in zip(weights, stack_, strict=True):
+                        result += w * row
+                    result /= total
+                if buffers and t.dtype in FLOAT_DTYPES and prev_model is not None:
+                    x = _decode(prev_model.raw(t.name, lo, hi), t.dtype)
+                    state = {
+                        b: (
+                            _decode(prev_state[b].raw(t.name, lo, hi), "F32")
+                            if prev_state
+                            else np.zeros(hi - lo, dtype=np.float64)
+                        )
+                        for b in buffers
+                    }
+                    result = _server_step(name, p, x, result, state)
+                    for b in buffers:
+                        state_out[b].write_chunk(t.name, state[b].astype(np.float32))
+                out = np.empty(hi - lo, dtype=dt)
+                _store(result, t.dtype, out, np.empty(hi - lo, dtype=np.float32))
+                model.write_chunk(t.name, out)
+            if progress is not None:
+                progress(done, len(layout))
+    sums = {MODEL_FILE: model.sha256}
+    sums.update({state_file(b): w.sha256 for b, w in state_out.items()})
+    return sums
+
+
+def run_strategy(
+    name: str,
+    updates: Sequence[Path],
+    previous_global_dir: Path | None,
+    out_dir: Path,
+    *,
+    weighting: Weighting | Mapping[str, float] = "samples",
+    weights: Sequence[float] | None = None,
+    params: Mapping[str, float] | None = None,
+    run_id: str | None = None,
+    round: int | None = None,
+    parent_digest: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Aggregate ``updates`` with strategy ``name`` into a global checkpoint at ``out_dir``.
+
+    ``previous_global_dir`` (the global the round started from) is required by the stateful
+    strategies (fedavgm, fedadam, fedyogi, fedadagrad), whose server state is read from it
+    and written beside the new global. ``params`` overrides :data:`DEFAULT_PARAMS`;
+    ``progress(done, total)`` is called after each tensor. Other arguments are those of
+    :func:`xffl.aggregator.fedavg.aggregate`; "fedavg" is that function. Inputs are not
+    verified here: run :func:`xffl.aggregator.verify.select_updates` first.
+    """
+    p = resolve_params(name, params)
+    if name == "fedavg":
+        manifest = aggregate(
+            updates,
+            out_dir,
+            weights,
+            weighting=weighting,
+            run_id=run_id,
+            round=round,
+            parent_digest=parent_digest,
+            metadata=metadata,
+            extra={"params": p},
+        )
+        if progress is not None:
+            progress(len(manifest.tensors), len(manifest.tensors))
+        return manifest
+    if not updates:
+        raise InvalidInput("no updates to aggregate.")
+    ups = _open_updates(updates)
+    try:
+        dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
+        if dup:
+            raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
+        label = _assign_weights(ups, weights, weighting)
+        run = _agree(ups, "run id", "run_id", run_id)
+        rnd = _agree(ups, "round", "round", round)
+        parent = _agree(ups, "parent", "parent", parent_digest)
+        layout = _common_layout(ups)
+        config = _common_config(ups)
+        active = [u for u in ups if u.weight > 0]
+        if name == "fedtrimmedavg" and len(active) - 2 * int(p["beta"] * len(active)) < 1:
+            raise InvalidInput(f"beta={p['beta']} trims all {len(active)} updates.")
+        total = math.fsum(u.weight for u in ups)
+        sites = {
+            u.site: {
+                "num_samples": u.manifest.num_samples,
+                "num_tokens": u.manifest.num_tokens,
+                "metrics": dict(u.manifest.metrics),
+                "weight": u.weight / total,
+                "digest": u.digest,
+            }
+            for u in ups
+        }
+        with ExitStack() as stack:
+            prev = None if previous_global_dir is None else Path(previous_global_dir)
+            prev_model, prev_state, loaded = _open_previous(name, prev, layout, stack)
+            with staged_dir(Path(out_dir)) as tmp:
+                sums = _write(
+                    name,
+                    p,
+                    active,
+                    layout,
+                    tmp,
+                    (prev_model, prev_state),
+                    {"format": "pt", **(metadata or {})},
+                    progress,
+                )
+                if config is not None:
+                    (tmp / CONFIG_FILE).write_bytes(config)
+                manifest = Manifest(
+                    kind="global",
+                    run_id=run,
+                    round=rnd,
+                    parent=parent,
+                    num_samples=sum(u.manifest.num_samples for u in ups),
+                    num_tokens=sum(u.manifest.num_tokens for u in ups),
+                    metrics=_weighted_metrics(ups),
+                    extra={
+                        "aggregation": name,
+                        "params": p,
+                        "weighting": "unweighted" if name in ROBUST else label,
+                        "sites": sites,
+                        "server_state": {
+                            "files": [state_file(b) for b in STATE_BUFFERS.get(name, ())],
+                            "loaded_from": str(prev) if loaded else None,
+                        },
+                    },
+                )
+                return finalize_manifest(tmp, manifest, checksums=sums)
+    finally:
+        for u in ups:
+            u.reader.close()

@@ -1,0 +1,249 @@
+"""Tests of the server strategies against numpy references written from their formulas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xffl.aggregator import strategies
+from xffl.aggregator.exchange import MODEL_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.strategies import DEFAULT_PARAMS, run_strategy, state_file
+from xffl.core.errors import InvalidInput
+
+SHAPES = {"w": (13, 11), "b": (11,), "norm": (7,)}
+SAMPLES = {"karolina": 120, "leonardo": 7, "lumi": 33}
+Data = dict[str, dict[str, np.ndarray]]
+
+
+def _round_to(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Values as stored in ``dtype``, back in float64."""
+    return torch.from_numpy(np.asarray(values, dtype=np.float64)).to(dtype).double().numpy()
+
+
+def _tensors(
+    rng: np.random.Generator, dtype: torch.dtype, scale: float, center: Any = 0.0
+) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.from_numpy(
+            (
+                np.asarray(center[k] if isinstance(center, dict) else center)
+                + scale * rng.standard_normal(s)
+            ).astype(np.float32)
+        ).to(dtype)
+        for k, s in SHAPES.items()
+    }
+
+
+def _as_np(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.double().numpy() for k, v in tensors.items()}
+
+
+def _global(
+    write_ckpt: Callable[..., Path], path: Path, dtype: torch.dtype, seed: int = 0
+) -> tuple[Path, dict[str, np.ndarray]]:
+    t = _tensors(np.random.default_rng(seed), dtype, 1.0)
+    write_ckpt(path, t, kind="global", site=None, round=0)
+    return path, _as_np(t)
+
+
+def _updates(
+    make_update: Any,
+    dtype: torch.dtype,
+    x: dict[str, np.ndarray],
+    rnd: int,
+    parent: str | None,
+    seed: int,
+) -> tuple[list[Path], Data]:
+    rng = np.random.default_rng(100 + seed)
+    dirs, data = [], {}
+    for site, n in SAMPLES.items():
+        t = _tensors(rng, dtype, 0.1, x)
+        data[site] = _as_np(t)
+        dirs.append(
+            make_update(site, t, num_samples=n, round=rnd, parent=parent, dirname=f"r{rnd}-{site}")
+        )
+    return dirs, data
+
+
+def _mean(data: Data, name: str) -> np.ndarray:
+    total = sum(SAMPLES.values())
+    return sum(SAMPLES[s] * t[name] for s, t in data.items()) / total
+
+
+def _ref_step(
+    name: str, p: dict[str, float], x: np.ndarray, mean: np.ndarray, state: dict[str, np.ndarray]
+) -> np.ndarray:
+    """Reddi et al. / Flower server update, written out directly."""
+    if name == "fedavgm":
+        state["momentum"] = p["server_momentum"] * state["momentum"] + (x - mean)
+        return x - p["server_learning_rate"] * state["momentum"]
+    delta = mean - x
+    m = p["beta_1"] * state["m"] + (1 - p["beta_1"]) * delta
+    v = state["v"]
+    if name == "fedadam":
+        v = p["beta_2"] * v + (1 - p["beta_2"]) * delta**2
+    elif name == "fedyogi":
+        v = v - (1 - p["beta_2"]) * delta**2 * np.sign(v - delta**2)
+    else:
+        v = v + delta**2
+    state["m"], state["v"] = m, v
+    return x + p["eta"] * m / (np.sqrt(v) + p["tau"])
+
+
+def _reference(
+    name: str, data: Data, x: dict[str, np.ndarray], state: dict[str, Any]
+) -> dict[str, np.ndarray]:
+    p = DEFAULT_PARAMS[name]
+    out = {}
+    for k in SHAPES:
+        stack = np.stack([t[k] for t in data.values()])
+        if name == "fedavg":
+            out[k] = _mean(data, k)
+        elif name == "fedmedian":
+            out[k] = np.median(stack, axis=0)
+        elif name == "fedtrimmedavg":
+            cut = int(p["beta"] * len(stack))
+            out[k] = np.sort(stack, axis=0)[cut : len(stack) - cut].mean(axis=0)
+        else:
+            buffers = strategies.STATE_BUFFERS[name]
+            st = {b: state.get((b, k), np.zeros(SHAPES[k])) for b in buffers}
+            out[k] = _ref_step(name, p, x[k], _mean(data, k), st)
+            for b in buffers:  # stored as fp32 between rounds
+                state[(b, k)] = st[b].astype(np.float32).astype(np.float64)
+    return out
+
+
+def _check(out_dir: Path, ref: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, np.ndarray]:
+    got = load_file(str(out_dir / MODEL_FILE))
+    for k in SHAPES:
+        assert got[k].dtype == dtype and tuple(got[k].shape) == SHAPES[k]
+        expected = _round_to(ref[k], dtype)
+        np.testing.assert_allclose(got[k].double().numpy(), expected, rtol=1e-6, atol=1e-12)
+    return _as_np(got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", strategies.STRATEGIES)
+def test_one_round_matches_formula(
+    name: str, dtype: torch.dtype, make_update: Any, write_ckpt: Any, tmp_path: Path
+) -> None:
+    g0, x = _global(write_ckpt, tmp_path / "g0", dtype)
+    dirs, data = _updates(make_update, dtype, x, 1, None, seed=1)
+    m = run_strategy(name, dirs, g0, tmp_path / "g1", run_id="run-1", round=1)
+    _check(tmp_path / "g1", _reference(name, data, x, {}), dtype)
+    assert m.extra["aggregation"] == name
+    assert m.extra["params"] == DEFAULT_PARAMS[name]
+    verify_checkpoint(tmp_path / "g1")
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+def test_three_rounds_reload_state_from_disk(
+    name: str, make_update: Any, write_ckpt: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(strategies, "SLICE_ELEMENTS", 40)  # several slices per tensor
+    prev, x = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    state: dict[Any, np.ndarray] = {}
+    for rnd in (1, 2, 3):
+        parent = read_manifest(prev).digest()
+        dirs, data = _updates(make_update, torch.float32, x, rnd, parent, seed=rnd)
+        out = tmp_path / f"g{rnd}"
+        m = run_strategy(name, dirs, prev, out, round=rnd)
+        x = _check(out, _reference(name, data, x, state), torch.float32)
+        files = [state_file(b) for b in strategies.STATE_BUFFERS[name]]
+        assert all(f in m.files for f in files)
+        assert m.extra["server_state"]["loaded_from"] == (None if rnd == 1 else str(prev))
+        assert m.parent == parent
+        verify_checkpoint(out)
+        prev = out
+
+
+def test_state_of_another_strategy_is_not_reused(
+    make_update: Any, write_ckpt: Any, tmp_path: Path
+) -> None:
+    g0, x = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    dirs, _ = _updates(make_update, torch.float32, x, 1, None, seed=1)
+    run_strategy("fedadam", dirs, g0, tmp_path / "g1")
+    dirs2, _ = _updates(make_update, torch.float32, x, 2, None, seed=2)
+    m = run_strategy("fedyogi", dirs2, tmp_path / "g1", tmp_path / "g2")
+    assert m.extra["server_state"]["loaded_from"] is None
+
+
+def test_bad_inputs_are_rejected(make_update: Any, write_ckpt: Any, tmp_path: Path) -> None:
+    g0, x = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    dirs, _ = _updates(make_update, torch.float32, x, 1, None, seed=1)
+    with pytest.raises(InvalidInput, match="previous global"):
+        run_strategy("fedadam", dirs, None, tmp_path / "out")
+    with pytest.raises(InvalidInput, match="no parameter 'lr'"):
+        run_strategy("fedadam", dirs, g0, tmp_path / "out", params={"lr": 1.0})
+    with pytest.raises(InvalidInput, match="unknown strategy"):
+        run_strategy("fedprox", dirs, g0, tmp_path / "out")
+    with pytest.raises(InvalidInput, match="beta"):
+        run_strategy("fedtrimmedavg", dirs, None, tmp_path / "out", params={"beta": 0.5})
+    assert not (tmp_path / "out").exists()
+
+
+def test_robust_strategies_ignore_one_wild_update(make_update: Any, tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    dirs = []
+    for i in range(5):
+        t = {k: (1.0 + 0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+        if i == 4:
+            t = {k: np.full(s, 1e6, dtype=np.float32) for k, s in SHAPES.items()}
+        dirs.append(make_update(f"site{i}", t, num_samples=10))
+    results = {}
+    for name in ("fedavg", "fedmedian", "fedtrimmedavg"):
+        run_strategy(name, dirs, None, tmp_path / name)
+        results[name] = load_file(str(tmp_path / name / MODEL_FILE))
+    for k in SHAPES:
+        assert float(results["fedavg"][k].min()) > 1e5  # pulled away by the bad update
+        for name in ("fedmedian", "fedtrimmedavg"):
+            assert float((results[name][k] - 1.0).abs().max()) < 0.05
+
+
+def test_progress_is_reported_per_tensor(make_update: Any, write_ckpt: Any, tmp_path: Path) -> None:
+    g0, x = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    dirs, _ = _updates(make_update, torch.float32, x, 1, None, seed=1)
+    seen: list[tuple[int, int]] = []
+    run_strategy(
+        "fedmedian",
+        dirs,
+        g0,
+        tmp_path / "g1",
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert seen == [(i, len(SHAPES)) for i in range(1, len(SHAPES) + 1)]
+
+
+def test_module_entry_point_takes_strategy_and_params(
+    make_update: Any, write_ckpt: Any, tmp_path: Path
+) -> None:
+    from xffl.aggregator.__main__ import main
+
+    g0, x = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    parent = read_manifest(g0).digest()
+    dirs, _ = _updates(make_update, torch.float32, x, 1, parent, seed=1)
+    out = tmp_path / "g1"
+    argv = [
+        "-o",
+        str(out),
+        "--round",
+        "1",
+        "--parent",
+        str(g0),
+        "--strategy",
+        "fedadam",
+        "--param",
+        "eta=0.5",
+        *map(str, dirs),
+    ]
+    assert main(argv) == 0
+    m = verify_checkpoint(out)
+    assert m.extra["aggregation"] == "fedadam" and m.extra["params"]["eta"] == 0.5
+    assert state_file("m") in m.files and state_file("v") in m.files
+    assert main([*argv, "--param", "eta"]) == 2
