@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli import render, runs, status, submit, validate
+from xffl.cli import aggregate, render, runs, status, submit, validate
 from xffl.cli.common import state
 
 app = typer.Typer(
@@ -32,6 +32,7 @@ app.command()(status.status)
 app.command()(runs.runs)
 app.command()(render.render)
 app.command()(validate.validate)
+app.command()(aggregate.aggregate)
 
 
 def main() -> None:

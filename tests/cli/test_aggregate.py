@@ -1,0 +1,95 @@
+"""CLI: `xffl aggregate`, registered in a test-only Typer app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import typer
+from typer.testing import CliRunner
+
+from tests.aggregator.conftest import write_checkpoint
+from xffl.aggregator.exchange import MODEL_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.safetensors_io import SafetensorsReader
+from xffl.cli.aggregate import aggregate
+
+runner = CliRunner()
+app = typer.Typer()
+
+
+@app.callback()
+def _root() -> None:
+    """Test-only root, so that `aggregate` is a subcommand as in xffl's app."""
+
+
+app.command()(aggregate)
+
+
+def _t(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((4, 3), value, dtype=np.float32)}
+
+
+def _setup(tmp_path: Path) -> tuple[Path, list[Path]]:
+    g0 = write_checkpoint(tmp_path / "g0", _t(0.0), kind="global", site=None, round=0)
+    parent = read_manifest(g0).digest()
+    ups = [
+        write_checkpoint(tmp_path / s, _t(v), site=s, round=1, parent=parent, num_samples=n)
+        for s, v, n in (("alpha", 1.0, 3), ("beta", 2.0, 1))
+    ]
+    return g0, ups
+
+
+def test_fedavg_text_output(tmp_path: Path) -> None:
+    g0, ups = _setup(tmp_path)
+    out = tmp_path / "g1"
+    args = ["aggregate", "--strategy", "fedavg", "-o", str(out), "--previous", str(g0)]
+    result = runner.invoke(app, [*args, *map(str, ups)])
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output and "fedavg of 2 update(s)" in result.output
+    verify_checkpoint(out)
+    with SafetensorsReader(out / MODEL_FILE) as r:
+        np.testing.assert_allclose(r.read("w"), 1.25)
+
+
+def test_fedadam_json_and_state_files(tmp_path: Path) -> None:
+    g0, ups = _setup(tmp_path)
+    out = tmp_path / "g1"
+    args = [
+        "aggregate",
+        "--strategy",
+        "fedadam",
+        "--param",
+        "eta=0.5",
+        "-o",
+        str(out),
+        "--previous",
+        str(g0),
+        "--round",
+        "1",
+        "--json",
+    ]
+    result = runner.invoke(app, [*args, *map(str, ups)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["global"]["params"]["eta"] == 0.5
+    assert "server_m.safetensors" in report["global"]["files"]
+    assert [u["site"] for u in report["used"]] == ["alpha", "beta"]
+
+
+def test_bad_input_exit_codes(tmp_path: Path) -> None:
+    _, ups = _setup(tmp_path)
+    out = str(tmp_path / "g1")
+    bad_param = runner.invoke(app, ["aggregate", "-o", out, "--param", "eta", str(ups[0])])
+    assert bad_param.exit_code == 2 and "KEY=NUMBER" in bad_param.stderr
+    no_prev = runner.invoke(app, ["aggregate", "--strategy", "fedyogi", "-o", out, str(ups[0])])
+    assert no_prev.exit_code == 2 and "previous global" in no_prev.stderr
+    wrong_round = runner.invoke(app, ["aggregate", "-o", out, "--round", "2", str(ups[0])])
+    assert wrong_round.exit_code == 1 and "no update was accepted" in wrong_round.stderr
+    assert not (tmp_path / "g1").exists()
+
+
+def test_help_ends_with_example() -> None:
+    result = runner.invoke(app, ["aggregate", "--help"])
+    assert result.exit_code == 0
+    assert "xffl aggregate --strategy fedavg -o OUT UPDATE..." in result.output
