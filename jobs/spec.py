@@ -25,10 +25,30 @@ class _Strict(BaseModel):
 
 
 class AggregationSpec(_Strict):
-    """How the coordinator combines the site updates every round."""
+    """How the coordinator combines the site updates every round.
 
-    strategy: Literal["fedavg"] = "fedavg"
+    ``params`` override the strategy's defaults (xffl.aggregator.strategies.DEFAULT_PARAMS),
+    e.g. ``{eta: 0.01}`` for fedadam.
+    """
+
+    strategy: Literal[
+        "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"
+    ] = "fedavg"
     weighting: Literal["samples", "tokens", "uniform"] = "samples"
+    params: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_params(self) -> AggregationSpec:
+        from xffl.aggregator.strategies import DEFAULT_PARAMS
+
+        known = DEFAULT_PARAMS[self.strategy]
+        for key in self.params:
+            if key not in known:
+                allowed = ", ".join(known) or "none"
+                raise ValueError(
+                    f"{self.strategy} has no parameter {key!r} (its parameters: {allowed})"
+                )
+        return self
 
 
 class SiteSpec(_Strict):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
-from xffl.aggregator.fedavg import aggregate
+from xffl.aggregator.strategies import run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.jobs.registry import Registry, RoundRecord, SiteRound
 
@@ -57,9 +57,14 @@ def run_step(args: argparse.Namespace) -> int:
         return 1
     target = Path(args.run_dir) / "rounds" / str(rnd) / "global"
     t0 = time.perf_counter()
-    manifest = aggregate(
-        [d for d, _ in accepted], target, weighting=args.weighting, run_id=args.run_id,
-        round=rnd, parent_digest=previous.digest(),
+    params = {}
+    for pair in args.param:
+        key, _, value = pair.partition("=")
+        params[key] = float(value)
+    run_strategy(
+        args.strategy, [d for d, _ in accepted], Path(args.previous), target,
+        weighting=args.weighting, params=params, run_id=args.run_id, round=rnd,
+        parent_digest=previous.digest(),
     )
     seconds = time.perf_counter() - t0
     _link_tree(target, Path.cwd() / "global")
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--registry", required=True)
     parser.add_argument("--weighting", default="samples")
+    parser.add_argument("--strategy", default="fedavg")
+    parser.add_argument("--param", action="append", default=[], help="KEY=NUMBER")
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)

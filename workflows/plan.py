@@ -20,6 +20,7 @@ import yaml
 
 from xffl.core.paths import xffl_home
 from xffl.jobs.load import LoadedJob
+from xffl.jobs.spec import AggregationSpec
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.config import TrainJob
 
@@ -94,8 +95,10 @@ def train_tool(site: str, profile: SiteProfile, ranks: int, data_path: str) -> d
     }
 
 
-def aggregate_tool(run_id: str, run_dir: Path, registry: Path, weighting: str) -> dict[str, Any]:
+def aggregate_tool(run_id: str, run_dir: Path, registry: Path,
+                   aggregation: AggregationSpec) -> dict[str, Any]:
     """The CommandLineTool that aggregates a round on the coordinator."""
+    params = [f"--param={k}={v!r}" for k, v in sorted(aggregation.params.items())]
     return {
         "cwlVersion": CWL_VERSION,
         "class": "CommandLineTool",
@@ -104,7 +107,7 @@ def aggregate_tool(run_id: str, run_dir: Path, registry: Path, weighting: str) -
         "baseCommand": [sys.executable, "-m", "xffl.workflows.aggregate_step"],
         "arguments": [
             "--run-id", run_id, "--run-dir", str(run_dir), "--registry", str(registry),
-            "--weighting", weighting,
+            "--weighting", aggregation.weighting, "--strategy", aggregation.strategy, *params,
         ],
         "inputs": {
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
@@ -224,7 +227,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
         _dump(out / "tools" / f"train_{site.name}.cwl",
               train_tool(site.name, profile, site.ranks, data_path))
     _dump(out / "tools" / "aggregate.cwl",
-          aggregate_tool(run_id, final, registry, spec.aggregation.weighting))
+          aggregate_tool(run_id, final, registry, spec.aggregation))
     _dump(out / "round.cwl", round_workflow(names))
     _dump(paths.main, main_workflow(names))
     inputs: dict[str, Any] = {

@@ -106,3 +106,13 @@ def test_bad_profile_names_profile_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput) as info:
         load_job(_write(tmp_path, data))
     assert info.value.lines[0].startswith(f"{prof}:2: site profile field launcher:")
+
+
+def test_strategy_params_are_checked(tmp_path: Path) -> None:
+    data = _quickstart()
+    data["aggregation"] = {"strategy": "fedadam", "params": {"eta": 0.01, "beta": 0.5}}
+    with pytest.raises(InvalidInput) as info:
+        load_job(_write(tmp_path, data))
+    assert "aggregation: fedadam has no parameter 'beta'" in info.value.lines[0]
+    data["aggregation"]["params"] = {"eta": 0.01}
+    assert load_job(_write(tmp_path, data)).spec.aggregation.params == {"eta": 0.01}

@@ -51,3 +51,16 @@ def test_staged_plan_points_at_final_dir(tmp_path: Path) -> None:
     assert agg["arguments"][agg["arguments"].index("--run-dir") + 1] == str(final)
     inputs = yaml.safe_load((paths.root / "inputs.yml").read_text())
     assert inputs["model"] == {"class": "Directory", "path": "rounds/0/global"}
+
+
+def test_strategy_reaches_the_aggregate_step(tmp_path: Path) -> None:
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["aggregation"] = {"strategy": "fedyogi", "weighting": "tokens", "params": {"eta": 0.05}}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data))
+    paths = write_plan(load_job(job), "qs-3", tmp_path / "plan", tmp_path / "reg.db")
+    args = yaml.safe_load((paths.root / "tools" / "aggregate.cwl").read_text())["arguments"]
+    assert args[args.index("--strategy") + 1] == "fedyogi"
+    assert args[args.index("--weighting") + 1] == "tokens"
+    assert "--param=eta=0.05" in args
+    validate_cwl(paths.main)
