@@ -79,6 +79,24 @@ def _scontrol_first_host(nodelist: str) -> str | None:
     return out[0] if out else None
 
 
+def node_addr(host: str) -> str:
+    """The address SLURM reaches ``host`` at (its NodeAddr), or ``host`` itself.
+
+    Node names need not resolve in DNS (SLURM maps them with NodeAddr), so the rendezvous
+    address is taken from SLURM's own view of the node.
+    """
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return host
+    try:
+        out = subprocess.run([exe, "show", "node", "-o", host], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return host
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match.group(1) if match else host
+
+
 def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
     """Entry ``node_id`` of a SLURM tasks-per-node list such as "2(x3),1"."""
     counts: list[int] = []
@@ -114,8 +132,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             addr = env["MASTER_ADDR"]
         else:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-            addr = (_scontrol_first_host(nodelist) or first_host(nodelist)) if nodelist else (
-                "127.0.0.1"
+            addr = (
+                node_addr(_scontrol_first_host(nodelist) or first_host(nodelist))
+                if nodelist else "127.0.0.1"
             )
         if "MASTER_PORT" in env:
             port = int(env["MASTER_PORT"])
