@@ -19,12 +19,48 @@ class LocalConnector(_Strict):
     type: Literal["local"] = "local"
 
 
+class SshConnector(_Strict):
+    """The facility's login node, reached over SSH; host keys are always verified."""
+
+    type: Literal["ssh"] = "ssh"
+    host: str
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str | None = None
+    key_file: str | None = Field(default=None, description="identity file; null = ssh-agent")
+    known_hosts: str | None = Field(
+        default=None, description="known_hosts for xffl's own connections (default ~/.ssh)"
+    )
+
+
+class SlurmSpec(_Strict):
+    """SLURM defaults of the facility (a job spec may override them per site)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "01:00:00"
+    nodes: int = Field(default=1, ge=1)
+    ntasks_per_node: int | None = Field(default=None, ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=0)
+    cpus_per_task: int | None = Field(default=None, ge=1)
+    mem: str | None = None
+    constraint: str | None = None
+    extra: list[str] = Field(default_factory=list, description="more #SBATCH options")
+    polling_interval: float = Field(default=5.0, gt=0, description="seconds between squeue polls")
+
+
 class SiteProfile(_Strict):
     """Everything xffl needs to know about a facility, independent of any one job."""
 
     name: str
     description: str = ""
-    connector: LocalConnector = Field(default_factory=LocalConnector)
+    connector: LocalConnector | SshConnector = Field(
+        default_factory=LocalConnector, discriminator="type"
+    )
+    slurm: SlurmSpec | None = Field(default=None, description="set for SLURM facilities")
+    setup: list[str] = Field(
+        default_factory=list, description="shell lines run before training (module load, ...)"
+    )
     launcher: Literal["torchrun", "srun", "none"] = Field(
         default="torchrun", description="how the training ranks are started inside a site job"
     )

@@ -11,6 +11,7 @@ user value can inject into a CWL id, a path or a shell line.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import yaml
 from xffl.core.paths import xffl_home
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import AggregationSpec
-from xffl.site_profiles.schema import SiteProfile
+from xffl.site_profiles.schema import LocalConnector, SiteProfile
 from xffl.training.config import TrainJob
 
 LOOP_NS = "http://commonwl.org/cwltool#"
@@ -183,14 +184,75 @@ def main_workflow(sites: list[str]) -> dict[str, Any]:
     }
 
 
-def streamflow_config(run_id: str, loaded: LoadedJob, run_dir: Path) -> dict[str, Any]:
-    """streamflow.yml: one deployment per site, the train steps bound to them."""
+def batch_template(profile: SiteProfile) -> str:
+    """The batch script StreamFlow submits for a SLURM site (a Jinja2 template for it).
+
+    ``{{streamflow_command}}`` is where StreamFlow puts the step's command; the setup lines
+    and environment come from the site profile, shell-quoted.
+    """
+    lines = ["#!/bin/bash", "# xffl: one federated round at this site (submitted by StreamFlow)",
+             "set -eo pipefail"]
+    lines += list(profile.setup)
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(profile.env.items())]
+    lines += ["{{streamflow_command}}", ""]
+    return "\n".join(lines)
+
+
+def slurm_service(run_id: str, site: str, profile: SiteProfile, ranks: int,
+                  template: Path) -> dict[str, Any]:
+    """sbatch options (StreamFlow's camelCase names) for a site's train job."""
+    slurm = profile.slurm
+    assert slurm is not None
+    service: dict[str, Any] = {"file": str(template), "jobName": f"xffl-{run_id}-{site}",
+                               "nodes": str(slurm.nodes), "ntasks": ranks, "time": slurm.time}
+    optional = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
+                "ntasksPerNode": slurm.ntasks_per_node, "gpusPerNode": slurm.gpus_per_node,
+                "cpusPerTask": slurm.cpus_per_task, "mem": slurm.mem,
+                "constraint": slurm.constraint}
+    service.update({k: v for k, v in optional.items() if v is not None})
+    return service
+
+
+def site_deployments(run_id: str, site: str, profile: SiteProfile, ranks: int,
+                     out: Path, final: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The StreamFlow deployments of one site and the binding target of its train step."""
+    conn = profile.connector
+    if isinstance(conn, LocalConnector):
+        return {f"site-{site}": {"type": "local", "config": {}}}, {"deployment": f"site-{site}"}
+    login: dict[str, Any] = {"nodes": [f"{conn.host}:{conn.port}"], "checkHostKey": True}
+    if conn.user:
+        login["username"] = conn.user
+    if conn.key_file:
+        login["sshKey"] = conn.key_file
+    workdir = site_workdir(profile, site)
+    deployments: dict[str, Any] = {
+        f"login-{site}": {"type": "ssh", "config": login, "workdir": workdir},
+    }
+    if profile.slurm is None:
+        return deployments, {"deployment": f"login-{site}"}
+    template = out / "sbatch" / f"{site}.j2"
+    template.parent.mkdir(parents=True, exist_ok=True)
+    template.write_text(batch_template(profile))
+    deployments[f"slurm-{site}"] = {
+        "type": "slurm", "wraps": f"login-{site}", "workdir": workdir,
+        "config": {
+            "pollingInterval": profile.slurm.polling_interval, "maxConcurrentJobs": 4,
+            "services": {"train": slurm_service(run_id, site, profile, ranks,
+                                                final / "sbatch" / f"{site}.j2")},
+        },
+    }
+    return deployments, {"deployment": f"slurm-{site}", "service": "train"}
+
+
+def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, run_dir: Path) -> dict[str, Any]:
+    """streamflow.yml: the deployments of every site, the train steps bound to them."""
     deployments: dict[str, Any] = {}
     bindings = []
     for site in loaded.spec.sites:
-        deployments[f"site-{site.name}"] = {"type": "local", "config": {}}
-        bindings.append({"step": f"/rounds/train_{site.name}",
-                         "target": {"deployment": f"site-{site.name}"}})
+        deps, target = site_deployments(run_id, site.name, loaded.profiles[site.name],
+                                        site.ranks, out, run_dir)
+        deployments.update(deps)
+        bindings.append({"step": f"/rounds/train_{site.name}", "target": target})
     return {
         "version": "v1.0",
         "workflows": {
@@ -238,5 +300,5 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
     for name in names:
         inputs[f"job_{name}"] = {"class": "File", "path": f"jobs/{name}.json"}
     _dump(paths.inputs, inputs)
-    _dump(paths.streamflow, streamflow_config(run_id, loaded, final))
+    _dump(paths.streamflow, streamflow_config(run_id, loaded, out, final))
     return paths
