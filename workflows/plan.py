@@ -198,6 +198,33 @@ def batch_template(profile: SiteProfile) -> str:
     return "\n".join(lines)
 
 
+def sbatch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str,
+                  final: Path) -> str:
+    """A complete batch script for one round at ``site``, runnable by hand with sbatch."""
+    import jinja2
+
+    slurm = profile.slurm
+    assert slurm is not None
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("xffl.workflows", "templates"),
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
+    )
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    flags = {"--partition": slurm.partition, "--account": slurm.account, "--qos": slurm.qos,
+             "--ntasks-per-node": slurm.ntasks_per_node, "--gpus-per-node": slurm.gpus_per_node,
+             "--cpus-per-task": slurm.cpus_per_task, "--mem": slurm.mem,
+             "--constraint": slurm.constraint}
+    options = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(slurm.extra)
+    return env.get_template("sbatch.sh.j2").render(
+        site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
+        job_name=f"xffl-{run_id}-{site}", slurm=slurm, ranks=ranks, options=options,
+        model=str(final / "rounds" / "0" / "global"), out=str(final / "manual" / site),
+        setup=profile.setup, env=sorted(profile.env.items()), python=_python(profile),
+        launcher=profile.launcher, job_file=str(final / "jobs" / f"{site}.json"),
+        data=data_path,
+    )
+
+
 def slurm_service(run_id: str, site: str, profile: SiteProfile, ranks: int,
                   template: Path) -> dict[str, Any]:
     """sbatch options (StreamFlow's camelCase names) for a site's train job."""
@@ -288,6 +315,12 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
         job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")
         _dump(out / "tools" / f"train_{site.name}.cwl",
               train_tool(site.name, profile, site.ranks, data_path))
+        if profile.slurm is not None:
+            script = out / "sbatch" / f"{site.name}.sh"
+            script.parent.mkdir(parents=True, exist_ok=True)
+            script.write_text(sbatch_script(run_id, site.name, profile, site.ranks, data_path,
+                                            final))
+            script.chmod(0o755)
     _dump(out / "tools" / "aggregate.cwl",
           aggregate_tool(run_id, final, registry, spec.aggregation))
     _dump(out / "round.cwl", round_workflow(names))

@@ -81,3 +81,32 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
     # no key material in the run directory
     assert not any("PRIVATE KEY" in p.read_text(errors="ignore")
                    for p in run_dir.rglob("*") if p.is_file() and p.stat().st_size < 1 << 20)
+
+
+@pytest.mark.slow
+def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    cluster = slurm_stack.clusters["alpha"]
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="byhand", rounds=1)
+    spec["training"]["steps"] = 4
+    spec["sites"] = spec["sites"][:1]
+    spec["sites"][0]["profile"] = _profile(profiles, cluster, slurm_stack)
+    spec["sites"][0]["data"]["path"] = str(tmp_path / "data" / "alpha")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    plan = tmp_path / "plan"
+    result = runner.invoke(app, ["render", str(job), "-o", str(plan)])
+    assert result.exit_code == 0, result.output
+    script = plan / "sbatch" / "alpha.sh"
+    text = script.read_text()
+    assert "#SBATCH --ntasks=2" in text and f"#SBATCH --partition={cluster.partition}" in text
+    assert "--launcher srun" in text
+    # submitted by hand, as a user would, on the login node of cluster alpha
+    out = slurm_stack.ssh("alpha", f"sbatch --wait --parsable {script}", timeout=120)
+    assert out.returncode == 0, out.stderr
+    update = verify_checkpoint(plan / "manual" / "alpha")
+    assert update.kind == "update" and update.site == "alpha" and update.round == 1
+    assert update.parent == verify_checkpoint(plan / "rounds" / "0" / "global").digest()
