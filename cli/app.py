@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli import aggregate, render, runs, status, submit, validate
+from xffl.cli import aggregate, cancel, logs, render, runs, status, submit, validate
 from xffl.cli.common import state
 
 app = typer.Typer(
@@ -33,6 +33,8 @@ app.command()(runs.runs)
 app.command()(render.render)
 app.command()(validate.validate)
 app.command()(aggregate.aggregate)
+app.command()(cancel.cancel)
+app.command()(logs.logs)
 
 
 def main() -> None:

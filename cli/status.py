@@ -9,6 +9,7 @@ from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
+from xffl.jobs.slurm_view import slurm_view
 from xffl.jobs.status import run_status
 
 
@@ -32,6 +33,18 @@ def render_status(data: dict[str, Any]) -> None:
                       _num(rnd["num_samples"]), "", _num(rnd["loss"], "{:.4f}"), "",
                       _num(rnd["aggregate_seconds"], "{:.2f}"), end_section=True)
     console.print(table)
+    if data.get("slurm"):
+        jobs = Table("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s",
+                     title="SLURM jobs")
+        for job in data["slurm"]:
+            state = job["state"] or ("unreachable" if not job["reachable"] else "-")
+            if job["error"]:
+                state += f" ({job['error']})"
+            elif not job["live"] and job["state"] in {"PENDING", "RUNNING", "COMPLETING"}:
+                state += " (last seen)"
+            jobs.add_row(_num(job["round"]), job["site"], job["job_id"] or "-", state,
+                         _num(job["queue_wait_s"], "{:.0f}"), _num(job["run_s"], "{:.0f}"))
+        console.print(jobs)
     if data["latest_global"]:
         console.print(f"latest global model: {data['latest_global']}")
     console.print(f"run directory: {data['run_dir']}")
@@ -41,13 +54,20 @@ def render_status(data: dict[str, Any]) -> None:
 def status(
     run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
     as_json: JsonOpt = False,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Ask SLURM over SSH about a "
+                                       "running run's jobs.")] = True,
 ) -> None:
     """Show a run's state and a rounds x sites table (state, samples, loss, durations).
+
+    For SLURM sites it also shows each round's job id, SLURM state, queue wait and run time,
+    read live over SSH while the run is running (a site that cannot be reached says so).
 
     Example: xffl status quickstart-20261122-051000-a3f9
     """
     registry = Registry()
-    data = run_status(registry, resolve_run(registry, run))
+    record = resolve_run(registry, run)
+    data = run_status(registry, record)
+    data["slurm"] = slurm_view(registry, record, live=live)
     if as_json:
         print_json(data)
     else:

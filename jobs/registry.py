@@ -31,6 +31,11 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
     reason TEXT NOT NULL DEFAULT '', PRIMARY KEY (run_id, round, site)
 );
+CREATE TABLE IF NOT EXISTS slurm_jobs (
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
+    state TEXT NOT NULL, queue_wait_s REAL, run_s REAL, updated REAL NOT NULL,
+    PRIMARY KEY (run_id, round, site, job_id)
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL,
     kind TEXT NOT NULL, message TEXT NOT NULL
@@ -142,7 +147,7 @@ class Registry:
         """Remove every trace of a run (used when submission fails half-way)."""
         with self._db() as db:
             for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
-                               ("events", "run_id")):
+                               ("events", "run_id"), ("slurm_jobs", "run_id")):
                 db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))
 
     def get_run(self, run_id: str) -> RunRecord:
@@ -248,6 +253,25 @@ class Registry:
                         sites=by_round.get(r["round"], []))
             for r in rows
         ]
+
+    def record_slurm_job(self, run_id: str, rnd: int, site: str, job_id: str, state: str,
+                         queue_wait_s: float | None, run_s: float | None) -> None:
+        """Store what SLURM last said about one site's job in one round."""
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO slurm_jobs (run_id, round, site, job_id, state,"
+                " queue_wait_s, run_s, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, rnd, site, job_id, state, queue_wait_s, run_s, time.time()),
+            )
+
+    def slurm_jobs(self, run_id: str) -> list[dict[str, Any]]:
+        """Every SLURM job recorded for a run, by round and site."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT round, site, job_id, state, queue_wait_s, run_s, updated FROM slurm_jobs"
+                " WHERE run_id = ? ORDER BY round, site, updated", (run_id,)
+            ).fetchall()
+        return [dict(r) for r in rows]
 
     def events(self, run_id: str) -> list[tuple[float, str, str]]:
         """The run's event log: (time, kind, message)."""

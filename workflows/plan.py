@@ -334,4 +334,9 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
         inputs[f"job_{name}"] = {"class": "File", "path": f"jobs/{name}.json"}
     _dump(paths.inputs, inputs)
     _dump(paths.streamflow, streamflow_config(run_id, loaded, out, final))
+    # the resolved site profiles, for `xffl status/cancel/logs` to reach the sites (no secrets:
+    # key_file is a path)
+    (out / "profiles.json").write_text(json.dumps(
+        {s.name: loaded.profiles[s.name].model_dump(mode="json") for s in spec.sites},
+        indent=2) + "\n")
     return paths

@@ -1,0 +1,46 @@
+"""`xffl cancel`: stop a run, its runner and its jobs at every SLURM site."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json, resolve_run
+from xffl.core.errors import ExitCode
+from xffl.jobs.cancel import cancel_run
+from xffl.jobs.registry import Registry
+
+
+@handle_errors
+def cancel(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Cancel a run: stop its runner, scancel its job at every SLURM site and check with
+    squeue (up to 10 s) that none is left; the run is then marked cancelled.
+
+    A run that already finished is left as it is (exit 0). When a site cannot be reached the
+    run is still marked cancelled here (its runner is stopped) and the command exits 3: the
+    message names the job to scancel at that site by hand.
+
+    Example: xffl cancel quickstart-20261122-051000-a3f9
+    """
+    registry = Registry()
+    record = resolve_run(registry, run)
+    result = cancel_run(registry, record)
+    final = registry.get_run(record.id)
+    if as_json:
+        print_json({**asdict(result), "message": final.message})
+    elif result.already_finished:
+        console.print(f"run {record.id} already {result.state}: nothing to cancel")
+    else:
+        console.print(f"run {record.id} cancelled"
+                      + (f" (SLURM jobs cancelled at {', '.join(result.cancelled_sites)})"
+                         if result.cancelled_sites else ""))
+        for site, why in sorted(result.unreachable.items()):
+            err_console.print(f"[red]error:[/red] site {site} unreachable: {why}; "
+                              f"{final.message}", soft_wrap=True)
+    if result.unreachable:
+        raise typer.Exit(int(ExitCode.CONNECTION))

@@ -1,0 +1,143 @@
+"""`xffl logs`: the output of a run: its runner and workflow logs, or one site's training job."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.core.errors import ConnectionFailed, InvalidInput
+from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.slurm_view import SiteUnreachable, job_name, load_profiles, ssh_run
+
+_EXEC = re.compile(r"EXECUTING step (?P<step>\S+) \(job (?P<job>\S+)\) .* into directory "
+                   r"(?P<dir>\S+?):?$")
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` lines of ``path`` (none if it does not exist)."""
+    if not path.is_file():
+        return []
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def step_runs(log: Path, site: str) -> list[dict[str, str]]:
+    """Every execution of ``site``'s train step in streamflow.log, in order (one per round)."""
+    runs = []
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            m = _EXEC.search(line)
+            if m and m["step"].rsplit("/", 1)[-1] == f"train_{site}":
+                runs.append({"job": m["job"], "dir": m["dir"]})
+    return runs
+
+
+def local_step_lines(log: Path, site: str, job: str, rnd: int) -> list[str]:
+    """The lines of streamflow.log about one execution of a site's train step."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    out: list[str] = []
+    inside = False
+    for line in lines:
+        if _STAMP.match(line):
+            inside = False
+            if job in line:
+                out.append(line)
+                inside = True
+                continue
+            try:
+                payload = json.loads(line.split(None, 3)[3])
+            except (IndexError, ValueError):
+                continue
+            if isinstance(payload, dict) and payload.get("site") == site \
+                    and payload.get("round") == rnd:
+                out.append(line)
+        elif inside:
+            out.append(line)
+    return out
+
+
+def slurm_step_output(run: RunRecord, site: str, step_dir: str | None) -> list[str]:
+    """The SLURM job's stdout: slurm-<id>.out in the step's directory, else StdOut= of scontrol."""
+    profile = load_profiles(Path(run.run_dir))[site]
+    try:
+        if step_dir:
+            rc, out, _ = ssh_run(profile, f"cat {shlex.quote(step_dir)}/slurm-*.out")
+            if rc == 0:
+                return out.splitlines()
+        name = shlex.quote(job_name(run.id, site))
+        rc, out, _ = ssh_run(
+            profile, f"for j in $(squeue -h -n {name} -o %i); do scontrol show -o job $j; done")
+        paths = re.findall(r"StdOut=(\S+)", out)
+        if rc == 0 and paths:
+            rc, out, _ = ssh_run(profile, f"cat {shlex.quote(paths[-1])}")
+            if rc == 0:
+                return out.splitlines()
+    except SiteUnreachable as exc:
+        raise ConnectionFailed(f"site {site} cannot be reached: {exc}") from None
+    return []
+
+
+def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> dict[str, Any]:
+    """The log lines `xffl logs` shows, as a dict."""
+    root = Path(run.run_dir)
+    sf_log = root / "streamflow.log"
+    if site is None:
+        return {"run": run.id, "runner_log": tail(root / "runner.log", lines),
+                "streamflow_log": tail(sf_log, lines)}
+    if site not in run.sites:
+        raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
+    executions = step_runs(sf_log, site)
+    if not executions:
+        raise InvalidInput(f"site {site} has not started training in run {run.id} yet")
+    index = (rnd if rnd is not None else len(executions)) - 1
+    if not 0 <= index < len(executions):
+        raise InvalidInput(f"site {site} ran {len(executions)} round(s) in run {run.id}; "
+                           f"no round {rnd}")
+    execution = executions[index]
+    profile = load_profiles(root).get(site)
+    if profile is not None and profile.slurm is not None and profile.connector.type == "ssh":
+        source = "slurm"
+        out = slurm_step_output(run, site, execution["dir"])
+    else:
+        source = "streamflow.log"
+        out = local_step_lines(sf_log, site, execution["job"], index + 1)
+    return {"run": run.id, "site": site, "round": index + 1, "source": source,
+            "directory": execution["dir"], "lines": out[-lines:]}
+
+
+@handle_errors
+def logs(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    site: Annotated[str | None, typer.Option("--site", help="Show this site's training job "
+                                             "output.")] = None,
+    rnd: Annotated[int | None, typer.Option("--round", min=1, help="Round (default: the "
+                                            "latest one the site ran).")] = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=1, help="At most this many lines "
+                                       "per log.")] = 200,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a run's output: without --site, the tails of runner.log and streamflow.log; with
+    --site, that site's training job output (a SLURM site's job stdout, read over SSH).
+
+    Example: xffl logs last --site alpha --round 1
+    """
+    registry = Registry()
+    data = collect(resolve_run(registry, run), site, rnd, lines)
+    if as_json:
+        print_json(data)
+        return
+    if site is None:
+        for key, title in (("runner_log", "runner.log"), ("streamflow_log", "streamflow.log")):
+            console.print(f"[bold]== {title} ==[/bold]")
+            for line in data[key]:
+                console.print(line, markup=False, soft_wrap=True)
+        return
+    console.print(f"[bold]== {data['site']} round {data['round']} ({data['source']}) ==[/bold]")
+    for line in data["lines"]:
+        console.print(line, markup=False, soft_wrap=True)

@@ -1,0 +1,98 @@
+"""`xffl status/cancel/logs` without a cluster: unreachable sites, finished runs, local logs."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from xffl.cli import cancel, logs, status
+from xffl.jobs.registry import Registry, RoundRecord, SiteRound
+
+app = typer.Typer()
+app.command()(status.status)
+app.command()(cancel.cancel)
+app.command()(logs.logs)
+runner = CliRunner()
+
+SF_LOG = """\
+2026-11-22 06:23:58,227 INFO     EXECUTING step /rounds/train_alpha (job /rounds/train_alpha/0.0) \
+locally into directory /tmp/x/d56b:
+\t/usr/bin/python \\
+\t-m xffl.training.launch
+2026-11-22 06:23:58,228 INFO     EXECUTING step /rounds/train_beta (job /rounds/train_beta/0.0) \
+locally into directory /tmp/x/92d7:
+\t/usr/bin/python
+2026-11-22 06:24:13,078 INFO     {"site": "beta", "round": 1, "num_samples": 512}
+2026-11-22 06:24:13,154 INFO     {"site": "alpha", "round": 1, "num_samples": 768}
+"""
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(tmp_path: Path, slurm_alpha: bool) -> tuple[Registry, str]:
+    registry = Registry()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    profiles = {"alpha": {"name": "a"}, "beta": {"name": "b"}}
+    if slurm_alpha:
+        profiles["alpha"] = {
+            "name": "a", "slurm": {"partition": "debug"},
+            "connector": {"type": "ssh", "host": "127.0.0.1", "port": _closed_port(),
+                          "known_hosts": str(tmp_path / "none")}}
+    (run_dir / "profiles.json").write_text(json.dumps(profiles))
+    (run_dir / "streamflow.log").write_text(SF_LOG)
+    (run_dir / "runner.log").write_text("runner says hello\n")
+    registry.create_run("r1", "r", tmp_path / "job.yaml", run_dir, 2, ["alpha", "beta"])
+    registry.set_state("r1", "running", "runner started")
+    registry.start_round("r1", 1, ["alpha", "beta"])
+    return registry, "r1"
+
+
+def test_status_and_cancel_with_unreachable_site(tmp_path: Path) -> None:
+    registry, run_id = _run(tmp_path, slurm_alpha=True)
+    result = runner.invoke(app, ["status", run_id, "--json"])
+    assert result.exit_code == 0, result.output
+    (job,) = json.loads(result.stdout)["slurm"]
+    assert job["site"] == "alpha" and job["reachable"] is False and job["round"] == 1
+    text = runner.invoke(app, ["status", run_id])
+    assert text.exit_code == 0 and "unreachable" in text.stdout
+
+    result = runner.invoke(app, ["cancel", run_id])
+    assert result.exit_code == 3, result.output
+    run = registry.get_run(run_id)
+    assert run.state == "cancelled" and "xffl-r1-alpha" in run.message
+    (rnd,) = registry.rounds(run_id)
+    assert rnd.state == "cancelled" and {s.state for s in rnd.sites} == {"cancelled"}
+
+
+def test_cancel_finished_run_is_a_no_op(tmp_path: Path) -> None:
+    registry, run_id = _run(tmp_path, slurm_alpha=False)
+    registry.finish_round(run_id, RoundRecord(round=1, state="completed",
+                                              sites=[SiteRound("alpha", "completed")]))
+    registry.set_state(run_id, "completed", "done")
+    result = runner.invoke(app, ["cancel", run_id])
+    assert result.exit_code == 0 and "already completed" in result.stdout
+    assert registry.get_run(run_id).state == "completed"
+
+
+def test_logs_of_local_sites(tmp_path: Path) -> None:
+    _, run_id = _run(tmp_path, slurm_alpha=False)
+    result = runner.invoke(app, ["logs", run_id])
+    assert result.exit_code == 0 and "runner says hello" in result.stdout
+    result = runner.invoke(app, ["logs", run_id, "--site", "beta", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["source"] == "streamflow.log" and data["round"] == 1
+    assert data["directory"] == "/tmp/x/92d7"
+    text = "\n".join(data["lines"])
+    assert '"site": "beta"' in text and "train_beta" in text and "train_alpha" not in text
+    assert runner.invoke(app, ["logs", run_id, "--site", "gamma"]).exit_code == 2
+    assert runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "2"]).exit_code == 2

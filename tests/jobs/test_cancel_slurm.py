@@ -1,0 +1,156 @@
+"""Status, cancel and logs of runs at two SLURM facilities (the real test stack)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.cli import cancel, logs, status, submit
+from xffl.jobs.registry import Registry
+from xffl.jobs.slurm_view import parse_squeue
+
+app = typer.Typer()
+app.command()(submit.submit)
+app.command()(status.status)
+app.command()(cancel.cancel)
+app.command()(logs.logs)
+runner = CliRunner()
+
+
+def _profile(folder: Path, cluster, stack, setup: list[str]) -> str:  # type: ignore[no-untyped-def]
+    name = f"test-{cluster.name}"
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump({
+        "name": name,
+        "connector": {"type": "ssh", "host": "127.0.0.1", "port": cluster.ssh_port,
+                      "user": stack.user, "key_file": stack.ssh_key,
+                      "known_hosts": stack.known_hosts},
+        "slurm": {"partition": cluster.partition, "time": "00:10:00", "polling_interval": 1},
+        "launcher": "srun",
+        "python": sys.executable,
+        "workdir": cluster.work_dir,
+        "setup": setup,
+        "env": {"OMP_NUM_THREADS": "1"},
+    }))
+    return name
+
+
+def _job(tmp_path: Path, stack, name: str, setup: list[str]) -> Path:  # type: ignore[no-untyped-def]
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir(exist_ok=True)
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name=name, rounds=1)
+    spec["training"]["steps"] = 4
+    for site in spec["sites"]:
+        site["profile"] = _profile(profiles, stack.clusters[site["name"]], stack, setup)
+        site["data"]["path"] = str(tmp_path / "data" / site["name"])
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return job
+
+
+def _squeue(stack, cluster: str, name: str) -> list[str]:  # type: ignore[no-untyped-def]
+    out = stack.ssh(cluster, f"squeue -h -n {name} -o '%i|%T'", timeout=20)
+    assert out.returncode == 0, out.stderr
+    return [ln for ln in out.stdout.splitlines() if ln.strip()]
+
+
+def test_parse_squeue() -> None:
+    text = ("2026-11-22T07:00:10\n12|RUNNING|2026-11-22T07:00:00|2026-11-22T07:00:02|0:08\n"
+            "13|PENDING|2026-11-22T07:00:05|N/A|0:00\n")
+    running, pending = parse_squeue("alpha", 1, text)
+    assert (running.job_id, running.state, running.queue_wait_s, running.run_s) == \
+        ("12", "RUNNING", 2.0, 8.0)
+    assert (pending.state, pending.queue_wait_s) == ("PENDING", 5.0)
+
+
+@pytest.mark.slow
+def test_status_then_cancel_running_slurm_run(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    job = _job(tmp_path, slurm_stack, "cancelme", ["sleep 300"])
+    result = runner.invoke(app, ["submit", str(job), "--json"])
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(result.stdout)["run"]
+    names = {c: f"xffl-{run_id}-{c}" for c in ("alpha", "beta")}
+    try:
+        _cancel_scenario(slurm_stack, run_id, names)
+    finally:  # never leave a 300 s job holding the test clusters' CPUs
+        for c, n in names.items():
+            slurm_stack.ssh(c, f"scancel -n {n}", timeout=20)
+        record = Registry().get_run(run_id)
+        if record.runner_pid and not record.finished:
+            pid = record.runner_pid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _cancel_scenario(slurm_stack, run_id: str, names: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 40
+    while not all(any(ln.endswith("|RUNNING") for ln in _squeue(slurm_stack, c, n))
+                  for c, n in names.items()):
+        assert time.monotonic() < deadline, "the jobs did not start RUNNING in 40 s"
+        time.sleep(0.5)
+
+    result = runner.invoke(app, ["status", run_id, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["state"] == "running"
+    by_site = {j["site"]: j for j in data["slurm"]}
+    assert set(by_site) == {"alpha", "beta"}
+    for c, j in by_site.items():
+        assert j["state"] == "RUNNING" and j["round"] == 1 and j["reachable"]
+        assert _squeue(slurm_stack, c, names[c])[0].split("|")[0] == j["job_id"]
+    pid = data["runner_pid"]
+    assert pid
+
+    started = time.monotonic()
+    result = runner.invoke(app, ["cancel", run_id])
+    assert result.exit_code == 0, result.output
+    for c, n in names.items():
+        while _squeue(slurm_stack, c, n):
+            assert time.monotonic() - started < 10, f"{n} still in squeue"
+            time.sleep(0.3)
+    with pytest.raises(ChildProcessError):  # reaped by cancel (the runner is our child here)
+        os.waitpid(pid, os.WNOHANG)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    data = json.loads(runner.invoke(app, ["status", run_id, "--json"]).stdout)
+    assert data["state"] == "cancelled"
+    assert {s["state"] for r in data["rounds"] for s in r["sites"]} == {"cancelled"}
+    # cancelling again: nothing to do, exit 0
+    again = runner.invoke(app, ["cancel", run_id])
+    assert again.exit_code == 0 and "already cancelled" in again.stdout
+
+
+@pytest.mark.slow
+def test_logs_of_completed_slurm_run(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    job = _job(tmp_path, slurm_stack, "logsme", [])
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "120"])
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(result.stdout)["id"]
+    assert json.loads(result.stdout)["state"] == "completed"
+
+    result = runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["source"] == "slurm" and data["round"] == 1
+    records = [json.loads(ln) for ln in data["lines"] if ln.startswith("{")]
+    assert any(r.get("site") == "beta" and "num_samples" in r for r in records), data
+
+    result = runner.invoke(app, ["logs", run_id])
+    assert result.exit_code == 0 and "streamflow.log" in result.stdout
+    result = runner.invoke(app, ["logs", run_id, "--site", "alpha", "--round", "2"])
+    assert result.exit_code == 2
