@@ -64,7 +64,7 @@ def test_render_writes_plan(tmp_path: Path) -> None:
 
 
 def test_every_command_help_has_an_example() -> None:
-    for cmd in ["submit", "status", "runs", "render", "validate", "aggregate"]:
+    for cmd in ["submit", "status", "runs", "render", "validate", "aggregate", "cancel", "logs"]:
         result = runner.invoke(app, [cmd, "--help"])
         assert result.exit_code == 0
         assert "Example: xffl " + cmd in result.output
