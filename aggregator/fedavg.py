@@ -7,7 +7,9 @@ VMs they cost less CPU than faulting in memmapped pages); the caller's thread ac
 to the model's dtype; a writer thread hashes and writes the result. Updates are visited in
 a canonical order (site name, then digest), so the result is bitwise independent of the
 order passed in. Memory stays near two slices per update plus two output slices, whatever
-the model size (a slice is SLICE_ELEMENTS elements: 8 MiB of fp32).
+the model size and the number of updates: the slices of all updates together hold
+READ_BUDGET_ELEMENTS elements (32 MiB of fp32), so a slice shrinks as updates are added
+(at most SLICE_ELEMENTS, at least MIN_SLICE_ELEMENTS elements per update).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from xffl.core.errors import CheckpointError, InvalidInput
 Weighting = Literal["samples", "tokens", "uniform"]
 WEIGHTINGS: tuple[str, ...] = ("samples", "tokens", "uniform")
 
-SLICE_ELEMENTS = 1 << 21  # elements per slice (8 MiB of fp32 per update)
+SLICE_ELEMENTS = 1 << 21  # most elements per slice (8 MiB of fp32 per update)
+READ_BUDGET_ELEMENTS = 1 << 23  # elements of one slice of every update together (32 MiB fp32)
+MIN_SLICE_ELEMENTS = 1 << 16  # fewest elements per slice, however many updates
 BLOCK_ELEMENTS = 1 << 17  # elements per accumulation block (fits in L2/L3)
 FLUSH_BYTES = 64 << 20  # start writeback of the output every this many bytes
 
@@ -212,11 +216,24 @@ class _Averager:
             _store(acc, dtype, out[lo:hi], f32)
 
 
+def slice_elements(count: int) -> int:
+    """Elements per slice when reading ``count`` updates: a fixed total, split between them.
+
+    Keeps the input buffers (two slots of ``count`` slices) the same size whatever the number
+    of updates, down to MIN_SLICE_ELEMENTS per update; never more than SLICE_ELEMENTS. The
+    result does not depend on it: every element is averaged on its own.
+    """
+    share = READ_BUDGET_ELEMENTS // max(1, count)
+    share -= share % MIN_SLICE_ELEMENTS
+    return max(1, min(SLICE_ELEMENTS, max(MIN_SLICE_ELEMENTS, share)))
+
+
 class _SliceBuffers:
     """Reusable slice-sized buffers: ``count`` per (dtype, slot), two slots to alternate."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, size: int) -> None:
         self.count = count
+        self.size = size
         self._bufs: dict[tuple[str, int], list[Array]] = {}
 
     def get(self, dtype: str, slot: int) -> list[Array]:
@@ -224,7 +241,7 @@ class _SliceBuffers:
         key = (dtype, slot)
         if key not in self._bufs:
             dt = STORAGE_DTYPES[dtype]
-            self._bufs[key] = [np.empty(SLICE_ELEMENTS, dtype=dt) for _ in range(self.count)]
+            self._bufs[key] = [np.empty(self.size, dtype=dt) for _ in range(self.count)]
         return self._bufs[key]
 
 
@@ -240,13 +257,14 @@ def _write_average(
     weights = [u.weight for u in active]
     total = math.fsum(weights)
     entries = [(t.name, t.dtype, t.shape) for t in layout]
+    step = slice_elements(len(active))
     slices = [
-        (t, lo, min(lo + SLICE_ELEMENTS, math.prod(t.shape)))
+        (t, lo, min(lo + step, math.prod(t.shape)))
         for t in layout
-        for lo in range(0, max(1, math.prod(t.shape)), SLICE_ELEMENTS)  # empty tensors: one
+        for lo in range(0, max(1, math.prod(t.shape)), step)  # empty tensors: one
     ]
     averager = _Averager()
-    inputs, outputs = _SliceBuffers(len(active)), _SliceBuffers(1)
+    inputs, outputs = _SliceBuffers(len(active), step), _SliceBuffers(1, step)
 
     def load(k: int) -> list[Array]:
         t, lo, hi = slices[k]

@@ -13,6 +13,7 @@ and reports wall time and peak RSS (the child's VmHWM: its whole footprint, impo
 
     python bench/aggregate/run.py --updates 4            # 4 GiB of inputs
     python bench/aggregate/run.py --tensor-mib 4 --tensors 4   # a quick run
+    python bench/aggregate/run.py --updates 4,8 --modes floor,xffl   # RSS vs update count
 """
 
 from __future__ import annotations
@@ -187,7 +188,11 @@ def measure(mode: str, dirs: list[Path], out: Path, warm: bool) -> dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     """Generate the updates, measure every mode, print the table and the ratios."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--updates", type=int, default=4)
+    p.add_argument(
+        "--updates",
+        default="4",
+        help="number of updates; a comma-separated list (4,8) runs each and compares them",
+    )
     p.add_argument("--tensor-mib", type=int, default=64)
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument(
@@ -209,6 +214,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, args.inputs, args.out)))
         return 0
 
+    counts = [int(n) for n in str(args.updates).split(",") if n.strip()]
+    if args.reuse:
+        counts = counts[:1]
+    summary: dict[int, dict[str, dict[str, Any]]] = {}
+    for n in counts:
+        if len(counts) > 1:
+            print(f"== {n} updates", flush=True)
+        args.updates = n
+        results = run(args)
+        summary[args.updates] = results
+    if len(summary) > 1:
+        compare(summary)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Generate (or reuse) args.updates updates, measure every mode, print the table."""
     update_bytes = args.tensors * args.tensor_mib * MiB
     if args.reuse:
         base = args.reuse
@@ -259,7 +281,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {base}")
         else:
             shutil.rmtree(base, ignore_errors=True)
-    return 0
+    return results
+
+
+def compare(summary: dict[int, dict[str, dict[str, Any]]]) -> None:
+    """One line per measure comparing the runs with different numbers of updates."""
+    counts = sorted(summary)
+    have = [n for n in counts if "xffl" in summary[n]]
+    if len(have) < 2:
+        return
+    rss = ", ".join(f"{n} updates {summary[n]['xffl']['peak_rss_mib']:.0f} MiB" for n in have)
+    first, last = summary[have[0]]["xffl"], summary[have[-1]]["xffl"]
+    print(
+        f"xffl peak RSS by number of updates: {rss} "
+        f"({last['peak_rss_mib'] - first['peak_rss_mib']:+.0f} MiB from {have[0]} to {have[-1]})"
+    )
+    ratios = [
+        f"{n} updates {summary[n]['xffl']['wall_s'] / summary[n]['floor']['wall_s']:.2f}"
+        for n in have
+        if "floor" in summary[n]
+    ]
+    if ratios:
+        print(f"xffl time / I/O floor by number of updates: {', '.join(ratios)}")
 
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:

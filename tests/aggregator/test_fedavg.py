@@ -201,3 +201,23 @@ def test_empty_and_scalar_tensors(make_update: Any, tmp_path: Path) -> None:
     aggregate([a, b], tmp_path / "g", weighting="uniform")
     out = load_np(str(tmp_path / "g" / MODEL_FILE))
     assert out["e"].shape == (0, 3) and out["s"].shape == () and float(out["s"]) == 2.5
+
+
+def test_read_buffers_do_not_grow_with_the_number_of_updates() -> None:
+    budget = fedavg.READ_BUDGET_ELEMENTS
+    for n in (4, 8, 16, 32):
+        assert n * fedavg.slice_elements(n) == budget
+    assert fedavg.slice_elements(1) == fedavg.SLICE_ELEMENTS  # capped
+    assert fedavg.slice_elements(10**6) == fedavg.MIN_SLICE_ELEMENTS  # floored
+
+
+def test_result_is_independent_of_the_read_budget(
+    make_update: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dirs, _ = _fp32_updates(make_update)
+    aggregate(dirs, tmp_path / "a")
+    monkeypatch.setattr(fedavg, "READ_BUDGET_ELEMENTS", 150)
+    monkeypatch.setattr(fedavg, "MIN_SLICE_ELEMENTS", 16)
+    aggregate(dirs, tmp_path / "b")
+    a, b = ((tmp_path / d / MODEL_FILE).read_bytes() for d in "ab")
+    assert a == b
