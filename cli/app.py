@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli import aggregate, cancel, logs, render, runs, status, submit, validate
+from xffl.cli import aggregate, cancel, logs, render, runs, sites, status, submit, validate
 from xffl.cli.common import state
 
 app = typer.Typer(
@@ -35,6 +35,7 @@ app.command()(validate.validate)
 app.command()(aggregate.aggregate)
 app.command()(cancel.cancel)
 app.command()(logs.logs)
+app.add_typer(sites.app, name="sites")
 
 
 def main() -> None:

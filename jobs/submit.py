@@ -9,6 +9,7 @@ from pathlib import Path
 from xffl.core.paths import registry_path, runs_dir
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.registry import Registry, RunRecord, new_run_id
+from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan import write_plan
 from xffl.workflows.runner import spawn
 
@@ -44,6 +45,7 @@ def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Pat
 def submit(job_path: Path, name: str | None = None) -> Submitted:
     """Validate ``job_path``, create the run and start its detached runner."""
     loaded = load_job(job_path)
+    preflight(loaded.profiles)  # host keys and logins of every SSH site, before any write
     registry_file = registry_path()
     registry = Registry(registry_file)
     run_id = new_run_id(name or loaded.spec.name)

@@ -1,0 +1,85 @@
+"""`xffl sites`: list, show and check the site profiles."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+import yaml
+from rich.table import Table
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.core.errors import ExitCode
+from xffl.site_profiles.lookup import available, find_profile, load_profile_file
+from xffl.site_profiles.remote import check_site
+from xffl.site_profiles.schema import SshConnector
+
+app = typer.Typer(help="List, show and check site profiles.", no_args_is_help=True)
+
+NameArg = Annotated[str, typer.Argument(help="Profile name (file NAME.yaml).")]
+
+
+@app.command("list")
+@handle_errors
+def list_sites(json_out: JsonOpt = False) -> None:
+    """List the site profiles xffl can find, with where each one comes from.
+
+    Example: xffl sites list
+    """
+    rows = []
+    for name, path in sorted(available().items()):
+        profile = load_profile_file(path)
+        conn = profile.connector
+        rows.append({
+            "name": name, "connector": conn.type,
+            "host": f"{conn.host}:{conn.port}" if isinstance(conn, SshConnector) else "",
+            "scheduler": "slurm" if profile.slurm else "none",
+            "partition": (profile.slurm.partition or "") if profile.slurm else "",
+            "source": str(path),
+        })
+    if json_out:
+        print_json(rows)
+        return
+    table = Table("name", "connector", "host", "scheduler", "partition", "source")
+    for r in rows:
+        table.add_row(*(r[k] for k in ("name", "connector", "host", "scheduler", "partition",
+                                       "source")))
+    console.print(table)
+
+
+@app.command("show")
+@handle_errors
+def show(name: NameArg, json_out: JsonOpt = False) -> None:
+    """Print one site profile as YAML (or JSON).
+
+    Example: xffl sites show leonardo
+    """
+    data = find_profile(name).model_dump(mode="json")
+    if json_out:
+        print_json(data)
+    else:
+        console.print(yaml.safe_dump(data, sort_keys=False), end="", markup=False)
+
+
+@app.command("check")
+@handle_errors
+def check(name: NameArg, json_out: JsonOpt = False) -> None:
+    """Check a site: SSH login (host key verified), SLURM, partition, workdir, remote xffl.
+
+    Exit 0 when every check passes, 3 when the connection, login or host key fails, 1 when
+    connected but a check failed.
+
+    Example: xffl sites check leonardo
+    """
+    result = check_site(name, find_profile(name))
+    if json_out:
+        print_json(result.as_dict())
+    else:
+        table = Table("check", "ok", "detail", title=f"site {name}")
+        for row, ok, detail in result.rows:
+            table.add_row(row, "[green]yes[/green]" if ok else "[red]NO[/red]", detail)
+        console.print(table)
+    if not result.connected:
+        raise typer.Exit(int(ExitCode.CONNECTION))
+    if not result.ok:
+        raise typer.Exit(int(ExitCode.RUN_FAILED))

@@ -1,0 +1,113 @@
+"""`xffl sites` and `xffl submit`'s preflight, through a local Typer app, on the real stack."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from tests.site_profiles.test_remote import (
+    other_host_known_hosts,
+    write_profile,
+    wrong_known_hosts,
+)
+from xffl.cli import sites
+from xffl.cli.submit import submit
+
+app = typer.Typer()
+app.add_typer(sites.app, name="sites")
+app.command("submit")(submit)
+runner = CliRunner()
+
+
+def test_list_json() -> None:
+    result = runner.invoke(app, ["sites", "list", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert {"local", "leonardo", "karolina", "lumi"} <= set(rows)
+    assert rows["leonardo"]["host"] == "login.leonardo.cineca.it:22"
+    assert rows["leonardo"]["partition"] == "boost_usr_prod"
+    assert rows["local"]["connector"] == "local"
+    plain = runner.invoke(app, ["sites", "list"])
+    assert plain.exit_code == 0 and "karolina" in plain.stdout
+
+
+def test_show() -> None:
+    result = runner.invoke(app, ["sites", "show", "leonardo"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout)["connector"]["host"] == "login.leonardo.cineca.it"
+    as_json = runner.invoke(app, ["sites", "show", "lumi", "--json"])
+    assert json.loads(as_json.stdout)["slurm"]["partition"] == "standard-g"
+    missing = runner.invoke(app, ["sites", "show", "leonard"])
+    assert missing.exit_code == 2 and "leonardo" in missing.output
+
+
+def test_check_local() -> None:
+    result = runner.invoke(app, ["sites", "check", "local", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["ok"] is True
+
+
+@pytest.mark.slow
+def test_check_alpha(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    write_profile(tmp_path / "site_profiles", slurm_stack)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["sites", "check", "test-alpha"])
+    assert result.exit_code == 0, result.output
+    assert "NO" not in result.stdout
+    as_json = runner.invoke(app, ["sites", "check", "test-alpha", "--json"])
+    data = json.loads(as_json.stdout)
+    assert data["ok"] and len(data["checks"]) == 5
+
+
+@pytest.mark.slow
+def test_check_partition_missing(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_profile(tmp_path / "site_profiles", slurm_stack)
+    doc = yaml.safe_load(path.read_text())
+    doc["slurm"]["partition"] = "nosuchpartition"
+    path.write_text(yaml.safe_dump(doc))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["sites", "check", "test-alpha", "--json"])
+    assert result.exit_code == 1, result.output
+    failed = [c["check"] for c in json.loads(result.stdout)["checks"] if not c["ok"]]
+    assert failed == ["partition"]
+
+
+@pytest.mark.slow
+def test_changed_host_key_exit_3(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                                 monkeypatch: pytest.MonkeyPatch, xffl_home: Path) -> None:
+    kh = wrong_known_hosts(tmp_path / "kh", slurm_stack.clusters["alpha"].ssh_port)
+    write_profile(tmp_path / "site_profiles", slurm_stack, known_hosts=kh)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["sites", "check", "test-alpha"])
+    assert result.exit_code == 3, result.output
+    assert "host key" in result.output
+
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["sites"] = spec["sites"][:1]
+    spec["sites"][0]["profile"] = "test-alpha"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job)])
+    assert result.exit_code == 3, result.output
+    assert "host key" in result.output
+    runs = xffl_home / "runs"
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+@pytest.mark.slow
+def test_unknown_host_exit_3(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    kh = other_host_known_hosts(tmp_path / "kh")
+    write_profile(tmp_path / "site_profiles", slurm_stack, known_hosts=kh)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["sites", "check", "test-alpha"])
+    assert result.exit_code == 3, result.output
+    assert "known_hosts" in result.output
