@@ -15,7 +15,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from xffl.core.errors import ConnectionFailed
 from xffl.jobs.registry import Registry, RunRecord
+from xffl.site_profiles import remote
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0
@@ -50,34 +52,20 @@ def ssh_run(profile: SiteProfile, command: str,
             timeout: float = SSH_TIMEOUT) -> tuple[int, str, str]:
     """Run ``command`` on the site's login node: (exit status, stdout, stderr).
 
-    Host keys are verified against the profile's known_hosts (or ~/.ssh/known_hosts) and
-    unknown hosts are rejected. Raises SiteUnreachable when the site cannot be reached.
+    The connection is site_profiles.remote's (host keys always verified); any failure to
+    reach the site becomes SiteUnreachable, so callers can show it instead of crashing.
     """
-    import paramiko
-
-    conn = profile.connector
-    assert isinstance(conn, SshConnector)
-    client = paramiko.SSHClient()
     try:
-        known = Path(conn.known_hosts).expanduser() if conn.known_hosts else \
-            Path("~/.ssh/known_hosts").expanduser()
-        if known.is_file():
-            client.load_host_keys(str(known))
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        client.connect(
-            conn.host, port=conn.port, username=conn.user,
-            key_filename=str(Path(conn.key_file).expanduser()) if conn.key_file else None,
-            look_for_keys=False, allow_agent=conn.key_file is None,
-            timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-        )
-        _, out, err = client.exec_command(command, timeout=timeout)
-        stdout = out.read().decode(errors="replace")
-        stderr = err.read().decode(errors="replace")
-        return out.channel.recv_exit_status(), stdout, stderr
-    except (OSError, paramiko.SSHException, EOFError) as exc:
-        raise SiteUnreachable(f"{conn.host}:{conn.port}: {exc or type(exc).__name__}") from exc
+        client = remote.connect(profile)
+    except ConnectionFailed as exc:
+        raise SiteUnreachable(exc.message) from exc
+    try:
+        rc, out, err = remote.run(client, command, timeout=timeout)
     finally:
         client.close()
+    if rc in (124, 255) and not out:
+        raise SiteUnreachable(err or f"command failed with status {rc}")
+    return rc, out, err
 
 
 def _seconds(text: str) -> float | None:
