@@ -17,9 +17,9 @@ from typing import Any
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.fedavg import WEIGHTINGS
-from xffl.aggregator.strategies import STRATEGIES, run_strategy
+from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
-from xffl.core.errors import InvalidInput, RunFailed, XfflError
+from xffl.core.errors import RunFailed, XfflError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,25 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _site_weights(
-    pairs: Sequence[str], option: str = "--weight", what: str = "SITE", example: str = "leonardo=2"
-) -> dict[str, float] | None:
-    if not pairs:
-        return None
-    out: dict[str, float] = {}
-    for pair in pairs:
-        site, sep, value = pair.partition("=")
-        try:
-            out[site] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not site:
-            raise InvalidInput(
-                f"{option} {pair!r}: expected {what}=NUMBER, e.g. {option} {example}."
-            )
-    return out
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Select the updates, aggregate the accepted ones and describe what happened."""
     reference = None
@@ -141,14 +122,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{len(accepted)} update(s) accepted, at least {max(1, args.min_updates)} needed."
         )
         return report
-    weighting = _site_weights(args.weight) or args.weighting
+    weighting = parse_pairs(args.weight, "--weight", "SITE", "leonardo=2") or args.weighting
     manifest = run_strategy(
         args.strategy,
         [d for d, _ in accepted],
         args.previous if args.previous is not None else args.parent,
         args.output,
         weighting=weighting,
-        params=_site_weights(args.param, "--param", "KEY", "eta=0.01"),
+        params=parse_pairs(args.param),
         run_id=args.run_id,
         round=args.round,
         parent_digest=parent_digest,

@@ -10,24 +10,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.fedavg import Weighting
-from xffl.aggregator.strategies import STRATEGIES, run_strategy
+from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
 from xffl.core.errors import InvalidInput, RunFailed
-
-
-def parse_params(pairs: list[str]) -> dict[str, float]:
-    """KEY=NUMBER strings as a dict (InvalidInput on a malformed one)."""
-    out: dict[str, float] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not key:
-            raise InvalidInput(f"--param {pair!r}: expected KEY=NUMBER, e.g. --param eta=0.01.")
-    return out
 
 
 @handle_errors
@@ -59,7 +45,7 @@ def aggregate(
 
     Example: xffl aggregate --strategy fedavg -o OUT UPDATE...
     """
-    params = parse_params(param or [])
+    params = parse_pairs(param or [])
     if weighting not in ("samples", "tokens", "uniform"):
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
     parent = reference = None

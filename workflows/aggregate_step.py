@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.strategies import parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.jobs.registry import Registry, RoundRecord, SiteRound
 
@@ -57,10 +57,7 @@ def run_step(args: argparse.Namespace) -> int:
         return 1
     target = Path(args.run_dir) / "rounds" / str(rnd) / "global"
     t0 = time.perf_counter()
-    params = {}
-    for pair in args.param:
-        key, _, value = pair.partition("=")
-        params[key] = float(value)
+    params = parse_pairs(args.param)
     run_strategy(
         args.strategy, [d for d, _ in accepted], Path(args.previous), target,
         weighting=args.weighting, params=params, run_id=args.run_id, round=rnd,
