@@ -320,6 +320,43 @@ def _weighted_metrics(ups: list[_Update]) -> dict[str, float]:
     return out
 
 
+def _prepare(
+    ups: list[_Update],
+    weights: Sequence[float] | None,
+    weighting: Weighting | Mapping[str, float],
+    run_id: str | None,
+    round: int | None,
+    parent_digest: str | None,
+) -> tuple[str, Any, Any, Any, list[TensorInfo], bytes | None, dict[str, Any]]:
+    """Checks and derivations every strategy starts with.
+
+    One update per site, their weights, the run/round/parent they agree on, the common
+    tensor layout and config, and the per-site summary for the manifest. Returns
+    (weighting label, run id, round, parent, layout, config bytes, sites).
+    """
+    dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
+    if dup:
+        raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
+    label = _assign_weights(ups, weights, weighting)
+    run = _agree(ups, "run id", "run_id", run_id)
+    rnd = _agree(ups, "round", "round", round)
+    parent = _agree(ups, "parent", "parent", parent_digest)
+    layout = _common_layout(ups)
+    config = _common_config(ups)
+    total = math.fsum(u.weight for u in ups)
+    sites = {
+        u.site: {
+            "num_samples": u.manifest.num_samples,
+            "num_tokens": u.manifest.num_tokens,
+            "metrics": dict(u.manifest.metrics),
+            "weight": u.weight / total,
+            "digest": u.digest,
+        }
+        for u in ups
+    }
+    return label, run, rnd, parent, layout, config, sites
+
+
 def aggregate(
     updates: Sequence[Path],
     out_dir: Path,
@@ -345,26 +382,9 @@ def aggregate(
         raise InvalidInput("no updates to aggregate.")
     ups = _open_updates(updates)
     try:
-        dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
-        if dup:
-            raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
-        label = _assign_weights(ups, weights, weighting)
-        run = _agree(ups, "run id", "run_id", run_id)
-        rnd = _agree(ups, "round", "round", round)
-        parent = _agree(ups, "parent", "parent", parent_digest)
-        layout = _common_layout(ups)
-        config = _common_config(ups)
-        total = math.fsum(u.weight for u in ups)
-        sites = {
-            u.site: {
-                "num_samples": u.manifest.num_samples,
-                "num_tokens": u.manifest.num_tokens,
-                "metrics": dict(u.manifest.metrics),
-                "weight": u.weight / total,
-                "digest": u.digest,
-            }
-            for u in ups
-        }
+        label, run, rnd, parent, layout, config, sites = _prepare(
+            ups, weights, weighting, run_id, round, parent_digest
+        )
         st_meta = {"format": "pt", **(metadata or {})}
         with staged_dir(Path(out_dir)) as tmp:
             sha = _write_average(ups, layout, tmp / MODEL_FILE, st_meta)

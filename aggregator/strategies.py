@@ -54,11 +54,8 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.fedavg import (
     SLICE_ELEMENTS,
     Weighting,
-    _agree,
-    _assign_weights,
-    _common_config,
-    _common_layout,
     _open_updates,
+    _prepare,
     _store,
     _Update,
     _weighted_metrics,
@@ -302,29 +299,12 @@ def run_strategy(
         raise InvalidInput("no updates to aggregate.")
     ups = _open_updates(updates)
     try:
-        dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
-        if dup:
-            raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
-        label = _assign_weights(ups, weights, weighting)
-        run = _agree(ups, "run id", "run_id", run_id)
-        rnd = _agree(ups, "round", "round", round)
-        parent = _agree(ups, "parent", "parent", parent_digest)
-        layout = _common_layout(ups)
-        config = _common_config(ups)
+        label, run, rnd, parent, layout, config, sites = _prepare(
+            ups, weights, weighting, run_id, round, parent_digest
+        )
         active = [u for u in ups if u.weight > 0]
         if name == "fedtrimmedavg" and len(active) - 2 * int(p["beta"] * len(active)) < 1:
             raise InvalidInput(f"beta={p['beta']} trims all {len(active)} updates.")
-        total = math.fsum(u.weight for u in ups)
-        sites = {
-            u.site: {
-                "num_samples": u.manifest.num_samples,
-                "num_tokens": u.manifest.num_tokens,
-                "metrics": dict(u.manifest.metrics),
-                "weight": u.weight / total,
-                "digest": u.digest,
-            }
-            for u in ups
-        }
         with ExitStack() as stack:
             prev = None if previous_global_dir is None else Path(previous_global_dir)
             prev_model, prev_state, loaded = _open_previous(name, prev, layout, stack)
