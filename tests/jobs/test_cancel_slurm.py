@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.stack.profiles import write_profile
 from xffl.cli import cancel, logs, status, submit
 from xffl.jobs.registry import Registry
 from xffl.jobs.slurm_view import parse_squeue
@@ -28,23 +28,6 @@ app.command()(logs.logs)
 runner = CliRunner()
 
 
-def _profile(folder: Path, cluster, stack, setup: list[str]) -> str:  # type: ignore[no-untyped-def]
-    name = f"test-{cluster.name}"
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump({
-        "name": name,
-        "connector": {"type": "ssh", "host": "127.0.0.1", "port": cluster.ssh_port,
-                      "user": stack.user, "key_file": stack.ssh_key,
-                      "known_hosts": stack.known_hosts},
-        "slurm": {"partition": cluster.partition, "time": "00:10:00", "polling_interval": 1},
-        "launcher": "srun",
-        "python": sys.executable,
-        "workdir": cluster.work_dir,
-        "setup": setup,
-        "env": {"OMP_NUM_THREADS": "1"},
-    }))
-    return name
-
-
 def _job(tmp_path: Path, stack, name: str, setup: list[str]) -> Path:  # type: ignore[no-untyped-def]
     profiles = tmp_path / "site_profiles"
     profiles.mkdir(exist_ok=True)
@@ -52,7 +35,7 @@ def _job(tmp_path: Path, stack, name: str, setup: list[str]) -> Path:  # type: i
     spec.update(name=name, rounds=1)
     spec["training"]["steps"] = 4
     for site in spec["sites"]:
-        site["profile"] = _profile(profiles, stack.clusters[site["name"]], stack, setup)
+        site["profile"] = write_profile(profiles, stack.clusters[site["name"]], stack, setup)
         site["data"]["path"] = str(tmp_path / "data" / site["name"])
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))

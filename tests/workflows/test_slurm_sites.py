@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,28 +12,11 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.stack.profiles import write_profile
 from xffl.aggregator.exchange import MODEL_FILE, verify_checkpoint
 from xffl.cli.app import app
 
 runner = CliRunner()
-
-
-def _profile(folder: Path, cluster, stack) -> str:  # type: ignore[no-untyped-def]
-    """Write a site profile for one test cluster; return its name."""
-    name = f"test-{cluster.name}"
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump({
-        "name": name,
-        "description": f"test cluster {cluster.name} through its own SSH port",
-        "connector": {"type": "ssh", "host": "127.0.0.1", "port": cluster.ssh_port,
-                      "user": stack.user, "key_file": stack.ssh_key,
-                      "known_hosts": stack.known_hosts},
-        "slurm": {"partition": cluster.partition, "time": "00:10:00", "polling_interval": 1},
-        "launcher": "srun",
-        "python": sys.executable,
-        "workdir": cluster.work_dir,
-        "env": {"OMP_NUM_THREADS": "1"},
-    }))
-    return name
 
 
 @pytest.mark.slow
@@ -48,7 +30,7 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
     spec["training"]["steps"] = 6
     for site in spec["sites"]:
         cluster = slurm_stack.clusters[site["name"]]
-        site["profile"] = _profile(profiles, cluster, slurm_stack)
+        site["profile"] = write_profile(profiles, cluster, slurm_stack)
         site["data"]["path"] = str(tmp_path / "data" / site["name"])
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -93,7 +75,7 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     spec.update(name="byhand", rounds=1)
     spec["training"]["steps"] = 4
     spec["sites"] = spec["sites"][:1]
-    spec["sites"][0]["profile"] = _profile(profiles, cluster, slurm_stack)
+    spec["sites"][0]["profile"] = write_profile(profiles, cluster, slurm_stack)
     spec["sites"][0]["data"]["path"] = str(tmp_path / "data" / "alpha")
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
