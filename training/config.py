@@ -25,15 +25,45 @@ class ModelSpec(_Strict):
 
 
 class TrainingSpec(_Strict):
-    """The local training loop each site runs every round."""
+    """The local training loop each site runs every round.
+
+    A round lasts ``steps`` optimizer steps, or as many as ``tokens`` buys, and stops early
+    (writing its checkpoint) when ``time_budget`` seconds are spent or when the SLURM job
+    would otherwise hit its time limit (``time_margin`` seconds are kept for saving). The
+    learning-rate schedule runs over the whole job (rounds x steps), not per round.
+    """
 
     steps: int = Field(default=20, ge=1, description="optimizer steps per round")
-    batch_size: int = Field(default=8, ge=1, description="sequences per step per rank")
+    tokens: int | None = Field(default=None, ge=1,
+                               description="round budget in tokens per site (sets steps)")
+    time_budget: float | None = Field(default=None, gt=0,
+                                      description="seconds of training per round at most")
+    time_margin: float = Field(default=120.0, ge=0,
+                               description="seconds kept before the SLURM time limit")
+    batch_size: int = Field(default=8, ge=1, description="sequences per micro-batch per dp rank")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
     seq_len: int = Field(default=64, ge=8, le=1 << 16)
     lr: float = Field(default=3e-3, gt=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     weight_decay: float = Field(default=0.0, ge=0)
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(default=1.0, ge=0)
+    prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term weight")
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
+    data_parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="auto: bf16 autocast on GPUs, fp32 on CPUs")
+    activation_checkpointing: bool = False
     seed: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _ddp_and_tp(self) -> TrainingSpec:
+        if self.data_parallel == "ddp" and self.tensor_parallel > 1:
+            raise ValueError("data_parallel ddp does not combine with tensor_parallel > 1 in "
+                             "torch; use data_parallel: fsdp (or auto)")
+        return self
 
 
 class DataSpec(_Strict):
@@ -59,6 +89,7 @@ class TrainJob(_Strict):
 
     run_id: str
     site: str
+    rounds: int = Field(default=1, ge=1, description="rounds of the job (for the LR schedule)")
     model: ModelSpec
     training: TrainingSpec
     data: DataSpec

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,6 +96,25 @@ def node_addr(host: str) -> str:
         return host
     match = re.search(r"\bNodeAddr=(\S+)", out)
     return match.group(1) if match else host
+
+
+def slurm_end_time(environ: Mapping[str, str] | None = None) -> float | None:
+    """When this SLURM job's time limit runs out (epoch seconds); None outside SLURM.
+
+    SLURM_JOB_END_TIME where SLURM exports it (23.02 and later), else ``squeue -o %e``.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("SLURM_JOB_END_TIME", "").isdigit():
+        return float(env["SLURM_JOB_END_TIME"])
+    job, exe = env.get("SLURM_JOB_ID"), shutil.which("squeue")
+    if not job or exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-h", "-j", job, "-o", "%e"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout.strip()
+        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None  # no time limit (UNLIMITED / N/A) or squeue unavailable
 
 
 def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from xffl.training.arch import PRESETS, LlamaConfig, apply_overrides, build_config
 
@@ -157,13 +158,18 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # As HF's gradient_checkpointing_enable(): recompute each block in backward.
+        self.gradient_checkpointing = False
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Hidden states (batch, seq, hidden) after the final norm."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(input_ids.shape[1], x.device, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.norm(x)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
@@ -33,6 +32,7 @@ from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import TokenShards
+from xffl.training.loop import make_scheduler, prox_snapshot, round_steps, run_steps
 from xffl.training.model import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -42,6 +42,7 @@ from xffl.training.model import (
     lm_loss,
     load_weights,
 )
+from xffl.training.parallelize import check_tensor_parallel, parallelize
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 T = TypeVar("T")
@@ -84,11 +85,15 @@ def load_model(model_dir: Path) -> LlamaForCausalLM:
     return model
 
 
-def save_checkpoint(model: nn.Module, config: LlamaConfig, out_dir: Path,
+def save_checkpoint(model: nn.Module | dict[str, Tensor], config: LlamaConfig, out_dir: Path,
                     manifest: Manifest) -> Manifest:
-    """Write model.safetensors, config.json and manifest.json atomically into ``out_dir``."""
+    """Write model.safetensors, config.json and manifest.json atomically into ``out_dir``.
+
+    ``model`` is a module or an already exported HF-named state dict.
+    """
+    state = model if isinstance(model, dict) else export_state_dict(model)
     with staged_dir(Path(out_dir)) as tmp:
-        save_file(export_state_dict(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        save_file(state, str(tmp / MODEL_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
         return finalize_manifest(tmp, manifest)
 
@@ -121,27 +126,7 @@ def make_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": spec.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer,
-                batches: Iterator[tuple[Tensor, Tensor]], steps: int, grad_clip: float,
-                device: torch.device) -> Tensor:
-    """Run ``steps`` optimizer steps; return this rank's per-step losses (float64, on CPU)."""
-    losses = torch.zeros(steps, dtype=torch.float64, device=device)
-    model.train()
-    for step in range(steps):
-        inputs, targets = next(batches)
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        losses[step] = loss.detach()
-    return losses.cpu()
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=spec.adam_eps)
 
 
 def rank_seed(seed: int, round: int, dp_rank: int) -> int:
@@ -178,16 +163,27 @@ def _site_device() -> torch.device:
     return xdist.device_for(xdist.detect_env())
 
 
+def _round_deadline(spec: TrainingSpec) -> float | None:
+    """When this round must stop training: its time budget, or the SLURM limit minus margin."""
+    now = time.time()
+    ends = [now + spec.time_budget] if spec.time_budget is not None else []
+    slurm_end = xdist.slurm_end_time()
+    if slurm_end is not None:
+        ends.append(slurm_end - spec.time_margin)
+    return min(ends) if ends else None
+
+
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 out_dir: Path) -> Manifest:
     """Train the global model in ``model_dir`` on this site's data; rank 0 writes the update.
 
-    Works under an initialised process group (DDP across its ranks) or in a single process.
-    Returns the update's manifest on every rank.
+    Works under an initialised process group (a (dp, tp) mesh of its ranks, see
+    :mod:`xffl.training.parallelize`) or in a single process. Returns the update's manifest
+    on every rank.
     """
     spec = job.training
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
-    rank, world = xdist.rank(), xdist.world_size()
+    world = xdist.world_size()
     device = _site_device()
 
     parent = _on_main(lambda: verify_checkpoint(model_dir).digest(), str, str)
@@ -197,6 +193,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
             f"training.seq_len {spec.seq_len} exceeds the model's max_position_embeddings "
             f"({config.max_position_embeddings})."
         )
+    check_tensor_parallel(config, spec.tensor_parallel, world)
     shards = TokenShards(data_dir, spec.seq_len)
     if shards.vocab_size > config.vocab_size:
         raise InvalidInput(
@@ -204,34 +201,41 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
             f"vocab_size {config.vocab_size}."
         )
     model = load_model(model_dir).to(device)
-    torch.manual_seed(rank_seed(spec.seed, round, rank))
-    net: nn.Module = model
-    if xdist.is_distributed():
-        net = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    optimizer = make_optimizer(model, spec)
-    batches = shards.batches(spec.batch_size, rank, world, spec.seed, round)
+    model.model.gradient_checkpointing = spec.activation_checkpointing
+    pm = parallelize(model, spec.tensor_parallel, device, spec.data_parallel)
+    torch.manual_seed(rank_seed(spec.seed, round, pm.dp_rank))
+    optimizer = make_optimizer(pm.module, spec)
+    steps = round_steps(spec, pm.dp_size)
+    scheduler = make_scheduler(optimizer, spec, offset=(round - 1) * steps,
+                               total=job.rounds * steps)
+    prox = prox_snapshot(pm) if spec.prox_mu > 0 else None
+    batches = shards.batches(spec.batch_size, pm.dp_rank, pm.dp_size, spec.seed, round)
+    deadline = _on_main(lambda: _round_deadline(spec), json.dumps, json.loads)
 
     xdist.barrier()
-    start = time.perf_counter()
-    losses = train_steps(net, optimizer, batches, spec.steps, spec.grad_clip, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
+                       deadline=deadline, check_deadline=deadline is not None, prox=prox)
+    losses = result.losses
+    elapsed = torch.tensor([result.seconds], dtype=torch.float64)
     if xdist.is_distributed():
         losses, elapsed = losses.to(device), elapsed.to(device)
         dist.all_reduce(losses, op=dist.ReduceOp.SUM)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         losses, elapsed = losses.cpu() / world, elapsed.cpu()
     seconds = float(elapsed[0])
-    num_tokens = spec.steps * spec.batch_size * spec.seq_len * world
+    done = len(losses)
+    if done == 0:
+        raise RunFailed(f"site {job.site}: no training step fitted before the deadline "
+                        "(time_budget or the SLURM time limit minus time_margin).")
+    num_tokens = done * spec.batch_size * spec.grad_accum * spec.seq_len * pm.dp_size
     metrics = {
         "loss": float(losses.mean()),
         "loss_first": float(losses[0]),
         "loss_last": float(losses[-1]),
         "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
         "train_seconds": seconds,
+        "steps": float(done),
+        "lr_last": float(scheduler.get_last_lr()[0]),
     }
     manifest = Manifest(
         kind="update",
@@ -242,17 +246,20 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         num_tokens=num_tokens,
         metrics=metrics,
         parent=parent,
-        extra={"world_size": world, "steps": spec.steps, "batch_size": spec.batch_size,
+        extra={"world_size": world, "dp": pm.dp_size, "tp": pm.tp_size, "steps": done,
+               "steps_planned": steps, "stopped_early": result.stopped_early,
+               "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
                "seq_len": spec.seq_len,
-               "losses": [float(v) for v in losses] if spec.steps <= 1000 else []},
+               "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
-    result = _on_main(
-        lambda: save_checkpoint(model, config, out_dir, manifest),
+    state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets the tensors
+    result_manifest = _on_main(
+        lambda: save_checkpoint(state, config, out_dir, manifest),
         lambda m: m.model_dump_json(),
         Manifest.model_validate_json,
     )
     xdist.barrier()
-    return result
+    return result_manifest
 
 
 @torch.no_grad()

@@ -308,7 +308,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
     for site in spec.sites:
         profile = loaded.profiles[site.name]
         data_path = site_data_path(profile, site.name, site.data.path)
-        job = TrainJob(run_id=run_id, site=site.name, model=spec.model, training=spec.training,
+        job = TrainJob(run_id=run_id, site=site.name, rounds=spec.rounds, model=spec.model,
+                       training=spec.training,
                        data=site.data)
         job_file = out / "jobs" / f"{site.name}.json"
         job_file.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,138 @@
+"""(dp, tp) meshes on gloo: tensor parallel and data parallel against the unsplit model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from tests.training.tp_worker import GLOBAL, SEQ, STEPS, global_batches
+from xffl.core.errors import InvalidInput
+from xffl.training.arch import build_config
+from xffl.training.config import ModelSpec
+from xffl.training.model import build_model, lm_loss
+from xffl.training.parallelize import (
+    check_tensor_parallel,
+    data_parallel_mode,
+    megatron_plan,
+    parallelize,
+)
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def test_megatron_plan() -> None:
+    plan = megatron_plan()
+    colwise = {k for k, v in plan.items() if isinstance(v, ColwiseParallel)}
+    rowwise = {k for k, v in plan.items() if isinstance(v, RowwiseParallel)}
+    assert colwise == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                       "mlp.gate_proj", "mlp.up_proj"}
+    assert rowwise == {"self_attn.o_proj", "mlp.down_proj"}
+
+
+def test_tensor_parallel_degree_must_divide() -> None:
+    config = build_config(ModelSpec(preset="tiny-test"))  # 4 heads, 2 kv heads, mlp 64
+    check_tensor_parallel(config, 2, 4)
+    with pytest.raises(InvalidInput, match="does not divide the site's 3 ranks"):
+        check_tensor_parallel(config, 2, 3)
+    with pytest.raises(InvalidInput, match="num_key_value_heads"):
+        check_tensor_parallel(config, 4, 4)
+    with pytest.raises(InvalidInput, match="needs 2 or more ranks"):
+        parallelize(build_model(config), 2, torch.device("cpu"))
+
+
+def test_data_parallel_mode() -> None:
+    assert data_parallel_mode("auto", 1) == "ddp"
+    assert data_parallel_mode("auto", 2) == "fsdp"
+    assert data_parallel_mode("fsdp", 1) == "fsdp"
+    with pytest.raises(InvalidInput, match="use data_parallel: fsdp"):
+        data_parallel_mode("ddp", 2)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """The unsplit model in one process: logits, gradients, 3 AdamW steps (written out here).
+
+    AdamW's first steps are about lr * g / (|g| + eps): a gradient element near zero whose
+    sign flips with rounding moves by up to 2 lr. With lr 1e-3 and eps 1e-6 the rounding
+    of fp32 sums (~1e-9 here) moves a weight by at most ~1e-6, so 1e-5 still catches any
+    real error (a missing reduction changes updates by ~lr).
+    """
+    config = build_config(ModelSpec(preset="tiny-test"))
+    model = build_model(config, seed=1)
+    data = global_batches(config.vocab_size)
+    out: dict[str, torch.Tensor] = {}
+    logits = model(data[0][0])
+    lm_loss(logits, data[0][1]).backward()
+    out["logits"] = logits.detach()
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        out[f"grad.{name}"] = p.grad.clone()
+    model.zero_grad(set_to_none=True)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-6)
+    # warmup 1 step, then cosine to 0.1 x lr at the last of 3 steps: factors 1, 1, 0.1
+    for (x, y), factor in zip(data[1:], (1.0, 1.0, 0.1), strict=True):
+        for group in opt.param_groups:
+            group["lr"] = 1e-3 * factor
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    for name, p in model.named_parameters():
+        out[f"weight.{name}"] = p.detach().clone()
+    return out
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), "pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("tp", "mode", "nproc"),
+    [(2, "auto", 2), (1, "ddp", 2), (1, "fsdp", 2), (2, "fsdp", 4)],
+    ids=["dp1-tp2", "dp2-tp1-ddp", "dp2-tp1-fsdp", "dp2-tp2-fsdp"],
+)
+def test_mesh_matches_the_unsplit_model(tmp_path: Path, tp: int, mode: str, nproc: int) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), str(WORKER), str(tp), mode, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = _reference()
+    ranks = [_load(out / f"rank{k}.safetensors") for k in range(nproc)]
+    dp = nproc // tp
+    for got, meta in ranks:
+        assert (int(meta["dp"]), int(meta["tp"])) == (dp, tp)
+        r = int(meta["dp_rank"])
+        b = GLOBAL // dp
+        rows = slice(r * b, (r + 1) * b)
+        # logits of this dp rank's rows: the unsplit model's, within 1e-5 (fp32)
+        assert (got["logits"] - ref["logits"][rows]).abs().max() <= 1e-5
+        assert got["logits"].shape == (b, SEQ, 256)
+        for key in (k for k in ref if k.startswith("grad.")):
+            # dp > 1: each rank's first-backward gradient is its own half-batch gradient
+            # until reduced; the reduced one equals the full-batch reference.
+            torch.testing.assert_close(got[key], ref[key], atol=1e-6, rtol=1e-4, msg=key)
+        for key in (k for k in ref if k.startswith("weight.")):
+            torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-4, msg=key)
+        assert got["losses"].shape == (STEPS,)
+    # every rank ends with the same full weights, bit for bit
+    first = ranks[0][0]
+    for got, _ in ranks[1:]:
+        for key in (k for k in first if k.startswith("weight.")):
+            assert torch.equal(got[key], first[key]), key
+    # rank 0's checkpoint state is the full model under Hugging Face names
+    state = {k[len("state."):]: v for k, v in first.items() if k.startswith("state.")}
+    assert set(state) == {k[len("weight."):] for k in ref if k.startswith("weight.")}
+    for name, value in state.items():
+        assert torch.equal(value, first[f"weight.{name}"]), name

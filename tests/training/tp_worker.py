@@ -1,0 +1,79 @@
+"""Per-rank worker for the (dp, tp) exactness tests: run under torchrun, writes what it saw.
+
+Usage: ``torchrun --nproc-per-node N tp_worker.py TP MODE OUT``. Builds the tiny-test model
+(seed 1), parallelizes it with tensor_parallel TP and data parallel MODE, then on a fixed
+global batch of GLOBAL sequences (dp rank r takes its GLOBAL/dp consecutive rows) records
+the logits, the gradients of the first backward (gathered to full tensors) and, after 3
+optimizer steps of xffl's own loop, the full weights: ``OUT/rank<k>.safetensors`` per rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from xffl.training.arch import build_config
+from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.loop import make_scheduler, run_steps
+from xffl.training.model import build_model, lm_loss
+from xffl.training.parallelize import parallelize
+from xffl.training.trainer import make_optimizer
+
+GLOBAL, SEQ, STEPS = 4, 16, 3
+SPEC = TrainingSpec(steps=STEPS, batch_size=GLOBAL, seq_len=SEQ, lr=1e-3, adam_eps=1e-6,
+                    grad_clip=0.5, weight_decay=0.1, schedule="cosine", warmup_steps=1)
+
+
+def global_batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS + 1 global batches of GLOBAL sequences (the first for logits and gradients)."""
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, vocab, (GLOBAL, SEQ), generator=gen),
+             torch.randint(0, vocab, (GLOBAL, SEQ), generator=gen)) for _ in range(STEPS + 1)]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().contiguous()
+
+
+def main(tp: int, mode: str, out: Path) -> None:
+    """Run the checks on this rank and write OUT/rank<k>.safetensors."""
+    dist.init_process_group("gloo")
+    config = build_config(ModelSpec(preset="tiny-test"))
+    pm = parallelize(build_model(config, seed=1), tp, torch.device("cpu"), mode)
+    r, dp = pm.dp_rank, pm.dp_size
+    b = GLOBAL // dp
+    data = global_batches(config.vocab_size)
+    mine = [(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]) for x, y in data]
+
+    logits = pm.net(mine[0][0])
+    lm_loss(logits, mine[0][1]).backward()
+    record = {"logits": logits.detach().contiguous()}
+    for name, p in pm.module.named_parameters():
+        assert p.grad is not None, name
+        record[f"grad.{name}"] = _full(p.grad)
+    pm.module.zero_grad(set_to_none=True)
+
+    optimizer = make_optimizer(pm.module, SPEC)
+    scheduler = make_scheduler(optimizer, SPEC, offset=0, total=STEPS)
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(mine[1:])
+    result = run_steps(pm, optimizer, scheduler, batches, STEPS, SPEC, torch.device("cpu"))
+    record["losses"] = result.losses.float()
+    for name, p in pm.module.named_parameters():
+        record[f"weight.{name}"] = _full(p)
+    state = pm.full_state_dict()
+    if dist.get_rank() == 0:
+        record.update({f"state.{k}": v.clone() for k, v in state.items()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(record, str(out / f"rank{dist.get_rank()}.safetensors"),
+              metadata={"dp_rank": str(r), "dp": str(dp), "tp": str(pm.tp_size)})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))

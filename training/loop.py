@@ -1,0 +1,139 @@
+"""The optimizer-step loop of one round: LR schedule, accumulation, FedProx, clipping, deadline.
+
+The pieces are small functions so that tests and the throughput benchmark can check each
+against a plain-PyTorch reference: :func:`lr_factor` (linear warmup, then constant or cosine
+decay over the whole job), :func:`round_steps` (a budget in steps or tokens),
+:func:`prox_snapshot` / the FedProx gradient term ``mu * (w - w_global)`` (the gradient of
+``mu/2 * ||w - w_global||^2``, added after the data-parallel gradient reduction, so it costs
+no communication), and :func:`run_steps`, which also stops cleanly at a deadline agreed by
+all ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from xffl.training.config import TrainingSpec
+from xffl.training.model import lm_loss
+from xffl.training.parallelize import ParallelModel
+
+
+def lr_factor(step: int, total: int, spec: TrainingSpec) -> float:
+    """Multiplier of ``spec.lr`` at optimizer step ``step`` (0-based) of ``total`` in the job.
+
+    Linear warmup over ``warmup_steps`` (from lr/warmup to lr), then constant, or a cosine
+    decay to ``min_lr_ratio * lr`` at the last step of the job.
+    """
+    if step < spec.warmup_steps:
+        return (step + 1) / spec.warmup_steps
+    if spec.schedule == "constant":
+        return 1.0
+    span = max(1, total - spec.warmup_steps - 1)
+    progress = min(1.0, (step - spec.warmup_steps) / span)
+    floor = spec.min_lr_ratio
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainingSpec, offset: int,
+                   total: int) -> LambdaLR:
+    """A LambdaLR whose local step 0 is the job's step ``offset`` (rounds continue the curve)."""
+    return LambdaLR(optimizer, lambda s: lr_factor(offset + s, total, spec))
+
+
+def round_steps(spec: TrainingSpec, dp_size: int) -> int:
+    """Optimizer steps in one round: ``steps``, or the fewest that consume ``tokens``."""
+    if spec.tokens is None:
+        return spec.steps
+    per_step = spec.batch_size * spec.grad_accum * spec.seq_len * dp_size
+    return max(1, math.ceil(spec.tokens / per_step))
+
+
+def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:
+    """bf16 autocast on GPUs under "auto" (or anywhere under "bf16"); fp32 otherwise."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def prox_snapshot(pm: ParallelModel) -> list[tuple[torch.nn.Parameter, Tensor]]:
+    """(parameter, copy of its value now) pairs: the round's global weights for FedProx."""
+    return [(p, p.detach().clone()) for p in pm.module.parameters() if p.requires_grad]
+
+
+@dataclass
+class LoopResult:
+    """What a round's loop did: per-step losses on this rank, and whether it stopped early."""
+
+    losses: Tensor  # float64, one per optimizer step taken, on CPU
+    stopped_early: bool
+    seconds: float
+
+
+def _agree_to_stop(want: bool, device: torch.device) -> bool:
+    """True on every rank if any rank wants to stop (one tiny all-reduce)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return want
+    flag = torch.tensor([1.0 if want else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+              batches: Iterator[tuple[Tensor, Tensor]], steps: int, spec: TrainingSpec,
+              device: torch.device, *, deadline: float | None = None,
+              check_deadline: bool = False,
+              prox: list[tuple[torch.nn.Parameter, Tensor]] | None = None) -> LoopResult:
+    """Run up to ``steps`` optimizer steps of ``grad_accum`` micro-batches each.
+
+    With ``check_deadline`` (the same on every rank), the ranks agree before each step
+    whether it still fits before ``deadline`` (a time.time() value, known on any rank;
+    the last step's duration is the estimate) and stop together if not.
+    """
+    losses = torch.zeros(steps, dtype=torch.float64, device=device)
+    pm.net.train()
+    start = time.perf_counter()
+    last = 0.0
+    done = 0
+    stopped = False
+    for step in range(steps):
+        if check_deadline:
+            late = deadline is not None and time.time() + last >= deadline
+            if _agree_to_stop(late, device):
+                stopped = True
+                break
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(spec.grad_accum):
+            inputs, targets = next(batches)
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            last_micro = micro == spec.grad_accum - 1
+            with nullcontext() if last_micro else pm.no_sync():  # backward included (FSDP2)
+                with autocast(device, spec.precision):
+                    loss = lm_loss(pm.net(inputs), targets) / spec.grad_accum
+                loss.backward()
+            losses[step] += loss.detach().double()
+        if prox is not None:
+            with torch.no_grad():
+                for param, anchor in prox:
+                    if param.grad is not None:
+                        param.grad.add_(param.detach() - anchor, alpha=spec.prox_mu)
+        if spec.grad_clip > 0:
+            pm.clip_grad_norm_(spec.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        done += 1
+        last = time.perf_counter() - began
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return LoopResult(losses=losses[:done].cpu(), stopped_early=stopped,
+                      seconds=time.perf_counter() - start)

@@ -1,0 +1,186 @@
+"""Parallelize a LLaMA model over a (dp, tp) device mesh: Megatron tensor parallel, then DP.
+
+As in torchtitan, the model (:mod:`xffl.training.model`) knows nothing of parallelism: this
+module applies Megatron's plan with ``torch.distributed.tensor.parallel`` (q/k/v and
+gate/up projections column-wise, o and down projections row-wise, so each attention and
+each MLP block costs one all-reduce in forward) on the ``tp`` dimension, then data
+parallelism on the ``dp`` dimension: DDP, or FSDP2 (``fully_shard``, per decoder layer then
+the root) for models that do not fit replicated and whenever tp > 1 (torch's DDP turns
+tensor-parallel parameters into plain attributes after the first forward, so it does not
+compose with DTensor parameters). Embeddings, norms and the LM head stay replicated on tp.
+Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group are
+consecutive (on one node, where SLURM and torchrun place consecutive ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from xffl.core.errors import InvalidInput
+from xffl.training.model import LlamaConfig, LlamaForCausalLM
+
+MESH_DIMS = ("dp", "tp")
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+           "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def megatron_plan() -> dict[str, ParallelStyle]:
+    """Megatron's plan for one decoder layer, in torch.distributed.tensor.parallel styles."""
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in COLWISE}
+    plan.update({name: RowwiseParallel() for name in ROWWISE})
+    return plan
+
+
+def check_tensor_parallel(config: LlamaConfig, tp: int, ranks: int | None = None) -> None:
+    """InvalidInput unless ``tp`` divides the ranks, the heads, the KV heads and the MLP width."""
+    if tp < 1:
+        raise InvalidInput(f"tensor_parallel is {tp}; it must be at least 1.")
+    if ranks is not None and ranks % tp:
+        raise InvalidInput(
+            f"tensor_parallel {tp} does not divide the site's {ranks} ranks; choose a divisor."
+        )
+    for what, value in (("num_attention_heads", config.num_attention_heads),
+                        ("num_key_value_heads", config.num_key_value_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % tp:
+            raise InvalidInput(
+                f"tensor_parallel {tp} does not divide the model's {what} ({value}); "
+                "choose a divisor."
+            )
+
+
+DataParallel = Literal["auto", "ddp", "fsdp"]
+
+
+def data_parallel_mode(requested: str, tp: int) -> Literal["ddp", "fsdp"]:
+    """The data-parallel wrapper to use: "auto" is DDP without tensor parallelism, else FSDP2."""
+    if requested == "ddp" and tp > 1:
+        raise InvalidInput(
+            "training.data_parallel ddp cannot be combined with tensor_parallel > 1 in torch; "
+            "use data_parallel: fsdp (or auto)."
+        )
+    if requested == "auto":
+        return "ddp" if tp == 1 else "fsdp"
+    if requested not in ("ddp", "fsdp"):
+        raise InvalidInput(f"training.data_parallel {requested!r}: use auto, ddp or fsdp.")
+    return "ddp" if requested == "ddp" else "fsdp"
+
+
+@dataclass
+class ParallelModel:
+    """A model wrapped for training on a (dp, tp) mesh, and what the loop needs to know of it."""
+
+    module: LlamaForCausalLM  # the model itself (FSDP2/TP turn its parameters into DTensors)
+    net: nn.Module  # what to call in forward: DDP(module), or module
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    mesh: DeviceMesh | None = None
+
+    @contextmanager
+    def _fsdp_no_sync(self) -> Iterator[None]:
+        assert isinstance(self.module, FSDPModule)
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Skip the dp gradient reduction (for all but the last micro-batch of a step)."""
+        if isinstance(self.net, DistributedDataParallel):
+            return self.net.no_sync()
+        if isinstance(self.module, FSDPModule):
+            return self._fsdp_no_sync()
+        return nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip gradients by the 2-norm of the whole (unsplit) model's gradient; return it.
+
+        torch's clip_grad_norm_ cannot stack norms of DTensors on different meshes (tensor-
+        parallel weights live on the 2-D mesh, replicated ones on dp only), so the squared
+        norm is summed per mesh, each group's made whole with ``full_tensor()``.
+        """
+        groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+                groups.setdefault(mesh, []).append(p)
+        squares: list[Tensor] = []
+        for params in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squares.append(norm.float() ** 2)
+        if not squares:
+            return torch.zeros(())
+        total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Hugging Face-named full fp32 CPU tensors on rank 0 ({} elsewhere); collective."""
+        if self.mesh is None:
+            state = self.module.state_dict()
+        else:
+            state = get_model_state_dict(
+                self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        out = {name: t.detach().to("cpu", torch.float32).contiguous()
+               for name, t in state.items()}
+        if self.module.config.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+
+
+def parallelize(model: LlamaForCausalLM, tp: int, device: torch.device,
+                data_parallel: str = "auto") -> ParallelModel:
+    """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
+
+    Every rank must hold the same full weights on entry (they are sliced, not scattered).
+    Without a process group the model is returned as it is.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if tp != 1:
+            raise InvalidInput(f"tensor_parallel {tp} needs {tp} or more ranks; got 1 process.")
+        return ParallelModel(module=model, net=model)
+    world = dist.get_world_size()
+    check_tensor_parallel(model.config, tp, world)
+    mode = data_parallel_mode(data_parallel, tp)
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS)
+    if tp > 1:
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], megatron_plan())
+    net: nn.Module
+    if mode == "fsdp":
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        net = model
+    else:
+        net = DistributedDataParallel(
+            model, process_group=mesh.get_group("dp"),
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+    return ParallelModel(module=model, net=net, dp_rank=mesh.get_local_rank("dp"),
+                         dp_size=world // tp, tp_size=tp, mesh=mesh)
