@@ -1,0 +1,106 @@
+"""(dp, tp) meshes through the real entry point, under torchrun and under srun on a test cluster.
+
+The same seed and data must give the same update whichever launcher started the ranks, and
+meshes that differ only in tensor parallelism must agree (tp splits the math of one
+replica; dp changes the global batch, so dp=1 and dp=2 are compared only among themselves).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xffl.aggregator.exchange import Manifest, verify_checkpoint
+from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
+from xffl.training.data import ensure_synthetic
+from xffl.training.launch import launch
+
+MESHES = {"dp1-tp1": (1, 1), "dp1-tp2": (2, 2), "dp2-tp1": (2, 1), "dp2-tp2": (4, 2)}
+
+
+def _job(data: Path, tp: int, **training: object) -> TrainJob:
+    fields: dict[str, object] = {"steps": 3, "batch_size": 2, "seq_len": 16, "lr": 1e-3,
+                                 "adam_eps": 1e-6, "seed": 3, "tensor_parallel": tp}
+    spec = TrainingSpec.model_validate({**fields, **training})
+    return TrainJob(run_id="run-test", site="site-a", model=ModelSpec(preset="tiny-test"),
+                    training=spec, data=DataSpec(path=str(data)))
+
+
+def _train(tmp: Path, name: str, launcher: str, ranks: int, job: TrainJob,
+           model: Path) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    job_file = tmp / f"{name}-{launcher}.json"
+    job_file.write_text(job.model_dump_json())
+    out = tmp / f"{name}-{launcher}"
+    args = ["--job", str(job_file), "--round", "1", "--model", str(model), "--out", str(out)]
+    assert launch(ranks, launcher if ranks > 1 else "none", args, out) == 0  # type: ignore[arg-type]
+    return verify_checkpoint(out), load_file(out / "model.safetensors")
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4,
+                                   msg=f"{what}: {name}")
+
+
+@pytest.mark.slow
+def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Manifest],
+                                        slurm_stack,  # type: ignore[no-untyped-def]
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
+    model = global0[0]
+    results: dict[tuple[str, str], tuple[Manifest, dict[str, torch.Tensor]]] = {}
+    for name, (ranks, tp) in MESHES.items():
+        results[name, "torchrun"] = _train(tmp_path, name, "torchrun", ranks, _job(data, tp),
+                                           model)
+    # srun on cluster alpha (2 CPUs: --overcommit lets 4 ranks share them)
+    monkeypatch.setenv("SLURM_CONF", slurm_stack.clusters["alpha"].slurm_conf)
+    monkeypatch.setenv("SLURM_OVERCOMMIT", "1")
+    monkeypatch.setenv("SLURM_TIMELIMIT", "5")
+    for name, (ranks, tp) in MESHES.items():
+        if ranks > 1:
+            results[name, "srun"] = _train(tmp_path, name, "srun", ranks, _job(data, tp), model)
+
+    for (name, _launcher), (manifest, _) in results.items():
+        ranks, tp = MESHES[name]
+        assert (manifest.extra["world_size"], manifest.extra["tp"]) == (ranks, tp), name
+        assert manifest.extra["dp"] == ranks // tp
+        assert manifest.num_tokens == 3 * 2 * 16 * (ranks // tp)
+    for name, (ranks, _) in MESHES.items():
+        if ranks > 1:  # the launcher does not change the result
+            (m1, w1), (m2, w2) = results[name, "torchrun"], results[name, "srun"]
+            assert m1.extra["losses"] == pytest.approx(m2.extra["losses"], abs=1e-6)
+            _close(w1, w2, f"{name} torchrun vs srun")
+    # tensor parallelism does not change the math of one replica
+    for a, b in (("dp1-tp1", "dp1-tp2"), ("dp2-tp1", "dp2-tp2")):
+        (ma, wa), (mb, wb) = results[a, "torchrun"], results[b, "torchrun"]
+        assert ma.extra["losses"] == pytest.approx(mb.extra["losses"], abs=1e-5)
+        _close(wa, wb, f"{a} vs {b}")
+    # while more data-parallel ranks do (a bigger global batch): a check that the test can fail
+    assert results["dp1-tp1", "torchrun"][0].extra["losses"] != pytest.approx(
+        results["dp2-tp1", "torchrun"][0].extra["losses"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_stops_before_the_slurm_time_limit(tmp_path: Path, global0: tuple[Path, Manifest],
+                                           slurm_stack,  # type: ignore[no-untyped-def]
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-minute SLURM job with a 50 s margin trains ~10 s, then writes its checkpoint."""
+    data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
+    job = _job(data, 1, steps=10_000_000, time_margin=50)
+    monkeypatch.setenv("SLURM_CONF", slurm_stack.clusters["alpha"].slurm_conf)
+    monkeypatch.setenv("SLURM_TIMELIMIT", "1")
+    name = f"xffl-limit-{time.monotonic_ns()}"
+    monkeypatch.setenv("SLURM_JOB_NAME", name)
+    manifest, _ = _train(tmp_path, "limit", "srun", 2, job, global0[0])
+    assert manifest.extra["stopped_early"] is True
+    assert 1 <= manifest.extra["steps"] < 10_000_000
+    # SLURM's own record: a 1-minute job that ended COMPLETED, not TIMEOUT
+    jobcomp = Path(slurm_stack.clusters["alpha"].jobcomp).read_text().splitlines()
+    record = dict(f.split("=", 1) for line in jobcomp if f"Name={name} " in line
+                  for f in line.split() if "=" in f)
+    assert record["JobState"] == "COMPLETED" and record["TimeLimit"] == "1", record
