@@ -11,7 +11,8 @@ from xffl.core.yamlio import YamlDoc, load_yaml
 from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.lookup import find_profile
 from xffl.site_profiles.schema import SiteProfile
-from xffl.training.model import PRESETS, build_config
+from xffl.training.arch import check_tensor_parallel
+from xffl.training.model import PRESETS, LlamaConfig, build_config
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,31 @@ def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
         return [f"{path}:{line}: job spec field model.preset: unknown preset "
                 f"{spec.model.preset!r}; use one of {', '.join(sorted(PRESETS))}."]
     try:
-        build_config(spec.model)
+        config = build_config(spec.model)
     except ValueError as exc:
         line = doc.line_of(("model", "overrides"))
         return [f"{path}:{line}: job spec field model.overrides: {exc}; fix the key."]
-    return []
+    return _check_tensor_parallel(doc, spec, path, config)
+
+
+def _check_tensor_parallel(doc: YamlDoc, spec: JobSpec, path: Path,
+                           config: LlamaConfig) -> list[str]:
+    """tensor_parallel must divide the model's heads and MLP width and every site's ranks."""
+    tp = spec.training.tensor_parallel
+    line = doc.line_of(("training", "tensor_parallel"))
+    try:
+        check_tensor_parallel(config, tp)
+    except InvalidInput as exc:
+        return [f"{path}:{line}: job spec field training.tensor_parallel: {exc.message}"]
+    errors = []
+    for i, site in enumerate(spec.sites):
+        if site.ranks % tp:
+            errors.append(
+                f"{path}:{doc.line_of(('sites', i, 'ranks'))}: job spec field "
+                f"sites[{i}].ranks: {site.ranks} ranks cannot be split into tensor-parallel "
+                f"groups of {tp}; use a multiple of {tp}."
+            )
+    return errors
 
 
 def load_job(path: Path) -> LoadedJob:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.core.errors import InvalidInput
 from xffl.training.config import ModelSpec
 
 
@@ -217,3 +218,21 @@ def build_config(spec: ModelSpec) -> LlamaConfig:
             )
         base = PRESETS[spec.preset]
     return apply_overrides(base, spec.overrides)
+
+
+def check_tensor_parallel(config: LlamaConfig, tp: int, ranks: int | None = None) -> None:
+    """InvalidInput unless ``tp`` divides the ranks, the heads, the KV heads and the MLP width."""
+    if tp < 1:
+        raise InvalidInput(f"tensor_parallel is {tp}; it must be at least 1.")
+    if ranks is not None and ranks % tp:
+        raise InvalidInput(
+            f"tensor_parallel {tp} does not divide the site's {ranks} ranks; choose a divisor."
+        )
+    for what, value in (("num_attention_heads", config.num_attention_heads),
+                        ("num_key_value_heads", config.num_key_value_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % tp:
+            raise InvalidInput(
+                f"tensor_parallel {tp} does not divide the model's {what} ({value}); "
+                "choose a divisor."
+            )

@@ -35,7 +35,11 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from xffl.core.errors import InvalidInput
-from xffl.training.model import LlamaConfig, LlamaForCausalLM
+from xffl.training.arch import check_tensor_parallel
+from xffl.training.model import LlamaForCausalLM
+
+__all__ = ["ParallelModel", "check_tensor_parallel", "data_parallel_mode", "megatron_plan",
+           "parallelize"]
 
 MESH_DIMS = ("dp", "tp")
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
@@ -48,24 +52,6 @@ def megatron_plan() -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in COLWISE}
     plan.update({name: RowwiseParallel() for name in ROWWISE})
     return plan
-
-
-def check_tensor_parallel(config: LlamaConfig, tp: int, ranks: int | None = None) -> None:
-    """InvalidInput unless ``tp`` divides the ranks, the heads, the KV heads and the MLP width."""
-    if tp < 1:
-        raise InvalidInput(f"tensor_parallel is {tp}; it must be at least 1.")
-    if ranks is not None and ranks % tp:
-        raise InvalidInput(
-            f"tensor_parallel {tp} does not divide the site's {ranks} ranks; choose a divisor."
-        )
-    for what, value in (("num_attention_heads", config.num_attention_heads),
-                        ("num_key_value_heads", config.num_key_value_heads),
-                        ("intermediate_size", config.intermediate_size)):
-        if value % tp:
-            raise InvalidInput(
-                f"tensor_parallel {tp} does not divide the model's {what} ({value}); "
-                "choose a divisor."
-            )
 
 
 DataParallel = Literal["auto", "ddp", "fsdp"]

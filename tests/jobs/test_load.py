@@ -116,3 +116,36 @@ def test_strategy_params_are_checked(tmp_path: Path) -> None:
     assert "aggregation: fedadam has no parameter 'beta'" in info.value.lines[0]
     data["aggregation"]["params"] = {"eta": 0.01}
     assert load_job(_write(tmp_path, data)).spec.aggregation.params == {"eta": 0.01}
+
+
+def test_tensor_parallel_must_divide_ranks_and_heads(tmp_path: Path) -> None:
+    data = _quickstart()
+    data["training"]["tensor_parallel"] = 2
+    data["sites"][1]["ranks"] = 3
+    f = _write(tmp_path, data)
+    with pytest.raises(InvalidInput) as info:
+        load_job(f)
+    line = f.read_text().splitlines().index("  ranks: 3") + 1
+    assert info.value.lines == [
+        f"{f}:{line}: job spec field sites[1].ranks: 3 ranks cannot be split into "
+        "tensor-parallel groups of 2; use a multiple of 2."
+    ]
+    data["sites"][1]["ranks"] = 4
+    data["training"]["tensor_parallel"] = 8  # the tiny preset has 4 attention heads
+    data["sites"][0]["ranks"] = data["sites"][1]["ranks"] = 8
+    with pytest.raises(InvalidInput) as info:
+        load_job(_write(tmp_path, data))
+    assert len(info.value.lines) == 1
+    assert "job spec field training.tensor_parallel: tensor_parallel 8 does not divide the " \
+        "model's num_attention_heads (4); choose a divisor." in info.value.lines[0]
+    data["training"]["tensor_parallel"] = 2
+    assert load_job(_write(tmp_path, data)).spec.training.tensor_parallel == 2
+
+
+def test_ddp_with_tensor_parallel_is_refused(tmp_path: Path) -> None:
+    data = _quickstart()
+    data["training"].update(tensor_parallel=2, data_parallel="ddp")
+    with pytest.raises(InvalidInput) as info:
+        load_job(_write(tmp_path, data))
+    assert "training: data_parallel ddp does not combine with tensor_parallel > 1" in (
+        info.value.lines[0])
