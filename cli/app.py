@@ -6,7 +6,18 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli import aggregate, cancel, logs, render, runs, sites, status, submit, validate
+from xffl.cli import (
+    aggregate,
+    cancel,
+    data,
+    logs,
+    render,
+    runs,
+    sites,
+    status,
+    submit,
+    validate,
+)
 from xffl.cli.common import state
 
 app = typer.Typer(
@@ -36,6 +47,7 @@ app.command()(aggregate.aggregate)
 app.command()(cancel.cancel)
 app.command()(logs.logs)
 app.add_typer(sites.app, name="sites")
+app.add_typer(data.app, name="data")
 
 
 def main() -> None:

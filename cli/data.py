@@ -1,0 +1,42 @@
+"""`xffl data prepare`: turn a site's text files into token shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+
+app = typer.Typer(help="Prepare a site's training data (run it at the site).",
+                  no_args_is_help=True)
+
+
+@app.command("prepare")
+@handle_errors
+def prepare(
+    texts: Annotated[list[Path], typer.Argument(help="Text files, tokenized in this order.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Token-shard directory to create.")],
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="A Hugging Face tokenizer.json (default: byte-level, 256 tokens).")] = None,
+    eos: Annotated[str | None, typer.Option(
+        help="Special token of the tokenizer to put after each file, e.g. '</s>'.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace a non-empty output directory.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Tokenize text files into train.bin + meta.json, the format a job's data.path names.
+
+    Example: xffl data prepare corpus/*.txt -o /scratch/me/xffl-data --tokenizer tokenizer.json
+    """
+    from xffl.training.prepare import prepare as run_prepare
+
+    meta = run_prepare(texts, out, tokenizer=tokenizer, eos=eos, force=force)
+    summary = {"out": str(out), "num_tokens": meta["num_tokens"],
+               "vocab_size": meta["vocab_size"], "dtype": meta["dtype"],
+               "files": len(meta["sources"])}
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(f"wrote {summary['num_tokens']} tokens ({summary['dtype']}, vocabulary "
+                      f"{summary['vocab_size']}) from {summary['files']} file(s) to {out}")
