@@ -1,0 +1,26 @@
+"""The training benchmark compares equal work: its two loops give the same loss curve."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_throughput" / "run.py"
+
+
+def test_plain_and_xffl_loops_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bench_train_throughput", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    code = bench.main(["--steps", "3", "--warmup", "1", "--trials", "1", "--seq", "32",
+                       "--batch", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert result["max_loss_difference"] == 0.0  # same model, data, order: the same curve
+    assert result["parameters"] == 3_033_344 and result["steps"] == 3
+    assert result["ratio"] == pytest.approx(
+        result["xffl_tokens_per_s"] / result["plain_tokens_per_s"])
