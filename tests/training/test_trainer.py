@@ -124,3 +124,17 @@ def test_entry_point_in_process(tmp_path: Path, global0: tuple[Path, Manifest],
     job_file.write_text(json.dumps({**json.loads(job.model_dump_json()), "site": None}))
     assert trainer_main(args) == 2
     assert "site" in capsys.readouterr().err
+
+
+def test_same_seed_same_loss_curve(tmp_path: Path, global0: tuple[Path, Manifest],
+                                   make_job: JobFactory) -> None:
+    """Twice the same job: the same loss curve and the same bytes; another seed differs."""
+    job = make_job(tmp_path / "data", sequences=40, steps=6, seed=11)
+    data = _prepare(job)
+    first = train_round(job, 1, global0[0], data, tmp_path / "a")
+    second = train_round(job, 1, global0[0], data, tmp_path / "b")
+    assert first.extra["losses"] == second.extra["losses"]
+    assert first.files["model.safetensors"] == second.files["model.safetensors"]
+    other = train_round(make_job(tmp_path / "data", sequences=40, steps=6, seed=12), 1,
+                        global0[0], data, tmp_path / "c")
+    assert other.extra["losses"] != first.extra["losses"]
