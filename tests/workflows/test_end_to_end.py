@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -75,9 +76,9 @@ def test_quickstart_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
                               seq_len=spec["training"]["seq_len"], max_batches=8)
                      for r in range(rounds + 1)] for site in samples}
     for site, curve in curves.items():
-        assert all(b < a for a, b in zip(curve, curve[1:])), (site, curve)
+        assert all(b < a for a, b in itertools.pairwise(curve)), (site, curve)
     mean = [sum(c[r] for c in curves.values()) / len(curves) for r in range(rounds + 1)]
-    assert all(b < a for a, b in zip(mean, mean[1:])), mean
+    assert all(b < a for a, b in itertools.pairwise(mean)), mean
     assert mean[-1] < mean[0] - 1.0, mean
 
     # the registry's view, through the CLI
