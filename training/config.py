@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_entry_point(value: str) -> str:
+    """ValueError unless ``value`` looks like ``package.module:function``."""
+    if not ENTRY_RE.match(value):
+        raise ValueError(f"{value!r} is not an entry point; write package.module:function")
+    return value
 
 
 class _Strict(BaseModel):
@@ -16,12 +26,21 @@ class ModelSpec(_Strict):
 
     Field names of ``overrides`` are Hugging Face LlamaConfig names (hidden_size, ...).
     ``init`` is an existing checkpoint directory (HF LLaMA layout) to start from instead of
-    a random initialisation.
+    a random initialisation. ``entry_point`` (``package.module:function``) builds a model of
+    the user's own from that config instead of xffl's LLaMA (see xffl.training.entry).
     """
 
     preset: str = "tiny"
     overrides: dict[str, int | float | bool] = Field(default_factory=dict)
     init: str | None = None
+    entry_point: str | None = Field(
+        default=None, description="package.module:function building the model from the config")
+
+    @model_validator(mode="after")
+    def _entry_point_form(self) -> ModelSpec:
+        if self.entry_point is not None:
+            check_entry_point(self.entry_point)
+        return self
 
 
 class TrainingSpec(_Strict):

@@ -228,12 +228,13 @@ def export_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return state
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Mapping[str, Tensor]) -> None:
+def load_weights(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
     """Copy HF-named tensors into the model; ValueError listing missing or unexpected names."""
     own = model.state_dict()
     given = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     missing = sorted(set(own) - set(given))
-    if model.config.tie_word_embeddings and missing == ["lm_head.weight"]:
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and missing == ["lm_head.weight"]:
         missing = []
     unexpected = sorted(set(given) - set(own))
     if missing or unexpected:

@@ -75,7 +75,7 @@ def data_parallel_mode(requested: str, tp: int) -> Literal["ddp", "fsdp"]:
 class ParallelModel:
     """A model wrapped for training on a (dp, tp) mesh, and what the loop needs to know of it."""
 
-    module: LlamaForCausalLM  # the model itself (FSDP2/TP turn its parameters into DTensors)
+    module: nn.Module  # the model itself (FSDP2/TP turn its parameters into DTensors)
     net: nn.Module  # what to call in forward: DDP(module), or module
     dp_rank: int = 0
     dp_size: int = 1
@@ -134,32 +134,39 @@ class ParallelModel:
             )
         out = {name: t.detach().to("cpu", torch.float32).contiguous()
                for name, t in state.items()}
-        if self.module.config.tie_word_embeddings:
+        if getattr(getattr(self.module, "config", None), "tie_word_embeddings", False):
             out.pop("lm_head.weight", None)
         return out
 
 
-def parallelize(model: LlamaForCausalLM, tp: int, device: torch.device,
+def parallelize(model: nn.Module, tp: int, device: torch.device,
                 data_parallel: str = "auto") -> ParallelModel:
     """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
 
     Every rank must hold the same full weights on entry (they are sliced, not scattered).
-    Without a process group the model is returned as it is.
+    Without a process group the model is returned as it is. Tensor parallelism needs xffl's
+    LLaMA module tree; FSDP2 shards other models as one unit.
     """
+    llama = isinstance(model, LlamaForCausalLM)
+    if tp > 1 and not llama:
+        raise InvalidInput("tensor_parallel > 1 needs xffl's LLaMA model; a model.entry_point "
+                           "model trains with data parallelism only (tensor_parallel: 1).")
     if not dist.is_available() or not dist.is_initialized():
         if tp != 1:
             raise InvalidInput(f"tensor_parallel {tp} needs {tp} or more ranks; got 1 process.")
         return ParallelModel(module=model, net=model)
     world = dist.get_world_size()
-    check_tensor_parallel(model.config, tp, world)
+    if llama:
+        check_tensor_parallel(model.config, tp, world)
     mode = data_parallel_mode(data_parallel, tp)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS)
+    layers = list(model.model.layers) if isinstance(model, LlamaForCausalLM) else []
     if tp > 1:
-        for layer in model.model.layers:
+        for layer in layers:
             parallelize_module(layer, mesh["tp"], megatron_plan())
     net: nn.Module
     if mode == "fsdp":
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         net = model

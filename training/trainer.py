@@ -32,12 +32,12 @@ from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import TokenShards
+from xffl.training.entry import build
 from xffl.training.loop import make_scheduler, prox_snapshot, round_steps, run_steps
 from xffl.training.model import (
     LlamaConfig,
     LlamaForCausalLM,
     build_config,
-    build_model,
     export_state_dict,
     lm_loss,
     load_weights,
@@ -75,9 +75,12 @@ def read_weights(model_dir: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def load_model(model_dir: Path) -> LlamaForCausalLM:
-    """A CPU fp32 model with the weights of a checkpoint directory."""
-    model = build_model(read_config(model_dir))
+def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
+    """A CPU fp32 model with the weights of a checkpoint directory.
+
+    xffl's LLaMA, or the model of ``entry_point`` (package.module:function) when given.
+    """
+    model = build(read_config(model_dir), entry_point)
     try:
         load_weights(model, read_weights(model_dir))
     except ValueError as exc:
@@ -102,19 +105,20 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path) -> Mani
     """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights."""
     config = build_config(model)
     if model.init is not None:
-        net = build_model(config)
+        net = build(config, model.entry_point)
         try:
             load_weights(net, read_weights(Path(model.init)))
         except ValueError as exc:
             raise InvalidInput(f"model.init {model.init}: {exc}.") from exc
     else:
-        net = build_model(config, seed=seed)
+        net = build(config, model.entry_point, seed=seed)
     manifest = Manifest(
         kind="global",
         run_id=run_id,
         round=0,
         extra={"preset": model.preset, "init": model.init, "seed": seed,
-               "num_parameters": config.num_parameters()},
+               "entry_point": model.entry_point,
+               "num_parameters": sum(p.numel() for p in net.parameters())},
     )
     return save_checkpoint(net, config, Path(out_dir), manifest)
 
@@ -200,8 +204,12 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
             f"{data_dir}: vocabulary of {shards.vocab_size} tokens does not fit the model's "
             f"vocab_size {config.vocab_size}."
         )
-    model = load_model(model_dir).to(device)
-    model.model.gradient_checkpointing = spec.activation_checkpointing
+    model = load_model(model_dir, job.model.entry_point).to(device)
+    if isinstance(model, LlamaForCausalLM):
+        model.model.gradient_checkpointing = spec.activation_checkpointing
+    elif spec.activation_checkpointing:
+        raise InvalidInput("training.activation_checkpointing needs xffl's LLaMA model; "
+                           "a model.entry_point model must checkpoint its own blocks.")
     pm = parallelize(model, spec.tensor_parallel, device, spec.data_parallel)
     torch.manual_seed(rank_seed(spec.seed, round, pm.dp_rank))
     optimizer = make_optimizer(pm.module, spec)
@@ -264,9 +272,9 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
 
 @torch.no_grad()
 def evaluate(model_dir: Path, data_dir: Path, seq_len: int, max_batches: int,
-             batch_size: int = 8) -> float:
+             batch_size: int = 8, entry_point: str | None = None) -> float:
     """Mean next-token loss of a checkpoint on the first sequences of a dataset (no grad)."""
-    model = load_model(Path(model_dir))
+    model = load_model(Path(model_dir), entry_point)
     model.eval()
     shards = TokenShards(Path(data_dir), seq_len)
     count = min(len(shards), max_batches * batch_size)
