@@ -17,6 +17,7 @@ from typing import Any
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.fedavg import WEIGHTINGS
+from xffl.aggregator.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.core.errors import RunFailed, XfflError
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=Path,
         metavar="UPDATE",
-        help="update checkpoint directories (model.safetensors + manifest.json)",
+        help="update checkpoint directories (model.safetensors or shards + index, manifest.json)",
     )
     p.add_argument("-o", "--output", required=True, type=Path, help="global checkpoint to write")
     p.add_argument(
@@ -93,12 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-finite-check", action="store_true", help="skip the NaN/Inf scan of update tensors"
     )
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help="split a larger global model into Hugging Face shards with an index json, "
+        f"e.g. 500MB or 2GiB; 0 never splits (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Select the updates, aggregate the accepted ones and describe what happened."""
+    max_shard_size = parse_size(args.max_shard_size)  # a bad size fails before any work
     reference = None
     parent_digest = args.parent_digest
     if args.parent is not None:
@@ -133,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_id=args.run_id,
         round=args.round,
         parent_digest=parent_digest,
+        max_shard_size=max_shard_size,
     )
     sites = manifest.extra["sites"]
     report["used"] = [
@@ -150,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "digest": manifest.digest(),
         "num_samples": manifest.num_samples,
         "metrics": manifest.metrics,
+        "files": sorted(manifest.files),
     }
     return report
 

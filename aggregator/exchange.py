@@ -1,7 +1,9 @@
 """The checkpoint exchange format between sites and coordinator (DESIGN.md).
 
-A checkpoint is a directory holding ``model.safetensors`` (plus ``config.json`` for the
-model architecture) and ``manifest.json``: format version, run id, round, site, sample and
+A checkpoint is a directory holding the model (``model.safetensors``, or Hugging Face shards
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``; see
+:mod:`xffl.aggregator.shards`), ``config.json`` for the model architecture and
+``manifest.json``: format version, run id, round, site, sample and
 token counts, metrics, the sha256 of every file, the tensor index and the digest of the
 parent global checkpoint. Directories are written under a temporary name, fsynced and then
 renamed, so a reader sees a whole checkpoint or none. Nothing here unpickles anything.
@@ -22,10 +24,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xffl.aggregator.safetensors_io import SafetensorsReader
+from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, ModelReader, open_model
 from xffl.core.errors import CheckpointError
 
 FORMAT_VERSION = 1
-MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 _CHUNK = 8 << 20
@@ -97,8 +100,19 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def index_of(reader: ModelReader | SafetensorsReader) -> list[TensorInfo]:
+    """The tensor index (sorted by name) of an open model or safetensors file."""
+    return [
+        TensorInfo(name=e.name, dtype=e.dtype, shape=list(e.shape))
+        for e in sorted(reader.entries.values(), key=lambda e: e.name)
+    ]
+
+
 def tensor_index(path: Path) -> list[TensorInfo]:
-    """The tensor index of a safetensors file, sorted by name."""
+    """The tensor index, sorted by name, of a safetensors file or a checkpoint's model."""
+    if Path(path).is_dir():
+        with open_model(path) as reader:
+            return index_of(reader)
     header = read_safetensors_header(path)
     return [
         TensorInfo(name=name, dtype=str(meta["dtype"]), shape=[int(d) for d in meta["shape"]])
@@ -157,9 +171,7 @@ def finalize_manifest(
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST_FILE
     }
-    full = manifest.model_copy(
-        update={"files": files, "tensors": tensor_index(directory / MODEL_FILE)}
-    )
+    full = manifest.model_copy(update={"files": files, "tensors": tensor_index(directory)})
     (directory / MANIFEST_FILE).write_text(full.model_dump_json(indent=2) + "\n")
     return full
 
@@ -178,15 +190,20 @@ def read_manifest(directory: Path) -> Manifest:
 
 
 def verify_checkpoint(directory: Path) -> Manifest:
-    """Check every file's sha256 and the tensor index against the manifest; return it."""
+    """Check every file's sha256 and the tensor index against the manifest; return it.
+
+    The model is ``model.safetensors`` or an index json whose shards must all be listed.
+    """
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest.format_version != FORMAT_VERSION:
         raise CheckpointError(
             f"{directory}: format version {manifest.format_version}, expected {FORMAT_VERSION}."
         )
-    if MODEL_FILE not in manifest.files:
-        raise CheckpointError(f"{directory}: the manifest lists no {MODEL_FILE}.")
+    if MODEL_FILE not in manifest.files and INDEX_FILE not in manifest.files:
+        raise CheckpointError(
+            f"{directory}: the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}."
+        )
     for name, expected in manifest.files.items():
         path = directory / name
         if not path.is_file():
@@ -196,6 +213,15 @@ def verify_checkpoint(directory: Path) -> Manifest:
             raise CheckpointError(
                 f"{directory}: checksum mismatch for {name} (file corrupted or truncated)."
             )
-    if tensor_index(directory / MODEL_FILE) != manifest.tensors:
-        raise CheckpointError(f"{directory}: the tensor index differs from the manifest.")
+    try:
+        reader = open_model(directory)
+    except CheckpointError as exc:
+        where = "" if exc.message.startswith(str(directory)) else f"{directory}: "
+        raise CheckpointError(f"{where}{exc.message}") from exc
+    with reader:
+        unlisted = [f for f in reader.files if f not in manifest.files]
+        if unlisted:
+            raise CheckpointError(f"{directory}: the manifest does not list {unlisted[0]}.")
+        if index_of(reader) != manifest.tensors:
+            raise CheckpointError(f"{directory}: the tensor index differs from the manifest.")
     return manifest

@@ -9,166 +9,53 @@ a canonical order (site name, then digest), so the result is bitwise independent
 order passed in. Memory stays near two slices per update plus two output slices, whatever
 the model size and the number of updates: the slices of all updates together hold
 READ_BUDGET_ELEMENTS elements (32 MiB of fp32), so a slice shrinks as updates are added
-(at most SLICE_ELEMENTS, at least MIN_SLICE_ELEMENTS elements per update).
+(at most SLICE_ELEMENTS, at least MIN_SLICE_ELEMENTS elements per update). The output
+is ``model.safetensors``, or Hugging Face shards with an index json when it exceeds
+``max_shard_size`` (:mod:`xffl.aggregator.shard_writer`); inputs may be either.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
-    MODEL_FILE,
     Manifest,
     TensorInfo,
     finalize_manifest,
-    read_manifest,
     staged_dir,
+)
+from xffl.aggregator.inputs import WEIGHTINGS as WEIGHTINGS  # re-exported
+from xffl.aggregator.inputs import (
+    Update,
+    Weighting,
+    close_updates,
+    open_updates,
+    prepare,
+    weighted_metrics,
 )
 from xffl.aggregator.safetensors_io import (
     FLOAT_DTYPES,
     STORAGE_DTYPES,
     Array,
-    SafetensorsReader,
-    SafetensorsWriter,
     bf16_bits_to_f32,
     f32_to_bf16_bits,
 )
-from xffl.aggregator.verify import canonical_key, index_of, layout_difference
-from xffl.core.errors import CheckpointError, InvalidInput
-
-Weighting = Literal["samples", "tokens", "uniform"]
-WEIGHTINGS: tuple[str, ...] = ("samples", "tokens", "uniform")
+from xffl.aggregator.shard_writer import ShardedWriter
+from xffl.aggregator.shards import parse_size
+from xffl.core.errors import InvalidInput
 
 SLICE_ELEMENTS = 1 << 21  # most elements per slice (8 MiB of fp32 per update)
 READ_BUDGET_ELEMENTS = 1 << 23  # elements of one slice of every update together (32 MiB fp32)
 MIN_SLICE_ELEMENTS = 1 << 16  # fewest elements per slice, however many updates
 BLOCK_ELEMENTS = 1 << 17  # elements per accumulation block (fits in L2/L3)
 FLUSH_BYTES = 64 << 20  # start writeback of the output every this many bytes
-
-
-@dataclass
-class _Update:
-    """One opened input, in canonical order."""
-
-    path: Path
-    manifest: Manifest
-    site: str
-    digest: str
-    position: int  # index in the caller's list
-    reader: SafetensorsReader
-    weight: float = 0.0
-
-
-def _open_updates(paths: Sequence[Path]) -> list[_Update]:
-    """Read manifests, open model files, sort canonically; close everything on failure."""
-    opened: list[_Update] = []
-    try:
-        for pos, raw in enumerate(paths):
-            path = Path(raw)
-            manifest = read_manifest(path)
-            site, digest = canonical_key(path, manifest)
-            try:
-                reader = SafetensorsReader(path / MODEL_FILE)
-            except (CheckpointError, OSError) as exc:
-                raise CheckpointError(f"update from site '{site}' ({path}): {exc}") from exc
-            opened.append(_Update(path, manifest, site, digest, pos, reader))
-    except BaseException:
-        for u in opened:
-            u.reader.close()
-        raise
-    opened.sort(key=lambda u: (u.site, u.digest))
-    return opened
-
-
-def _assign_weights(
-    ups: list[_Update], weights: Sequence[float] | None, weighting: Weighting | Mapping[str, float]
-) -> str:
-    """Set each update's raw weight; return a label of the weighting used."""
-    if weights is not None:
-        if len(weights) != len(ups):
-            raise InvalidInput(f"{len(weights)} weights given for {len(ups)} updates.")
-        for u in ups:
-            u.weight = float(weights[u.position])
-        label = "explicit"
-    elif isinstance(weighting, Mapping):
-        missing = sorted(u.site for u in ups if u.site not in weighting)
-        if missing:
-            raise InvalidInput(f"no weight given for site(s) {', '.join(missing)}.")
-        for u in ups:
-            u.weight = float(weighting[u.site])
-        label = "explicit"
-    elif weighting in WEIGHTINGS:
-        for u in ups:
-            u.weight = {
-                "samples": float(u.manifest.num_samples),
-                "tokens": float(u.manifest.num_tokens),
-                "uniform": 1.0,
-            }[weighting]
-        label = weighting
-    else:
-        raise InvalidInput(f"unknown weighting {weighting!r}; use one of {', '.join(WEIGHTINGS)}.")
-    for u in ups:
-        if not math.isfinite(u.weight) or u.weight < 0:
-            raise InvalidInput(f"weight of site '{u.site}' is {u.weight}; weights must be >= 0.")
-    if sum(u.weight for u in ups) <= 0:
-        raise InvalidInput(
-            f"all weights are zero under '{label}' weighting; the manifests may lack "
-            "sample/token counts (try --weighting uniform)."
-        )
-    return label
-
-
-def _agree(ups: list[_Update], what: str, field: str, given: Any) -> Any:
-    """The value of a manifest field that every update shares (``given``, else the first's)."""
-    want = given if given is not None else getattr(ups[0].manifest, field)
-    for u in ups:
-        got = getattr(u.manifest, field)
-        if got != want:
-            raise CheckpointError(
-                f"update from site '{u.site}' ({u.path}) has {what} {got!r}, expected {want!r}."
-            )
-    return want
-
-
-def _common_layout(ups: list[_Update]) -> list[TensorInfo]:
-    """The tensor index all updates share (raises naming the first site that differs)."""
-    ref = index_of(ups[0].reader)
-    for u in ups[1:]:
-        diff = layout_difference(index_of(u.reader), ref, f"site '{ups[0].site}'")
-        if diff:
-            raise CheckpointError(f"update from site '{u.site}' ({u.path}): {diff}.")
-    return ref
-
-
-def _common_config(ups: list[_Update]) -> bytes | None:
-    """config.json of the first update, after checking that all updates carry the same one."""
-    first: bytes | None = None
-    parsed: Any = None
-    for i, u in enumerate(ups):
-        path = u.path / CONFIG_FILE
-        data = path.read_bytes() if path.is_file() else None
-        try:
-            value = None if data is None else json.loads(data)
-        except ValueError as exc:
-            raise CheckpointError(
-                f"update from site '{u.site}' ({u.path}): unreadable {CONFIG_FILE}."
-            ) from exc
-        if i == 0:
-            first, parsed = data, value
-        elif (data is None) != (first is None) or value != parsed:
-            raise CheckpointError(
-                f"{CONFIG_FILE} of site '{u.site}' differs from that of site '{ups[0].site}'."
-            )
-    return first
 
 
 def _store(acc: Array, dtype: str, out: Array, scratch: Array) -> None:
@@ -246,9 +133,13 @@ class _SliceBuffers:
 
 
 def _write_average(
-    ups: list[_Update], layout: list[TensorInfo], path: Path, metadata: Mapping[str, str]
-) -> str:
-    """Stream the weighted average of all tensors into ``path``; return the file's sha256.
+    ups: list[Update],
+    layout: list[TensorInfo],
+    directory: Path,
+    metadata: Mapping[str, str],
+    max_shard_bytes: int | None = None,
+) -> dict[str, str]:
+    """Stream the weighted average of all tensors into ``directory``; return {file: sha256}.
 
     A three-stage pipeline over slices: a reader thread fills slice k+1 of every update
     while the caller's thread averages slice k and a writer thread hashes and writes k-1.
@@ -280,7 +171,9 @@ def _write_average(
 
     writes: list[Future[None] | None] = [None, None]
     with (
-        SafetensorsWriter(path, entries, metadata, flush_every=FLUSH_BYTES) as writer,
+        ShardedWriter(
+            directory, entries, metadata, max_shard_bytes=max_shard_bytes, flush_every=FLUSH_BYTES
+        ) as writer,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="xffl-read") as read_pool,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="xffl-write") as write_pool,
     ):
@@ -304,57 +197,7 @@ def _write_average(
         for fut in writes:
             if fut is not None:
                 fut.result()
-    return writer.sha256
-
-
-def _weighted_metrics(ups: list[_Update]) -> dict[str, float]:
-    """Weighted mean of each metric over the updates that report it."""
-    out: dict[str, float] = {}
-    for key in sorted({k for u in ups for k in u.manifest.metrics}):
-        have = [u for u in ups if key in u.manifest.metrics]
-        wsum = math.fsum(u.weight for u in have)
-        if wsum > 0:
-            out[key] = math.fsum(u.weight * u.manifest.metrics[key] for u in have) / wsum
-        else:
-            out[key] = math.fsum(u.manifest.metrics[key] for u in have) / len(have)
-    return out
-
-
-def _prepare(
-    ups: list[_Update],
-    weights: Sequence[float] | None,
-    weighting: Weighting | Mapping[str, float],
-    run_id: str | None,
-    round: int | None,
-    parent_digest: str | None,
-) -> tuple[str, Any, Any, Any, list[TensorInfo], bytes | None, dict[str, Any]]:
-    """Checks and derivations every strategy starts with.
-
-    One update per site, their weights, the run/round/parent they agree on, the common
-    tensor layout and config, and the per-site summary for the manifest. Returns
-    (weighting label, run id, round, parent, layout, config bytes, sites).
-    """
-    dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
-    if dup:
-        raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
-    label = _assign_weights(ups, weights, weighting)
-    run = _agree(ups, "run id", "run_id", run_id)
-    rnd = _agree(ups, "round", "round", round)
-    parent = _agree(ups, "parent", "parent", parent_digest)
-    layout = _common_layout(ups)
-    config = _common_config(ups)
-    total = math.fsum(u.weight for u in ups)
-    sites = {
-        u.site: {
-            "num_samples": u.manifest.num_samples,
-            "num_tokens": u.manifest.num_tokens,
-            "metrics": dict(u.manifest.metrics),
-            "weight": u.weight / total,
-            "digest": u.digest,
-        }
-        for u in ups
-    }
-    return label, run, rnd, parent, layout, config, sites
+    return writer.checksums
 
 
 def aggregate(
@@ -368,26 +211,30 @@ def aggregate(
     parent_digest: str | None = None,
     metadata: Mapping[str, str] | None = None,
     extra: Mapping[str, Any] | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Manifest:
     """Write the weighted FedAvg of ``updates`` as a global checkpoint at ``out_dir``.
 
     ``weights`` (one per update, in the order given) overrides ``weighting``: "samples",
     "tokens", "uniform" or a {site: weight} mapping. ``run_id``, ``round`` and
     ``parent_digest`` default to the value all updates share; an update that disagrees
-    with them raises CheckpointError. The output appears atomically; on failure
+    with them raises CheckpointError. A model of more than ``max_shard_size`` (bytes or a
+    string such as "5GB"; None: never) is written as Hugging Face shards with an index json.
+    The output appears atomically; on failure
     ``out_dir`` keeps its previous content. Inputs are not verified here: run
     :func:`xffl.aggregator.verify.select_updates` first.
     """
     if not updates:
         raise InvalidInput("no updates to aggregate.")
-    ups = _open_updates(updates)
+    max_bytes = parse_size(max_shard_size)
+    ups = open_updates(updates)
     try:
-        label, run, rnd, parent, layout, config, sites = _prepare(
+        label, run, rnd, parent, layout, config, sites = prepare(
             ups, weights, weighting, run_id, round, parent_digest
         )
         st_meta = {"format": "pt", **(metadata or {})}
         with staged_dir(Path(out_dir)) as tmp:
-            sha = _write_average(ups, layout, tmp / MODEL_FILE, st_meta)
+            sums = _write_average(ups, layout, tmp, st_meta, max_bytes)
             if config is not None:
                 (tmp / CONFIG_FILE).write_bytes(config)
             manifest = Manifest(
@@ -397,7 +244,7 @@ def aggregate(
                 parent=parent,
                 num_samples=sum(u.manifest.num_samples for u in ups),
                 num_tokens=sum(u.manifest.num_tokens for u in ups),
-                metrics=_weighted_metrics(ups),
+                metrics=weighted_metrics(ups),
                 extra={
                     "aggregation": "fedavg",
                     "weighting": label,
@@ -405,7 +252,6 @@ def aggregate(
                     **(extra or {}),
                 },
             )
-            return finalize_manifest(tmp, manifest, checksums={MODEL_FILE: sha})
+            return finalize_manifest(tmp, manifest, checksums=sums)
     finally:
-        for u in ups:
-            u.reader.close()
+        close_updates(ups)

@@ -44,22 +44,21 @@ import numpy as np
 
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
-    MODEL_FILE,
     Manifest,
     TensorInfo,
     finalize_manifest,
+    index_of,
     read_manifest,
     staged_dir,
 )
-from xffl.aggregator.fedavg import (
-    SLICE_ELEMENTS,
+from xffl.aggregator.fedavg import SLICE_ELEMENTS, _store, aggregate
+from xffl.aggregator.inputs import (
+    Update,
     Weighting,
-    _open_updates,
-    _prepare,
-    _store,
-    _Update,
-    _weighted_metrics,
-    aggregate,
+    close_updates,
+    open_updates,
+    prepare,
+    weighted_metrics,
 )
 from xffl.aggregator.safetensors_io import (
     FLOAT_DTYPES,
@@ -69,7 +68,9 @@ from xffl.aggregator.safetensors_io import (
     SafetensorsWriter,
     bf16_bits_to_f32,
 )
-from xffl.aggregator.verify import index_of, layout_difference
+from xffl.aggregator.shard_writer import ShardedWriter
+from xffl.aggregator.shards import ModelReader, open_model, parse_size
+from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 
 Progress = Callable[[int, int], None]
@@ -158,7 +159,7 @@ def _robust(name: str, p: Mapping[str, float], stack: Array) -> Array:
 
 def _open_previous(
     name: str, previous: Path | None, layout: list[TensorInfo], stack: ExitStack
-) -> tuple[SafetensorsReader | None, dict[str, SafetensorsReader], bool]:
+) -> tuple[ModelReader | None, dict[str, SafetensorsReader], bool]:
     """Open the previous global's model and, when it has one for ``name``, its server state."""
     if previous is None:
         if name in STATE_BUFFERS:
@@ -166,7 +167,7 @@ def _open_previous(
         return None, {}, False
     previous = Path(previous)
     manifest = read_manifest(previous)
-    model = stack.enter_context(SafetensorsReader(previous / MODEL_FILE))
+    model = stack.enter_context(open_model(previous))
     diff = layout_difference(index_of(model), layout, "the updates")
     if diff:
         raise CheckpointError(f"previous global {previous}: {diff}.")
@@ -187,12 +188,13 @@ def _open_previous(
 def _write(
     name: str,
     p: Mapping[str, float],
-    active: list[_Update],
+    active: list[Update],
     layout: list[TensorInfo],
     tmp: Path,
-    previous: tuple[SafetensorsReader | None, dict[str, SafetensorsReader]],
+    previous: tuple[ModelReader | None, dict[str, SafetensorsReader]],
     metadata: Mapping[str, str],
     progress: Progress | None,
+    max_shard_bytes: int | None = None,
 ) -> dict[str, str]:
     """Stream the strategy's output (and new server state) into ``tmp``; return sha256s."""
     prev_model, prev_state = previous
@@ -201,10 +203,9 @@ def _write(
     buffers = STATE_BUFFERS.get(name, ())
     floats = [t for t in layout if t.dtype in FLOAT_DTYPES]
     with ExitStack() as stack:
+        entries = [(t.name, t.dtype, t.shape) for t in layout]
         model = stack.enter_context(
-            SafetensorsWriter(
-                tmp / MODEL_FILE, [(t.name, t.dtype, t.shape) for t in layout], metadata
-            )
+            ShardedWriter(tmp, entries, metadata, max_shard_bytes=max_shard_bytes)
         )
         state_out = {
             b: stack.enter_context(
@@ -250,7 +251,7 @@ def _write(
                 model.write_chunk(t.name, out)
             if progress is not None:
                 progress(done, len(layout))
-    sums = {MODEL_FILE: model.sha256}
+    sums = model.checksums
     sums.update({state_file(b): w.sha256 for b, w in state_out.items()})
     return sums
 
@@ -269,13 +270,16 @@ def run_strategy(
     parent_digest: str | None = None,
     metadata: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Manifest:
     """Aggregate ``updates`` with strategy ``name`` into a global checkpoint at ``out_dir``.
 
     ``previous_global_dir`` (the global the round started from) is required by the stateful
     strategies (fedavgm, fedadam, fedyogi, fedadagrad), whose server state is read from it
     and written beside the new global. ``params`` overrides :data:`DEFAULT_PARAMS`;
-    ``progress(done, total)`` is called after each tensor. Other arguments are those of
+    ``progress(done, total)`` is called after each tensor; ``max_shard_size`` splits a larger
+    model into Hugging Face shards (server state stays one file per buffer). Other arguments
+    are those of
     :func:`xffl.aggregator.fedavg.aggregate`; "fedavg" is that function. Inputs are not
     verified here: run :func:`xffl.aggregator.verify.select_updates` first.
     """
@@ -291,15 +295,17 @@ def run_strategy(
             parent_digest=parent_digest,
             metadata=metadata,
             extra={"params": p},
+            max_shard_size=max_shard_size,
         )
         if progress is not None:
             progress(len(manifest.tensors), len(manifest.tensors))
         return manifest
     if not updates:
         raise InvalidInput("no updates to aggregate.")
-    ups = _open_updates(updates)
+    max_bytes = parse_size(max_shard_size)
+    ups = open_updates(updates)
     try:
-        label, run, rnd, parent, layout, config, sites = _prepare(
+        label, run, rnd, parent, layout, config, sites = prepare(
             ups, weights, weighting, run_id, round, parent_digest
         )
         active = [u for u in ups if u.weight > 0]
@@ -318,6 +324,7 @@ def run_strategy(
                     (prev_model, prev_state),
                     {"format": "pt", **(metadata or {})},
                     progress,
+                    max_bytes,
                 )
                 if config is not None:
                     (tmp / CONFIG_FILE).write_bytes(config)
@@ -328,7 +335,7 @@ def run_strategy(
                     parent=parent,
                     num_samples=sum(u.manifest.num_samples for u in ups),
                     num_tokens=sum(u.manifest.num_tokens for u in ups),
-                    metrics=_weighted_metrics(ups),
+                    metrics=weighted_metrics(ups),
                     extra={
                         "aggregation": name,
                         "params": p,
@@ -342,8 +349,7 @@ def run_strategy(
                 )
                 return finalize_manifest(tmp, manifest, checksums=sums)
     finally:
-        for u in ups:
-            u.reader.close()
+        close_updates(ups)
 
 
 def parse_pairs(pairs: Sequence[str], option: str = "--param", what: str = "KEY",

@@ -2,9 +2,10 @@
 
 A checkpoint that crossed a facility border is trusted only after :func:`check_update`:
 manifest fields (kind, run, round, parent global digest), the tensor layout against the
-global model, every file's sha256 and finite tensor values. The model file is read once,
-slice by slice into a reused buffer, for both the checksum and the finiteness check, and
-several updates are checked in parallel threads (hashing and numpy release the GIL).
+global model, every file's sha256 and finite tensor values. The model (one file, or Hugging
+Face shards with their index json) is read once, slice by slice into a reused buffer, for
+both the checksums and the finiteness check, and several updates are checked in parallel
+threads (hashing and numpy release the GIL).
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import numpy as np
 
 from xffl.aggregator.exchange import (
     FORMAT_VERSION,
+    INDEX_FILE,
     MODEL_FILE,
     Manifest,
     TensorInfo,
+    index_of,
     read_manifest,
     sha256_file,
 )
 from xffl.aggregator.safetensors_io import STORAGE_DTYPES, Array, SafetensorsReader
+from xffl.aggregator.shards import ModelReader, open_model
 from xffl.core.errors import CheckpointError
 
 _SCAN_BYTES = 16 << 20
@@ -51,14 +55,6 @@ def site_label(directory: Path, manifest: Manifest | None) -> str:
 def canonical_key(directory: Path, manifest: Manifest) -> tuple[str, str]:
     """Sort key that makes aggregation independent of argument order: (site, digest)."""
     return site_label(directory, manifest), manifest.digest()
-
-
-def index_of(reader: SafetensorsReader) -> list[TensorInfo]:
-    """The tensor index (sorted by name) of an open safetensors file."""
-    return [
-        TensorInfo(name=e.name, dtype=e.dtype, shape=list(e.shape))
-        for e in sorted(reader.entries.values(), key=lambda e: e.name)
-    ]
 
 
 def layout_difference(
@@ -115,6 +111,18 @@ def scan_model(reader: SafetensorsReader, *, check_finite: bool = True) -> tuple
     return digest.hexdigest(), bad
 
 
+def scan_shards(
+    reader: ModelReader, *, check_finite: bool = True
+) -> tuple[dict[str, str], str | None]:
+    """:func:`scan_model` over every file of a model: {file: sha256} and the first bad tensor."""
+    sums: dict[str, str] = {}
+    bad: str | None = None
+    for file, shard in reader.shards.items():
+        sums[file], first = scan_model(shard, check_finite=check_finite and bad is None)
+        bad = bad or first
+    return sums, bad
+
+
 def check_update(
     update_dir: Path,
     *,
@@ -127,8 +135,10 @@ def check_update(
     """Admit one update or raise UpdateRejected naming its site and the reason.
 
     Checks, cheapest first: manifest, format version, kind "update", site, run id, round,
-    parent global digest, safetensors header (truncation), tensor index against the manifest
-    and against ``reference_index``, sha256 of every file, finite values. ``None`` skips a check.
+    parent global digest, the index json of a sharded model (its checksum first, then every
+    shard listed and holding what it says), safetensors headers (truncation), tensor index
+    against the manifest and against ``reference_index``, sha256 of every file, finite
+    values. ``None`` skips a check.
     """
     directory = Path(update_dir)
     manifest: Manifest | None = None
@@ -154,33 +164,40 @@ def check_update(
         raise reject(
             f"trained from global {_short(manifest.parent)}, expected {_short(expected_parent)}"
         )
-    if MODEL_FILE not in manifest.files:
-        raise reject(f"the manifest lists no {MODEL_FILE}")
+    files = manifest.files
+    if MODEL_FILE not in files and INDEX_FILE not in files:
+        raise reject(f"the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}")
     try:
-        for name in manifest.files:
+        for name in files:
             if name in ("", ".", "..") or Path(name).name != name:
                 raise reject(f"the manifest lists {name!r}, which is not a plain file name")
             if not (directory / name).is_file():
                 raise reject(f"{name} is missing")
-        with SafetensorsReader(directory / MODEL_FILE) as reader:
+        if INDEX_FILE in files and sha256_file(directory / INDEX_FILE) != files[INDEX_FILE]:
+            raise reject(f"checksum mismatch for {INDEX_FILE}")
+        with open_model(directory) as reader:
+            unlisted = [f for f in reader.files if f not in files]
+            if unlisted:
+                raise reject(f"the manifest does not list {unlisted[0]}, named in {INDEX_FILE}")
             if index_of(reader) != manifest.tensors:
-                raise reject(f"the tensor index of {MODEL_FILE} differs from the manifest")
+                raise reject("the tensor index of the model differs from the manifest")
             if reference_index is not None:
                 diff = layout_difference(manifest.tensors, reference_index)
                 if diff:
                     raise reject(diff)
-            for name, expected in sorted(manifest.files.items()):
-                if name != MODEL_FILE and sha256_file(directory / name) != expected:
+            for name, expected in sorted(files.items()):
+                if name not in reader.shards and sha256_file(directory / name) != expected:
                     raise reject(f"checksum mismatch for {name}")
-            digest, bad = scan_model(reader, check_finite=check_finite)
+            digests, bad = scan_shards(reader, check_finite=check_finite)
     except UpdateRejected:
         raise
     except CheckpointError as exc:
         raise reject(str(exc).rstrip(".")) from exc
     except OSError as exc:
         raise reject(f"unreadable ({exc.strerror or exc})") from exc
-    if digest != manifest.files[MODEL_FILE]:
-        raise reject(f"checksum mismatch for {MODEL_FILE} (corrupted or altered in transfer)")
+    for name, digest in digests.items():
+        if digest != files[name]:
+            raise reject(f"checksum mismatch for {name} (corrupted or altered in transfer)")
     if bad is not None:
         raise reject(f"tensor '{bad}' holds non-finite values (NaN or Inf)")
     return manifest

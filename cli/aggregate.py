@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.fedavg import Weighting
+from xffl.aggregator.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
@@ -39,6 +40,14 @@ def aggregate(
     ] = None,
     round: Annotated[int | None, typer.Option("--round", help="Accept only this round.")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Accept only this run.")] = None,
+    max_shard_size: Annotated[
+        str,
+        typer.Option(
+            "--max-shard-size",
+            help="Split a larger global model into Hugging Face shards plus "
+            "model.safetensors.index.json, e.g. 500MB or 2GiB; 0 never splits.",
+        ),
+    ] = DEFAULT_MAX_SHARD_SIZE,
     as_json: JsonOpt = False,
 ) -> None:
     """Check UPDATE directories and write their aggregate under the chosen strategy to OUT.
@@ -46,6 +55,7 @@ def aggregate(
     Example: xffl aggregate --strategy fedavg -o OUT UPDATE...
     """
     params = parse_pairs(param or [])
+    max_bytes = parse_size(max_shard_size)
     if weighting not in ("samples", "tokens", "uniform"):
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
     parent = reference = None
@@ -83,6 +93,7 @@ def aggregate(
             run_id=run_id,
             round=round,
             parent_digest=parent,
+            max_shard_size=max_bytes,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
     report["global"] = {

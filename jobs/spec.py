@@ -36,6 +36,24 @@ class AggregationSpec(_Strict):
     ] = "fedavg"
     weighting: Literal["samples", "tokens", "uniform"] = "samples"
     params: dict[str, float] = Field(default_factory=dict)
+    max_shard_size: str | int | None = Field(
+        default=None,
+        description="largest global model file, e.g. 5GB, 500MB or 2GiB: a bigger model is "
+        "split into Hugging Face shards with model.safetensors.index.json; 0 never splits; "
+        "default 5GB (Hugging Face's)",
+    )
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, value: str | int | None) -> str | int | None:
+        from xffl.aggregator.shards import parse_size
+        from xffl.core.errors import InvalidInput
+
+        try:
+            parse_size(value)
+        except InvalidInput as exc:
+            raise ValueError(exc.message.rstrip(".")) from None
+        return value
 
     @model_validator(mode="after")
     def _known_params(self) -> AggregationSpec:

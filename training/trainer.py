@@ -28,6 +28,7 @@ from xffl.aggregator.exchange import (
     staged_dir,
     verify_checkpoint,
 )
+from xffl.aggregator.shards import open_model
 from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
@@ -62,15 +63,14 @@ def read_config(model_dir: Path) -> LlamaConfig:
 def read_weights(model_dir: Path) -> dict[str, Tensor]:
     """All tensors of a checkpoint: model.safetensors or a sharded HF safetensors index."""
     model_dir = Path(model_dir)
-    single = model_dir / MODEL_FILE
-    if single.is_file():
-        return load_file(single)
-    index = model_dir / SAFETENSORS_INDEX
-    if not index.is_file():
-        raise CheckpointError(f"{model_dir}: neither {MODEL_FILE} nor {SAFETENSORS_INDEX}.")
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    try:
+        with open_model(model_dir) as reader:  # checks the index against every shard
+            files = reader.files
+    except CheckpointError as exc:
+        where = "" if exc.message.startswith(str(model_dir)) else f"{model_dir}: "
+        raise CheckpointError(f"{where}{exc.message}") from exc
     tensors: dict[str, Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in files:
         tensors.update(load_file(model_dir / shard))
     return tensors
 

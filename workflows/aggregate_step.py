@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
+from xffl.aggregator.shards import DEFAULT_MAX_SHARD_SIZE
 from xffl.aggregator.strategies import parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.jobs.registry import Registry, RoundRecord, SiteRound
@@ -61,7 +62,7 @@ def run_step(args: argparse.Namespace) -> int:
     run_strategy(
         args.strategy, [d for d, _ in accepted], Path(args.previous), target,
         weighting=args.weighting, params=params, run_id=args.run_id, round=rnd,
-        parent_digest=previous.digest(),
+        parent_digest=previous.digest(), max_shard_size=args.max_shard_size,
     )
     seconds = time.perf_counter() - t0
     _link_tree(target, Path.cwd() / "global")
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weighting", default="samples")
     parser.add_argument("--strategy", default="fedavg")
     parser.add_argument("--param", action="append", default=[], help="KEY=NUMBER")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="0: one file")
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)

@@ -100,6 +100,8 @@ def aggregate_tool(run_id: str, run_dir: Path, registry: Path,
                    aggregation: AggregationSpec) -> dict[str, Any]:
     """The CommandLineTool that aggregates a round on the coordinator."""
     params = [f"--param={k}={v!r}" for k, v in sorted(aggregation.params.items())]
+    if aggregation.max_shard_size is not None:
+        params.append(f"--max-shard-size={aggregation.max_shard_size}")
     return {
         "cwlVersion": CWL_VERSION,
         "class": "CommandLineTool",

@@ -138,7 +138,9 @@ def _baseline(dirs: list[Path], out: Path) -> None:
     os.close(fd)
 
 
-def child(mode: str, dirs: list[Path], out: Path) -> dict[str, Any]:
+def child(
+    mode: str, dirs: list[Path], out: Path, max_shard_size: str | None = None
+) -> dict[str, Any]:
     """Run one mode in this process and return its wall time (imports done beforehand)."""
     from xffl.aggregator.fedavg import aggregate
     from xffl.aggregator.verify import select_updates
@@ -150,7 +152,7 @@ def child(mode: str, dirs: list[Path], out: Path) -> dict[str, Any]:
     if mode == "floor":
         _floor(dirs, out)
     elif mode == "xffl":
-        aggregate(dirs, out)
+        aggregate(dirs, out, max_shard_size=max_shard_size)
     elif mode == "verify":
         accepted, rejected = select_updates(dirs)
         info = {"accepted": len(accepted), "rejected": len(rejected)}
@@ -170,11 +172,16 @@ def _vm_hwm_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(mode: str, dirs: list[Path], out: Path, warm: bool) -> dict[str, Any]:
+def measure(
+    mode: str, dirs: list[Path], out: Path, warm: bool, max_shard_size: str | None = None
+) -> dict[str, Any]:
     """Run ``mode`` in a fresh child process; it reports its wall time and peak RSS."""
     if not warm:
         evict([d / MODEL_FILE for d in dirs])
-    cmd = [sys.executable, __file__, "--child", mode, "--out", str(out), *map(str, dirs)]
+    cmd = [sys.executable, __file__, "--child", mode, "--out", str(out)]
+    if max_shard_size is not None:
+        cmd += ["--max-shard-size", max_shard_size]
+    cmd += [str(d) for d in dirs]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     text = proc.stdout.read()
@@ -206,12 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the generated data")
     p.add_argument("--repeat", type=int, default=1, help="run the modes K times (median time)")
     p.add_argument("--reuse", type=Path, help="use the updates kept by an earlier --keep run")
+    p.add_argument(
+        "--max-shard-size",
+        help="xffl mode: write the global as Hugging Face shards of at most this size "
+        "(e.g. 256MB; default one file, like the floor's output)",
+    )
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("inputs", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.inputs, args.out)))
+        print(json.dumps(child(args.child, args.inputs, args.out, args.max_shard_size)))
         return 0
 
     counts = [int(n) for n in str(args.updates).split(",") if n.strip()]
@@ -258,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         runs: dict[str, list[dict[str, Any]]] = {}
         for rep in range(args.repeat):
             for mode in args.modes.split(","):
-                r = measure(mode, dirs, base / f"out-{mode}", args.warm)
+                r = measure(mode, dirs, base / f"out-{mode}", args.warm, args.max_shard_size)
                 runs.setdefault(mode, []).append(r)
                 moved = update_bytes * (args.updates + (0 if mode == "verify" else 1))
                 print(

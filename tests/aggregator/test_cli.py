@@ -80,3 +80,26 @@ def test_module_runs_as_a_program(make_update: Any, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "wrote global round 1" in proc.stdout
     assert (tmp_path / "g" / MODEL_FILE).is_file()
+
+
+def test_max_shard_size_splits_the_global(
+    make_update: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(5)
+    t = {k: rng.standard_normal((10, 10)).astype(np.float32) for k in ("a", "b", "c")}
+    ups = [str(make_update(s, t, num_samples=1 + i)) for i, s in enumerate(("alpha", "beta"))]
+    assert main(["-o", str(tmp_path / "one"), "--json", *ups]) == 0  # default 5GB: one file
+    assert json.loads(capsys.readouterr().out)["global"]["files"] == [
+        "config.json", MODEL_FILE
+    ]
+    assert main(["-o", str(tmp_path / "sharded"), "--max-shard-size", "0.7KB", "--json", *ups]) == 0
+    files = json.loads(capsys.readouterr().out)["global"]["files"]
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # 400 bytes each
+    assert files == ["config.json", *shards, "model.safetensors.index.json"]
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 1200},
+                     "weight_map": {"a": shards[0], "b": shards[1], "c": shards[2]}}
+    verify_checkpoint(tmp_path / "sharded")
+    assert main(["-o", str(tmp_path / "bad"), "--max-shard-size", "lots", *ups]) == 2
+    assert "max shard size 'lots'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -89,6 +89,24 @@ def test_bad_input_exit_codes(tmp_path: Path) -> None:
     assert not (tmp_path / "g1").exists()
 
 
+def test_max_shard_size_option(tmp_path: Path) -> None:
+    t = {k: np.full((10, 10), v, dtype=np.float32) for k, v in (("a", 1.0), ("b", 2.0))}
+    ups = [write_checkpoint(tmp_path / s, t, site=s) for s in ("alpha", "beta")]
+    out = tmp_path / "g1"
+    args = ["aggregate", "-o", str(out), "--max-shard-size", "400", "--json", *map(str, ups)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert json.loads(result.stdout)["global"]["files"] == [
+        "config.json", *shards, "model.safetensors.index.json"
+    ]
+    assert verify_checkpoint(out).tensors == read_manifest(ups[0]).tensors
+    bad = runner.invoke(app, ["aggregate", "-o", str(tmp_path / "g2"), "--max-shard-size",
+                              "5 gigs", str(ups[0])])
+    assert bad.exit_code == 2 and "max shard size '5 gigs'" in bad.stderr
+    assert not (tmp_path / "g2").exists()
+
+
 def test_help_ends_with_example() -> None:
     result = runner.invoke(app, ["aggregate", "--help"])
     assert result.exit_code == 0

@@ -1,0 +1,196 @@
+"""The updates one aggregation reads: opened, weighted and checked to agree with each other.
+
+Every strategy starts here: :func:`open_updates` reads the manifests and opens each model
+(one file or Hugging Face shards, :func:`xffl.aggregator.shards.open_model`) in a canonical
+order (site, then digest); :func:`prepare` assigns weights and checks that run, round,
+parent, tensor layout and config.json agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from xffl.aggregator.exchange import CONFIG_FILE, Manifest, TensorInfo, index_of, read_manifest
+from xffl.aggregator.shards import ModelReader, open_model
+from xffl.aggregator.verify import canonical_key, layout_difference
+from xffl.core.errors import CheckpointError, InvalidInput
+
+Weighting = Literal["samples", "tokens", "uniform"]
+WEIGHTINGS: tuple[str, ...] = ("samples", "tokens", "uniform")
+
+
+@dataclass
+class Update:
+    """One opened input, in canonical order."""
+
+    path: Path
+    manifest: Manifest
+    site: str
+    digest: str
+    position: int  # index in the caller's list
+    reader: ModelReader
+    weight: float = 0.0
+
+
+def open_updates(paths: Sequence[Path]) -> list[Update]:
+    """Read manifests, open model files, sort canonically; close everything on failure."""
+    opened: list[Update] = []
+    try:
+        for pos, raw in enumerate(paths):
+            path = Path(raw)
+            manifest = read_manifest(path)
+            site, digest = canonical_key(path, manifest)
+            try:
+                reader = open_model(path)
+            except (CheckpointError, OSError) as exc:
+                raise CheckpointError(f"update from site '{site}' ({path}): {exc}") from exc
+            opened.append(Update(path, manifest, site, digest, pos, reader))
+    except BaseException:
+        for u in opened:
+            u.reader.close()
+        raise
+    opened.sort(key=lambda u: (u.site, u.digest))
+    return opened
+
+
+def _assign_weights(
+    ups: list[Update], weights: Sequence[float] | None, weighting: Weighting | Mapping[str, float]
+) -> str:
+    """Set each update's raw weight; return a label of the weighting used."""
+    if weights is not None:
+        if len(weights) != len(ups):
+            raise InvalidInput(f"{len(weights)} weights given for {len(ups)} updates.")
+        for u in ups:
+            u.weight = float(weights[u.position])
+        label = "explicit"
+    elif isinstance(weighting, Mapping):
+        missing = sorted(u.site for u in ups if u.site not in weighting)
+        if missing:
+            raise InvalidInput(f"no weight given for site(s) {', '.join(missing)}.")
+        for u in ups:
+            u.weight = float(weighting[u.site])
+        label = "explicit"
+    elif weighting in WEIGHTINGS:
+        for u in ups:
+            u.weight = {
+                "samples": float(u.manifest.num_samples),
+                "tokens": float(u.manifest.num_tokens),
+                "uniform": 1.0,
+            }[weighting]
+        label = weighting
+    else:
+        raise InvalidInput(f"unknown weighting {weighting!r}; use one of {', '.join(WEIGHTINGS)}.")
+    for u in ups:
+        if not math.isfinite(u.weight) or u.weight < 0:
+            raise InvalidInput(f"weight of site '{u.site}' is {u.weight}; weights must be >= 0.")
+    if sum(u.weight for u in ups) <= 0:
+        raise InvalidInput(
+            f"all weights are zero under '{label}' weighting; the manifests may lack "
+            "sample/token counts (try --weighting uniform)."
+        )
+    return label
+
+
+def _agree(ups: list[Update], what: str, field: str, given: Any) -> Any:
+    """The value of a manifest field that every update shares (``given``, else the first's)."""
+    want = given if given is not None else getattr(ups[0].manifest, field)
+    for u in ups:
+        got = getattr(u.manifest, field)
+        if got != want:
+            raise CheckpointError(
+                f"update from site '{u.site}' ({u.path}) has {what} {got!r}, expected {want!r}."
+            )
+    return want
+
+
+def _common_layout(ups: list[Update]) -> list[TensorInfo]:
+    """The tensor index all updates share (raises naming the first site that differs)."""
+    ref = index_of(ups[0].reader)
+    for u in ups[1:]:
+        diff = layout_difference(index_of(u.reader), ref, f"site '{ups[0].site}'")
+        if diff:
+            raise CheckpointError(f"update from site '{u.site}' ({u.path}): {diff}.")
+    return ref
+
+
+def _common_config(ups: list[Update]) -> bytes | None:
+    """config.json of the first update, after checking that all updates carry the same one."""
+    first: bytes | None = None
+    parsed: Any = None
+    for i, u in enumerate(ups):
+        path = u.path / CONFIG_FILE
+        data = path.read_bytes() if path.is_file() else None
+        try:
+            value = None if data is None else json.loads(data)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"update from site '{u.site}' ({u.path}): unreadable {CONFIG_FILE}."
+            ) from exc
+        if i == 0:
+            first, parsed = data, value
+        elif (data is None) != (first is None) or value != parsed:
+            raise CheckpointError(
+                f"{CONFIG_FILE} of site '{u.site}' differs from that of site '{ups[0].site}'."
+            )
+    return first
+
+
+def weighted_metrics(ups: list[Update]) -> dict[str, float]:
+    """Weighted mean of each metric over the updates that report it."""
+    out: dict[str, float] = {}
+    for key in sorted({k for u in ups for k in u.manifest.metrics}):
+        have = [u for u in ups if key in u.manifest.metrics]
+        wsum = math.fsum(u.weight for u in have)
+        if wsum > 0:
+            out[key] = math.fsum(u.weight * u.manifest.metrics[key] for u in have) / wsum
+        else:
+            out[key] = math.fsum(u.manifest.metrics[key] for u in have) / len(have)
+    return out
+
+
+def prepare(
+    ups: list[Update],
+    weights: Sequence[float] | None,
+    weighting: Weighting | Mapping[str, float],
+    run_id: str | None,
+    round: int | None,
+    parent_digest: str | None,
+) -> tuple[str, Any, Any, Any, list[TensorInfo], bytes | None, dict[str, Any]]:
+    """Checks and derivations every strategy starts with.
+
+    One update per site, their weights, the run/round/parent they agree on, the common
+    tensor layout and config, and the per-site summary for the manifest. Returns
+    (weighting label, run id, round, parent, layout, config bytes, sites).
+    """
+    dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
+    if dup:
+        raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
+    label = _assign_weights(ups, weights, weighting)
+    run = _agree(ups, "run id", "run_id", run_id)
+    rnd = _agree(ups, "round", "round", round)
+    parent = _agree(ups, "parent", "parent", parent_digest)
+    layout = _common_layout(ups)
+    config = _common_config(ups)
+    total = math.fsum(u.weight for u in ups)
+    sites = {
+        u.site: {
+            "num_samples": u.manifest.num_samples,
+            "num_tokens": u.manifest.num_tokens,
+            "metrics": dict(u.manifest.metrics),
+            "weight": u.weight / total,
+            "digest": u.digest,
+        }
+        for u in ups
+    }
+    return label, run, rnd, parent, layout, config, sites
+
+
+def close_updates(ups: Sequence[Update]) -> None:
+    """Close the model files of every opened update."""
+    for u in ups:
+        u.reader.close()
