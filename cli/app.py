@@ -12,7 +12,10 @@ from xffl.cli import (
     data,
     logs,
     render,
+    resume,
+    round,
     runs,
+    schedule,
     sites,
     status,
     submit,
@@ -46,6 +49,9 @@ app.command()(validate.validate)
 app.command()(aggregate.aggregate)
 app.command()(cancel.cancel)
 app.command()(logs.logs)
+app.command()(resume.resume)
+app.command(name="round")(round.round_)
+app.command()(schedule.schedule)
 app.add_typer(sites.app, name="sites")
 app.add_typer(data.app, name="data")
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from xffl.core.errors import ExitCode, XfflError
 from xffl.jobs.registry import Registry, RunRecord
@@ -44,7 +45,7 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             if state.debug:
                 traceback.print_exc()
             for line in exc.lines:
-                err_console.print(f"[red]error:[/red] {line}", soft_wrap=True)
+                err_console.print(error_text(line), soft_wrap=True)
             raise typer.Exit(int(exc.exit_code)) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -53,13 +54,19 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             if state.debug:
                 traceback.print_exc()
             err_console.print(
-                f"[red]internal error:[/red] {type(exc).__name__}: {exc} "
-                "(run again with --debug for the traceback, and please report it)",
+                Text.assemble(("internal error:", "red"), f" {type(exc).__name__}: {exc} "
+                              "(run again with --debug for the traceback, and please report it)"),
                 soft_wrap=True,
             )
             raise typer.Exit(int(ExitCode.INTERNAL)) from None
 
     return wrapper
+
+
+def error_text(line: str) -> Text:
+    """``error: LINE`` as plain text: user values never read as rich markup, one line always."""
+    flat = line.replace("\r", "\\r").replace("\n", "\\n")
+    return Text.assemble(("error:", "red"), " ", flat)
 
 
 def print_json(data: Any) -> None:

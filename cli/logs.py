@@ -13,7 +13,8 @@ import typer
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.jobs.registry import Registry, RunRecord
-from xffl.jobs.slurm_view import SiteUnreachable, job_name, load_profiles, ssh_run
+from xffl.jobs.slurm_view import SiteUnreachable, load_profiles, query_site, ssh_run
+from xffl.workflows.rounds import ATTEMPT_MARK
 
 _EXEC = re.compile(r"EXECUTING step (?P<step>\S+) \(job (?P<job>\S+)\) .* into directory "
                    r"(?P<dir>\S+?):?$")
@@ -28,13 +29,27 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 def step_runs(log: Path, site: str) -> list[dict[str, str]]:
-    """Every execution of ``site``'s train step in streamflow.log, in order (one per round)."""
-    runs = []
+    """Every execution of ``site``'s train step in streamflow.log, in order.
+
+    Each carries the round (and attempt) the runner announced just before it
+    (rounds.ATTEMPT_MARK lines); the last execution of a round is its final attempt.
+    """
+    runs: list[dict[str, str]] = []
+    announced: tuple[str, str] | None = None
+    mark = re.compile(re.escape(ATTEMPT_MARK) + rf" round (\d+) site {re.escape(site)} "
+                      r"attempt (\d+)$")
     if log.is_file():
         for line in log.read_text(errors="replace").splitlines():
-            m = _EXEC.search(line)
-            if m and m["step"].rsplit("/", 1)[-1] == f"train_{site}":
-                runs.append({"job": m["job"], "dir": m["dir"]})
+            m = mark.search(line)
+            if m:
+                announced = (m[1], m[2])
+                continue
+            e = _EXEC.search(line)
+            if e and e["step"].rsplit("/", 1)[-1] == f"train_{site}":
+                rnd, attempt = announced or (str(len(runs) + 1), "1")
+                runs.append({"job": e["job"], "dir": e["dir"], "round": rnd,
+                             "attempt": attempt})
+                announced = None
     return runs
 
 
@@ -62,7 +77,8 @@ def local_step_lines(log: Path, site: str, job: str, rnd: int) -> list[str]:
     return out
 
 
-def slurm_step_output(run: RunRecord, site: str, step_dir: str | None) -> list[str]:
+def slurm_step_output(run: RunRecord, site: str, step_dir: str | None,
+                      rnd: int) -> list[str]:
     """The SLURM job's stdout: slurm-<id>.out in the step's directory, else StdOut= of scontrol."""
     profile = load_profiles(Path(run.run_dir))[site]
     try:
@@ -70,9 +86,13 @@ def slurm_step_output(run: RunRecord, site: str, step_dir: str | None) -> list[s
             rc, out, _ = ssh_run(profile, f"cat {shlex.quote(step_dir)}/slurm-*.out")
             if rc == 0:
                 return out.splitlines()
-        name = shlex.quote(job_name(run.id, site))
-        rc, out, _ = ssh_run(
-            profile, f"for j in $(squeue -h -n {name} -o %i); do scontrol show -o job $j; done")
+        # the round's job, found by name (renamed or not) while SLURM still knows it
+        ids = [j.job_id for j in query_site(run.id, site, profile, rnd)
+               if j.job_id and j.round == rnd]
+        if not ids:
+            return []
+        rc, out, _ = ssh_run(profile, " ; ".join(f"scontrol show -o job {shlex.quote(i)}"
+                                                 for i in ids))
         paths = re.findall(r"StdOut=(\S+)", out)
         if rc == 0 and paths:
             rc, out, _ = ssh_run(profile, f"cat {shlex.quote(paths[-1])}")
@@ -95,19 +115,23 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
     executions = step_runs(sf_log, site)
     if not executions:
         raise InvalidInput(f"site {site} has not started training in run {run.id} yet")
-    index = (rnd if rnd is not None else len(executions)) - 1
-    if not 0 <= index < len(executions):
-        raise InvalidInput(f"site {site} ran {len(executions)} round(s) in run {run.id}; "
-                           f"no round {rnd}")
-    execution = executions[index]
+    wanted = str(rnd) if rnd is not None else executions[-1]["round"]
+    matching = [e for e in executions if e["round"] == wanted]
+    if not matching:
+        raise InvalidInput(f"site {site} has trained rounds "
+                           f"{', '.join(sorted({e['round'] for e in executions}, key=int))} "
+                           f"in run {run.id}; no round {rnd}")
+    execution = matching[-1]
+    index = int(wanted) - 1
     profile = load_profiles(root).get(site)
     if profile is not None and profile.slurm is not None and profile.connector.type == "ssh":
         source = "slurm"
-        out = slurm_step_output(run, site, execution["dir"])
+        out = slurm_step_output(run, site, execution["dir"], index + 1)
     else:
         source = "streamflow.log"
         out = local_step_lines(sf_log, site, execution["job"], index + 1)
-    return {"run": run.id, "site": site, "round": index + 1, "source": source,
+    return {"run": run.id, "site": site, "round": index + 1,
+            "attempt": int(execution["attempt"]), "source": source,
             "directory": execution["dir"], "lines": out[-lines:]}
 
 

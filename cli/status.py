@@ -25,7 +25,9 @@ def render_status(data: dict[str, Any]) -> None:
     table = Table("round", "site", "state", "samples", "tokens", "loss", "train s", "aggregate s")
     for rnd in data["rounds"]:
         for site in rnd["sites"]:
+            tries = site.get("attempts", 1)
             table.add_row(str(rnd["round"]), site["site"], site["state"] + (
+                f" after {tries} attempts" if tries > 1 else "") + (
                 f" ({site['reason']})" if site["reason"] else ""),
                 _num(site["num_samples"]), _num(site["num_tokens"]),
                 _num(site["loss"], "{:.4f}"), _num(site["train_seconds"], "{:.1f}"), "")
@@ -47,6 +49,9 @@ def render_status(data: dict[str, Any]) -> None:
         console.print(jobs)
     if data["latest_global"]:
         console.print(f"latest global model: {data['latest_global']}")
+    if data.get("schedule"):
+        console.print(f"schedule: `xffl round` at '{data['schedule']['cron']}', next tick "
+                      f"{data['schedule']['next_tick'].replace('T', ' ')}")
     console.print(f"run directory: {data['run_dir']}")
 
 

@@ -26,21 +26,24 @@ def submit(
     timeout: Annotated[
         float, typer.Option(help="With --wait: stop following after this many seconds.")
     ] = 86400.0,
+    start: Annotated[bool, typer.Option(
+        help="Start the runner now; --no-start leaves the run to `xffl round` (cron).")] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Validate JOB, register a run, start its runner in the background; print the run id.
 
     Example: xffl submit jobs/quickstart.yaml --wait
     """
-    submitted = submit_job(job, name=name)
+    submitted = submit_job(job, name=name, start=start)
     run = submitted.run
     registry = Registry()
-    if not wait:
+    if not wait or not start:
         if as_json:
             print_json({"run": run.id, "run_dir": run.run_dir, "state": run.state})
         else:
-            console.print(f"submitted run [bold]{run.id}[/bold] (runner pid {submitted.pid}); "
-                          f"follow it with `xffl status {run.id}`.")
+            console.print(f"submitted run [bold]{run.id}[/bold]; " + (
+                f"runner pid {submitted.pid}; follow it with `xffl status {run.id}`."
+                if submitted.pid else run.message))
         return
     if as_json:
         final = wait_for_run(registry, run.id, timeout)

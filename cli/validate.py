@@ -28,6 +28,8 @@ def validate(
     with tempfile.TemporaryDirectory(prefix="xffl-validate-") as tmp:
         paths = write_plan(loaded, f"validate-{loaded.spec.name}", Path(tmp), registry_path())
         validate_cwl(paths.main)
+        for site in loaded.spec.sites:  # the per-site round plan the runner executes
+            validate_cwl(paths.root / "sites" / f"{site.name}.cwl")
     if as_json:
         print_json({"valid": True, "job": str(loaded.path), "rounds": loaded.spec.rounds,
                     "sites": {s.name: s.profile for s in loaded.spec.sites}})

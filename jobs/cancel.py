@@ -22,6 +22,7 @@ from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
 from xffl.jobs.slurm_view import (
     SSH_TIMEOUT,
     SiteUnreachable,
+    job_ids_command,
     job_name,
     query_site,
     slurm_sites,
@@ -92,10 +93,23 @@ def stop_runner(run: RunRecord, grace: float = RUNNER_GRACE_S) -> bool:
     return _gone()
 
 
+def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
+    """The shell line that cancels the run's jobs at ``site``.
+
+    By id, every job squeue lists under the site's name prefix (any round, renamed or not);
+    then by name, ``scancel -n`` of the prefix (and of round ``rnd``'s name), which also
+    catches a job submitted after squeue answered. Its exit status is scancel -n's.
+    """
+    names = [job_name(run_id, site)] + ([job_name(run_id, site, rnd)] if rnd else [])
+    return (f"ids=$({job_ids_command(run_id, site)}); "
+            "[ -z \"$ids\" ] || scancel $ids 2>/dev/null; "
+            f"scancel -n {shlex.quote(','.join(names))}")
+
+
 def scancel_site(run_id: str, site: str, profile: SiteProfile,
-                 timeout: float = SSH_TIMEOUT) -> None:
-    """``scancel -n xffl-<run>-<site>`` on the site, retried once; SiteUnreachable if it fails."""
-    cmd = f"scancel -n {shlex.quote(job_name(run_id, site))}"
+                 timeout: float = SSH_TIMEOUT, rnd: int | None = None) -> None:
+    """scancel every job of the run on the site (any round), retried once; SiteUnreachable."""
+    cmd = scancel_command(run_id, site, rnd)
     last = ""
     for _attempt in range(2):
         try:
@@ -118,13 +132,13 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
         return result
     result.runner_stopped = stop_runner(run)
     sites = slurm_sites(Path(run.run_dir))
+    rnd = min(run.rounds_done + 1, run.rounds_total)
     for site, profile in sites.items():
         try:
-            scancel_site(run.id, site, profile)
+            scancel_site(run.id, site, profile, rnd=rnd)
             result.cancelled_sites.append(site)
         except SiteUnreachable as exc:
             result.unreachable[site] = str(exc)
-    rnd = min(run.rounds_done + 1, run.rounds_total)
     pending = set(result.cancelled_sites)
     deadline = time.monotonic() + verify_s
     while pending:
@@ -133,8 +147,9 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
             live = [j for j in jobs if j.job_id and j.state not in {"CANCELLED", "COMPLETED"}]
             for job in jobs:
                 if job.job_id:
-                    registry.record_slurm_job(run.id, rnd, site, job.job_id, job.state or "",
-                                              job.queue_wait_s, job.run_s)
+                    registry.record_slurm_job(run.id, job.round or rnd, site, job.job_id,
+                                              job.state or "", job.queue_wait_s, job.run_s,
+                                              name=job.name, nodes=job.nodes)
             if all(j.reachable for j in jobs) and not live:
                 pending.discard(site)
                 result.left_over.pop(site, None)
@@ -158,7 +173,7 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
     message = "cancelled by the user"
     if result.unreachable:
         message += ("; could not reach " + ", ".join(sorted(result.unreachable))
-                    + ": jobs named " + ", ".join(job_name(run.id, s)
+                    + ": jobs named " + ", ".join(job_name(run.id, s) + "[-r<round>]"
                                                   for s in sorted(result.unreachable))
                     + " may still be queued there")
     if result.left_over:

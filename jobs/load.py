@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
-from xffl.core.validation import validate_doc
-from xffl.core.yamlio import YamlDoc, load_yaml
+from xffl.core.validation import field_path, validate_doc
+from xffl.core.yamlio import Loc, YamlDoc, load_yaml
 from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.lookup import find_profile
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.arch import check_tensor_parallel
-from xffl.training.model import PRESETS, LlamaConfig, build_config
+from xffl.training.model import PRESETS, LlamaConfig, apply_overrides, build_config
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,11 @@ class LoadedJob:
     path: Path
     spec: JobSpec
     profiles: dict[str, SiteProfile]
+
+    def site_profile(self, site: str) -> SiteProfile:
+        """The profile ``site`` runs with: its profile plus the spec's ``slurm`` overrides."""
+        spec = next(s for s in self.spec.sites if s.name == site)
+        return self.profiles[site].with_slurm(spec.slurm)
 
 
 def _check_profiles(doc: YamlDoc, path: Path) -> tuple[dict[str, SiteProfile], list[str]]:
@@ -41,36 +48,72 @@ def _check_profiles(doc: YamlDoc, path: Path) -> tuple[dict[str, SiteProfile], l
     return profiles, errors
 
 
+def _at(doc: YamlDoc, path: Path, loc: Loc) -> str:
+    """``FILE:LINE: job spec field FIELD`` for ``loc`` (just FILE when the line is unknown)."""
+    line = doc.line_of(loc)
+    return f"{path}:{line}: job spec field {field_path(loc)}" if line else (
+        f"{path}: job spec field {field_path(loc)}")
+
+
 def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
     """The model preset must exist and its overrides must name real config fields."""
-    if spec.model.preset not in PRESETS:
-        line = doc.line_of(("model", "preset"))
-        return [f"{path}:{line}: job spec field model.preset: unknown preset "
-                f"{spec.model.preset!r}; use one of {', '.join(sorted(PRESETS))}."]
+    model = spec.model
+    if model.preset not in PRESETS:
+        close = difflib.get_close_matches(model.preset, list(PRESETS), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else (
+            f"use one of {', '.join(sorted(PRESETS))}.")
+        return [f"{_at(doc, path, ('model', 'preset'))}: unknown preset "
+                f"{model.preset!r}; {hint}"]
+    known = [f.name for f in dataclasses.fields(LlamaConfig)]
+    for key in model.overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}."
+            return [f"{_at(doc, path, ('model', 'overrides', key))}: unknown model override "
+                    f"{key!r}; {hint}"]
     try:
-        config = build_config(spec.model)
+        base = build_config(model.model_copy(update={"overrides": {}}))
+    except (ValueError, TypeError, AttributeError) as exc:
+        return [f"{_at(doc, path, ('model', 'init'))}: cannot start from {model.init!r} "
+                f"({exc}); point init at a Hugging Face LLaMA checkpoint folder."]
+    try:
+        config = apply_overrides(base, model.overrides)
     except ValueError as exc:
-        line = doc.line_of(("model", "overrides"))
-        return [f"{path}:{line}: job spec field model.overrides: {exc}; fix the key."]
+        return [f"{_at(doc, path, ('model', 'overrides'))}: {exc}; fix the value."]
     return _check_tensor_parallel(doc, spec, path, config)
+
+
+def _check_slurm_overrides(doc: YamlDoc, spec: JobSpec, path: Path,
+                           profiles: dict[str, SiteProfile]) -> list[str]:
+    """A site may override SLURM fields only when its profile runs on SLURM."""
+    errors = []
+    for i, site in enumerate(spec.sites):
+        profile = profiles.get(site.name)
+        if profile is None or site.slurm is None or profile.slurm is not None:
+            continue
+        errors.append(
+            f"{_at(doc, path, ('sites', i, 'slurm'))}: site {site.name!r} overrides SLURM "
+            f"settings, but its profile {profile.name!r} has no slurm section (it runs "
+            f"{'locally' if profile.connector.type == 'local' else 'on the login node'}, "
+            "without a batch job); remove the slurm key or use a SLURM profile."
+        )
+    return errors
 
 
 def _check_tensor_parallel(doc: YamlDoc, spec: JobSpec, path: Path,
                            config: LlamaConfig) -> list[str]:
     """tensor_parallel must divide the model's heads and MLP width and every site's ranks."""
     tp = spec.training.tensor_parallel
-    line = doc.line_of(("training", "tensor_parallel"))
     try:
         check_tensor_parallel(config, tp)
     except InvalidInput as exc:
-        return [f"{path}:{line}: job spec field training.tensor_parallel: {exc.message}"]
+        return [f"{_at(doc, path, ('training', 'tensor_parallel'))}: {exc.message}"]
     errors = []
     for i, site in enumerate(spec.sites):
         if site.ranks % tp:
             errors.append(
-                f"{path}:{doc.line_of(('sites', i, 'ranks'))}: job spec field "
-                f"sites[{i}].ranks: {site.ranks} ranks cannot be split into tensor-parallel "
-                f"groups of {tp}; use a multiple of {tp}."
+                f"{_at(doc, path, ('sites', i, 'ranks'))}: {site.ranks} ranks cannot be split "
+                f"into tensor-parallel groups of {tp}; use a multiple of {tp}."
             )
     return errors
 
@@ -92,6 +135,7 @@ def load_job(path: Path) -> LoadedJob:
     errors.extend(profile_errors)
     if spec is not None:
         errors.extend(_check_model(doc, spec, path))
+        errors.extend(_check_slurm_overrides(doc, spec, path, profiles))
     if errors or spec is None:
         raise InvalidInput(errors[0], lines=errors)
     return LoadedJob(path=path, spec=spec, profiles=profiles)

@@ -29,11 +29,13 @@ CREATE TABLE IF NOT EXISTS rounds (
 CREATE TABLE IF NOT EXISTS site_rounds (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, state TEXT NOT NULL,
     num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
-    reason TEXT NOT NULL DEFAULT '', PRIMARY KEY (run_id, round, site)
+    reason TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (run_id, round, site)
 );
 CREATE TABLE IF NOT EXISTS slurm_jobs (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
     state TEXT NOT NULL, queue_wait_s REAL, run_s REAL, updated REAL NOT NULL,
+    name TEXT NOT NULL DEFAULT '', nodes TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, round, site, job_id)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -81,6 +83,7 @@ class SiteRound:
     loss: float | None = None
     train_seconds: float | None = None
     reason: str = ""
+    attempts: int = 1
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Registry:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA busy_timeout=30000")
             conn.executescript(SCHEMA)
+            _migrate(conn)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -203,6 +207,13 @@ class Registry:
                 )
             self._event(db, run_id, "round", f"round {rnd} started")
 
+    def set_round_state(self, run_id: str, rnd: int, state: str, message: str) -> None:
+        """Move a round in flight to ``state`` (e.g. aggregating) and log why."""
+        with self._db() as db:
+            db.execute("UPDATE rounds SET state = ? WHERE run_id = ? AND round = ?",
+                       (state, run_id, rnd))
+            self._event(db, run_id, "round", message)
+
     def finish_round(self, run_id: str, record: RoundRecord) -> None:
         """Store a completed round with every site's outcome and advance ``rounds_done``."""
         with self._db() as db:
@@ -218,9 +229,10 @@ class Registry:
             for s in record.sites:
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
-                    " num_tokens, loss, train_seconds, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " num_tokens, loss, train_seconds, reason, attempts)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, s.state, s.num_samples, s.num_tokens, s.loss,
-                     s.train_seconds, s.reason),
+                     s.train_seconds, s.reason, s.attempts),
                 )
             if record.state == "completed":
                 db.execute(
@@ -243,7 +255,8 @@ class Registry:
             by_round.setdefault(s["round"], []).append(
                 SiteRound(site=s["site"], state=s["state"], num_samples=s["num_samples"],
                           num_tokens=s["num_tokens"], loss=s["loss"],
-                          train_seconds=s["train_seconds"], reason=s["reason"])
+                          train_seconds=s["train_seconds"], reason=s["reason"],
+                          attempts=s["attempts"])
             )
         return [
             RoundRecord(round=r["round"], state=r["state"], started=r["started"],
@@ -255,21 +268,32 @@ class Registry:
         ]
 
     def record_slurm_job(self, run_id: str, rnd: int, site: str, job_id: str, state: str,
-                         queue_wait_s: float | None, run_s: float | None) -> None:
-        """Store what SLURM last said about one site's job in one round."""
+                         queue_wait_s: float | None, run_s: float | None,
+                         name: str = "", nodes: str = "") -> None:
+        """Store what SLURM last said about one site's job in one round.
+
+        Values not known now (None, or an empty name or node list) keep what was recorded.
+        """
         with self._db() as db:
             db.execute(
-                "INSERT OR REPLACE INTO slurm_jobs (run_id, round, site, job_id, state,"
-                " queue_wait_s, run_s, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, rnd, site, job_id, state, queue_wait_s, run_s, time.time()),
+                "INSERT INTO slurm_jobs (run_id, round, site, job_id, state, queue_wait_s,"
+                " run_s, updated, name, nodes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (run_id, round, site, job_id) DO UPDATE SET"
+                " state = excluded.state, updated = excluded.updated,"
+                " queue_wait_s = COALESCE(excluded.queue_wait_s, queue_wait_s),"
+                " run_s = COALESCE(excluded.run_s, run_s),"
+                " name = COALESCE(NULLIF(excluded.name, ''), name),"
+                " nodes = COALESCE(NULLIF(excluded.nodes, ''), nodes)",
+                (run_id, rnd, site, job_id, state, queue_wait_s, run_s, time.time(), name,
+                 nodes),
             )
 
     def slurm_jobs(self, run_id: str) -> list[dict[str, Any]]:
         """Every SLURM job recorded for a run, by round and site."""
         with self._db() as db:
             rows = db.execute(
-                "SELECT round, site, job_id, state, queue_wait_s, run_s, updated FROM slurm_jobs"
-                " WHERE run_id = ? ORDER BY round, site, updated", (run_id,)
+                "SELECT round, site, job_id, name, nodes, state, queue_wait_s, run_s, updated"
+                " FROM slurm_jobs WHERE run_id = ? ORDER BY round, site, updated", (run_id,)
             ).fetchall()
         return [dict(r) for r in rows]
 
@@ -292,6 +316,17 @@ class Registry:
             "INSERT INTO events (run_id, ts, kind, message) VALUES (?, ?, ?, ?)",
             (run_id, time.time(), kind, message),
         )
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a registry written by an older xffl up to SCHEMA (columns added since)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(site_rounds)")}
+    if "attempts" not in columns:
+        conn.execute("ALTER TABLE site_rounds ADD COLUMN attempts INTEGER NOT NULL DEFAULT 1")
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(slurm_jobs)")}
+    for column in ("name", "nodes"):
+        if column not in columns:
+            conn.execute(f"ALTER TABLE slurm_jobs ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
 
 
 def _run_from_row(row: sqlite3.Row) -> RunRecord:

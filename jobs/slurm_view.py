@@ -1,9 +1,14 @@
-"""SLURM's view of a run: its jobs at every SLURM site, read live over SSH.
+"""SLURM's view of a run: its jobs at every SLURM site, read live over SSH, and as recorded.
 
-Each SLURM site's train job is named ``xffl-<run_id>-<site>`` (workflows/plan.py), so
-``squeue -n`` finds it without knowing the job id. The site profiles come from the run
-directory's ``profiles.json`` (written with the plan). Every SSH call is bounded; a site that
-cannot be reached is reported as such, never raised to the caller.
+The job that trains round r at a SLURM site is named ``xffl-<run_id>-<site>-r<r>``: the
+runner submits it under that name, and the launcher renames a job submitted under the bare
+prefix ``xffl-<run_id>-<site>`` (a batch script run by hand). squeue cannot match a name
+prefix, so the user's jobs are listed with their names (``%j``) and filtered here
+(:func:`xffl.core.names.slurm_job_round`); the round comes from the name. Every finished
+job is also recorded from the ``slurm_job.json`` its update brought back
+(:func:`record_delivered`), so status shows every round's job id after the jobs left squeue.
+The site profiles come from the run directory's ``profiles.json`` (written with the plan).
+Every SSH call is bounded; a site that cannot be reached is reported as such, never raised.
 """
 
 from __future__ import annotations
@@ -16,21 +21,38 @@ from pathlib import Path
 from typing import Any
 
 from xffl.core.errors import ConnectionFailed
+from xffl.core.names import slurm_job_name, slurm_job_round
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.site_profiles import remote
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0
-SQUEUE_FORMAT = "%i|%T|%V|%S|%M"
+SQUEUE_FORMAT = "%i|%j|%T|%V|%S|%M|%N"
+# every job of the user on the login node's cluster, with its name (filtered by prefix here)
+SQUEUE_MINE = f"squeue -h -u \"$(id -un)\" -o {shlex.quote(SQUEUE_FORMAT)}"
 
 
 class SiteUnreachable(Exception):
     """SSH to a site failed (connection, authentication, host key or timeout)."""
 
 
-def job_name(run_id: str, site: str) -> str:
-    """The SLURM job name of ``site``'s train job in ``run_id``."""
-    return f"xffl-{run_id}-{site}"
+def job_name(run_id: str, site: str, rnd: int | None = None) -> str:
+    """The SLURM job name of ``site``'s train job of round ``rnd`` in ``run_id``.
+
+    ``xffl-<run>-<site>-r<round>``; without a round, the prefix ``xffl-<run>-<site>``.
+    """
+    return slurm_job_name(run_id, site, rnd)
+
+
+def job_ids_command(run_id: str, site: str) -> str:
+    """A shell line printing the ids of every job of ``site`` in ``run_id`` (any round).
+
+    It matches the prefix itself and the prefix followed by ``-r<digits>``, nothing else.
+    """
+    prefix = shlex.quote(job_name(run_id, site))
+    return (f"squeue -h -u \"$(id -un)\" -o '%i %j' | awk -v p={prefix} "
+            "'$2 == p || (index($2, p \"-r\") == 1 && "
+            "substr($2, length(p) + 3) ~ /^[0-9]+$/) {print $1}'")
 
 
 def load_profiles(run_dir: Path) -> dict[str, SiteProfile]:
@@ -97,6 +119,8 @@ class SlurmJob:
     site: str
     round: int | None
     job_id: str | None = None
+    name: str = ""
+    nodes: str = ""
     state: str | None = None
     queue_wait_s: float | None = None
     run_s: float | None = None
@@ -109,16 +133,23 @@ class SlurmJob:
         return asdict(self)
 
 
-def parse_squeue(site: str, rnd: int | None, text: str) -> list[SlurmJob]:
-    """Parse ``date +%Y-%m-%dT%H:%M:%S`` followed by squeue lines in SQUEUE_FORMAT."""
+def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None) -> list[SlurmJob]:
+    """Parse ``date +%Y-%m-%dT%H:%M:%S`` and squeue lines in SQUEUE_FORMAT: ``site``'s jobs.
+
+    Only jobs named for ``site`` in ``run_id`` are kept; a job's round comes from its name
+    (``rnd`` for a job still named with the bare prefix).
+    """
     lines = [ln for ln in text.splitlines() if ln.strip()]
     now = _time(lines[0]) if lines else None
     jobs = []
     for line in lines[1:]:
         fields = line.split("|")
-        if len(fields) != 5:
+        if len(fields) != 7:
             continue
-        job_id, state, submit, start, elapsed = fields
+        job_id, name, state, submit, start, elapsed, nodes = fields
+        job_round = slurm_job_round(name, run_id, site)
+        if job_round is None:
+            continue
         sub, sta = _time(submit), _time(start)
         if sub is not None and sta is not None and state != "PENDING":
             wait: float | None = max(0.0, (sta - sub).total_seconds())
@@ -126,23 +157,42 @@ def parse_squeue(site: str, rnd: int | None, text: str) -> list[SlurmJob]:
             wait = max(0.0, (now - sub).total_seconds())
         else:
             wait = None
-        jobs.append(SlurmJob(site=site, round=rnd, job_id=job_id, state=state,
+        jobs.append(SlurmJob(site=site, round=job_round or rnd, job_id=job_id, name=name,
+                             nodes="" if nodes in {"", "(null)"} else nodes, state=state,
                              queue_wait_s=wait, run_s=_seconds(elapsed)))
     return jobs
 
 
-def query_site(run_id: str, site: str, profile: SiteProfile, rnd: int | None,
+def query_site(run_id: str, site: str, profile: SiteProfile, rnd: int | None = None,
                timeout: float = SSH_TIMEOUT) -> list[SlurmJob]:
-    """The site's jobs of this run that squeue still lists (an unreachable marker on error)."""
-    cmd = (f"date +%Y-%m-%dT%H:%M:%S; squeue -h -n {shlex.quote(job_name(run_id, site))} "
-           f"-o {shlex.quote(SQUEUE_FORMAT)}")
+    """The site's jobs of this run that squeue still lists (an unreachable marker on error).
+
+    ``rnd`` is the round of a job still named with the bare prefix (and of the markers).
+    """
+    cmd = f"date +%Y-%m-%dT%H:%M:%S; {SQUEUE_MINE}"
     try:
         rc, out, err = ssh_run(profile, cmd, timeout)
     except SiteUnreachable as exc:
         return [SlurmJob(site=site, round=rnd, reachable=False, error=str(exc))]
     if rc != 0:
         return [SlurmJob(site=site, round=rnd, error=f"squeue failed: {err.strip()[:200]}")]
-    return parse_squeue(site, rnd, out)
+    return parse_squeue(run_id, site, out, rnd)
+
+
+def record_delivered(registry: Registry, run_id: str, rnd: int, site: str,
+                     update_dir: Path) -> bool:
+    """Record the SLURM job that trained ``update_dir`` (its slurm_job.json); False if none."""
+    from xffl.training.slurm_job import read_record
+
+    job = read_record(update_dir)
+    if job is None:
+        return False
+    state = "COMPLETED" if job.get("exit_code", 0) == 0 else "FAILED"
+    registry.record_slurm_job(run_id, rnd, site, str(job["job_id"]), state,
+                              job.get("queue_wait_s"), job.get("run_s"),
+                              name=str(job.get("job_name") or ""),
+                              nodes=str(job.get("node_list") or ""))
+    return True
 
 
 def in_flight_round(run: RunRecord) -> int:
@@ -159,31 +209,33 @@ def live_view(registry: Registry, run: RunRecord, timeout: float = SSH_TIMEOUT) 
         if not found:
             found = [SlurmJob(site=site, round=rnd, error="no job in squeue")]
         for job in found:
-            if job.job_id and job.state:
-                registry.record_slurm_job(run.id, rnd, site, job.job_id, job.state,
-                                          job.queue_wait_s, job.run_s)
+            if job.job_id and job.state and job.round is not None:
+                registry.record_slurm_job(run.id, job.round, site, job.job_id, job.state,
+                                          job.queue_wait_s, job.run_s, name=job.name,
+                                          nodes=job.nodes)
         jobs.extend(found)
     return jobs
 
 
 def recorded_view(registry: Registry, run: RunRecord) -> list[SlurmJob]:
     """What the registry last recorded about the run's SLURM jobs."""
-    return [SlurmJob(site=r["site"], round=r["round"], job_id=r["job_id"], state=r["state"],
-                     queue_wait_s=r["queue_wait_s"], run_s=r["run_s"], live=False)
+    return [SlurmJob(site=r["site"], round=r["round"], job_id=r["job_id"], name=r["name"],
+                     nodes=r["nodes"], state=r["state"], queue_wait_s=r["queue_wait_s"],
+                     run_s=r["run_s"], live=False)
             for r in registry.slurm_jobs(run.id)]
 
 
 def slurm_view(registry: Registry, run: RunRecord, live: bool = True) -> list[dict[str, Any]]:
     """SLURM's view of a run: live over SSH while it runs, else the recorded jobs.
 
-    Rows from the registry for earlier rounds come first; live rows replace those of the
-    round in flight.
+    Rows from the registry come first; live rows replace those of the same round and site
+    (the round in flight, for a site where squeue lists nothing).
     """
     if not slurm_sites(Path(run.run_dir)):
         return []
     recorded = recorded_view(registry, run)
     if live and not run.finished:
         current = live_view(registry, run)
-        rnd = in_flight_round(run)
-        recorded = [j for j in recorded if j.round != rnd] + current
+        seen = {(j.round, j.site) for j in current}
+        recorded = [j for j in recorded if (j.round, j.site) not in seen] + current
     return [j.as_dict() for j in recorded]

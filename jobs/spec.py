@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from xffl.core.names import check_name
+from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec
 
-NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-NAME_RULE = "lower-case letters, digits, '-' or '_', starting with a letter, at most 32 characters"
-
-
-def check_name(value: str) -> str:
-    """Names end up in CWL ids, SLURM job names, paths and shell lines: keep them plain."""
-    if not NAME_RE.match(value):
-        raise ValueError(f"{value!r} is not a valid name; use {NAME_RULE}")
-    return value
+_ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 
 
 class _Strict(BaseModel):
@@ -55,18 +57,20 @@ class AggregationSpec(_Strict):
             raise ValueError(exc.message.rstrip(".")) from None
         return value
 
-    @model_validator(mode="after")
-    def _known_params(self) -> AggregationSpec:
+    @field_validator("params")
+    @classmethod
+    def _known_params(cls, value: dict[str, float], info: ValidationInfo) -> dict[str, float]:
         from xffl.aggregator.strategies import DEFAULT_PARAMS
 
-        known = DEFAULT_PARAMS[self.strategy]
-        for key in self.params:
+        strategy = info.data.get("strategy")
+        known = DEFAULT_PARAMS.get(strategy, {}) if isinstance(strategy, str) else {}
+        for key in value if strategy is not None else ():
             if key not in known:
-                allowed = ", ".join(known) or "none"
-                raise ValueError(
-                    f"{self.strategy} has no parameter {key!r} (its parameters: {allowed})"
-                )
-        return self
+                close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else (
+                    f"its parameters: {', '.join(known) or 'none'}")
+                raise ValueError(f"{strategy} has no parameter {key!r}; {hint}")
+        return value
 
 
 class SiteSpec(_Strict):
@@ -76,8 +80,36 @@ class SiteSpec(_Strict):
     profile: str
     ranks: int = Field(default=1, ge=1, le=4096, description="training processes at the site")
     data: DataSpec
+    slurm: SlurmOverride | None = Field(
+        default=None, description="this site's overrides of its profile's slurm section "
+        "(partition, account, qos, time, nodes, ...); only for SLURM profiles")
 
     _name = field_validator("name")(check_name)
+
+    @field_validator("name")
+    @classmethod
+    def _no_round_suffix(cls, value: str) -> str:
+        if _ROUND_SUFFIX.search(value):
+            raise ValueError(f"{value!r} ends like a round number (-r<N>), which SLURM job "
+                             "names xffl-<run>-<site>-r<round> reserve; rename the site")
+        return value
+
+
+class FailurePolicy(_Strict):
+    """What a round does when sites fail: retry them, then go on with a quorum or stop.
+
+    A site's job that fails (the job, its training, or its submission) is run again up to
+    ``retries`` times in the same round; the round then aggregates if at least ``min_sites``
+    valid updates arrived (default: every site), else the run stops as failed with the
+    reason. ``round_timeout`` (seconds) bounds a round's training, queue waits included:
+    sites still running then count as failed (their jobs are cancelled).
+    """
+
+    retries: int = Field(default=0, ge=0, le=100)
+    min_sites: int | None = Field(default=None, ge=1)
+    round_timeout: float | None = Field(default=None, gt=0)
+    retry_delay: float = Field(default=0.0, ge=0, le=86_400,
+                               description="seconds to wait before a retry")
 
 
 class JobSpec(_Strict):
@@ -88,17 +120,32 @@ class JobSpec(_Strict):
     model: ModelSpec = Field(default_factory=ModelSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     aggregation: AggregationSpec = Field(default_factory=AggregationSpec)
+    failure: FailurePolicy = Field(default_factory=FailurePolicy)
     sites: list[SiteSpec] = Field(min_length=1)
 
     _name = field_validator("name")(check_name)
 
+    @property
+    def quorum(self) -> int:
+        """Valid updates a round needs: ``failure.min_sites``, else every site."""
+        return self.failure.min_sites or len(self.sites)
+
     @model_validator(mode="after")
-    def _unique_sites(self) -> JobSpec:
-        seen: set[str] = set()
-        for site in self.sites:
+    def _quorum_fits(self) -> JobSpec:
+        if self.failure.min_sites is not None and self.failure.min_sites > len(self.sites):
+            raise ValueError(f"failure.min_sites is {self.failure.min_sites} but the job has "
+                             f"{len(self.sites)} site(s); use at most {len(self.sites)}")
+        return self
+
+    @field_validator("sites")
+    @classmethod
+    def _unique_sites(cls, sites: list[SiteSpec]) -> list[SiteSpec]:
+        seen: dict[str, int] = {}
+        for i, site in enumerate(sites):
             if site.name in seen:
                 raise ValueError(
-                    f"site name {site.name!r} appears twice; give each site its own name"
+                    f"site name {site.name!r} appears twice (sites[{seen[site.name]}] and "
+                    f"sites[{i}]); give each site its own name"
                 )
-            seen.add(site.name)
-        return self
+            seen[site.name] = i
+        return sites

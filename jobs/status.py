@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from xffl.jobs.registry import Registry, RunRecord
@@ -19,7 +20,11 @@ def runner_alive(run: RunRecord) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (dead, not yet reaped by its parent, e.g. `xffl submit --wait`) is gone
+        stat = Path(f"/proc/{run.runner_pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def latest_global(registry: Registry, run: RunRecord) -> str | None:
@@ -43,4 +48,12 @@ def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
     data["events"] = [
         {"ts": ts, "kind": kind, "message": msg} for ts, kind, msg in registry.events(run.id)
     ]
+    data["schedule"] = None
+    if not run.finished:
+        from xffl.jobs.schedule import current
+
+        entry = current(run.id)
+        if entry is not None:
+            data["schedule"] = {"cron": entry.expr,
+                                "next_tick": entry.next_tick().isoformat(timespec="seconds")}
     return data

@@ -6,6 +6,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from xffl.core.errors import InvalidInput
+from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.paths import registry_path, runs_dir
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.registry import Registry, RunRecord, new_run_id
@@ -19,7 +21,7 @@ class Submitted:
     """What ``submit`` returns: the run as registered and its runner's pid."""
 
     run: RunRecord
-    pid: int
+    pid: int | None
 
 
 def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Path) -> None:
@@ -42,9 +44,14 @@ def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Pat
         raise
 
 
-def submit(job_path: Path, name: str | None = None) -> Submitted:
-    """Validate ``job_path``, create the run and start its detached runner."""
+def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submitted:
+    """Validate ``job_path``, create the run and start its detached runner.
+
+    Without ``start`` the run waits for `xffl round` (one round per call, e.g. from cron).
+    """
     loaded = load_job(job_path)
+    if name is not None and not NAME_RE.match(name):
+        raise InvalidInput(f"--name {name!r} is not a valid run name prefix; use {NAME_RULE}.")
     preflight(loaded.profiles)  # host keys and logins of every SSH site, before any write
     registry_file = registry_path()
     registry = Registry(registry_file)
@@ -54,10 +61,14 @@ def submit(job_path: Path, name: str | None = None) -> Submitted:
     try:
         registry.create_run(run_id, loaded.spec.name, loaded.path, run_dir, loaded.spec.rounds,
                             [s.name for s in loaded.spec.sites])
-        pid = spawn(run_id, run_dir, registry_file)
+        pid = spawn(run_id, run_dir, registry_file) if start else None
     except BaseException:
         registry.delete_run(run_id)
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    registry.event(run_id, "runner", f"runner spawned (pid {pid})")
+    if pid is None:
+        registry.set_state(run_id, "waiting", f"not started: `xffl round {run_id}` runs the "
+                           f"next round (`xffl schedule {run_id} --cron EXPR` from cron)")
+    else:
+        registry.event(run_id, "runner", f"runner spawned (pid {pid})")
     return Submitted(run=registry.get_run(run_id), pid=pid)

@@ -9,7 +9,7 @@
 # mariadb are NOT installed unless XFFL_WITH_SLURMDBD=1 is set.
 set -euo pipefail
 
-PKGS=(slurmctld slurmd slurm-client munge openssh-server openssh-client)
+PKGS=(slurmctld slurmd slurm-client munge openssh-server openssh-client cron)
 if [[ "${XFFL_WITH_SLURMDBD:-0}" == "1" ]]; then
     PKGS+=(slurmdbd mariadb-server)
 fi

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
+from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.validation import validate_doc
 from xffl.core.yamlio import load_yaml
 from xffl.site_profiles.schema import SiteProfile
@@ -55,11 +56,13 @@ def load_profile_file(path: Path) -> SiteProfile:
 
 def find_profile(name: str, job_dir: Path | None = None, referrer: str = "") -> SiteProfile:
     """Load the profile called ``name``; an unknown name is an InvalidInput with suggestions."""
+    prefix = f"{referrer}: " if referrer else ""
+    if not NAME_RE.match(name):
+        raise InvalidInput(f"{prefix}{name!r} is not a valid site profile name; use {NAME_RULE}.")
     profiles = available(job_dir)
     if name not in profiles:
         close = difflib.get_close_matches(name, list(profiles), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(profiles))}"
-        prefix = f"{referrer}: " if referrer else ""
         raise InvalidInput(
             f"{prefix}site profile {name!r} not found; {hint} "
             f"(or add site_profiles/{name}.yaml)."

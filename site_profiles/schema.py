@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
-from xffl.jobs.spec import check_name
+from xffl.core.names import check_name
+from xffl.core.validation import check_path_text
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _path(value: str | None) -> str | None:
+    """A path of the profile must be plain text: no control characters, no CWL expression."""
+    return None if value is None else check_path_text(value)
 
 
 class LocalConnector(_Strict):
@@ -31,6 +44,33 @@ class SshConnector(_Strict):
         default=None, description="known_hosts for xffl's own connections (default ~/.ssh)"
     )
 
+    _paths = field_validator("key_file", "known_hosts")(_path)
+
+
+_SHELL_UNSAFE = set('"$`\\')
+
+
+def _slurm_text(value: str | None) -> str | None:
+    """A SLURM value lands on an sbatch command line and in #SBATCH lines: keep it one word-ish."""
+    if value is None:
+        return None
+    if any(ord(c) < 32 or ord(c) == 127 for c in value) or _SHELL_UNSAFE & set(value):
+        raise ValueError(f"{value!r} holds a control character or one of \" $ ` \\, which "
+                         "would break the batch script; use the plain SLURM value")
+    return value
+
+
+def _slurm_lines(value: list[str] | None) -> list[str] | None:
+    """Every extra #SBATCH option must be a single line."""
+    for item in value or ():
+        if any(ord(c) < 32 or ord(c) == 127 for c in item):
+            raise ValueError(f"{item!r} holds a control character (newline, tab, ...); give "
+                             "one #SBATCH option per list item")
+    return value
+
+
+_TEXT_FIELDS = ("partition", "account", "qos", "time", "mem", "constraint")
+
 
 class SlurmSpec(_Strict):
     """SLURM defaults of the facility (a job spec may override them per site)."""
@@ -47,6 +87,52 @@ class SlurmSpec(_Strict):
     constraint: str | None = None
     extra: list[str] = Field(default_factory=list, description="more #SBATCH options")
     polling_interval: float = Field(default=5.0, gt=0, description="seconds between squeue polls")
+
+    _text = field_validator(*_TEXT_FIELDS)(_slurm_text)
+    _lines = field_validator("extra")(_slurm_lines)
+
+
+class SlurmOverride(_Strict):
+    """A job spec's per-site overrides of the profile's SlurmSpec: the same keys, all optional.
+
+    A key left out keeps the profile's value; ``null`` clears an optional one (``account:
+    null``); ``extra`` replaces the profile's list. tests/jobs/test_slurm_overrides.py keeps
+    the keys and constraints equal to SlurmSpec's.
+    """
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    nodes: int | None = Field(default=None, ge=1)
+    ntasks_per_node: int | None = Field(default=None, ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=0)
+    cpus_per_task: int | None = Field(default=None, ge=1)
+    mem: str | None = None
+    constraint: str | None = None
+    extra: list[str] | None = None
+    polling_interval: float | None = Field(default=None, gt=0)
+
+    _text = field_validator(*_TEXT_FIELDS)(_slurm_text)
+    _lines = field_validator("extra")(_slurm_lines)
+
+    @field_validator("time", "nodes", "extra", "polling_interval", mode="before")
+    @classmethod
+    def _not_null(cls, value: object) -> object:
+        if value is None:
+            raise ValueError("cannot be null here; leave the key out to keep the profile's value")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Dump only the keys the job spec set, so job.json reads back the same overrides."""
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if k in self.model_fields_set}
+
+    def apply(self, base: SlurmSpec) -> SlurmSpec:
+        """``base`` with the keys set here replacing its values (validated as a SlurmSpec)."""
+        return SlurmSpec.model_validate({**base.model_dump(),
+                                         **self.model_dump(exclude_unset=True)})
 
 
 class SiteProfile(_Strict):
@@ -76,6 +162,15 @@ class SiteProfile(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="environment of the ranks")
 
     _name = field_validator("name")(check_name)
+    _paths = field_validator("python", "workdir")(_path)
+
+    def with_slurm(self, override: SlurmOverride | None) -> SiteProfile:
+        """This profile with a job spec's SLURM overrides applied (ValueError: no SLURM here)."""
+        if override is None or not override.model_fields_set:
+            return self
+        if self.slurm is None:
+            raise ValueError(f"profile {self.name!r} has no slurm section")
+        return self.model_copy(update={"slurm": override.apply(self.slurm)})
 
     @field_validator("env")
     @classmethod

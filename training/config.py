@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from xffl.core.validation import check_path_text
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -36,11 +38,15 @@ class ModelSpec(_Strict):
     entry_point: str | None = Field(
         default=None, description="package.module:function building the model from the config")
 
-    @model_validator(mode="after")
-    def _entry_point_form(self) -> ModelSpec:
-        if self.entry_point is not None:
-            check_entry_point(self.entry_point)
-        return self
+    @field_validator("init")
+    @classmethod
+    def _init_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_path_text(value)
+
+    @field_validator("entry_point")
+    @classmethod
+    def _entry_point_form(cls, value: str | None) -> str | None:
+        return None if value is None else check_entry_point(value)
 
 
 class TrainingSpec(_Strict):
@@ -96,11 +102,10 @@ class DataSpec(_Strict):
     synthetic: Literal["alpha", "beta", "gamma", "delta"] | None = None
     synthetic_sequences: int = Field(default=512, ge=1)
 
-    @model_validator(mode="after")
-    def _path_not_empty(self) -> DataSpec:
-        if not self.path.strip():
-            raise ValueError("path must not be empty")
-        return self
+    @field_validator("path")
+    @classmethod
+    def _path_not_empty(cls, value: str) -> str:
+        return check_path_text(value)
 
 
 class TrainJob(_Strict):

@@ -22,6 +22,7 @@ from typing import Literal, get_args
 
 from xffl.aggregator.exchange import MANIFEST_FILE, verify_checkpoint
 from xffl.core.errors import XfflError
+from xffl.training import slurm_job
 
 Launcher = Literal["torchrun", "srun", "none"]
 TRAINER_MODULE = "xffl.training"
@@ -70,8 +71,22 @@ def _describe(rc: int) -> str:
 
 
 def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir: Path, *,
-           module: str = TRAINER_MODULE, env: Mapping[str, str] | None = None) -> int:
-    """Run the trainer ranks, streaming their output; 0 when a verified checkpoint was written."""
+           module: str = TRAINER_MODULE, env: Mapping[str, str] | None = None,
+           slurm_job_name: str | None = None) -> int:
+    """Run the trainer ranks, streaming their output; 0 when a verified checkpoint was written.
+
+    Inside a SLURM job the job is named ``slurm_job_name`` first and its record is written
+    beside the checkpoint at the end (:mod:`xffl.training.slurm_job`).
+    """
+    job = slurm_job.start(slurm_job_name, env)
+    rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module, env=env)
+    slurm_job.finish(job, out_dir, rc)
+    return rc
+
+
+def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir: Path, *,
+               module: str, env: Mapping[str, str] | None) -> int:
+    """Start the ranks and judge the outcome (see the module doc)."""
     command = build_command(ranks, launcher, trainer_args, module=module)
     child_env = dict(os.environ if env is None else env)
     if ranks > 1:
@@ -129,12 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=get_args(Launcher), default="torchrun")
     parser.add_argument("--out", type=Path, default=None,
                         help="checkpoint directory to check (default: the trainer's --out)")
+    parser.add_argument("--slurm-job-name", default=None,
+                        help="inside a SLURM job: the name the job should carry (renamed with "
+                        "scontrol if it differs); its record goes to OUT/slurm_job.json")
     args = parser.parse_args(own)
     out_dir = args.out or _out_from_args(trainer_args)
     if out_dir is None:
         parser.error("the trainer arguments after -- need --out DIR (or pass --out here)")
     try:
-        return launch(args.ranks, args.launcher, trainer_args, out_dir)
+        return launch(args.ranks, args.launcher, trainer_args, out_dir,
+                      slurm_job_name=args.slurm_job_name)
     except ValueError as exc:
         parser.error(str(exc))
     return 2

@@ -11,7 +11,6 @@ user value can inject into a CWL id, a path or a shell line.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,17 @@ from typing import Any
 
 import yaml
 
-from xffl.core.paths import xffl_home
+from xffl.core.names import slurm_job_name
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import AggregationSpec
-from xffl.site_profiles.schema import LocalConnector, SiteProfile
+from xffl.site_profiles.schema import SiteProfile
 from xffl.training.config import TrainJob
+from xffl.workflows.deployments import (
+    sbatch_script,
+    site_deployments,
+    site_python,
+    site_workdir,
+)
 
 LOOP_NS = "http://commonwl.org/cwltool#"
 CWL_VERSION = "v1.2"
@@ -56,11 +61,6 @@ class PlanPaths:
         return self.root / "rounds" / "0" / "global"
 
 
-def site_workdir(profile: SiteProfile, site: str) -> str:
-    """The profile's working directory for ``site`` with placeholders substituted."""
-    return profile.workdir.replace("{xffl_home}", str(xffl_home())).replace("{site}", site)
-
-
 def site_data_path(profile: SiteProfile, site: str, path: str) -> str:
     """A site's data path on that site's filesystem (relative paths join the workdir)."""
     if path.startswith(("/", "~")):
@@ -68,26 +68,30 @@ def site_data_path(profile: SiteProfile, site: str, path: str) -> str:
     return f"{site_workdir(profile, site).rstrip('/')}/{path}"
 
 
-def _python(profile: SiteProfile) -> str:
-    return profile.python or sys.executable
-
-
 def _dump(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=100))
 
 
-def train_tool(site: str, profile: SiteProfile, ranks: int, data_path: str) -> dict[str, Any]:
-    """The CommandLineTool that trains one round at ``site`` and outputs ``update/``."""
+def train_tool(site: str, profile: SiteProfile, ranks: int, data_path: str,
+               run_id: str | None = None) -> dict[str, Any]:
+    """The CommandLineTool that trains one round at ``site`` and outputs ``update/``.
+
+    At a SLURM site the launcher gets the round's job name (``--slurm-job-name``): it renames
+    a job submitted under another name and records the job in ``update/slurm_job.json``.
+    """
     env = {"PYTHONUNBUFFERED": "1", **profile.env}
+    own = ["--ranks", str(ranks), "--launcher", profile.launcher]
+    if profile.slurm is not None and run_id is not None:
+        own += ["--slurm-job-name", slurm_job_name(run_id, site, "$(inputs.round)")]
     return {
         "cwlVersion": CWL_VERSION,
         "class": "CommandLineTool",
         "doc": f"Train one round at site {site} and write update/ (safetensors + manifest).",
         "requirements": {"EnvVarRequirement": {"envDef": env}},
-        "baseCommand": [_python(profile), "-m", "xffl.training.launch"],
+        "baseCommand": [site_python(profile), "-m", "xffl.training.launch"],
         "arguments": [
-            "--ranks", str(ranks), "--launcher", profile.launcher, "--",
+            *own, "--",
             "--job", "$(inputs.job.path)", "--round", "$(inputs.round)",
             "--model", "$(inputs.model.path)", "--data", data_path, "--out", "update",
         ],
@@ -186,99 +190,12 @@ def main_workflow(sites: list[str]) -> dict[str, Any]:
     }
 
 
-def batch_template(profile: SiteProfile) -> str:
-    """The batch script StreamFlow submits for a SLURM site (a Jinja2 template for it).
-
-    ``{{streamflow_command}}`` is where StreamFlow puts the step's command; the setup lines
-    and environment come from the site profile, shell-quoted.
-    """
-    lines = ["#!/bin/bash", "# xffl: one federated round at this site (submitted by StreamFlow)",
-             "set -eo pipefail"]
-    lines += list(profile.setup)
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(profile.env.items())]
-    lines += ["{{streamflow_command}}", ""]
-    return "\n".join(lines)
-
-
-def sbatch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str,
-                  final: Path) -> str:
-    """A complete batch script for one round at ``site``, runnable by hand with sbatch."""
-    import jinja2
-
-    slurm = profile.slurm
-    assert slurm is not None
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("xffl.workflows", "templates"),
-        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
-    )
-    env.filters["q"] = lambda v: shlex.quote(str(v))
-    flags = {"--partition": slurm.partition, "--account": slurm.account, "--qos": slurm.qos,
-             "--ntasks-per-node": slurm.ntasks_per_node, "--gpus-per-node": slurm.gpus_per_node,
-             "--cpus-per-task": slurm.cpus_per_task, "--mem": slurm.mem,
-             "--constraint": slurm.constraint}
-    options = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(slurm.extra)
-    return env.get_template("sbatch.sh.j2").render(
-        site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
-        job_name=f"xffl-{run_id}-{site}", slurm=slurm, ranks=ranks, options=options,
-        model=str(final / "rounds" / "0" / "global"), out=str(final / "manual" / site),
-        setup=profile.setup, env=sorted(profile.env.items()), python=_python(profile),
-        launcher=profile.launcher, job_file=str(final / "jobs" / f"{site}.json"),
-        data=data_path,
-    )
-
-
-def slurm_service(run_id: str, site: str, profile: SiteProfile, ranks: int,
-                  template: Path) -> dict[str, Any]:
-    """sbatch options (StreamFlow's camelCase names) for a site's train job."""
-    slurm = profile.slurm
-    assert slurm is not None
-    service: dict[str, Any] = {"file": str(template), "jobName": f"xffl-{run_id}-{site}",
-                               "nodes": str(slurm.nodes), "ntasks": ranks, "time": slurm.time}
-    optional = {"partition": slurm.partition, "account": slurm.account, "qos": slurm.qos,
-                "ntasksPerNode": slurm.ntasks_per_node, "gpusPerNode": slurm.gpus_per_node,
-                "cpusPerTask": slurm.cpus_per_task, "mem": slurm.mem,
-                "constraint": slurm.constraint}
-    service.update({k: v for k, v in optional.items() if v is not None})
-    return service
-
-
-def site_deployments(run_id: str, site: str, profile: SiteProfile, ranks: int,
-                     out: Path, final: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The StreamFlow deployments of one site and the binding target of its train step."""
-    conn = profile.connector
-    if isinstance(conn, LocalConnector):
-        return {f"site-{site}": {"type": "local", "config": {}}}, {"deployment": f"site-{site}"}
-    login: dict[str, Any] = {"nodes": [f"{conn.host}:{conn.port}"], "checkHostKey": True}
-    if conn.user:
-        login["username"] = conn.user
-    if conn.key_file:
-        login["sshKey"] = conn.key_file
-    workdir = site_workdir(profile, site)
-    deployments: dict[str, Any] = {
-        f"login-{site}": {"type": "ssh", "config": login, "workdir": workdir},
-    }
-    if profile.slurm is None:
-        return deployments, {"deployment": f"login-{site}"}
-    template = out / "sbatch" / f"{site}.j2"
-    template.parent.mkdir(parents=True, exist_ok=True)
-    template.write_text(batch_template(profile))
-    deployments[f"slurm-{site}"] = {
-        "type": "slurm", "wraps": f"login-{site}", "workdir": workdir,
-        "config": {
-            "pollingInterval": profile.slurm.polling_interval, "maxConcurrentJobs": 4,
-            "services": {"train": slurm_service(run_id, site, profile, ranks,
-                                                final / "sbatch" / f"{site}.j2")},
-        },
-    }
-    return deployments, {"deployment": f"slurm-{site}", "service": "train"}
-
-
 def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, run_dir: Path) -> dict[str, Any]:
     """streamflow.yml: the deployments of every site, the train steps bound to them."""
     deployments: dict[str, Any] = {}
     bindings = []
     for site in loaded.spec.sites:
-        deps, target = site_deployments(run_id, site.name, loaded.profiles[site.name],
+        deps, target = site_deployments(run_id, site.name, loaded.site_profile(site.name),
                                         site.ranks, out, run_dir)
         deployments.update(deps)
         bindings.append({"step": f"/rounds/train_{site.name}", "target": target})
@@ -308,7 +225,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
     spec = loaded.spec
     names = [s.name for s in spec.sites]
     for site in spec.sites:
-        profile = loaded.profiles[site.name]
+        profile = loaded.site_profile(site.name)
         data_path = site_data_path(profile, site.name, site.data.path)
         job = TrainJob(run_id=run_id, site=site.name, rounds=spec.rounds, model=spec.model,
                        training=spec.training,
@@ -317,7 +234,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")
         _dump(out / "tools" / f"train_{site.name}.cwl",
-              train_tool(site.name, profile, site.ranks, data_path))
+              train_tool(site.name, profile, site.ranks, data_path, run_id))
         if profile.slurm is not None:
             script = out / "sbatch" / f"{site.name}.sh"
             script.parent.mkdir(parents=True, exist_ok=True)
@@ -336,10 +253,14 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
     for name in names:
         inputs[f"job_{name}"] = {"class": "File", "path": f"jobs/{name}.json"}
     _dump(paths.inputs, inputs)
-    _dump(paths.streamflow, streamflow_config(run_id, loaded, out, final))
-    # the resolved site profiles, for `xffl status/cancel/logs` to reach the sites (no secrets:
-    # key_file is a path)
+    config = streamflow_config(run_id, loaded, out, final)
+    _dump(paths.streamflow, config)
+    from xffl.workflows.site_plan import write_site_plan  # it imports this module
+
+    write_site_plan(out, run_id, config, names)
+    # the resolved site profiles (the spec's slurm overrides applied), for `xffl status/cancel/
+    # logs` to reach the sites (no secrets: key_file is a path)
     (out / "profiles.json").write_text(json.dumps(
-        {s.name: loaded.profiles[s.name].model_dump(mode="json") for s in spec.sites},
+        {s.name: loaded.site_profile(s.name).model_dump(mode="json") for s in spec.sites},
         indent=2) + "\n")
     return paths

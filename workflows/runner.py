@@ -1,7 +1,11 @@
-"""The detached runner: one process per run that drives its plan to completion.
+"""The detached runner: one process per run that drives its rounds to completion.
 
-``xffl submit`` starts ``python -m xffl.workflows.runner RUN_ID`` in a new session, so that
-the run survives the terminal. The runner records every state change in the registry.
+``xffl submit`` and ``xffl resume`` start ``python -m xffl.workflows.runner RUN_ID`` in a new
+session, so that the run survives the terminal; ``xffl round`` runs one round in-process
+(``execute(once=True)``). Rounds run one at a time under the run's round lock, each through
+the per-site plan (:mod:`xffl.workflows.rounds`), from the round after the last completed
+one: a runner started again after any stop continues where the run stood. Every state
+change goes to the registry.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import traceback
 from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
-from xffl.jobs.registry import Registry, RoundRecord, SiteRound
+from xffl.jobs.registry import Registry
+from xffl.jobs.round_lock import RoundInFlight, round_lock
 from xffl.jobs.spec import JobSpec
+from xffl.workflows.aggregate_step import QuorumNotMet
 from xffl.workflows.plan import PlanPaths
-from xffl.workflows.streamflow_run import StepFailed, run_plan
+from xffl.workflows.rounds import run_round
 
 
 def spawn(run_id: str, run_dir: Path, registry: Path) -> int:
@@ -43,51 +49,52 @@ def ensure_initial_model(paths: PlanPaths, run_id: str) -> None:
     init_global(run_id, spec.model, spec.training.seed, paths.initial_model)
 
 
-def _record_step_failure(registry: Registry, run_id: str, step: str, root: Path) -> None:
-    """Mark the failed site (or aggregation) in the round that was running."""
-    run = registry.get_run(run_id)
-    rnd = run.rounds_done + 1
-    name = step.rsplit("/", 1)[-1]
-    sites = []
-    for site in run.sites:
-        failed = name == f"train_{site}"
-        reason = (f"training job failed; see {root / 'streamflow.log'}" if failed
-                  else "round aborted: another step failed")
-        state = "failed" if failed else "aborted"
-        sites.append(SiteRound(site=site, state=state, reason=reason))
-    registry.finish_round(run_id, RoundRecord(round=rnd, state="failed", ended=time.time(),
-                                              sites=sites))
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
-def execute(run_id: str, registry: Registry) -> int:
-    """Drive one run from its current state to a terminal state; return the exit code."""
+def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
+    """Drive a run from its next round to a terminal state; return the exit code.
+
+    With ``once`` (a cron tick, ``xffl round``) run at most one round, then leave the run
+    waiting for the next tick (or completed after its last round).
+    """
     run = registry.get_run(run_id)
     paths = PlanPaths(Path(run.run_dir))
-    registry.set_state(run_id, "running", "runner started", started=time.time(),
-                       runner_pid=os.getpid())
     try:
-        ensure_initial_model(paths, run_id)
-        registry.start_round(run_id, run.rounds_done + 1, run.sites)
-        run_plan(paths, run_id, log_file=paths.root / "streamflow.log")
-    except StepFailed as exc:
-        _record_step_failure(registry, run_id, exc.step, paths.root)
-        registry.set_state(run_id, "failed", f"{exc} (see {paths.root / 'streamflow.log'})",
-                           ended=time.time())
+        spec = JobSpec.model_validate_json((paths.root / "job.json").read_text())
+        with round_lock(paths.root):
+            registry.set_state(run_id, "running", "runner started", started=time.time(),
+                               runner_pid=os.getpid())
+            ensure_initial_model(paths, run_id)
+            while True:
+                run = registry.get_run(run_id)
+                if run.rounds_done >= run.rounds_total:
+                    registry.set_state(run_id, "completed",
+                                       f"{run.rounds_done} rounds completed", ended=time.time())
+                    return 0
+                run_round(paths.root, run_id, run.rounds_done + 1, spec, registry)
+                if once and registry.get_run(run_id).rounds_done < run.rounds_total:
+                    break
+    except RoundInFlight as exc:
+        registry.event(run_id, "tick", f"{exc}; nothing to do")
+        print(f"{exc}; nothing to do", flush=True)
+        return 0
+    except QuorumNotMet as exc:
+        registry.set_state(run_id, "failed", f"{exc}; `xffl resume {run_id}` continues from "
+                           "the last completed round", ended=time.time())
         return 1
     except BaseException as exc:  # every failure must reach the registry
         traceback.print_exc()
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        registry.set_state(run_id, "failed", f"{reason} (see {paths.root / 'streamflow.log'})",
+        registry.set_state(run_id, "failed",
+                           f"{_first_line(exc)} (see {paths.root / 'runner.log'})",
                            ended=time.time())
         return 1
-    final = registry.get_run(run_id)
-    if final.rounds_done < final.rounds_total:
-        registry.set_state(run_id, "failed",
-                           f"the workflow ended after {final.rounds_done} of "
-                           f"{final.rounds_total} rounds", ended=time.time())
-        return 1
-    registry.set_state(run_id, "completed", f"{final.rounds_done} rounds completed",
-                       ended=time.time())
+    run = registry.get_run(run_id)
+    registry.set_state(run_id, "waiting",
+                       f"round {run.rounds_done} of {run.rounds_total} done; the next round "
+                       "starts on the next `xffl round` (cron tick)")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 from pathlib import Path
@@ -32,50 +33,91 @@ async def _watch(workflow: Any, task: asyncio.Task[Any], poll: float) -> None:
         await asyncio.sleep(poll)
 
 
-async def _run(config_file: Path, name: str, outdir: Path, poll: float = 0.5) -> Any:
+def load_config(config_file: Path) -> dict[str, Any]:
+    """A streamflow.yml, validated by StreamFlow, with its path recorded (as streamflow run)."""
+    from streamflow.config.validator import SfValidator
+    from streamflow.ext.utils import load_extensions
+
+    load_extensions()
+    config: dict[str, Any] = SfValidator().validate_file(str(config_file))
+    config["path"] = str(Path(config_file).resolve())
+    return config
+
+
+def open_context(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A StreamFlow context for ``config``, and a pristine copy of it for execute_workflow.
+
+    StreamFlow's WorkflowConfig rewrites the deployments of the dict it is given (policy
+    names become objects) and the deployment manager reads them from the context's dict:
+    the context's copy is processed once here, and every workflow gets its own fresh copy.
+    """
+    from streamflow.config.config import WorkflowConfig
+    from streamflow.main import build_context
+
+    pristine = copy.deepcopy(config)
+    first = next(iter(config.get("workflows", {})))
+    WorkflowConfig(first, config)
+    return build_context(config), pristine
+
+
+async def execute_workflow(context: Any, config: dict[str, Any], wf_name: str, name: str,
+                           outdir: Path, poll: float = 0.5) -> None:
+    """Translate and run one workflow of ``config`` in ``context``; outputs land in ``outdir``.
+
+    What streamflow.cwl.main.main does, keeping the workflow object in hand so that a failed
+    step ends the run (StepFailed) instead of leaving a loop waiting for ever.
+    """
     # Imported lazily: StreamFlow pulls in a large dependency tree that most commands never need.
     import cwl_utils.parser
     import cwl_utils.parser.utils
     from streamflow.config.config import WorkflowConfig
-    from streamflow.config.validator import SfValidator
     from streamflow.cwl.main import _parse_args
     from streamflow.cwl.translator import CWLTranslator
-    from streamflow.ext.utils import load_extensions
-    from streamflow.main import build_context
     from streamflow.workflow.executor import StreamFlowExecutor
 
-    load_extensions()
-    config = SfValidator().validate_file(str(config_file))
-    config["path"] = str(config_file.resolve())
-    context = build_context(config)
+    wf_config = WorkflowConfig(wf_name, copy.deepcopy(config))  # ``config``: pristine
+    cwl_args = _parse_args(wf_config, context)
+    definition = cwl_utils.parser.load_document_by_uri(cwl_args[0])
+    inputs = cwl_utils.parser.utils.load_inputfile_by_uri(
+        version=definition.cwlVersion, path=cwl_args[1],
+        loadingOptions=definition.loadingOptions,
+    )
+    workflow = CWLTranslator(
+        context=context, name=name, output_directory=str(outdir),
+        cwl_definition=definition, cwl_inputs=inputs, cwl_inputs_path=cwl_args[1],
+        workflow_config=wf_config,
+    ).translate()
+    await workflow.save(context.database)
+    task = asyncio.create_task(StreamFlowExecutor(workflow).run())
+    watcher = asyncio.create_task(_watch(workflow, task, poll))
+    try:
+        await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            await watcher  # raises StepFailed with the step's name
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def _run(config_file: Path, name: str, outdir: Path, poll: float = 0.5) -> Any:
+    context, config = open_context(load_config(config_file))
     try:
         for wf_name in config.get("workflows", {}):
-            # What streamflow.cwl.main.main does, keeping the workflow object in hand so that
-            # a failed step ends the run instead of leaving the loop waiting for ever.
-            wf_config = WorkflowConfig(wf_name, config)
-            cwl_args = _parse_args(wf_config, context)
-            definition = cwl_utils.parser.load_document_by_uri(cwl_args[0])
-            inputs = cwl_utils.parser.utils.load_inputfile_by_uri(
-                version=definition.cwlVersion, path=cwl_args[1],
-                loadingOptions=definition.loadingOptions,
-            )
-            workflow = CWLTranslator(
-                context=context, name=name, output_directory=str(outdir),
-                cwl_definition=definition, cwl_inputs=inputs, cwl_inputs_path=cwl_args[1],
-                workflow_config=wf_config,
-            ).translate()
-            await workflow.save(context.database)
-            task = asyncio.create_task(StreamFlowExecutor(workflow).run())
-            watcher = asyncio.create_task(_watch(workflow, task, poll))
-            try:
-                await task
-            except asyncio.CancelledError:
-                await watcher  # raises StepFailed with the step's name
-                raise
-            finally:
-                watcher.cancel()
+            await execute_workflow(context, config, wf_name, name, outdir, poll)
     finally:
         await context.close()
+
+
+def log_to(log_file: Path) -> None:
+    """Send StreamFlow's log (INFO and up) to ``log_file`` instead of stderr."""
+    from streamflow.log_handler import logger as sf_logger
+
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s %(message)s"))
+    sf_logger.handlers = [handler]
+    sf_logger.propagate = False
+    sf_logger.setLevel(logging.INFO)
 
 
 def run_plan(paths: PlanPaths, name: str, log_file: Path | None = None) -> None:
@@ -84,16 +126,10 @@ def run_plan(paths: PlanPaths, name: str, log_file: Path | None = None) -> None:
     StreamFlow keeps its working files under $TMPDIR/streamflow: it is pointed at the run
     directory, so that the aggregate step can hardlink checkpoints instead of copying them.
     """
-    from streamflow.log_handler import logger as sf_logger
-
     work = paths.root / "streamflow"
     tmp = work / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["TMPDIR"] = str(tmp)
     if log_file is not None:
-        handler = logging.FileHandler(log_file)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s %(message)s"))
-        sf_logger.handlers = [handler]
-        sf_logger.propagate = False
-    sf_logger.setLevel(logging.INFO)
+        log_to(log_file)
     asyncio.run(_run(paths.streamflow, name, work / "out"))

@@ -49,12 +49,19 @@ def _squeue(stack, cluster: str, name: str) -> list[str]:  # type: ignore[no-unt
 
 
 def test_parse_squeue() -> None:
-    text = ("2026-11-22T07:00:10\n12|RUNNING|2026-11-22T07:00:00|2026-11-22T07:00:02|0:08\n"
-            "13|PENDING|2026-11-22T07:00:05|N/A|0:00\n")
-    running, pending = parse_squeue("alpha", 1, text)
-    assert (running.job_id, running.state, running.queue_wait_s, running.run_s) == \
-        ("12", "RUNNING", 2.0, 8.0)
-    assert (pending.state, pending.queue_wait_s) == ("PENDING", 5.0)
+    text = ("2026-11-22T07:00:10\n"
+            "12|xffl-r1-alpha-r3|RUNNING|2026-11-22T07:00:00|2026-11-22T07:00:02|0:08|n[1-2]\n"
+            "13|xffl-r1-alpha|PENDING|2026-11-22T07:00:05|N/A|0:00|\n"
+            "14|xffl-r1-alpha-2|PENDING|2026-11-22T07:00:05|N/A|0:00|\n"  # site alpha-2
+            "15|xffl-r1-alphabet-r1|PENDING|2026-11-22T07:00:05|N/A|0:00|\n"
+            "16|other|RUNNING|2026-11-22T07:00:05|2026-11-22T07:00:05|0:05|n3\n")
+    running, pending = parse_squeue("r1", "alpha", text, rnd=4)
+    assert (running.job_id, running.round, running.name, running.nodes, running.state,
+            running.queue_wait_s, running.run_s) == \
+        ("12", 3, "xffl-r1-alpha-r3", "n[1-2]", "RUNNING", 2.0, 8.0)
+    # a job not renamed yet belongs to the round the caller says is in flight
+    assert (pending.job_id, pending.round, pending.state, pending.queue_wait_s) == \
+        ("13", 4, "PENDING", 5.0)
 
 
 @pytest.mark.slow
@@ -65,12 +72,12 @@ def test_status_then_cancel_running_slurm_run(tmp_path: Path, slurm_stack,  # ty
     result = runner.invoke(app, ["submit", str(job), "--json"])
     assert result.exit_code == 0, result.output
     run_id = json.loads(result.stdout)["run"]
-    names = {c: f"xffl-{run_id}-{c}" for c in ("alpha", "beta")}
+    names = {c: f"xffl-{run_id}-{c}-r1" for c in ("alpha", "beta")}
     try:
         _cancel_scenario(slurm_stack, run_id, names)
     finally:  # never leave a 300 s job holding the test clusters' CPUs
         for c, n in names.items():
-            slurm_stack.ssh(c, f"scancel -n {n}", timeout=20)
+            slurm_stack.ssh(c, f"scancel -n {n},{n[:-3]}", timeout=20)
         record = Registry().get_run(run_id)
         if record.runner_pid and not record.finished:
             pid = record.runner_pid

@@ -15,6 +15,7 @@ from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
 from xffl.aggregator.exchange import MODEL_FILE, verify_checkpoint
 from xffl.cli.app import app
+from xffl.jobs.registry import Registry
 
 runner = CliRunner()
 
@@ -32,6 +33,7 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
         cluster = slurm_stack.clusters[site["name"]]
         site["profile"] = write_profile(profiles, cluster, slurm_stack)
         site["data"]["path"] = str(tmp_path / "data" / site["name"])
+    spec["sites"][1]["slurm"] = {"time": "00:07:00"}  # beta overrides its profile's 00:10:00
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     before = {n: slurm_stack.jobcomp_records(n) for n in ("alpha", "beta")}
@@ -42,12 +44,33 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
     run_id, run_dir = status["id"], Path(status["run_dir"])
     assert status["state"] == "completed"
 
-    # SLURM's own records: 2 COMPLETED jobs per cluster, named after the run and the site
+    # SLURM's own records: one COMPLETED job per round and cluster, named after the run, the
+    # site and the round
+    job_ids: dict[tuple[int, str], str] = {}
     for name in ("alpha", "beta"):
         new = slurm_stack.jobcomp_records(name)[len(before[name]):]
-        ours = [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}"]
-        assert len(ours) == 2, new
-        assert all(r["JobState"] == "COMPLETED" and r["ProcCnt"] == "2" for r in ours)
+        for rnd in (1, 2):
+            ours = [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}-r{rnd}"]
+            assert len(ours) == 1, new
+            assert ours[0]["JobState"] == "COMPLETED" and ours[0]["ProcCnt"] == "2"
+            assert ours[0]["TimeLimit"] == {"alpha": "10", "beta": "7"}[name]  # minutes
+            job_ids[(rnd, name)] = ours[0]["JobId"]
+        assert not [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}"], new
+
+    # every round's job was recorded as it came back, not only when status asked SLURM:
+    # the registry and `xffl status --no-live` name the very jobs of SLURM's records
+    recorded = {(j["round"], j["site"]): j for j in Registry().slurm_jobs(run_id)}
+    assert {k: j["job_id"] for k, j in recorded.items()} == job_ids
+    for (rnd, site), job in recorded.items():
+        assert job["state"] == "COMPLETED" and job["name"] == f"xffl-{run_id}-{site}-r{rnd}"
+        assert job["nodes"] == slurm_stack.clusters[site].node and job["run_s"] > 0
+        record = json.loads((run_dir / "rounds" / str(rnd) / "updates" / site /
+                             "slurm_job.json").read_text())
+        assert record["job_id"] == job_ids[(rnd, site)] and record["exit_code"] == 0
+    shown = runner.invoke(app, ["status", run_id, "--json", "--no-live"])
+    assert shown.exit_code == 0, shown.output
+    assert {(j["round"], j["site"]): j["job_id"] for j in json.loads(shown.stdout)["slurm"]} \
+        == job_ids
 
     # the globals are the sample-weighted averages of the updates that came back over SSH
     for rnd in (1, 2):
@@ -87,8 +110,16 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     assert "#SBATCH --ntasks=2" in text and f"#SBATCH --partition={cluster.partition}" in text
     assert "--launcher srun" in text
     # submitted by hand, as a user would, on the login node of cluster alpha
+    assert "#SBATCH --job-name=xffl-render-byhand-alpha" in text  # `xffl render` has no run id yet
     out = slurm_stack.ssh("alpha", f"sbatch --wait --parsable {script}", timeout=120)
     assert out.returncode == 0, out.stderr
     update = verify_checkpoint(plan / "manual" / "alpha")
     assert update.kind == "update" and update.site == "alpha" and update.round == 1
     assert update.parent == verify_checkpoint(plan / "rounds" / "0" / "global").digest()
+    # the launcher renamed the job after its round: SLURM's own record says so
+    job_id = out.stdout.strip().split(";")[0]
+    record = next(r for r in slurm_stack.jobcomp_records("alpha") if r["JobId"] == job_id)
+    assert record["Name"] == "xffl-render-byhand-alpha-r1" and record["JobState"] == "COMPLETED"
+    job = json.loads((plan / "manual" / "alpha" / "slurm_job.json").read_text())
+    assert (job["job_id"], job["renamed_from"], job["job_name"]) == (
+        job_id, "xffl-render-byhand-alpha", "xffl-render-byhand-alpha-r1")

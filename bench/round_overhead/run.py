@@ -1,0 +1,246 @@
+"""Benchmark: xffl's per-round orchestration overhead on the SLURM test stack, against a baseline.
+
+Both sides train the same tiny-model job on the two test clusters (alpha, beta; SLURM over SSH
+on 127.0.0.1) for R rounds, in the same invocation:
+
+  xffl      ``xffl submit job.yaml --wait``: the runner, StreamFlow, SSH, SLURM, aggregation
+  wait      the baseline, a hand-written loop doing the same round: scp of the global model
+            to each site, ``sbatch --wait`` of the same batch script (``xffl render``'s
+            sbatch/<site>.sh) at both sites in parallel over ssh, scp of the updates back,
+            then the same FedAvg call (xffl.aggregator.strategies.run_strategy)
+  poll      the same, but waiting with ``squeue -j ID`` every polling interval (as StreamFlow
+            does) instead of ``sbatch --wait``, which checks on the job after 2, 10 and 42 s
+
+Per round, overhead = round wall time - the slowest site's time inside its job, where a
+site's time is the launcher's own wall time in the job (torch start-up, training, saving:
+``slurm_job.json``), the same script on both sides. Round wall time: xffl's from the run
+registry (round started -> round recorded), the baseline's from its first copy to its
+aggregate. The manifests' ``train_seconds`` (the training loop alone) are shown too.
+
+    python bench/round_overhead/run.py               # 3 rounds, 6 steps per round
+    python bench/round_overhead/run.py --rounds 5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.stack import stack  # noqa: E402  (the repo's stack driver: stdlib only)
+from tests.stack.profiles import write_profile  # noqa: E402
+from xffl.aggregator.exchange import read_manifest  # noqa: E402
+from xffl.aggregator.strategies import run_strategy  # noqa: E402
+
+SITES = ("alpha", "beta")
+
+
+def write_job(work: Path, info: stack.StackInfo, rounds: int, steps: int,
+              polling: float) -> Path:
+    """The quickstart on the two test clusters (srun -n 2 at each), as the SLURM test runs it."""
+    profiles = work / "site_profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec.update(name="overhead", rounds=rounds)
+    spec["training"]["steps"] = steps
+    for site in spec["sites"]:
+        site["profile"] = write_profile(profiles, info.clusters[site["name"]], info)
+        site["data"]["path"] = str(work / "data" / site["name"])
+        site["slurm"] = {"polling_interval": polling}
+    job = work / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return job
+
+
+def _xffl(env: dict[str, str], *args: str, timeout: float = 1800) -> str:
+    """Run the xffl CLI of this venv; its stdout (exit on failure)."""
+    exe = Path(sys.executable).with_name("xffl")
+    proc = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"xffl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc.stdout
+
+
+def site_times(update: Path) -> dict[str, float]:
+    """The launcher's time inside the job, the training loop's, the samples, the job id."""
+    job = json.loads((update / "slurm_job.json").read_text())
+    manifest = read_manifest(update)
+    return {"job_s": job["launcher_end"] - job["launcher_start"],
+            "train_s": float(manifest.metrics.get("train_seconds") or 0.0),
+            "samples": manifest.num_samples, "job_id": job["job_id"]}
+
+
+def _round_row(wall: float, updates: dict[str, Path], extra: dict[str, Any]) -> dict[str, Any]:
+    sites = {s: site_times(u) for s, u in updates.items()}
+    slowest_job = max(t["job_s"] for t in sites.values())
+    slowest_train = max(t["train_s"] for t in sites.values())
+    return {"wall_s": wall, "sites": sites, "slowest_job_s": slowest_job,
+            "overhead_s": wall - slowest_job, "overhead_vs_train_s": wall - slowest_train,
+            **extra}
+
+
+def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Submit the job, wait for it, and read every round's times from the registry."""
+    from xffl.jobs.registry import Registry
+
+    status = json.loads(_xffl(env, "submit", str(job), "--wait", "--json", "--timeout", "1500"))
+    if status["state"] != "completed":
+        raise SystemExit(f"the xffl run ended {status['state']}: {status.get('message')}")
+    run_dir = Path(status["run_dir"])
+    registry = Registry(Path(env["XFFL_HOME"]) / "registry.db")
+    rows = []
+    for rnd in registry.rounds(status["id"]):
+        assert rnd.started is not None and rnd.ended is not None
+        updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in SITES}
+        rows.append(_round_row(rnd.ended - rnd.started, updates,
+                               {"aggregate_s": rnd.aggregate_seconds or 0.0}))
+    return rows
+
+
+def _scp(info: stack.StackInfo, cluster: str, src: str, dst: str) -> None:
+    """scp -r over the cluster's login port (host key checked), as a user would."""
+    c = info.clusters[cluster]
+    argv = ["scp", "-q", "-r", "-F", "/dev/null", "-i", info.ssh_key, "-P", str(c.ssh_port),
+            "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", f"UserKnownHostsFile={info.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+            src.replace("@remote:", f"{info.user}@{info.host}:"),
+            dst.replace("@remote:", f"{info.user}@{info.host}:")]
+    subprocess.run(argv, check=True, timeout=300)
+
+
+def _baseline_site(info: stack.StackInfo, plan: Path, work: Path, site: str, rnd: int,
+                   model: Path, mode: str, poll: float) -> Path:
+    """One site's round by hand: copy the model in, run the job, copy the update back."""
+    remote = Path(info.clusters[site].work_dir) / mode / f"r{rnd}"
+    info.ssh(site, f"mkdir -p {remote}", timeout=60, check=True)
+    _scp(info, site, str(model), f"@remote:{remote}/model")
+    submit = (f"cd {remote} && sbatch --parsable {plan / 'sbatch' / f'{site}.sh'} {rnd} "
+              f"{remote}/model {remote}/update")
+    if mode == "wait":
+        command = submit.replace("sbatch --parsable", "sbatch --wait --parsable")
+    else:
+        command = (f"id=$({submit}) && while [ -n \"$(squeue -h -j $id -o %i)\" ]; do "
+                   f"sleep {poll:g}; done; scontrol show -o job $id | grep -q "
+                   "JobState=COMPLETED")
+    out = info.ssh(site, command, timeout=1200)
+    if out.returncode != 0:
+        raise SystemExit(f"baseline ({mode}) job at {site} failed: {out.stderr}")
+    local = work / mode / f"r{rnd}" / site
+    local.parent.mkdir(parents=True, exist_ok=True)
+    _scp(info, site, f"@remote:{remote}/update", str(local))
+    return local
+
+
+def run_baseline(plan: Path, info: stack.StackInfo, work: Path, rounds: int, mode: str,
+                 poll: float) -> list[dict[str, Any]]:
+    """The hand-written loop: rendered scripts, scp, jobs in parallel, FedAvg."""
+    model = plan / "rounds" / "0" / "global"
+    rows = []
+    with ThreadPoolExecutor(len(SITES)) as pool:
+        for rnd in range(1, rounds + 1):
+            t0 = time.time()
+            futures = {s: pool.submit(_baseline_site, info, plan, work, s, rnd, model, mode,
+                                      poll) for s in SITES}
+            updates = {s: f.result() for s, f in futures.items()}
+            target = work / mode / f"r{rnd}" / "global"
+            t1 = time.perf_counter()
+            run_strategy("fedavg", [updates[s] for s in SITES], model, target,
+                         weighting="samples", run_id=read_manifest(updates["alpha"]).run_id,
+                         round=rnd,
+                         parent_digest=read_manifest(model).digest())
+            aggregate = time.perf_counter() - t1
+            rows.append(_round_row(time.time() - t0, updates, {"aggregate_s": aggregate}))
+            model = target
+    return rows
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.mean(r[key] for r in rows)
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Print the per-round table and the overhead ratios; return the summary."""
+    head = " | ".join(f"{m + ' wall':>10} {'job':>5} {'overhead':>8}" for m in results)
+    print(f"{'round':>5} | {head}   (seconds; job: the slowest site's time in its job)")
+    for i, rows in enumerate(zip(*results.values(), strict=True), 1):
+        print(f"{i:>5} | " + " | ".join(
+            f"{r['wall_s']:10.2f} {r['slowest_job_s']:5.2f} {r['overhead_s']:8.2f}"
+            for r in rows))
+    summary: dict[str, Any] = {
+        "overhead_s": {m: _mean(rows, "overhead_s") for m, rows in results.items()},
+        "max_overhead_s": {m: max(r["overhead_s"] for r in rows) for m, rows in results.items()},
+        "overhead_vs_train_s": {m: _mean(rows, "overhead_vs_train_s")
+                                for m, rows in results.items()},
+    }
+    xffl = summary["overhead_s"]["xffl"]
+    summary["ratio"] = {m: xffl / v for m, v in summary["overhead_s"].items() if m != "xffl"}
+    print(" mean | " + ", ".join(f"{m} {v:.2f} s" for m, v in summary["overhead_s"].items())
+          + "; xffl / " + ", xffl / ".join(f"{m} = {r:.2f}" for m, r in summary["ratio"].items())
+          + f"; xffl's worst round {summary['max_overhead_s']['xffl']:.2f} s "
+          "(target: <= 1.5 x wait, < 5 s)")
+    print("      | wall - the slowest training loop (torch start-up counted as overhead too): "
+          + ", ".join(f"{m} {v:.2f} s" for m, v in summary["overhead_vs_train_s"].items()))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Bring the stack up, run xffl and the baseline, print the overheads and their ratio."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="training steps per round and site")
+    p.add_argument("--polling-interval", type=float, default=1.0,
+                   help="StreamFlow's squeue polling interval (the job spec's slurm override)")
+    p.add_argument("--baselines", default="wait,poll", help="wait (sbatch --wait), poll "
+                   "(squeue every polling interval), or both: wait,poll")
+    p.add_argument("--stack-dir", type=Path, default=None, help="default: the tests' stack dir")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
+    args = p.parse_args(argv)
+
+    info = stack.up(args.stack_dir or stack.default_dir())
+    work = Path(tempfile.mkdtemp(prefix="xffl-bench-rounds-"))
+    env = {**os.environ, "XFFL_HOME": str(work / "home"), "HOME": info.ssh_home,
+           "XDG_CONFIG_HOME": str(work / "config")}
+    os.environ.update(XFFL_HOME=env["XFFL_HOME"])
+    try:
+        job = write_job(work, info, args.rounds, args.steps, args.polling_interval)
+        print(f"{args.rounds} rounds of {args.steps} steps, 2 sites x 2 ranks (srun), "
+              f"polling {args.polling_interval:g} s, {os.cpu_count()} CPUs; work dir {work}",
+              flush=True)
+        t0 = time.perf_counter()
+        xffl = run_xffl(job, env)
+        print(f"xffl: {time.perf_counter() - t0:.1f} s in all (submit to completed)", flush=True)
+        results = {"xffl": xffl}
+        plan = work / "plan"
+        _xffl(env, "render", str(job), "-o", str(plan))
+        for mode in args.baselines.split(","):
+            t0 = time.perf_counter()
+            results[mode] = run_baseline(plan, info, work, args.rounds, mode,
+                                         args.polling_interval)
+            print(f"{mode}: {time.perf_counter() - t0:.1f} s in all", flush=True)
+        summary = report(results)
+        if args.json:
+            print(json.dumps({"rounds": results, **summary}, indent=2))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

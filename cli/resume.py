@@ -1,0 +1,34 @@
+"""`xffl resume`: continue a stopped run from its last completed round."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.jobs.registry import Registry
+from xffl.jobs.resume import resume_run
+
+
+@handle_errors
+def resume(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a runner that continues RUN from the round after its last completed one.
+
+    Works after any stop: the coordinator killed, a failed round (e.g. too few sites), a
+    cancel. Finished rounds are never recomputed, and updates that already arrived for the
+    interrupted round are reused.
+
+    Example: xffl resume quickstart-20261122-051000-a3f9
+    """
+    registry = Registry()
+    record = resolve_run(registry, run)
+    pid = resume_run(registry, record)
+    if as_json:
+        print_json({"run": record.id, "runner_pid": pid, "next_round": record.rounds_done + 1})
+    else:
+        console.print(f"run {record.id} resumed from round {record.rounds_done + 1} (runner pid "
+                      f"{pid}); follow it with `xffl status {record.id}`.")

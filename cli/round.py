@@ -1,0 +1,46 @@
+"""`xffl round`: run the next round of a run, once (what a cron tick runs)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.core.errors import ExitCode
+from xffl.jobs.registry import Registry
+
+
+@handle_errors
+def round_(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Run the next round of RUN in this process, then return.
+
+    Does nothing (exit 0, logged in the run's events) while another round of the run is in
+    flight: the run's round lock decides, not a guess. After the last round the run is
+    completed; a completed, cancelled or failed run is left as it is (resume a failed one
+    with `xffl resume`).
+
+    Example: xffl round quickstart-20261122-051000-a3f9
+    """
+    from xffl.workflows.runner import execute
+
+    registry = Registry()
+    record = resolve_run(registry, run)
+    if record.state in ("completed", "cancelled", "failed"):
+        message = f"run {record.id} is {record.state}: no round to run"
+        code = 0
+    else:
+        code = execute(record.id, registry, once=True)
+        final = registry.get_run(record.id)
+        message = f"run {record.id}: {final.state}: {final.message}"
+    final = registry.get_run(record.id)
+    if as_json:
+        print_json({"run": final.id, "state": final.state, "rounds_done": final.rounds_done,
+                    "message": final.message})
+    else:
+        console.print(message, soft_wrap=True)
+    if code:
+        raise typer.Exit(int(ExitCode.RUN_FAILED))

@@ -1,0 +1,31 @@
+"""Resume a run after any stop: start a runner that continues from the last completed round."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from xffl.core.errors import InvalidInput
+from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.status import runner_alive
+from xffl.workflows.runner import spawn
+
+
+def resume_run(registry: Registry, run: RunRecord) -> int:
+    """Start a detached runner for ``run``; return its pid.
+
+    Allowed from any state but completed, unless a runner of the run is still alive. The
+    runner continues with round ``rounds_done + 1``; updates that already arrived for that
+    round are reused, so no finished training or round is computed again.
+    """
+    if run.state == "completed":
+        raise InvalidInput(f"run {run.id} is completed ({run.rounds_done} rounds): nothing to "
+                           "resume; submit the job again for a new run.")
+    if runner_alive(run) and run.state in ("running", "submitted"):
+        raise InvalidInput(f"run {run.id} is {run.state} (runner pid {run.runner_pid}); "
+                           f"`xffl cancel {run.id}` first to restart it.")
+    registry.set_state(run.id, "submitted",
+                       f"resumed from round {run.rounds_done + 1} (was {run.state})",
+                       ended=None)
+    pid = spawn(run.id, Path(run.run_dir), registry.path)
+    registry.event(run.id, "runner", f"runner spawned (pid {pid})")
+    return pid

@@ -1,0 +1,35 @@
+"""The round-overhead benchmark runs xffl and its baselines on the same work (the real stack)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "round_overhead" / "run.py"
+
+
+@pytest.mark.slow
+def test_xffl_and_baselines_do_the_same_rounds(slurm_stack,  # type: ignore[no-untyped-def]
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bench_round_overhead", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--rounds", "1", "--steps", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("\n{") + 1:])
+    rounds = result["rounds"]
+    assert set(rounds) == {"xffl", "wait", "poll"}
+    for rows in rounds.values():
+        (row,) = rows
+        # every mode ran one job per site, on the same data: the same samples per site
+        assert {s: t["samples"] for s, t in row["sites"].items()} == \
+            {s: t["samples"] for s, t in rounds["xffl"][0]["sites"].items()}
+        assert row["overhead_s"] == pytest.approx(row["wall_s"] - row["slowest_job_s"])
+    job_ids = [t["job_id"] for rows in rounds.values() for t in rows[0]["sites"].values()]
+    assert len(set(job_ids)) == 6  # six distinct SLURM jobs: 3 modes x 2 sites
+    assert result["ratio"]["wait"] == pytest.approx(
+        result["overhead_s"]["xffl"] / result["overhead_s"]["wait"])

@@ -1,0 +1,72 @@
+"""Cron rounds: the crontab line xffl installs, run as cron runs it, advances the run a round."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.cli.app import app
+from xffl.jobs.schedule import current
+
+runner = CliRunner()
+
+
+def _crontab() -> str:
+    out = subprocess.run(["crontab", "-l"], capture_output=True, text=True, check=False)
+    return out.stdout if out.returncode == 0 else ""
+
+
+@pytest.mark.slow
+def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Path) -> None:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="cronjob", rounds=2)
+    spec["training"].update(steps=2, batch_size=2)
+    for site in spec["sites"]:
+        site.update(ranks=1)
+        site["data"]["synthetic_sequences"] = 32
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    submitted = json.loads(runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
+                           .stdout)
+    run_id = submitted["run"]
+    result = runner.invoke(app, ["schedule", run_id, "--cron", "*/5 * * * *", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    try:
+        lines = [ln for ln in _crontab().splitlines() if f"# xffl:{run_id}" in ln]
+        assert len(lines) == 1 and lines[0].startswith("*/5 * * * * ")
+        command = lines[0][len("*/5 * * * * "):].rsplit(" # xffl:", 1)[0]
+        assert command == shown["command"]
+        status = json.loads(runner.invoke(app, ["status", run_id, "--json"]).stdout)
+        assert status["schedule"]["cron"] == "*/5 * * * *"
+        assert status["schedule"]["next_tick"].endswith(":00")
+        # what cron does: an empty environment, the line's own command through /bin/sh
+        tick = subprocess.run(["env", "-i", "/bin/sh", "-c", command], capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert tick.returncode == 0, tick.stderr
+        status = json.loads(runner.invoke(app, ["status", run_id, "--json"]).stdout)
+        assert status["rounds_done"] == 1 and status["state"] == "waiting"
+        log = (Path(submitted["run_dir"]) / "cron.log").read_text()
+        assert f"run {run_id}: waiting: round 1 of 2 done" in log
+    finally:
+        removed = runner.invoke(app, ["schedule", run_id, "--remove"])
+    assert removed.exit_code == 0 and "removed" in removed.stdout
+    assert f"xffl:{run_id}" not in _crontab() and current(run_id) is None
+
+
+def test_bad_cron_expression_exit_2(tmp_path: Path, xffl_home: Path) -> None:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    run_id = json.loads(runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
+                        .stdout)["run"]
+    result = runner.invoke(app, ["schedule", run_id, "--cron", "61 * * * *"])
+    assert result.exit_code == 2
+    assert "cron expression '61 * * * *': the minute field '61' is not valid" in result.stderr
+    assert current(run_id) is None

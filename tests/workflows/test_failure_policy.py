@@ -1,0 +1,100 @@
+"""Failure policy on real runs (local sites): retries, quorum and resume.
+
+A site's data that does not exist yet is a real failure of that site's training job (the
+trainer exits 2); creating the data afterwards with `xffl data prepare` is the fix a user
+would make before `xffl resume`. The SIGKILL and cron-tick cases run on the SLURM stack
+(tests/workflows/test_failure_slurm.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.cli.app import app
+from xffl.jobs.follow import wait_for_run
+from xffl.jobs.registry import Registry
+
+runner = CliRunner()
+BETA_DATA = "prepared/beta"  # relative to the site's workdir; nothing there at first
+
+
+def _spec(name: str, rounds: int = 2, **failure: object) -> dict:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name=name, rounds=rounds, failure=failure)
+    spec["training"].update(steps=3, batch_size=4)
+    for site in spec["sites"]:
+        site["ranks"] = 1
+        site["data"]["synthetic_sequences"] = 64
+    return spec
+
+
+def _broken_beta(spec: dict) -> dict:
+    spec["sites"][1]["data"] = {"path": BETA_DATA}
+    return spec
+
+
+def _submit(tmp_path: Path, spec: dict, *extra: str) -> tuple[int, dict]:
+    job = tmp_path / f"{spec['name']}.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job), "--json", *extra])
+    return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+def _status(run_id: str) -> dict:
+    result = runner.invoke(app, ["status", run_id, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _prepare_beta(xffl_home: Path) -> None:
+    text = xffl_home / "beta.txt"
+    text.write_text("hjy-kuq vaz! wyx hez-qav!\n" * 400)
+    out = xffl_home / "sites" / "beta" / BETA_DATA
+    result = runner.invoke(app, ["data", "prepare", str(text), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.slow
+def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
+    code, status = _submit(tmp_path, _broken_beta(_spec("quorum", retries=1)), "--wait")
+    assert code == 1 and status["state"] == "failed"
+    assert "1 valid update(s), the job needs 2 (failure.min_sites)" in status["message"]
+    assert "xffl resume" in status["message"]
+    (r1,) = status["rounds"]
+    sites = {s["site"]: s for s in r1["sites"]}
+    assert r1["state"] == "failed" and sites["alpha"]["state"] == "completed"
+    assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 2
+    assert "attempt 1:" in sites["beta"]["reason"] and "attempt 2:" in sites["beta"]["reason"]
+
+    _prepare_beta(xffl_home)
+    result = runner.invoke(app, ["resume", status["id"], "--json"])
+    assert result.exit_code == 0, result.output
+    final = wait_for_run(Registry(), status["id"], 300)
+    assert final.state == "completed" and final.rounds_done == 2, final.message
+    events = [e["message"] for e in _status(status["id"])["events"]]
+    assert "round 1: reusing the update alpha delivered" in events  # not trained again
+    run_dir = Path(status["run_dir"])
+    g1 = verify_checkpoint(run_dir / "rounds" / "1" / "global")
+    assert set(g1.extra["sites"]) == {"alpha", "beta"}
+    again = runner.invoke(app, ["resume", status["id"]])
+    assert again.exit_code == 2 and "nothing to resume" in again.stderr
+
+
+@pytest.mark.slow
+def test_min_sites_one_goes_on_without_the_failed_site(tmp_path: Path, xffl_home: Path) -> None:
+    code, status = _submit(tmp_path, _broken_beta(_spec("quorum1", min_sites=1)), "--wait")
+    assert code == 0 and status["state"] == "completed", status["message"]
+    run_dir = Path(status["run_dir"])
+    for r in status["rounds"]:
+        sites = {s["site"]: s for s in r["sites"]}
+        assert r["state"] == "completed" and sites["alpha"]["state"] == "completed"
+        assert sites["beta"]["state"] == "failed" and sites["beta"]["reason"]
+        glob = verify_checkpoint(run_dir / "rounds" / str(r["round"]) / "global")
+        assert set(glob.extra["sites"]) == {"alpha"}

@@ -1,0 +1,187 @@
+"""Failure policy on the real two-cluster stack: a scancelled job is retried; a controller
+outage is survived with a quorum of one, stops a run that needs both sites, and `xffl
+resume` finishes that run once the controller is back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from tests.stack import stack as stack_mod
+from tests.stack.profiles import write_profile
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.cli.app import app
+from xffl.jobs.follow import wait_for_run
+from xffl.jobs.registry import Registry
+
+runner = CliRunner()
+
+
+def _job(tmp_path: Path, stack: Any, name: str, rounds: int, steps: int,
+         **failure: object) -> Path:
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir(exist_ok=True)
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name=name, rounds=rounds, failure=failure)
+    spec["training"].update(steps=steps)
+    for site in spec["sites"]:
+        site["profile"] = write_profile(profiles, stack.clusters[site["name"]], stack)
+        site["data"]["path"] = str(tmp_path / "data" / site["name"])
+        site["data"]["synthetic_sequences"] = 128
+    job = tmp_path / f"{name}.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return job
+
+
+def _status(run_id: str) -> dict:
+    result = runner.invoke(app, ["status", run_id, "--json", "--no-live"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _sites(status: dict, rnd: int) -> dict[str, dict]:
+    (r,) = [r for r in status["rounds"] if r["round"] == rnd]
+    return {s["site"]: s for s in r["sites"]}
+
+
+@pytest.mark.slow
+def test_scancelled_job_is_retried(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    job = _job(tmp_path, slurm_stack, "retry", rounds=1, steps=400, retries=1)
+    result = runner.invoke(app, ["submit", str(job), "--json"])
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(result.stdout)["run"]
+    name = f"xffl-{run_id}-beta-r1"
+    deadline = time.monotonic() + 120
+    while True:  # wait until beta's job trains, then cancel it the way an operator would
+        out = slurm_stack.ssh("beta", f"squeue -h -n {name} -o '%i|%T'", timeout=20)
+        running = [ln.split("|")[0] for ln in out.stdout.split() if ln.endswith("|RUNNING")]
+        if running:
+            break
+        assert time.monotonic() < deadline, "beta's job never ran"
+        time.sleep(0.5)
+    time.sleep(2)
+    assert slurm_stack.ssh("beta", f"scancel {running[0]}", timeout=20).returncode == 0
+    final = wait_for_run(Registry(), run_id, 300)
+    assert final.state == "completed", final.message
+    beta = _sites(_status(run_id), 1)["beta"]
+    assert beta["state"] == "completed" and beta["attempts"] == 2
+    records = [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]
+    assert [r["JobState"] for r in records] == ["CANCELLED", "COMPLETED"], records
+    assert records[0]["JobId"] == running[0]
+
+
+@pytest.mark.slow
+def test_controller_outage_quorum_and_resume(tmp_path: Path,
+                                             slurm_stack,  # type: ignore[no-untyped-def]
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    assert stack_mod.stop_slurmctld(slurm_stack.dir, "beta")
+    try:
+        # quorum of one: both rounds complete on alpha, beta's failure is on record
+        job = _job(tmp_path, slurm_stack, "outage1", rounds=2, steps=4, min_sites=1)
+        result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+        assert result.exit_code == 0, result.output
+        status = json.loads(result.stdout)
+        assert status["state"] == "completed" and status["rounds_done"] == 2
+        for rnd in (1, 2):
+            sites = _sites(status, rnd)
+            assert sites["alpha"]["state"] == "completed"
+            assert sites["beta"]["state"] == "failed" and sites["beta"]["reason"]
+            glob = verify_checkpoint(Path(status["run_dir"]) / "rounds" / str(rnd) / "global")
+            assert set(glob.extra["sites"]) == {"alpha"}
+
+        # both sites needed: the run stops with the reason
+        job = _job(tmp_path, slurm_stack, "outage2", rounds=2, steps=4)
+        result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+        assert result.exit_code == 1
+        failed = json.loads(result.stdout)
+        assert failed["state"] == "failed" and failed["rounds_done"] == 0
+        assert "1 valid update(s), the job needs 2 (failure.min_sites)" in failed["message"]
+        assert "beta: attempt 1: Error submitting job /train_beta/0 to Slurm: sbatch: error: " \
+            "Batch job submission failed: Unable to contact slurm controller" in failed["message"]
+    finally:
+        stack_mod.start_slurmctld(slurm_stack.dir, "beta")
+
+    result = runner.invoke(app, ["resume", failed["id"]])
+    assert result.exit_code == 0, result.output
+    final = wait_for_run(Registry(), failed["id"], 300)
+    assert final.state == "completed" and final.rounds_done == 2, final.message
+    events = [e["message"] for e in _status(failed["id"])["events"]]
+    assert "round 1: reusing the update alpha delivered" in events
+    for rnd in (1, 2):
+        glob = verify_checkpoint(Path(failed["run_dir"]) / "rounds" / str(rnd) / "global")
+        assert set(glob.extra["sites"]) == {"alpha", "beta"}
+
+
+def _digest(run_dir: Path, rnd: int) -> str:
+    return verify_checkpoint(run_dir / "rounds" / str(rnd) / "global").digest()
+
+
+@pytest.mark.slow
+def test_kill_during_aggregation_then_resume_is_bitwise_equal(
+        tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    job = _job(tmp_path, slurm_stack, "steady", rounds=2, steps=3)
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+    assert result.exit_code == 0, result.output
+    clean = json.loads(result.stdout)
+    monkeypatch.setenv("XFFL_FAILPOINT", "aggregated-round-1")  # the runner inherits it
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+    monkeypatch.delenv("XFFL_FAILPOINT")
+    killed = json.loads(result.stdout)
+    assert result.exit_code == 1 and killed["state"] == "failed"  # SIGKILL: it said nothing
+    assert "the runner process died without recording an outcome" in killed["message"]
+    run_dir = Path(killed["run_dir"])
+    assert (run_dir / "rounds" / "1" / "global").is_dir() and killed["rounds_done"] == 0
+    result = runner.invoke(app, ["resume", killed["id"]])
+    assert result.exit_code == 0, result.output
+    final = wait_for_run(Registry(), killed["id"], 300)
+    assert final.state == "completed", final.message
+    events = [e["message"] for e in _status(killed["id"])["events"]]
+    assert {"round 1: reusing the update alpha delivered",
+            "round 1: reusing the update beta delivered"} <= set(events)
+    for rnd in (1, 2):
+        assert _digest(run_dir, rnd) == _digest(Path(clean["run_dir"]), rnd)
+
+
+@pytest.mark.slow
+def test_two_round_ticks_at_once_run_one_round(tmp_path: Path,
+                                               slurm_stack,  # type: ignore[no-untyped-def]
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    job = _job(tmp_path, slurm_stack, "ticks", rounds=2, steps=3)
+    result = runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
+    assert result.exit_code == 0, result.output
+    submitted = json.loads(result.stdout)
+    assert submitted["state"] == "waiting"
+    cmd = [str(Path(sys.executable).parent / "xffl"), "round", submitted["run"]]
+    procs = [subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("in flight" in o for o in outs) == 1, outs
+    status = _status(submitted["run"])
+    assert status["rounds_done"] == 1 and status["state"] == "waiting"
+    assert [r["round"] for r in status["rounds"]] == [1]
+    names = [r["Name"] for c in ("alpha", "beta") for r in slurm_stack.jobcomp_records(c)
+             if r.get("Name", "").startswith(f"xffl-{submitted['run']}-")]
+    assert sorted(names) == [f"xffl-{submitted['run']}-{c}-r1" for c in ("alpha", "beta")]
+    # the next tick runs round 2 and completes the run; a tick after that does nothing
+    subprocess.run(cmd, env=dict(os.environ), check=True, capture_output=True, timeout=300)
+    assert _status(submitted["run"])["state"] == "completed"
+    last = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True,
+                          timeout=60)
+    assert last.returncode == 0 and "is completed: no round to run" in last.stdout

@@ -1,0 +1,116 @@
+"""The SLURM job a round trains in: give it the round's name and record it for the coordinator.
+
+The launcher runs once per job, in the batch script. When the job is not yet named as the
+round's job should be (``xffl-<run>-<site>-r<round>``: a script submitted by hand, or
+main.cwl run directly by StreamFlow), it renames it with ``scontrol update``, so SLURM's own
+records (squeue, sacct, jobcomp) carry the round. When training ends it writes
+``slurm_job.json`` (job id, name, cluster, nodes, submit/start times, exit code) into the
+update directory, beside the checkpoint: it travels back with the update and the coordinator
+records it in the run registry. The file is not part of the checkpoint (the manifest does
+not list it; verification ignores it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+RECORD_FILE = "slurm_job.json"
+SCONTROL_TIMEOUT = 20.0
+
+
+def _scontrol(args: list[str]) -> str | None:
+    """stdout of ``scontrol ARGS``; None when it is missing, fails or hangs."""
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, *args], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def parse_show_job(text: str) -> dict[str, str]:
+    """``scontrol show -o job`` output as KEY -> VALUE (values never hold spaces with -o)."""
+    fields: dict[str, str] = {}
+    for token in text.split():
+        key, sep, value = token.partition("=")
+        if sep and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def _epoch(text: str | None) -> float | None:
+    """SLURM's local ISO time (2026-11-22T07:00:02) as epoch seconds."""
+    try:
+        return datetime.fromisoformat(text).timestamp() if text else None
+    except ValueError:
+        return None
+
+
+def start(name: str | None, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """At the job's start: rename it to ``name`` if needed; return what SLURM says about it.
+
+    None outside a SLURM job. Never raises: a job that cannot be renamed or described still
+    trains (the record then says so).
+    """
+    env = os.environ if environ is None else environ
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    record: dict[str, Any] = {"job_id": job_id, "job_name": env.get("SLURM_JOB_NAME", ""),
+                              "cluster": env.get("SLURM_CLUSTER_NAME", ""),
+                              "node_list": env.get("SLURM_JOB_NODELIST", ""),
+                              "launcher_start": time.time()}
+    if name and record["job_name"] != name:
+        record["renamed_from"] = record["job_name"]
+        if _scontrol(["update", f"JobId={job_id}", f"JobName={name}"]) is None:
+            record["rename_error"] = f"scontrol update JobName={name} failed"
+        else:
+            record["job_name"] = name
+    shown = _scontrol(["show", "-o", "job", job_id])
+    fields = parse_show_job(shown) if shown else {}
+    record["job_name"] = fields.get("JobName", record["job_name"])
+    record["node_list"] = fields.get("NodeList", record["node_list"])
+    record["partition"] = fields.get("Partition", env.get("SLURM_JOB_PARTITION", ""))
+    submit, started = _epoch(fields.get("SubmitTime")), _epoch(fields.get("StartTime"))
+    record["submit_time"], record["start_time"] = submit, started
+    record["queue_wait_s"] = (max(0.0, started - submit)
+                              if submit is not None and started is not None else None)
+    return record
+
+
+def finish(record: dict[str, Any] | None, out_dir: Path, returncode: int) -> Path | None:
+    """Write the job's record into ``out_dir`` (beside it when there is no checkpoint)."""
+    if record is None:
+        return None
+    done = {**record, "launcher_end": time.time(), "exit_code": returncode}
+    done["run_s"] = done["launcher_end"] - float(record.get("start_time")
+                                                 or record["launcher_start"])
+    out_dir = Path(out_dir)
+    target = out_dir / RECORD_FILE if out_dir.is_dir() else (
+        out_dir.parent / f"{out_dir.name}.{RECORD_FILE}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(done, indent=2) + "\n")
+    except OSError:
+        return None
+    return target
+
+
+def read_record(update_dir: Path) -> dict[str, Any] | None:
+    """The ``slurm_job.json`` an update came back with, if any (None if absent or damaged)."""
+    try:
+        data = json.loads((Path(update_dir) / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("job_id") else None
