@@ -55,3 +55,9 @@ class CheckpointError(XfflError):
     """A checkpoint failed verification (checksum, manifest, tensors)."""
 
     exit_code = ExitCode.RUN_FAILED
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (its type name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -22,6 +22,7 @@ from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
 from xffl.jobs.slurm_view import (
     SSH_TIMEOUT,
     SiteUnreachable,
+    in_flight_round,
     job_ids_command,
     job_name,
     query_site,
@@ -132,7 +133,7 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
         return result
     result.runner_stopped = stop_runner(run)
     sites = slurm_sites(Path(run.run_dir))
-    rnd = min(run.rounds_done + 1, run.rounds_total)
+    rnd = in_flight_round(run)
     for site, profile in sites.items():
         try:
             scancel_site(run.id, site, profile, rnd=rnd)

@@ -45,7 +45,6 @@ from xffl.training.model import (
 )
 from xffl.training.parallelize import check_tensor_parallel, parallelize
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 T = TypeVar("T")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest
+from xffl.core.errors import first_line
 from xffl.jobs.registry import Registry, SiteRound
 from xffl.jobs.slurm_view import job_name
 from xffl.jobs.spec import JobSpec
@@ -71,11 +72,6 @@ class SiteOutcome:
 def round_dir(root: Path, rnd: int) -> Path:
     """rounds/<rnd> of a run directory."""
     return Path(root) / "rounds" / str(rnd)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def delivered_update(root: Path, rnd: int, site: str) -> Path | None:
@@ -138,7 +134,7 @@ async def _train_site(context: Any, config: dict[str, Any], root: Path, run_id: 
             raise
         except Exception as exc:  # StreamFlow raises its own exception types
             # StreamFlow's exception says only "FAILED Workflow execution"; its log says why
-            reason = errors.messages[0] if errors.messages else _first_line(exc)
+            reason = errors.messages[0] if errors.messages else first_line(exc)
         finally:
             sf_logger().removeHandler(errors)
         outcome.reasons.append(f"attempt {attempt}: {reason}")

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
+from xffl.core.errors import first_line
 from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import RoundInFlight, round_lock
 from xffl.jobs.spec import JobSpec
@@ -47,11 +48,6 @@ def ensure_initial_model(paths: PlanPaths, run_id: str) -> None:
 
     spec = JobSpec.model_validate_json((paths.root / "job.json").read_text())
     init_global(run_id, spec.model, spec.training.seed, paths.initial_model)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
@@ -88,7 +84,7 @@ def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
     except BaseException as exc:  # every failure must reach the registry
         traceback.print_exc()
         registry.set_state(run_id, "failed",
-                           f"{_first_line(exc)} (see {paths.root / 'runner.log'})",
+                           f"{first_line(exc)} (see {paths.root / 'runner.log'})",
                            ended=time.time())
         return 1
     run = registry.get_run(run_id)

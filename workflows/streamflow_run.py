@@ -1,19 +1,16 @@
-"""Run a plan with StreamFlow through its Python API (what `streamflow run` does, in-process)."""
+"""Run workflows of a plan with StreamFlow's Python API (what `streamflow run` does, in-process)."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from xffl.workflows.plan import PlanPaths
-
 
 class StepFailed(RuntimeError):
-    """A step of the workflow failed (StreamFlow does not always end a looping workflow then)."""
+    """A step of the workflow failed (StreamFlow does not always end a workflow then)."""
 
     def __init__(self, step: str) -> None:
         super().__init__(f"step {step} failed")
@@ -100,15 +97,6 @@ async def execute_workflow(context: Any, config: dict[str, Any], wf_name: str, n
         watcher.cancel()
 
 
-async def _run(config_file: Path, name: str, outdir: Path, poll: float = 0.5) -> Any:
-    context, config = open_context(load_config(config_file))
-    try:
-        for wf_name in config.get("workflows", {}):
-            await execute_workflow(context, config, wf_name, name, outdir, poll)
-    finally:
-        await context.close()
-
-
 def log_to(log_file: Path) -> None:
     """Send StreamFlow's log (INFO and up) to ``log_file`` instead of stderr."""
     from streamflow.log_handler import logger as sf_logger
@@ -118,18 +106,3 @@ def log_to(log_file: Path) -> None:
     sf_logger.handlers = [handler]
     sf_logger.propagate = False
     sf_logger.setLevel(logging.INFO)
-
-
-def run_plan(paths: PlanPaths, name: str, log_file: Path | None = None) -> None:
-    """Execute the plan in ``paths`` with StreamFlow; raises on workflow failure.
-
-    StreamFlow keeps its working files under $TMPDIR/streamflow: it is pointed at the run
-    directory, so that the aggregate step can hardlink checkpoints instead of copying them.
-    """
-    work = paths.root / "streamflow"
-    tmp = work / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    os.environ["TMPDIR"] = str(tmp)
-    if log_file is not None:
-        log_to(log_file)
-    asyncio.run(_run(paths.streamflow, name, work / "out"))
