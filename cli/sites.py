@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -32,7 +33,8 @@ def list_sites(json_out: JsonOpt = False) -> None:
         conn = profile.connector
         rows.append({
             "name": name, "connector": conn.type,
-            "host": f"{conn.host}:{conn.port}" if isinstance(conn, SshConnector) else "",
+            "host": (conn.host + (f":{conn.port}" if conn.port else ""))
+            if isinstance(conn, SshConnector) else "",
             "scheduler": "slurm" if profile.slurm else "none",
             "partition": (profile.slurm.partition or "") if profile.slurm else "",
             "source": str(path),
@@ -58,7 +60,8 @@ def show(name: NameArg, json_out: JsonOpt = False) -> None:
     if json_out:
         print_json(data)
     else:
-        console.print(yaml.safe_dump(data, sort_keys=False), end="", markup=False)
+        # plain stdout: the console would wrap long lines and break the YAML
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
 
 
 @app.command("check")

@@ -47,6 +47,13 @@ def render_status(data: dict[str, Any]) -> None:
             jobs.add_row(_num(job["round"]), job["site"], job["job_id"] or "-", state,
                          _num(job["queue_wait_s"], "{:.0f}"), _num(job["run_s"], "{:.0f}"))
         console.print(jobs)
+    if data.get("credentials"):
+        creds = Table("site", "login", "next round", title="SSH credentials")
+        for row in data["credentials"]:
+            creds.add_row(row["site"], row["login"],
+                          f"[yellow]waiting: {row['waiting']}[/yellow]" if row["waiting"]
+                          else "ready")
+        console.print(creds)
     if data["latest_global"]:
         console.print(f"latest global model: {data['latest_global']}")
     if data.get("schedule"):

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
+from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.slurm_view import load_profiles
+from xffl.jobs.spec import JobSpec
 from xffl.jobs.status import runner_alive
 from xffl.workflows.runner import spawn
 
@@ -23,6 +26,9 @@ def resume_run(registry: Registry, run: RunRecord) -> int:
     if runner_alive(run) and run.state in ("running", "submitted"):
         raise InvalidInput(f"run {run.id} is {run.state} (runner pid {run.runner_pid}); "
                            f"`xffl cancel {run.id}` first to restart it.")
+    run_dir = Path(run.run_dir)
+    spec = JobSpec.model_validate_json((run_dir / "job.json").read_text())
+    require_credentials(spec, load_profiles(run_dir), then=f"run `xffl resume {run.id}` again")
     registry.set_state(run.id, "submitted",
                        f"resumed from round {run.rounds_done + 1} (was {run.state})",
                        ended=None)

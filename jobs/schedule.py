@@ -57,6 +57,10 @@ def cron_command(run: RunRecord) -> str:
     """The shell command of a run's crontab entry."""
     env = {"XFFL_HOME": str(xffl_home()), "HOME": os.environ.get("HOME", "/root"),
            "PATH": f"{Path(sys.executable).parent}:{PATH}"}
+    # cron has no ssh-agent: an agent the user keeps at a fixed socket (`ssh-agent -a PATH`)
+    # is passed on, so agent-held keys and certificates work from cron ticks too
+    if os.environ.get("SSH_AUTH_SOCK"):
+        env["SSH_AUTH_SOCK"] = os.environ["SSH_AUTH_SOCK"]
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     log = shlex.quote(str(Path(run.run_dir) / "cron.log"))
     return (f"cd {shlex.quote(run.run_dir)} && env {assigns} {shlex.quote(xffl_executable())} "

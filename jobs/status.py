@@ -49,6 +49,7 @@ def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
         {"ts": ts, "kind": kind, "message": msg} for ts, kind, msg in registry.events(run.id)
     ]
     data["schedule"] = None
+    data["credentials"] = credential_view(run) if not run.finished else []
     if not run.finished:
         from xffl.jobs.schedule import current
 
@@ -57,3 +58,33 @@ def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
             data["schedule"] = {"cron": entry.expr,
                                 "next_tick": entry.next_tick().isoformat(timespec="seconds")}
     return data
+
+
+def credential_view(run: RunRecord) -> list[dict[str, Any]]:
+    """Each SSH site's login credential now, and why it keeps the next round waiting.
+
+    Read locally (certificate files, the ssh-agent): no connection is made. A site whose
+    credential has expired, or will before a round could end, is ``waiting``, not failed.
+    """
+    from xffl.core.errors import XfflError
+    from xffl.jobs.credential_gate import blockers, site_credentials
+    from xffl.jobs.slurm_view import load_profiles
+    from xffl.jobs.spec import JobSpec
+
+    run_dir = Path(run.run_dir)
+    try:
+        profiles = load_profiles(run_dir)
+        spec = JobSpec.model_validate_json((run_dir / "job.json").read_text())
+        creds = site_credentials(profiles)
+        blocked = {b.site: b for b in blockers(spec, profiles)}
+    except (OSError, ValueError, XfflError) as exc:
+        return [{"site": "-", "login": "", "expires": None, "seconds_left": None,
+                 "waiting": f"cannot read the run's site profiles: {exc}"}]
+    rows = []
+    for site, cred in creds.items():
+        info = cred.as_dict()
+        rows.append({"site": site, "login": cred.describe(), "expires": info["expires"],
+                     "seconds_left": info["seconds_left"],
+                     "waiting": blocked[site].reason if site in blocked else None,
+                     "renew": cred.renew})
+    return rows

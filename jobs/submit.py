@@ -9,6 +9,7 @@ from pathlib import Path
 from xffl.core.errors import InvalidInput
 from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.paths import registry_path, runs_dir
+from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.registry import Registry, RunRecord, new_run_id
 from xffl.site_profiles.remote import preflight
@@ -52,7 +53,11 @@ def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submi
     loaded = load_job(job_path)
     if name is not None and not NAME_RE.match(name):
         raise InvalidInput(f"--name {name!r} is not a valid run name prefix; use {NAME_RULE}.")
-    preflight(loaded.profiles)  # host keys and logins of every SSH site, before any write
+    profiles = {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}
+    # certificates that will not outlast a round, then host keys and logins of every SSH site,
+    # all before anything is written
+    require_credentials(loaded.spec, profiles, then=f"run `xffl submit {job_path}` again")
+    preflight(loaded.profiles)
     registry_file = registry_path()
     registry = Registry(registry_file)
     run_id = new_run_id(name or loaded.spec.name)

@@ -10,75 +10,153 @@ from pathlib import Path
 
 import paramiko
 
-from xffl.core.errors import ConnectionFailed
+from xffl.core.errors import ConnectionFailed, XfflError
+from xffl.site_profiles.credentials import SiteCredential, renew_advice, site_credential
+from xffl.site_profiles.login import Login, known_hosts_path, resolve
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 CONNECT_TIMEOUT = 15.0
 PLACEHOLDER = "YOUR_"
 
 
-def _known_hosts(conn: SshConnector) -> Path:
-    return Path(conn.known_hosts or "~/.ssh/known_hosts").expanduser()
+class _Client(paramiko.SSHClient):
+    """An SSHClient that also closes the jump-host connections it was opened through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.jumps: list[paramiko.SSHClient] = []
+
+    def close(self) -> None:
+        """Close this connection, then the jump hosts' (innermost first)."""
+        super().close()
+        for jump in reversed(self.jumps):
+            jump.close()
+        self.jumps = []
 
 
-def connect(profile: SiteProfile) -> paramiko.SSHClient:
-    """Open an SSH connection to the profile's login node; every failure is ConnectionFailed."""
-    conn = profile.connector
-    if not isinstance(conn, SshConnector):
-        raise ConnectionFailed(f"site {profile.name!r} is local; there is nothing to connect to.")
-    where = f"{conn.host}:{conn.port}"
-    known = _known_hosts(conn)
-    client = paramiko.SSHClient()
-    if known.is_file():
-        try:
-            client.load_host_keys(str(known))
-        except OSError as exc:
-            raise ConnectionFailed(
-                f"site {profile.name!r}: cannot read known_hosts {known} ({exc}); fix the file."
-            ) from None
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    key_file = str(Path(conn.key_file).expanduser()) if conn.key_file else None
+def _pkey(login: Login) -> paramiko.PKey | None:
+    """The identity file with its certificate attached, or None for the ssh-agent."""
+    if login.key_file is None:
+        return None
     try:
+        key = paramiko.PKey.from_path(login.key_file)
+    except paramiko.PasswordRequiredException:
+        raise ConnectionFailed(
+            f"key {login.key_file} is protected by a passphrase; load it into the ssh-agent "
+            "(ssh-add) and leave key_file out of the profile.") from None
+    except (OSError, paramiko.SSHException, ValueError) as exc:
+        raise ConnectionFailed(f"cannot read key {login.key_file} ({exc}); fix key_file in "
+                               "the profile.") from None
+    if login.certificate is not None:
+        try:
+            key.load_certificate(login.certificate)
+        except (OSError, ValueError, paramiko.SSHException) as exc:
+            raise ConnectionFailed(f"cannot use certificate {login.certificate} with key "
+                                   f"{login.key_file} ({exc}); renew the certificate.") from None
+    return key
+
+
+def _auth_failed(name: str, profile: SiteProfile, login: Login, exc: Exception) -> str:
+    """Why authentication failed, with the credential's expiry when that explains it."""
+    cred = site_credential(name, login, _renew(profile))
+    how = cred.describe()
+    return (f"site {name!r}: authentication to {login.describe()} failed ({exc}); the login "
+            f"uses {how}; check user and key_file in the profile, "
+            f"{renew_advice(_renew(profile))}.")
+
+
+def _renew(profile: SiteProfile) -> str | None:
+    conn = profile.connector
+    return conn.renew if isinstance(conn, SshConnector) else None
+
+
+def _open(name: str, profile: SiteProfile, login: Login, known: Path) -> _Client:
+    """Connect to ``login`` through its jump hosts; every failure is ConnectionFailed."""
+    jumps: list[paramiko.SSHClient] = []
+    sock = None
+    if login.jump is not None:
+        outer = _open(name, profile, login.jump, known)
+        jumps = [*outer.jumps, outer]
+        outer.jumps = []
+        transport = outer.get_transport()
+        try:
+            assert transport is not None
+            sock = transport.open_channel("direct-tcpip", (login.host, login.port),
+                                          ("127.0.0.1", 0), timeout=CONNECT_TIMEOUT)
+        except (paramiko.SSHException, OSError, AssertionError) as exc:
+            for j in reversed(jumps):
+                j.close()
+            raise ConnectionFailed(
+                f"site {name!r}: jump host {login.jump.describe()} cannot reach "
+                f"{login.where} ({exc}); check host and port, and that the jump host allows "
+                "TCP forwarding.") from None
+    client = _Client()
+    client.jumps = jumps
+    where = login.where
+    try:
+        if known.is_file():
+            try:
+                client.load_host_keys(str(known))
+            except OSError as exc:
+                raise ConnectionFailed(
+                    f"site {name!r}: cannot read known_hosts {known} ({exc}); fix the file."
+                ) from None
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        pkey = _pkey(login)
         client.connect(
-            conn.host, port=conn.port, username=conn.user, key_filename=key_file,
-            look_for_keys=False, allow_agent=key_file is None, timeout=CONNECT_TIMEOUT,
+            login.host, port=login.port, username=login.user, pkey=pkey, sock=sock,
+            look_for_keys=False, allow_agent=pkey is None, timeout=CONNECT_TIMEOUT,
             banner_timeout=CONNECT_TIMEOUT, auth_timeout=CONNECT_TIMEOUT,
         )
+    except ConnectionFailed as exc:
+        client.close()
+        if exc.message.startswith("site "):
+            raise
+        raise ConnectionFailed(f"site {name!r}: {exc.message}") from None
     except paramiko.BadHostKeyException:
         client.close()
         raise ConnectionFailed(
-            f"site {profile.name!r}: host key of {where} changed (possible man-in-the-middle or "
+            f"site {name!r}: host key of {where} changed (possible man-in-the-middle or "
             f"a reinstalled login node); verify it with the facility and update known_hosts "
             f"{known}."
         ) from None
     except paramiko.AuthenticationException as exc:
         client.close()
-        how = f"key {key_file}" if key_file else "the ssh-agent"
-        raise ConnectionFailed(
-            f"site {profile.name!r}: authentication to {where} as {conn.user!r} with {how} "
-            f"failed ({exc}); check user and key_file in the profile (or load the key into "
-            "the agent)."
-        ) from None
+        raise ConnectionFailed(_auth_failed(name, profile, login, exc)) from None
     except paramiko.SSHException as exc:
         client.close()
         if "known_hosts" in str(exc):
             raise ConnectionFailed(
-                f"site {profile.name!r}: host {where} is not in known_hosts {known}; add it "
+                f"site {name!r}: host {where} is not in known_hosts {known}; add it "
                 "with ssh-keyscan after verifying the fingerprint with the facility."
             ) from None
-        raise ConnectionFailed(f"site {profile.name!r}: SSH to {where} failed: {exc}.") from None
+        raise ConnectionFailed(f"site {name!r}: SSH to {where} failed: {exc}.") from None
     except TimeoutError:
         client.close()
         raise ConnectionFailed(
-            f"site {profile.name!r}: connecting to {where} timed out after "
+            f"site {name!r}: connecting to {where} timed out after "
             f"{CONNECT_TIMEOUT:.0f} s; check host, port and your network/VPN."
         ) from None
     except OSError as exc:
         client.close()
         raise ConnectionFailed(
-            f"site {profile.name!r}: cannot reach {where} ({exc}); check host and port."
+            f"site {name!r}: cannot reach {where} ({exc}); check host and port."
         ) from None
     return client
+
+
+def connect(profile: SiteProfile) -> paramiko.SSHClient:
+    """Open an SSH connection to the profile's login node; every failure is ConnectionFailed.
+
+    The login is the profile's with ~/.ssh/config applied (:mod:`.login`): identity file and
+    its OpenSSH certificate, or the ssh-agent; jump hosts; host keys verified against
+    known_hosts for every hop.
+    """
+    conn = profile.connector
+    if not isinstance(conn, SshConnector):
+        raise ConnectionFailed(f"site {profile.name!r} is local; there is nothing to connect to.")
+    login = resolve(conn, f"site profile {profile.name}")
+    return _open(profile.name, profile, login, known_hosts_path(conn))
 
 
 def run(client: paramiko.SSHClient, command: str, timeout: float = 60.0) -> tuple[int, str, str]:
@@ -101,6 +179,7 @@ class SiteCheck:
     site: str
     rows: list[tuple[str, bool, str]] = field(default_factory=list)
     connected: bool = True
+    credential: SiteCredential | None = None
 
     @property
     def ok(self) -> bool:
@@ -111,7 +190,8 @@ class SiteCheck:
 
     def as_dict(self) -> dict[str, object]:
         return {"site": self.site, "ok": self.ok, "connected": self.connected,
-                "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows]}
+                "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
+                "credential": self.credential.as_dict() if self.credential else None}
 
 
 def placeholders(profile: SiteProfile) -> list[str]:
@@ -119,7 +199,7 @@ def placeholders(profile: SiteProfile) -> list[str]:
     found = []
     conn = profile.connector
     if isinstance(conn, SshConnector):
-        for key in ("host", "user", "key_file"):
+        for key in ("host", "user", "key_file", "certificate", "renew"):
             if PLACEHOLDER in str(getattr(conn, key) or ""):
                 found.append(key)
     if profile.slurm is not None and PLACEHOLDER in str(profile.slurm.account or ""):
@@ -172,13 +252,30 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         return check
     conn = profile.connector
     try:
+        login = resolve(conn, f"site profile {profile.name}")
+    except XfflError as exc:
+        check.connected = False
+        check.add("login", False, exc.message)
+        return check
+    cred = site_credential(name, login, conn.renew)
+    check.credential = cred
+    expired = [c for c in cred.endpoints if c.certificate is not None and
+               (c.seconds_left() or 1.0) <= 0]
+    problem = cred.problem or (f"{expired[0].endpoint}: certificate expired" if expired
+                               else None)
+    check.add("login", problem is None, f"{login.describe()} with {cred.describe()}" + (
+        f"; {renew_advice(conn.renew)}" if problem else ""))
+    if problem is not None:  # do not knock on the door with a credential that cannot work
+        check.connected = False
+        return check
+    try:
         client = connect(profile)
     except ConnectionFailed as exc:
         check.connected = False
         check.add("connect", False, exc.message)
         return check
     with client:
-        check.add("connect", True, f"{conn.user or ''}@{conn.host}:{conn.port} (host key verified)")
+        check.add("connect", True, f"{login.describe()} (host key verified)")
         rc, out, err = run(client, "command -v sbatch squeue sinfo")
         found = [Path(p).name for p in out.split()]
         lacking = [c for c in ("sbatch", "squeue", "sinfo") if c not in found]
@@ -207,7 +304,8 @@ def preflight(profiles: dict[str, SiteProfile]) -> None:
         conn = profile.connector
         if not isinstance(conn, SshConnector):
             continue
-        key = (conn.host, conn.port, conn.user)
+        login = resolve(conn, f"site profile {profile.name}")
+        key = (login.host, login.port, login.user)
         if key in seen:
             continue
         seen.add(key)

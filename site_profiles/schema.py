@@ -11,6 +11,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from xffl.core.names import check_name
@@ -32,19 +33,66 @@ class LocalConnector(_Strict):
     type: Literal["local"] = "local"
 
 
-class SshConnector(_Strict):
-    """The facility's login node, reached over SSH; host keys are always verified."""
+class JumpHost(_Strict):
+    """A bastion the login node is reached through (OpenSSH's ProxyJump)."""
 
-    type: Literal["ssh"] = "ssh"
-    host: str
-    port: int = Field(default=22, ge=1, le=65535)
+    host: str = Field(description="host name or a Host alias of ~/.ssh/config")
+    port: int | None = Field(default=None, ge=1, le=65535)
     user: str | None = None
     key_file: str | None = Field(default=None, description="identity file; null = ssh-agent")
+
+    _paths = field_validator("key_file")(_path)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: object) -> object:
+        """``[user@]host[:port]`` as ProxyJump writes it."""
+        return parse_destination(value) if isinstance(value, str) else value
+
+
+def parse_destination(text: str) -> dict[str, Any]:
+    """``[user@]host[:port]`` as a dict with host, and user/port when given."""
+    user, _, rest = text.rpartition("@")
+    host, sep, port = rest.rpartition(":") if rest.count(":") == 1 else (rest, "", "")
+    if not host:
+        raise ValueError("no host; write [user@]host[:port]")
+    out: dict[str, Any] = {"host": host}
+    if user:
+        out["user"] = user
+    if sep:
+        if not port.isdigit():
+            raise ValueError(f"the port {port!r} is not a number; write [user@]host[:port]")
+        out["port"] = int(port)
+    return out
+
+
+class SshConnector(_Strict):
+    """The facility's login node, reached over SSH; host keys are always verified.
+
+    ``host`` may be a Host alias of the user's ~/.ssh/config (HostName, Port, User,
+    IdentityFile, CertificateFile and ProxyJump are read from it); a value given here wins.
+    A key's OpenSSH certificate is found as ``KEY-cert.pub``, the way ssh finds it.
+    """
+
+    type: Literal["ssh"] = "ssh"
+    host: str = Field(description="login node host name, or a Host alias of ~/.ssh/config")
+    port: int | None = Field(default=None, ge=1, le=65535,
+                             description="null = ~/.ssh/config's Port, else 22")
+    user: str | None = None
+    key_file: str | None = Field(default=None, description="identity file; null = ssh-agent")
+    certificate: str | None = Field(
+        default=None, description="OpenSSH certificate of key_file; null = KEY-cert.pub if "
+        "it exists (or ~/.ssh/config's CertificateFile)")
+    jump: JumpHost | None = Field(default=None, description="bastion ([user@]host[:port])")
     known_hosts: str | None = Field(
         default=None, description="known_hosts for xffl's own connections (default ~/.ssh)"
     )
+    ssh_config: bool = Field(default=True, description="read ~/.ssh/config for host aliases")
+    renew: str | None = Field(
+        default=None, description="the command that renews the login credential (shown when "
+        "it has expired), e.g. the facility's `step ssh certificate ...`")
 
-    _paths = field_validator("key_file", "known_hosts")(_path)
+    _paths = field_validator("key_file", "known_hosts", "certificate")(_path)
 
 
 _SHELL_UNSAFE = set('"$`\\')
@@ -69,6 +117,34 @@ def _slurm_lines(value: list[str] | None) -> list[str] | None:
     return value
 
 
+def slurm_time_seconds(text: str) -> int | None:
+    """A SLURM time limit in seconds (None for UNLIMITED/INFINITE); ValueError if malformed.
+
+    The forms sbatch accepts: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+    """
+    if text.strip().upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    days, dash, rest = text.strip().rpartition("-")
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in parts) or (dash and not days.isdigit()) or len(parts) > 3:
+        raise ValueError("not a SLURM time limit; use MM, HH:MM:SS or D-HH:MM:SS")
+    nums = [int(p) for p in parts]
+    if dash:  # D-HH[:MM[:SS]]
+        nums += [0] * (3 - len(nums))
+        return int(days) * 86400 + nums[0] * 3600 + nums[1] * 60 + nums[2]
+    if len(nums) == 1:
+        return nums[0] * 60
+    if len(nums) == 2:
+        return nums[0] * 60 + nums[1]
+    return nums[0] * 3600 + nums[1] * 60 + nums[2]
+
+
+def _slurm_time(value: str | None) -> str | None:
+    if value is not None:
+        slurm_time_seconds(value)
+    return value
+
+
 _TEXT_FIELDS = ("partition", "account", "qos", "time", "mem", "constraint")
 
 
@@ -90,6 +166,7 @@ class SlurmSpec(_Strict):
 
     _text = field_validator(*_TEXT_FIELDS)(_slurm_text)
     _lines = field_validator("extra")(_slurm_lines)
+    _time = field_validator("time")(_slurm_time)
 
 
 class SlurmOverride(_Strict):
@@ -115,6 +192,7 @@ class SlurmOverride(_Strict):
 
     _text = field_validator(*_TEXT_FIELDS)(_slurm_text)
     _lines = field_validator("extra")(_slurm_lines)
+    _time = field_validator("time")(_slurm_time)
 
     @field_validator("time", "nodes", "extra", "polling_interval", mode="before")
     @classmethod

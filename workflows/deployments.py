@@ -8,6 +8,7 @@ render ``sbatch/<site>.sh``, the script a user can submit by hand.
 
 from __future__ import annotations
 
+import getpass
 import shlex
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from xffl.core.names import slurm_job_name
 from xffl.core.paths import xffl_home
+from xffl.site_profiles.login import Login, resolve
 from xffl.site_profiles.schema import LocalConnector, SiteProfile, SlurmSpec
 
 # sbatch's long option names, the SlurmSpec field and StreamFlow's camelCase service key
@@ -102,17 +104,39 @@ def slurm_service(run_id: str, site: str, profile: SiteProfile, ranks: int,
     return service
 
 
+def ssh_connection(login: Login, links: Path, final_links: Path, tag: str) -> dict[str, Any]:
+    """StreamFlow's connection object for ``login`` (jump hosts as nested ``tunnel``).
+
+    asyncssh, under StreamFlow, takes a key's certificate only from ``KEY-cert.pub``; a
+    certificate kept elsewhere is linked there as ``ssh/<tag>`` and ``ssh/<tag>-cert.pub``
+    in the run directory (links, so a renewed certificate is picked up). Without a key
+    file asyncssh uses the ssh-agent at $SSH_AUTH_SOCK.
+    """
+    node: dict[str, Any] = {"hostname": login.where, "checkHostKey": True,
+                            "username": login.user or getpass.getuser()}
+    if login.key_file is not None:
+        key = login.key_file
+        if login.certificate is not None and login.certificate != f"{key}-cert.pub":
+            links.mkdir(parents=True, exist_ok=True)
+            for name, target in ((tag, key), (f"{tag}-cert.pub", login.certificate)):
+                (links / name).unlink(missing_ok=True)
+                (links / name).symlink_to(target)
+            key = str(final_links / tag)
+        node["sshKey"] = key
+    if login.jump is not None:
+        node["tunnel"] = ssh_connection(login.jump, links, final_links, f"{tag}-jump")
+    return node
+
+
 def site_deployments(run_id: str, site: str, profile: SiteProfile, ranks: int,
                      out: Path, final: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The StreamFlow deployments of one site and the binding target of its train step."""
     conn = profile.connector
     if isinstance(conn, LocalConnector):
         return {f"site-{site}": {"type": "local", "config": {}}}, {"deployment": f"site-{site}"}
-    login: dict[str, Any] = {"nodes": [f"{conn.host}:{conn.port}"], "checkHostKey": True}
-    if conn.user:
-        login["username"] = conn.user
-    if conn.key_file:
-        login["sshKey"] = conn.key_file
+    resolved = resolve(conn, f"site profile {profile.name}")
+    node = ssh_connection(resolved, out / "ssh", final / "ssh", site)
+    login: dict[str, Any] = {"nodes": [node.pop("hostname")], **node}
     workdir = site_workdir(profile, site)
     deployments: dict[str, Any] = {
         f"login-{site}": {"type": "ssh", "config": login, "workdir": workdir},

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
 from xffl.core.errors import first_line
+from xffl.jobs.credential_gate import blockers
 from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import RoundInFlight, round_lock
+from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.workflows.aggregate_step import QuorumNotMet
 from xffl.workflows.plan import PlanPaths
@@ -50,6 +52,28 @@ def ensure_initial_model(paths: PlanPaths, run_id: str) -> None:
     init_global(run_id, spec.model, spec.training.seed, paths.initial_model)
 
 
+def _credentials_block(run_id: str, registry: Registry, spec: JobSpec, run_dir: Path,
+                       once: bool) -> bool:
+    """Leave the run waiting, submitting nothing, if a site's credential would not last.
+
+    An expired or expiring SSH certificate is not a failure: the run waits with the site,
+    the expiry and the renewal in its message, and continues once the credential is renewed
+    (the next cron tick, or ``xffl resume``).
+    """
+    found = blockers(spec, load_profiles(run_dir))
+    if not found:
+        return False
+    run = registry.get_run(run_id)
+    then = ("the next `xffl round` (cron tick) continues" if once
+            else f"`xffl resume {run_id}` continues")
+    message = (f"round {run.rounds_done + 1} not started, nothing submitted: "
+               + " ".join(b.sentence(then) for b in found))
+    registry.event(run_id, "credential", message)
+    registry.set_state(run_id, "waiting", message)
+    print(message, flush=True)
+    return True
+
+
 def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
     """Drive a run from its next round to a terminal state; return the exit code.
 
@@ -69,6 +93,8 @@ def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
                 if run.rounds_done >= run.rounds_total:
                     registry.set_state(run_id, "completed",
                                        f"{run.rounds_done} rounds completed", ended=time.time())
+                    return 0
+                if _credentials_block(run_id, registry, spec, paths.root, once):
                     return 0
                 run_round(paths.root, run_id, run.rounds_done + 1, spec, registry)
                 if once and registry.get_run(run_id).rounds_done < run.rounds_total:

@@ -40,7 +40,8 @@ def test_list_json() -> None:
 def test_show() -> None:
     result = runner.invoke(app, ["sites", "show", "leonardo"])
     assert result.exit_code == 0, result.output
-    assert yaml.safe_load(result.stdout)["connector"]["host"] == "login.leonardo.cineca.it"
+    shown = yaml.safe_load(result.stdout)["connector"]
+    assert shown["host"] == "login.leonardo.cineca.it" and "cineca-hpc" in shown["renew"]
     as_json = runner.invoke(app, ["sites", "show", "lumi", "--json"])
     assert json.loads(as_json.stdout)["slurm"]["partition"] == "standard-g"
     missing = runner.invoke(app, ["sites", "show", "leonard"])
@@ -63,7 +64,11 @@ def test_check_alpha(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def
     assert "NO" not in result.stdout
     as_json = runner.invoke(app, ["sites", "check", "test-alpha", "--json"])
     data = json.loads(as_json.stdout)
-    assert data["ok"] and len(data["checks"]) == 5
+    assert data["ok"] and len(data["checks"]) == 6
+    assert data["checks"][0]["detail"] == \
+        f"{slurm_stack.user}@127.0.0.1:{slurm_stack.clusters['alpha'].ssh_port} with key "\
+        f"{slurm_stack.ssh_key}"
+    assert data["credential"]["endpoints"][0]["method"] == "key"
 
 
 @pytest.mark.slow

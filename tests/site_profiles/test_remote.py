@@ -83,7 +83,7 @@ def test_check_alpha_passes(tmp_path: Path, slurm_stack) -> None:  # type: ignor
     result = check_site("alpha", profile)
     assert result.ok, result.rows
     assert [r[0] for r in result.rows] == [
-        "connect", "slurm commands", "partition", "workdir writable", "xffl importable"]
+        "login", "connect", "slurm commands", "partition", "workdir writable", "xffl importable"]
     client = connect(profile)
     with client:
         rc, out, _ = run(client, "echo $SLURM_CONF", timeout=10)

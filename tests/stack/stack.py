@@ -110,6 +110,7 @@ class StackInfo:
     munged_pid_file: str
     munged_log: str
     clusters: dict[str, ClusterInfo]
+    user_ca: str = ""  # private key of the CA sshd trusts for user certificates (ssh-keygen -s)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StackInfo:
@@ -459,6 +460,7 @@ def _layout(d: Path, ports: dict[str, tuple[int, int, int]]) -> StackInfo:
         munged_pid_file=str(d / "munge" / "munged.pid"),
         munged_log=str(d / "munge" / "munged.log"),
         clusters={n: _cluster_info(d, n, ports[n]) for n in CLUSTER_NAMES},
+        user_ca=str(sshdir / "user_ca"),
     )
 
 
@@ -537,6 +539,9 @@ def _sshd_config(info: StackInfo) -> str:
         f"HostKey {sshdir / 'ssh_host_ed25519_key'}",
         f"PidFile {info.sshd_pid_file}",
         f"AuthorizedKeysFile {sshdir / 'authorized_keys'}",
+        # logins with OpenSSH certificates signed by the stack's user CA (2FA facilities)
+        f"TrustedUserCAKeys {sshdir / 'user_ca.pub'}",
+        "AllowTcpForwarding yes",  # jump-host (ProxyJump) logins through the stack
         "PermitRootLogin prohibit-password",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",
@@ -628,7 +633,9 @@ def _keys(info: StackInfo) -> None:
     sshdir.mkdir(parents=True, exist_ok=True)
     keygen = _bin("ssh-keygen")
     host_key = sshdir / "ssh_host_ed25519_key"
-    for key, comment in ((host_key, "xffl-stack-host"), (Path(info.ssh_key), "xffl-stack-client")):
+    ca = sshdir / "user_ca"
+    for key, comment in ((host_key, "xffl-stack-host"), (Path(info.ssh_key), "xffl-stack-client"),
+                         (ca, "xffl-stack-user-ca")):
         if not key.exists() or not key.with_name(key.name + ".pub").exists():
             key.unlink(missing_ok=True)
             r = _run([keygen, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)])
