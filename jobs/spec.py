@@ -73,6 +73,37 @@ class AggregationSpec(_Strict):
         return value
 
 
+class SiteBudget(_Strict):
+    """A site's own round budget, replacing the job's: steps, tokens or seconds of training.
+
+    Facilities differ in speed; a slow one can be given fewer steps (or a time budget) so
+    that it does not hold every round back. ``time`` sets the site's ``time_budget``.
+    """
+
+    steps: int | None = Field(default=None, ge=1)
+    tokens: int | None = Field(default=None, ge=1)
+    time: float | None = Field(default=None, gt=0, description="seconds of training")
+
+    @model_validator(mode="after")
+    def _something(self) -> SiteBudget:
+        if self.steps is None and self.tokens is None and self.time is None:
+            raise ValueError("give steps, tokens or time (seconds), or leave budget out")
+        if self.steps is not None and self.tokens is not None:
+            raise ValueError("give steps or tokens, not both")
+        return self
+
+    def apply(self, training: TrainingSpec) -> TrainingSpec:
+        """The job's training settings with this site's budget in place."""
+        update: dict[str, object] = {}
+        if self.steps is not None:
+            update.update(steps=self.steps, tokens=None)
+        if self.tokens is not None:
+            update["tokens"] = self.tokens
+        if self.time is not None:
+            update["time_budget"] = self.time
+        return training.model_copy(update=update)
+
+
 class SiteSpec(_Strict):
     """One facility taking part in the job."""
 
@@ -83,6 +114,8 @@ class SiteSpec(_Strict):
     slurm: SlurmOverride | None = Field(
         default=None, description="this site's overrides of its profile's slurm section "
         "(partition, account, qos, time, nodes, ...); only for SLURM profiles")
+    budget: SiteBudget | None = Field(
+        default=None, description="this site's round budget (steps, tokens or time)")
 
     _name = field_validator("name")(check_name)
 

@@ -93,6 +93,9 @@ def _open(name: str, profile: SiteProfile, login: Login, known: Path) -> _Client
     client = _Client()
     client.jumps = jumps
     where = login.where
+    conn = profile.connector
+    timeout = float(min(conn.transfer.connect_timeout, CONNECT_TIMEOUT)
+                    if isinstance(conn, SshConnector) else CONNECT_TIMEOUT)
     try:
         if known.is_file():
             try:
@@ -105,8 +108,8 @@ def _open(name: str, profile: SiteProfile, login: Login, known: Path) -> _Client
         pkey = _pkey(login)
         client.connect(
             login.host, port=login.port, username=login.user, pkey=pkey, sock=sock,
-            look_for_keys=False, allow_agent=pkey is None, timeout=CONNECT_TIMEOUT,
-            banner_timeout=CONNECT_TIMEOUT, auth_timeout=CONNECT_TIMEOUT,
+            look_for_keys=False, allow_agent=pkey is None, timeout=timeout,
+            banner_timeout=timeout, auth_timeout=timeout,
         )
     except ConnectionFailed as exc:
         client.close()
@@ -135,7 +138,7 @@ def _open(name: str, profile: SiteProfile, login: Login, known: Path) -> _Client
         client.close()
         raise ConnectionFailed(
             f"site {name!r}: connecting to {where} timed out after "
-            f"{CONNECT_TIMEOUT:.0f} s; check host, port and your network/VPN."
+            f"{timeout:.0f} s; check host, port and your network/VPN."
         ) from None
     except OSError as exc:
         client.close()

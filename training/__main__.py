@@ -15,10 +15,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from xffl.core.errors import ExitCode, InvalidInput, XfflError
+from xffl.aggregator.exchange import Manifest
+from xffl.core.errors import ExitCode, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import TrainJob
 from xffl.training.data import ensure_synthetic
+from xffl.training.streamed import tensor_update_round
 from xffl.training.trainer import train_round
 
 
@@ -68,6 +70,20 @@ def prepare_data(job: TrainJob, data_dir: Path, local_rank: int) -> None:
         raise failure or InvalidInput("preparing the dataset failed on another rank.")
 
 
+def update_round(job: TrainJob, args: argparse.Namespace, is_main: bool) -> Manifest | None:
+    """``training.update_fn``: rank 0 writes the update tensor by tensor, the others wait."""
+    failure: XfflError | None = None
+    manifest = None
+    if is_main:
+        try:
+            manifest = tensor_update_round(job, args.round, args.model, args.out)
+        except XfflError as exc:
+            failure = exc
+    if not xdist.all_ok(failure is None):
+        raise failure or RunFailed("training.update_fn failed on rank 0.")
+    return manifest
+
+
 def run(args: argparse.Namespace) -> int:
     """Set up, train one round, tear down; return the exit code."""
     try:
@@ -80,10 +96,13 @@ def run(args: argparse.Namespace) -> int:
         job = load_job(args.job)
         if args.round < 0:
             raise InvalidInput(f"--round must not be negative, got {args.round}.")
-        data_dir = args.data if args.data is not None else Path(job.data.path)
-        prepare_data(job, data_dir, env.local_rank)
-        manifest = train_round(job, args.round, args.model, data_dir, args.out)
-        if env.is_main:
+        if job.training.update_fn is not None:
+            manifest = update_round(job, args, env.is_main)
+        else:
+            data_dir = args.data if args.data is not None else Path(job.data.path)
+            prepare_data(job, data_dir, env.local_rank)
+            manifest = train_round(job, args.round, args.model, data_dir, args.out)
+        if env.is_main and manifest is not None:
             summary = {"site": job.site, "round": args.round, "out": str(args.out),
                        "digest": manifest.digest(), "num_samples": manifest.num_samples,
                        "num_tokens": manifest.num_tokens, **manifest.metrics}

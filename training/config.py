@@ -82,6 +82,20 @@ class TrainingSpec(_Strict):
         default="auto", description="auto: bf16 autocast on GPUs, fp32 on CPUs")
     activation_checkpointing: bool = False
     seed: int = Field(default=0, ge=0)
+    balance: Literal["none", "throughput"] = Field(
+        default="none", description="throughput: from round 2, faster sites get more steps so "
+        "that every site trains about as long as the slowest needs for its budget")
+    balance_max: float = Field(default=4.0, ge=1.0, le=1000.0,
+                               description="a balanced site runs at most this many times "
+                               "its configured steps")
+    update_fn: str | None = Field(
+        default=None, description="package.module:function (name, array, context) -> array: "
+        "a local update computed tensor by tensor instead of SGD (xffl.training.streamed)")
+
+    @field_validator("update_fn")
+    @classmethod
+    def _update_fn_form(cls, value: str | None) -> str | None:
+        return None if value is None else check_entry_point(value)
 
     @model_validator(mode="after")
     def _ddp_and_tp(self) -> TrainingSpec:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ from xffl.training.model import (
     load_weights,
 )
 from xffl.training.parallelize import check_tensor_parallel, parallelize
+from xffl.training.streamed import copy_init, expected_tensors
 
 T = TypeVar("T")
 
@@ -100,25 +102,25 @@ def save_checkpoint(model: nn.Module | dict[str, Tensor], config: LlamaConfig, o
         return finalize_manifest(tmp, manifest)
 
 
-def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path) -> Manifest:
+def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
+                max_shard_bytes: int | None = None) -> Manifest:
     """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights."""
     config = build_config(model)
-    if model.init is not None:
-        net = build(config, model.entry_point)
+    extra = {"preset": model.preset, "init": model.init, "seed": seed,
+             "entry_point": model.entry_point}
+    if model.init is not None:  # copied tensor by tensor: a multi-GB init never sits in RAM
+        shapes = expected_tensors(config, model.entry_point)
+        manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
+            **extra, "num_parameters": sum(math.prod(s) for s in shapes.values())})
         try:
-            load_weights(net, read_weights(Path(model.init)))
-        except ValueError as exc:
-            raise InvalidInput(f"model.init {model.init}: {exc}.") from exc
-    else:
-        net = build(config, model.entry_point, seed=seed)
-    manifest = Manifest(
-        kind="global",
-        run_id=run_id,
-        round=0,
-        extra={"preset": model.preset, "init": model.init, "seed": seed,
-               "entry_point": model.entry_point,
-               "num_parameters": sum(p.numel() for p in net.parameters())},
-    )
+            return copy_init(Path(model.init), config, model.entry_point, Path(out_dir),
+                             manifest, max_shard_bytes)
+        except (ValueError, CheckpointError) as exc:
+            text = exc.message if isinstance(exc, CheckpointError) else str(exc)
+            raise InvalidInput(f"model.init {model.init}: {text.rstrip('.')}.") from exc
+    net = build(config, model.entry_point, seed=seed)
+    manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
+        **extra, "num_parameters": sum(p.numel() for p in net.parameters())})
     return save_checkpoint(net, config, Path(out_dir), manifest)
 
 

@@ -136,7 +136,12 @@ def site_deployments(run_id: str, site: str, profile: SiteProfile, ranks: int,
         return {f"site-{site}": {"type": "local", "config": {}}}, {"deployment": f"site-{site}"}
     resolved = resolve(conn, f"site profile {profile.name}")
     node = ssh_connection(resolved, out / "ssh", final / "ssh", site)
-    login: dict[str, Any] = {"nodes": [node.pop("hostname")], **node}
+    login: dict[str, Any] = {
+        "nodes": [node.pop("hostname")], **node,
+        "connectTimeout": conn.transfer.connect_timeout, "retries": conn.transfer.retries,
+        "retryDelay": conn.transfer.retry_delay,
+        "transferBufferSize": conn.transfer.buffer_size,
+    }
     workdir = site_workdir(profile, site)
     deployments: dict[str, Any] = {
         f"login-{site}": {"type": "ssh", "config": login, "workdir": workdir},

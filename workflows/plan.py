@@ -227,9 +227,9 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path, registry: Path,
     for site in spec.sites:
         profile = loaded.site_profile(site.name)
         data_path = site_data_path(profile, site.name, site.data.path)
+        training = site.budget.apply(spec.training) if site.budget else spec.training
         job = TrainJob(run_id=run_id, site=site.name, rounds=spec.rounds, model=spec.model,
-                       training=spec.training,
-                       data=site.data)
+                       training=training, data=site.data)
         job_file = out / "jobs" / f"{site.name}.json"
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")

@@ -18,7 +18,9 @@ import traceback
 from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
+from xffl.aggregator.shards import parse_size
 from xffl.core.errors import first_line
+from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.credential_gate import blockers
 from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import RoundInFlight, round_lock
@@ -49,7 +51,8 @@ def ensure_initial_model(paths: PlanPaths, run_id: str) -> None:
     from xffl.training.trainer import init_global  # torch is heavy: import only when needed
 
     spec = JobSpec.model_validate_json((paths.root / "job.json").read_text())
-    init_global(run_id, spec.model, spec.training.seed, paths.initial_model)
+    init_global(run_id, spec.model, spec.training.seed, paths.initial_model,
+                parse_size(spec.aggregation.max_shard_size))
 
 
 def _credentials_block(run_id: str, registry: Registry, spec: JobSpec, run_dir: Path,
@@ -97,6 +100,8 @@ def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
                 if _credentials_block(run_id, registry, spec, paths.root, once):
                     return 0
                 run_round(paths.root, run_id, run.rounds_done + 1, spec, registry)
+                registry.event(run_id, "resources", f"round {run.rounds_done + 1}: "
+                               f"coordinator peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
                 if once and registry.get_run(run_id).rounds_done < run.rounds_total:
                     break
     except RoundInFlight as exc:

@@ -81,7 +81,12 @@ def round_inputs(root: Path, site: str, rnd: int, model: Path) -> Path:
     ``model`` is absolute, or relative to the inputs file (in sites/).
     """
     path = root / inputs_file(site)
+    job = f"jobs/{site}.json"
+    if rnd >= 2 and (root / job).is_file():  # balanced budgets (training.balance)
+        from xffl.workflows.balance import round_job  # torch: only once rounds run
+
+        job = round_job(root, site, rnd, sorted(p.stem for p in (root / "jobs").glob("*.json")))
     data = {"round": rnd, "model": {"class": "Directory", "path": str(model)},
-            "job": {"class": "File", "path": f"../jobs/{site}.json"}}
+            "job": {"class": "File", "path": f"../{job}"}}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -1,0 +1,43 @@
+"""The large-model benchmark at a small size: real rounds, the formula check, peaks recorded."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "large_model" / "run.py"
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("bench_large_model", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.slow
+def test_small_model_through_two_rounds(tmp_path: Path) -> None:
+    bench = _bench()
+    result = bench.run(0.04, 2, tmp_path, timeout=300)
+    assert result["state"] == "completed" and result["final_matches_formula"] is True
+    assert result["worst_error_ulps"] <= 4
+    assert len(result["round_s"]) == 2 and result["coordinator_peak_rss_gib"] > 0
+    # the check is not vacuous: a global that missed one round's delta fails it
+    final = Path(next((tmp_path / "home" / "runs").iterdir())) / "rounds"
+    ok, worst = bench.check_final(tmp_path / "w0", final / "1" / "global", 2)
+    assert not ok and worst > 100
+
+
+def test_model_config_sizes() -> None:
+    bench = _bench()
+    from xffl.training.streamed import expected_tensors
+
+    for gib in (0.04, 4.0):
+        config = bench.model_config(gib)
+        size = sum(4 * math.prod(s)
+                   for s in expected_tensors(config, None).values())
+        assert abs(size / 2**30 - gib) / gib < 0.05
