@@ -125,3 +125,25 @@ def test_sites_check_through_a_host_alias(tmp_path: Path, slurm_stack: Any,
     assert checks["connect"]["detail"].startswith(
         f"{slurm_stack.user}@127.0.0.1:{port} (Host xffl-alpha of ~/.ssh/config)")
     assert f"certificate {key}-cert.pub, valid until" in checks["login"]["detail"]
+
+
+def test_transfer_settings_reach_streamflow(home: Path, tmp_path: Path) -> None:
+    from xffl.site_profiles.schema import SiteProfile
+    from xffl.workflows.deployments import site_deployments
+
+    profile = SiteProfile.model_validate({
+        "name": "slow", "connector": {"type": "ssh", "host": "h", "user": "u",
+                                      "transfer": {"connect_timeout": 90, "retries": 8,
+                                                   "retry_delay": 30, "buffer_size": 1 << 20}},
+        "slurm": {"partition": "p"}})
+    deployments, target = site_deployments("run", "slow", profile, 1, tmp_path, tmp_path)
+    login = deployments["login-slow"]["config"]
+    assert {k: login[k] for k in ("connectTimeout", "retries", "retryDelay",
+                                  "transferBufferSize")} == \
+        {"connectTimeout": 90, "retries": 8, "retryDelay": 30, "transferBufferSize": 1 << 20}
+    assert login["nodes"] == ["h:22"] and target == {"deployment": "slurm-slow",
+                                                     "service": "train"}
+    default = SiteProfile.model_validate({"name": "d", "connector": {"type": "ssh",
+                                                                     "host": "h"}})
+    deployments, _ = site_deployments("run", "d", default, 1, tmp_path, tmp_path)
+    assert deployments["login-d"]["config"]["transferBufferSize"] == 4 << 20
