@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,10 +264,11 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         return check
     cred = site_credential(name, login, conn.renew)
     check.credential = cred
-    expired = [c for c in cred.endpoints if c.certificate is not None and
-               (c.seconds_left() or 1.0) <= 0]
-    problem = cred.problem or (f"{expired[0].endpoint}: certificate expired" if expired
-                               else None)
+    now = time.time()
+    unusable = [c for c in cred.endpoints if c.certificate is not None and
+                not c.certificate.valid_after <= now < (c.expires or math.inf)]
+    problem = cred.problem or (f"{unusable[0].endpoint}: certificate not valid now"
+                               if unusable else None)
     check.add("login", problem is None, f"{login.describe()} with {cred.describe()}" + (
         f"; {renew_advice(conn.renew)}" if problem else ""))
     if problem is not None:  # do not knock on the door with a credential that cannot work
