@@ -9,6 +9,7 @@ from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
+from xffl.jobs.report import fmt
 from xffl.jobs.slurm_view import slurm_view
 from xffl.jobs.status import run_status
 
@@ -22,7 +23,8 @@ def render_status(data: dict[str, Any]) -> None:
     console.print(f"run [bold]{data['id']}[/bold]: {data['state']} — "
                   f"{data['rounds_done']}/{data['rounds_total']} rounds"
                   + (f" — {data['message']}" if data["message"] else ""))
-    table = Table("round", "site", "state", "samples", "tokens", "loss", "train s", "aggregate s")
+    table = Table("round", "site", "state", "samples", "tokens", "loss", "queue s", "train s",
+                  "transfer s", "aggregate s")
     for rnd in data["rounds"]:
         for site in rnd["sites"]:
             tries = site.get("attempts", 1)
@@ -30,9 +32,11 @@ def render_status(data: dict[str, Any]) -> None:
                 f" after {tries} attempts" if tries > 1 else "") + (
                 f" ({site['reason']})" if site["reason"] else ""),
                 _num(site["num_samples"]), _num(site["num_tokens"]),
-                _num(site["loss"], "{:.4f}"), _num(site["train_seconds"], "{:.1f}"), "")
+                _num(site["loss"], "{:.4f}"), fmt("queue_wait_s", site.get("queue_wait_s")),
+                _num(site["train_seconds"], "{:.1f}"),
+                fmt("transfer_s", site.get("transfer_s")), "")
         table.add_row(str(rnd["round"]), "[bold]global[/bold]", rnd["state"],
-                      _num(rnd["num_samples"]), "", _num(rnd["loss"], "{:.4f}"), "",
+                      _num(rnd["num_samples"]), "", _num(rnd["loss"], "{:.4f}"), "", "", "",
                       _num(rnd["aggregate_seconds"], "{:.2f}"), end_section=True)
     console.print(table)
     if data.get("slurm"):
@@ -70,6 +74,9 @@ def status(
                                        "running run's jobs.")] = True,
 ) -> None:
     """Show a run's state and a rounds x sites table (state, samples, loss, durations).
+
+    Each site's round is broken down into SLURM queue wait, training and transfer +
+    orchestration (until its update was in place); `xffl report` draws the same numbers.
 
     For SLURM sites it also shows each round's job id, SLURM state, queue wait and run time,
     read live over SSH while the run is running (a site that cannot be reached says so).

@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, state TEXT NOT NULL,
     num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
     reason TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
-    PRIMARY KEY (run_id, round, site)
+    delivered_seconds REAL, PRIMARY KEY (run_id, round, site)
 );
 CREATE TABLE IF NOT EXISTS slurm_jobs (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
@@ -45,6 +45,8 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 TERMINAL_STATES = frozenset({"completed", "failed", "cancelled"})
+# site states whose update reached the coordinator (its delivery time is kept)
+DELIVERED_STATES = frozenset({"completed", "rejected"})
 
 
 @dataclass
@@ -84,6 +86,8 @@ class SiteRound:
     train_seconds: float | None = None
     reason: str = ""
     attempts: int = 1
+    # seconds from the round's start until the site's update was in place on the coordinator
+    delivered_seconds: float | None = None
 
 
 @dataclass
@@ -193,7 +197,11 @@ class Registry:
             self._event(db, run_id, state, message or state)
 
     def start_round(self, run_id: str, rnd: int, sites: list[str]) -> None:
-        """Record that round ``rnd`` started with these sites."""
+        """Record that round ``rnd`` started with these sites.
+
+        A site's delivery time from an earlier start of the same round is kept: its update is
+        reused when the round runs again (see :meth:`mark_delivered`).
+        """
         now = time.time()
         with self._db() as db:
             db.execute(
@@ -202,8 +210,10 @@ class Registry:
             )
             for site in sites:
                 db.execute(
-                    "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state) "
-                    "VALUES (?, ?, ?, 'running')", (run_id, rnd, site),
+                    "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state,"
+                    " delivered_seconds) VALUES (?, ?, ?, 'running', (SELECT delivered_seconds"
+                    " FROM site_rounds WHERE run_id = ? AND round = ? AND site = ?))",
+                    (run_id, rnd, site, run_id, rnd, site),
                 )
             self._event(db, run_id, "round", f"round {rnd} started")
 
@@ -227,12 +237,20 @@ class Registry:
                  record.global_digest, record.num_samples, record.loss),
             )
             for s in record.sites:
+                # a site that delivered keeps the delivery time marked when its update arrived
+                delivered = s.delivered_seconds
+                if delivered is None and s.state in DELIVERED_STATES:
+                    row = db.execute(
+                        "SELECT delivered_seconds FROM site_rounds WHERE run_id = ?"
+                        " AND round = ? AND site = ?", (run_id, record.round, s.site),
+                    ).fetchone()
+                    delivered = row[0] if row is not None else None
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
-                    " num_tokens, loss, train_seconds, reason, attempts)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, s.state, s.num_samples, s.num_tokens, s.loss,
-                     s.train_seconds, s.reason, s.attempts),
+                     s.train_seconds, s.reason, s.attempts, delivered),
                 )
             if record.state == "completed":
                 db.execute(
@@ -256,7 +274,7 @@ class Registry:
                 SiteRound(site=s["site"], state=s["state"], num_samples=s["num_samples"],
                           num_tokens=s["num_tokens"], loss=s["loss"],
                           train_seconds=s["train_seconds"], reason=s["reason"],
-                          attempts=s["attempts"])
+                          attempts=s["attempts"], delivered_seconds=s["delivered_seconds"])
             )
         return [
             RoundRecord(round=r["round"], state=r["state"], started=r["started"],
@@ -266,6 +284,25 @@ class Registry:
                         sites=by_round.get(r["round"], []))
             for r in rows
         ]
+
+    def mark_delivered(self, run_id: str, rnd: int, site: str,
+                       at: float | None = None) -> float | None:
+        """Record that ``site``'s update of round ``rnd`` is in place on the coordinator now.
+
+        Stored as seconds since the round's recorded start (``at``: the epoch time, default
+        now); returns them, or None when the round or site is not recorded.
+        """
+        now = time.time() if at is None else at
+        with self._db() as db:
+            row = db.execute("SELECT started FROM rounds WHERE run_id = ? AND round = ?",
+                             (run_id, rnd)).fetchone()
+            if row is None or row["started"] is None:
+                return None
+            seconds = max(0.0, now - row["started"])
+            cur = db.execute(
+                "UPDATE site_rounds SET delivered_seconds = ? WHERE run_id = ? AND round = ?"
+                " AND site = ?", (seconds, run_id, rnd, site))
+        return seconds if cur.rowcount else None
 
     def record_slurm_job(self, run_id: str, rnd: int, site: str, job_id: str, state: str,
                          queue_wait_s: float | None, run_s: float | None,
@@ -323,6 +360,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(site_rounds)")}
     if "attempts" not in columns:
         conn.execute("ALTER TABLE site_rounds ADD COLUMN attempts INTEGER NOT NULL DEFAULT 1")
+    if "delivered_seconds" not in columns:
+        conn.execute("ALTER TABLE site_rounds ADD COLUMN delivered_seconds REAL")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(slurm_jobs)")}
     for column in ("name", "nodes"):
         if column not in columns:

@@ -40,10 +40,30 @@ def run_summary(run: RunRecord) -> dict[str, Any]:
     return data
 
 
+def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[dict[str, Any]]:
+    """The run's rounds as dicts; each site also has queue_wait_s, transfer_s, tokens_per_s.
+
+    ``queue_wait_s + train_seconds + transfer_s = delivered_seconds`` (the time from the
+    round's start until the site's update was in place; see :mod:`xffl.jobs.report`).
+    """
+    from xffl.jobs.report import QueueWaits, site_breakdown
+
+    waits = QueueWaits.of(registry, run)
+    rounds = []
+    for rnd in registry.rounds(run.id):
+        data = asdict(rnd)
+        for site, row in zip(rnd.sites, data["sites"], strict=True):
+            b = site_breakdown(site, waits.get(rnd.round, site.site))
+            row.update(queue_wait_s=b.queue_wait_s, transfer_s=b.transfer_s,
+                       tokens_per_s=b.tokens_per_s)
+        rounds.append(data)
+    return rounds
+
+
 def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
     """The run, its rounds with per-site results, events and its latest global model."""
     data = run_summary(run)
-    data["rounds"] = [asdict(r) for r in registry.rounds(run.id)]
+    data["rounds"] = rounds_with_breakdown(registry, run)
     data["latest_global"] = latest_global(registry, run)
     data["events"] = [
         {"ts": ts, "kind": kind, "message": msg} for ts, kind, msg in registry.events(run.id)

@@ -108,7 +108,7 @@ async def _train_site(context: Any, config: dict[str, Any], root: Path, run_id: 
 
     outcome = SiteOutcome(site)
     existing = delivered_update(root, rnd, site)
-    if existing is not None:
+    if existing is not None:  # its delivery time, marked when it arrived, is kept
         registry.event(run_id, "site", f"round {rnd}: reusing the update {site} delivered")
         outcome.update, outcome.attempts = existing, 1
         return outcome
@@ -128,6 +128,7 @@ async def _train_site(context: Any, config: dict[str, Any], root: Path, run_id: 
             update = outdir / "update"
             if (update / MANIFEST_FILE).is_file():
                 outcome.update = update
+                registry.mark_delivered(run_id, rnd, site)  # seconds since the round started
                 return outcome
             reason = "the job ended without an update"
         except asyncio.CancelledError:

@@ -1,0 +1,251 @@
+"""Draw `xffl report`: three PNG plots (matplotlib, Agg, no display) and one HTML page.
+
+The HTML embeds the plots (base64), so ``report.html`` can be moved or mailed on its own;
+the PNG files beside it are the same pictures. Every text that comes from the registry or
+the job spec is escaped (``html.escape``) in the page and never read as mathtext in a plot.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import time
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt
+
+# the parts of a site's round, bottom to top, with their colours
+SEGMENTS = (("queue_wait_s", "queue wait (SLURM)", "#9e9e9e"),
+            ("train_s", "training", "#1f77b4"),
+            ("transfer_s", "transfer + orchestration", "#ff7f0e"),
+            ("aggregate_s", "aggregation", "#2ca02c"))
+NO_DATA = "no completed round yet"
+DPI = 100
+
+
+def _plain(text: str) -> str:
+    """Text shown literally by matplotlib (a ``$`` would start mathtext)."""
+    return text.replace("$", r"\$")
+
+
+def _figure(width: float = 7.5, height: float = 4.2) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _note_empty(ax: Axes, note: str = NO_DATA) -> None:
+    ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center",
+            fontsize=12, color="#555555")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _round_ticks(ax: Axes, rounds: list[int]) -> None:
+    ax.set_xticks(sorted(set(rounds)))
+    ax.grid(True, alpha=0.3)
+
+
+def _site_series(data: ReportData, key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """Per site: the rounds where ``key`` is known and its values there."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for rnd in data.rounds:
+        for s in rnd.sites:
+            value = getattr(s, key)
+            if value is not None:
+                xs, ys = series.setdefault(s.site, ([], []))
+                xs.append(rnd.round)
+                ys.append(float(value))
+    return {site: series[site] for site in data.site_names() if site in series}
+
+
+def loss_series(data: ReportData) -> dict[str, list[list[float]]]:
+    """The loss plot's curves: per site and ``global``, the [round, loss] points."""
+    curves = {site: [[float(x), y] for x, y in zip(xs, ys, strict=True)]
+              for site, (xs, ys) in _site_series(data, "loss").items()}
+    glob = [[float(r.round), float(r.loss)] for r in data.rounds if r.loss is not None]
+    return {**curves, "global": glob} if glob else curves
+
+
+def plot_loss(data: ReportData, path: Path) -> None:
+    """Each site's training loss and the global loss, per round.
+
+    The PNG also carries the plotted points as JSON in its ``Description`` text chunk
+    (:func:`loss_series`), so a program can read the curves back from the picture.
+    """
+    fig, ax = _figure()
+    series = _site_series(data, "loss")
+    glob = [(r.round, r.loss) for r in data.rounds if r.loss is not None]
+    if not series and not glob:
+        _note_empty(ax)
+    else:
+        for site, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", label=_plain(site))
+        if glob:
+            ax.plot([x for x, _ in glob], [y for _, y in glob], marker="s", color="black",
+                    linewidth=2.5, label="global")
+        _round_ticks(ax, [x for xs, _ in series.values() for x in xs] + [x for x, _ in glob])
+        ax.set_xlabel("round")
+        ax.set_ylabel("training loss")
+        ax.legend()
+    ax.set_title(_plain(f"{data.run_id}: loss per round"))
+    fig.savefig(path, format="png",
+                metadata={"Description": json.dumps(loss_series(data), sort_keys=True)})
+
+
+def _bars(data: ReportData) -> list[tuple[RoundRow, SiteRow]]:
+    """The site rounds that can be broken down (their update was delivered and timed)."""
+    order = {site: i for i, site in enumerate(data.site_names())}
+    return [(r, s) for r in data.rounds
+            for s in sorted(r.sites, key=lambda s: order.get(s.site, len(order)))
+            if s.delivered_s is not None and s.transfer_s is not None]
+
+
+def plot_breakdown(data: ReportData, path: Path) -> None:
+    """Stacked bars per site and round: queue wait, training, transfer, aggregation."""
+    bars = _bars(data)
+    fig, ax = _figure(width=max(7.5, min(30.0, 0.45 * len(bars) + 3)))
+    if not bars:
+        _note_empty(ax)
+    else:
+        xs = list(range(len(bars)))
+        bottoms = [0.0] * len(bars)
+        for key, label, colour in SEGMENTS:
+            heights = [float((getattr(r, key) if key == "aggregate_s" else getattr(s, key))
+                             or 0.0) for r, s in bars]
+            ax.bar(xs, heights, bottom=bottoms, color=colour, label=label, width=0.7)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        ax.set_xticks(xs, [_plain(f"r{r.round} {s.site}") for r, s in bars],
+                      rotation=90 if len(bars) > 8 else 0, fontsize=8)
+        ax.set_ylabel("seconds from the round's start")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax.set_title(_plain(f"{data.run_id}: round-time breakdown per site"))
+    fig.savefig(path, format="png")
+
+
+def plot_throughput(data: ReportData, path: Path) -> None:
+    """Each site's training throughput (tokens per second of training), per round."""
+    fig, ax = _figure()
+    series = _site_series(data, "tokens_per_s")
+    if not series:
+        _note_empty(ax)
+    else:
+        for site, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", label=_plain(site))
+        _round_ticks(ax, [x for xs, _ in series.values() for x in xs])
+        ax.set_xlabel("round")
+        ax.set_ylabel("tokens / s of training")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    ax.set_title(_plain(f"{data.run_id}: training throughput per site"))
+    fig.savefig(path, format="png")
+
+
+COLUMNS = ("round", "site", "state", "samples", "tokens", "loss", "train s", "queue wait s",
+           "transfer s", "aggregate s", "tokens/s")
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 80em; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th { background: #f0f0f0; } td.text { text-align: left; }
+tr.global td { font-weight: bold; border-bottom: 2px solid #888; }
+.note { color: #555; } .reason { color: #a33; font-size: 0.85em; }
+img { max-width: 100%; border: 1px solid #ddd; }
+"""
+
+
+def _row(values: list[str], extra: str = "", css: str = "") -> str:
+    """One table row: the first three columns are text; ``extra`` (HTML) goes into the third."""
+    cells = []
+    for i, v in enumerate(values):
+        if i < 3:
+            cells.append(f'<td class="text">{html.escape(v)}{extra if i == 2 else ""}</td>')
+        else:
+            cells.append(f"<td>{html.escape(v)}</td>")
+    attrs = f' class="{css}"' if css else ""
+    return f"<tr{attrs}>{''.join(cells)}</tr>"
+
+
+def _site_row(rnd: RoundRow, s: SiteRow) -> str:
+    state = s.state + (f" after {s.attempts} attempts" if s.attempts > 1 else "")
+    values = [str(rnd.round), s.site, state, fmt("num_samples", s.num_samples),
+              fmt("num_tokens", s.num_tokens), fmt("loss", s.loss), fmt("train_s", s.train_s),
+              fmt("queue_wait_s", s.queue_wait_s), fmt("transfer_s", s.transfer_s), "",
+              fmt("tokens_per_s", s.tokens_per_s)]
+    reason = f'<div class="reason">{html.escape(s.reason)}</div>' if s.reason else ""
+    return _row(values, reason)
+
+
+def table_html(data: ReportData) -> str:
+    """The per-round numbers: a row per site and a ``global`` row per round."""
+    rows = []
+    for rnd in data.rounds:
+        rows += [_site_row(rnd, s) for s in rnd.sites]
+        values = [str(rnd.round), "global", rnd.state, fmt("num_samples", rnd.num_samples),
+                  "", fmt("loss", rnd.loss), "", "", "", fmt("aggregate_s", rnd.aggregate_s),
+                  ""]
+        rows.append(_row(values, css="global"))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+    body = "\n".join(rows) or f'<tr><td colspan="{len(COLUMNS)}">{NO_DATA}</td></tr>'
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
+
+
+def _img(folder: Path, name: str, alt: str) -> str:
+    encoded = base64.b64encode((folder / name).read_bytes()).decode("ascii")
+    return (f'<p><img src="data:image/png;base64,{encoded}" alt="{html.escape(alt)}"></p>'
+            f'<p class="note">Also as <a href="{name}">{name}</a>.</p>')
+
+
+def page_html(data: ReportData, folder: Path) -> str:
+    """The whole report page, with the plots in ``folder`` embedded."""
+    e = html.escape
+    done = [r for r in data.rounds if r.state == "completed"]
+    note = "" if done else f'<p class="note">{NO_DATA}: the plots are empty.</p>'
+    message = f" — {e(data.message)}" if data.message else ""
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>xffl report: {e(data.run_id)}</title>
+<style>{STYLE}</style>
+</head>
+<body>
+<h1>xffl run {e(data.run_id)}</h1>
+<p>{e(data.state)} — {data.rounds_done}/{data.rounds_total} rounds{message}</p>
+<p class="note">sites: {e(", ".join(data.sites))}; run directory: {e(data.run_dir)};
+report written {e(time.strftime("%Y-%m-%d %H:%M:%S"))}.</p>
+{note}
+<h2>Loss per round</h2>
+<p class="note">Each site's mean training loss over the round on its own data, and the
+global loss (their weighted mean).</p>
+{_img(folder, "loss.png", "loss per round")}
+<h2>Round-time breakdown</h2>
+<p class="note">Per site and round, from the round's start: SLURM's queue wait (0 without
+SLURM), training (the training loop), transfer + orchestration (the rest until the site's
+update was in place on the coordinator: moving models, starting jobs and processes,
+StreamFlow), then the round's aggregation.</p>
+{_img(folder, "breakdown.png", "round-time breakdown per site")}
+<h2>Throughput</h2>
+<p class="note">Tokens per second of training at each site.</p>
+{_img(folder, "throughput.png", "training throughput per site")}
+<h2>Per-round numbers</h2>
+{table_html(data)}
+</body>
+</html>
+"""
+
+
+def render_all(data: ReportData, folder: Path) -> list[str]:
+    """Write the three plots and report.html into ``folder``; return the file names."""
+    plot_loss(data, folder / "loss.png")
+    plot_breakdown(data, folder / "breakdown.png")
+    plot_throughput(data, folder / "throughput.png")
+    (folder / "report.html").write_text(page_html(data, folder), encoding="utf-8")
+    return ["loss.png", "breakdown.png", "throughput.png", "report.html"]

@@ -1,0 +1,91 @@
+"""`xffl report` on a real quickstart run, and `xffl status --json`'s round-time breakdown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import PIL.Image
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.cli.app import app
+from xffl.jobs.registry import Registry
+from xffl.jobs.report import fmt
+
+runner = CliRunner()
+
+
+def _decodes(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 0 and pixels.shape[1] > 0
+
+
+@pytest.mark.slow
+def test_report_of_the_quickstart(tmp_path: Path) -> None:
+    """The quickstart, shortened to 2 rounds of 4 steps, then its report and status."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="reported", rounds=2)
+    spec["training"]["steps"] = 4
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    submitted = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    assert submitted.exit_code == 0, submitted.output
+    run_id = json.loads(submitted.stdout)["id"]
+
+    result = runner.invoke(app, ["report", run_id])
+    assert result.exit_code == 0, result.output
+    run = Registry().get_run(run_id)
+    out = Path(run.run_dir) / "report"
+    for name in ("loss.png", "breakdown.png", "throughput.png"):
+        _decodes(out / name)
+    page = (out / "report.html").read_text()
+    rounds = Registry().rounds(run_id)
+    assert [r.round for r in rounds] == [1, 2]
+    # the loss PNG carries the curves it draws: every site's and the global loss per round
+    with PIL.Image.open(out / "loss.png") as png:
+        curves = json.loads(png.text["Description"])
+    assert curves == {
+        "alpha": [[float(r.round), s.loss] for r in rounds for s in r.sites if s.site == "alpha"],
+        "beta": [[float(r.round), s.loss] for r in rounds for s in r.sites if s.site == "beta"],
+        "global": [[float(r.round), r.loss] for r in rounds]}
+    for rnd in rounds:
+        assert rnd.state == "completed" and rnd.loss is not None
+        assert f"<td>{fmt('loss', rnd.loss)}</td>" in page
+        assert {s.site for s in rnd.sites} == {"alpha", "beta"}
+        for site in rnd.sites:
+            assert site.loss is not None and f"<td>{fmt('loss', site.loss)}</td>" in page
+            assert f"<td>{fmt('tokens_per_s', site.num_tokens / site.train_seconds)}</td>" \
+                in page
+
+    shown = runner.invoke(app, ["report", run_id, "--json", "-o", str(tmp_path / "r2")])
+    assert shown.exit_code == 0, shown.output
+    numbers = json.loads(shown.stdout)
+    assert numbers["files"]["html"] == str(tmp_path / "r2" / "report.html")
+    assert [r["loss"] for r in numbers["rounds"]] == [r.loss for r in rounds]
+
+    status = runner.invoke(app, ["status", run_id, "--json"])
+    assert status.exit_code == 0, status.output
+    for rnd in json.loads(status.stdout)["rounds"]:
+        for site in rnd["sites"]:
+            parts = (site["queue_wait_s"], site["train_seconds"], site["transfer_s"])
+            assert all(v is not None and v >= 0 for v in parts), site
+            assert site["queue_wait_s"] == 0.0  # local sites: no SLURM queue
+            assert site["delivered_seconds"] > site["train_seconds"] > 0
+            assert abs(sum(parts) - site["delivered_seconds"]) < 1e-6, site
+            assert site["tokens_per_s"] == pytest.approx(
+                site["num_tokens"] / site["train_seconds"])
+    table = runner.invoke(app, ["status", run_id], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "queue s" in table.stdout and "transfer s" in table.stdout
+
+
+def test_report_of_an_unknown_run_exits_2() -> None:
+    result = runner.invoke(app, ["report", "no-such-run"])
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no run 'no-such-run'" in lines[0], result.stderr
+    assert result.stdout == ""
