@@ -12,10 +12,12 @@ from xffl.cli import (
     data,
     logs,
     render,
+    report,
     resume,
     round,
     runs,
     schedule,
+    simulate,
     sites,
     status,
     submit,
@@ -52,6 +54,8 @@ app.command()(logs.logs)
 app.command()(resume.resume)
 app.command(name="round")(round.round_)
 app.command()(schedule.schedule)
+app.command()(report.report)
+app.command()(simulate.simulate)
 app.add_typer(sites.app, name="sites")
 app.add_typer(data.app, name="data")
 

@@ -1,0 +1,86 @@
+"""`xffl simulate`: many virtual sites on this machine, trained K at a time, folded at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def render_summary(summary: dict[str, Any]) -> None:
+    """A rounds table and where the results are."""
+    table = Table(title=f"simulation {summary['run_id']}: {summary['sites']} virtual sites, "
+                        f"{summary['parallel']} at a time")
+    for col in ("round", "sites", "seconds", "mean site loss", "global loss", "peak RSS MiB"):
+        table.add_column(col, justify="right")
+    for r in summary["rounds"]:
+        table.add_row(str(r["round"]), str(r["sites"]), _fmt(r["seconds"], 2),
+                      _fmt(r["mean_loss"]), _fmt(r["global_loss"]),
+                      f"{r['peak_rss_bytes'] / 2**20:.0f}")
+    console.print(table)
+    console.print(f"final global model: {summary['final_global']}", soft_wrap=True)
+    console.print(f"numbers: {Path(summary['dir']) / 'simulate.json'}", soft_wrap=True)
+
+
+@handle_errors
+def simulate(
+    job: Annotated[Path, typer.Argument(help="The job spec (YAML), as for `xffl submit`.")],
+    sites: Annotated[int, typer.Option("--sites", help="Number of virtual sites N.")],
+    parallel: Annotated[int | None, typer.Option(
+        "--parallel", help="Sites trained at a time K (worker processes; default: one per "
+        "core).")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="Folder for the results (default: "
+        "$XFFL_HOME/simulations/<job name>-<timestamp>).")] = None,
+    rounds: Annotated[int | None, typer.Option(
+        "--rounds", help="Rounds to run (default: the job's).")] = None,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", help="Seconds a round may take (default: failure.round_timeout, else "
+        "3600).")] = None,
+    keep_updates: Annotated[bool, typer.Option(
+        "--keep-updates", help="Keep every site update in rounds/<r>/updates/ instead of "
+        "deleting it once folded (disk then grows with N).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate N sites of JOB on this machine with the real trainer; write every round's global.
+
+    Virtual site i uses the job's site i % len(sites) as its template, with its own data
+    (a dialect of a synthetic language, or a part of the template's dataset). Each update
+    is folded into a running FedAvg as soon as it finishes and then deleted.
+
+    Example: xffl simulate jobs/quickstart.yaml --sites 100 --parallel 2 --rounds 1
+    """
+    from xffl.jobs.load import load_job
+    from xffl.workflows.simulate import SimulateOptions, Simulation
+
+    loaded = load_job(job)
+    opts = SimulateOptions(sites=sites, parallel=parallel, out=output, rounds=rounds,
+                           timeout=timeout, keep_updates=keep_updates)
+    if as_json:
+        summary = Simulation(loaded, opts).run()
+        print_json(summary)
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("sites"), TimeElapsedColumn())
+    bar = Progress(*columns, console=err_console, transient=False)
+    task = bar.add_task("initial model", total=1)
+
+    def progress(rnd: int, done: int, total: int) -> None:
+        label = "initial model" if rnd == 0 else f"round {rnd}/{sim.rounds}"
+        bar.update(task, description=label, completed=done, total=total)
+
+    sim = Simulation(loaded, opts, progress)  # checks the request: exit 2 before any output
+    err_console.print(f"simulating {sites} virtual sites of {loaded.spec.name}, "
+                      f"{sim.workers} at a time, in {sim.root}", soft_wrap=True)
+    with bar:
+        summary = sim.run()
+    render_summary(summary)
