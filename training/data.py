@@ -151,7 +151,8 @@ def _unique_tmp(final: Path) -> Path:
                            f"{time.monotonic_ns()}")
 
 
-def _atomic_write(final: Path, data: bytes) -> None:
+def atomic_write(final: Path, data: bytes) -> None:
+    """Write ``data`` to ``final`` through a fsynced temporary file and one rename."""
     tmp = _unique_tmp(final)
     try:
         with tmp.open("wb") as fh:
@@ -190,10 +191,10 @@ def ensure_synthetic(path: Path, language: str, num_sequences: int, seq_len: int
             return path
     path.mkdir(parents=True, exist_ok=True)
     tokens = np.frombuffer(synthetic_text(language, num_tokens), dtype=np.uint8)
-    _atomic_write(path / TOKENS_FILE, tokens.astype(np.uint16).tobytes())
+    atomic_write(path / TOKENS_FILE, tokens.astype(np.uint16).tobytes())
     meta = {"dtype": "uint16", "num_tokens": num_tokens, "vocab_size": 256,
             "tokenizer": "bytes", "synthetic": wanted}
-    _atomic_write(path / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write(path / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
     return path
 
 

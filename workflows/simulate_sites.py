@@ -31,7 +31,7 @@ from xffl.core.errors import ExitCode, InvalidInput, XfflError
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import SiteSpec
 from xffl.training.config import DataSpec, ModelSpec, TrainJob
-from xffl.training.data import META_FILE, TOKENS_FILE, load_tokens, read_meta
+from xffl.training.data import META_FILE, TOKENS_FILE, atomic_write, load_tokens, read_meta
 
 
 @dataclass(frozen=True)
@@ -124,19 +124,6 @@ def ensure_dialect(dest: Path, base: str, dialect: str, sequences: int, seq_len:
     ensure_synthetic(dest, dialect, sequences, seq_len)
 
 
-def _atomic_write(final: Path, data: bytes) -> None:
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def ensure_partition(source: Path, dest: Path, part: int, parts: int, seq_len: int) -> None:
     """Write part ``part`` of ``parts`` contiguous parts of ``source``'s sequences to ``dest``."""
     meta = read_meta(source)
@@ -153,10 +140,10 @@ def ensure_partition(source: Path, dest: Path, part: int, parts: int, seq_len: i
             return
     tokens = load_tokens(source)[lo * width:hi * width]
     dest.mkdir(parents=True, exist_ok=True)
-    _atomic_write(dest / TOKENS_FILE, tokens.tobytes())
+    atomic_write(dest / TOKENS_FILE, tokens.tobytes())
     out = {k: v for k, v in meta.items() if k != "synthetic"}
     out.update(num_tokens=(hi - lo) * width, partition=wanted)
-    _atomic_write(dest / META_FILE, (json.dumps(out, indent=2) + "\n").encode())
+    atomic_write(dest / META_FILE, (json.dumps(out, indent=2) + "\n").encode())
 
 
 def prepare_site_data(site: VirtualSite) -> Path:
