@@ -58,6 +58,17 @@ def open_updates(paths: Sequence[Path]) -> list[Update]:
     return opened
 
 
+def update_weight(manifest: Manifest, weighting: Weighting) -> float:
+    """An update's raw FedAvg weight under a named ``weighting``."""
+    if weighting == "samples":
+        return float(manifest.num_samples)
+    if weighting == "tokens":
+        return float(manifest.num_tokens)
+    if weighting == "uniform":
+        return 1.0
+    raise InvalidInput(f"unknown weighting {weighting!r}; use one of {', '.join(WEIGHTINGS)}.")
+
+
 def _assign_weights(
     ups: list[Update], weights: Sequence[float] | None, weighting: Weighting | Mapping[str, float]
 ) -> str:
@@ -75,16 +86,10 @@ def _assign_weights(
         for u in ups:
             u.weight = float(weighting[u.site])
         label = "explicit"
-    elif weighting in WEIGHTINGS:
-        for u in ups:
-            u.weight = {
-                "samples": float(u.manifest.num_samples),
-                "tokens": float(u.manifest.num_tokens),
-                "uniform": 1.0,
-            }[weighting]
-        label = weighting
     else:
-        raise InvalidInput(f"unknown weighting {weighting!r}; use one of {', '.join(WEIGHTINGS)}.")
+        for u in ups:
+            u.weight = update_weight(u.manifest, weighting)
+        label = weighting
     for u in ups:
         if not math.isfinite(u.weight) or u.weight < 0:
             raise InvalidInput(f"weight of site '{u.site}' is {u.weight}; weights must be >= 0.")
@@ -118,26 +123,32 @@ def _common_layout(ups: list[Update]) -> list[TensorInfo]:
     return ref
 
 
+def read_config(directory: Path, site: str) -> tuple[bytes | None, Any]:
+    """An update's config.json as bytes and parsed (None, None when it has none)."""
+    path = directory / CONFIG_FILE
+    data = path.read_bytes() if path.is_file() else None
+    try:
+        return data, None if data is None else json.loads(data)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"update from site '{site}' ({directory}): unreadable {CONFIG_FILE}."
+        ) from exc
+
+
+def same_config(a: tuple[bytes | None, Any], b: tuple[bytes | None, Any]) -> bool:
+    """Whether two :func:`read_config` results are the same config (or both absent)."""
+    return (a[0] is None) == (b[0] is None) and a[1] == b[1]
+
+
 def _common_config(ups: list[Update]) -> bytes | None:
     """config.json of the first update, after checking that all updates carry the same one."""
-    first: bytes | None = None
-    parsed: Any = None
-    for i, u in enumerate(ups):
-        path = u.path / CONFIG_FILE
-        data = path.read_bytes() if path.is_file() else None
-        try:
-            value = None if data is None else json.loads(data)
-        except ValueError as exc:
-            raise CheckpointError(
-                f"update from site '{u.site}' ({u.path}): unreadable {CONFIG_FILE}."
-            ) from exc
-        if i == 0:
-            first, parsed = data, value
-        elif (data is None) != (first is None) or value != parsed:
+    first = read_config(ups[0].path, ups[0].site)
+    for u in ups[1:]:
+        if not same_config(read_config(u.path, u.site), first):
             raise CheckpointError(
                 f"{CONFIG_FILE} of site '{u.site}' differs from that of site '{ups[0].site}'."
             )
-    return first
+    return first[0]
 
 
 def weighted_metrics(ups: list[Update]) -> dict[str, float]:

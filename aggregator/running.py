@@ -15,7 +15,6 @@ as fedavg writes them.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,23 +33,11 @@ from xffl.aggregator.exchange import (
     staged_dir,
 )
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS, _store
+from xffl.aggregator.inputs import read_config, same_config
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import ModelReader, open_model, parse_size
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
-
-Weighting = Literal["samples", "tokens", "uniform"]
-
-
-def update_weight(manifest: Manifest, weighting: Weighting) -> float:
-    """An update's raw FedAvg weight under ``weighting`` (as fedavg assigns it)."""
-    if weighting == "samples":
-        return float(manifest.num_samples)
-    if weighting == "tokens":
-        return float(manifest.num_tokens)
-    if weighting == "uniform":
-        return 1.0
-    raise InvalidInput(f"unknown weighting {weighting!r}; use samples, tokens or uniform.")
 
 
 class RunningAggregate:
@@ -140,16 +127,10 @@ class RunningAggregate:
             np.add(acc[lo:hi], tmp, out=acc[lo:hi])
 
     def _check_config(self, directory: Path, label: str) -> None:
-        path = directory / CONFIG_FILE
-        data = path.read_bytes() if path.is_file() else None
-        try:
-            value = None if data is None else json.loads(data)
-        except ValueError as exc:
-            raise CheckpointError(
-                f"update from site '{label}' ({directory}): unreadable {CONFIG_FILE}.") from exc
+        config = read_config(directory, label)
         if self.count == 0:
-            self.config, self._config_value = data, value
-        elif (data is None) != (self.config is None) or value != self._config_value:
+            self.config, self._config_value = config
+        elif not same_config(config, (self.config, self._config_value)):
             raise CheckpointError(f"{CONFIG_FILE} of site '{label}' differs from that of the "
                                   "updates folded before it.")
 

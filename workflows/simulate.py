@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
-from xffl.aggregator.running import RunningAggregate, update_weight
+from xffl.aggregator.inputs import update_weight
+from xffl.aggregator.running import RunningAggregate
 from xffl.aggregator.shards import parse_size
 from xffl.aggregator.strategies import ROBUST, run_strategy
 from xffl.aggregator.verify import check_update

@@ -12,7 +12,8 @@ import torch
 
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.fedavg import aggregate
-from xffl.aggregator.running import RunningAggregate, update_weight
+from xffl.aggregator.inputs import update_weight
+from xffl.aggregator.running import RunningAggregate
 from xffl.aggregator.shards import open_model
 from xffl.core.errors import CheckpointError, InvalidInput
 
