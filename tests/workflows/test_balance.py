@@ -94,6 +94,9 @@ def test_budgets_and_balance_through_real_rounds(tmp_path: Path) -> None:
     expected = {s: max(n, min(math.floor(n * 1.5), math.floor(target / per_step[s])))
                 for s, n in (("alpha", 8), ("beta", 4))}
     assert {s: done[2, s]["steps"] for s in ("alpha", "beta")} == expected
-    assert expected["beta"] > 4  # the same machine: beta catches up to alpha's time
-    assert json.loads((run_dir / "rounds" / "2" / "jobs" / "beta.json").read_text())[
-        "training"]["steps"] == expected["beta"]
+    # Whether beta's steps rise depends on the measured times (a slow first step spread over
+    # beta's 4 steps can make it look 1.6x slower per step): the exact rule above is the
+    # check, and test_fast_sites_get_more_steps_up_to_the_cap pins the numbers.
+    for site in ("alpha", "beta"):
+        assert json.loads((run_dir / "rounds" / "2" / "jobs" / f"{site}.json").read_text())[
+            "training"]["steps"] == expected[site]
