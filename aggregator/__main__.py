@@ -17,10 +17,10 @@ from typing import Any
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.fedavg import WEIGHTINGS
-from xffl.aggregator.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.core.errors import RunFailed, XfflError
+from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,8 +48,8 @@ from xffl.aggregator.safetensors_io import (
     f32_to_bf16_bits,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import parse_size
 from xffl.core.errors import InvalidInput
+from xffl.core.sizes import parse_size
 
 SLICE_ELEMENTS = 1 << 21  # most elements per slice (8 MiB of fp32 per update)
 READ_BUDGET_ELEMENTS = 1 << 23  # elements of one slice of every update together (32 MiB fp32)

@@ -35,9 +35,10 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS, _store
 from xffl.aggregator.inputs import read_config, same_config
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import ModelReader, open_model, parse_size
+from xffl.aggregator.shards import ModelReader, open_model
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
+from xffl.core.sizes import parse_size
 
 
 class RunningAggregate:

@@ -69,9 +69,10 @@ from xffl.aggregator.safetensors_io import (
     bf16_bits_to_f32,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import ModelReader, open_model, parse_size
+from xffl.aggregator.shards import ModelReader, open_model
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
+from xffl.core.sizes import parse_size
 
 Progress = Callable[[int, int], None]
 

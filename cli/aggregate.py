@@ -10,11 +10,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.fedavg import Weighting
-from xffl.aggregator.shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
 from xffl.core.errors import InvalidInput, RunFailed
+from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 
 @handle_errors

@@ -13,8 +13,13 @@ from xffl.core.yamlio import Loc, YamlDoc, load_yaml
 from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.lookup import find_profile
 from xffl.site_profiles.schema import SiteProfile
-from xffl.training.arch import check_tensor_parallel
-from xffl.training.model import PRESETS, LlamaConfig, apply_overrides, build_config
+from xffl.training.arch import (
+    PRESETS,
+    LlamaConfig,
+    apply_overrides,
+    build_config,
+    check_tensor_parallel,
+)
 
 
 @dataclass(frozen=True)

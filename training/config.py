@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -131,3 +132,11 @@ class TrainJob(_Strict):
     model: ModelSpec
     training: TrainingSpec
     data: DataSpec
+
+
+def round_steps(spec: TrainingSpec, dp_size: int) -> int:
+    """Optimizer steps in one round: ``steps``, or the fewest that consume ``tokens``."""
+    if spec.tokens is None:
+        return spec.steps
+    per_step = spec.batch_size * spec.grad_accum * spec.seq_len * dp_size
+    return max(1, math.ceil(spec.tokens / per_step))

@@ -11,10 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import random
-import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +22,7 @@ import torch
 from torch import Tensor
 
 from xffl.core.errors import InvalidInput
+from xffl.core.files import atomic_write
 
 TOKENS_FILE = "train.bin"
 META_FILE = "meta.json"
@@ -144,25 +142,6 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta.get("num_tokens"), int) or meta["num_tokens"] < 0:
         raise InvalidInput(f"{meta_path}: num_tokens must be a non-negative integer.")
     return meta
-
-
-def _unique_tmp(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
-                           f"{time.monotonic_ns()}")
-
-
-def atomic_write(final: Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` through a fsynced temporary file and one rename."""
-    tmp = _unique_tmp(final)
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def ensure_synthetic(path: Path, language: str, num_sequences: int, seq_len: int) -> Path:

@@ -2,7 +2,7 @@
 
 The pieces are small functions so that tests and the throughput benchmark can check each
 against a plain-PyTorch reference: :func:`lr_factor` (linear warmup, then constant or cosine
-decay over the whole job), :func:`round_steps` (a budget in steps or tokens),
+decay over the whole job), ``config.round_steps`` (a budget in steps or tokens),
 :func:`prox_snapshot` / the FedProx gradient term ``mu * (w - w_global)`` (the gradient of
 ``mu/2 * ||w - w_global||^2``, added after the data-parallel gradient reduction, so it costs
 no communication), and :func:`run_steps`, which also stops cleanly at a deadline agreed by
@@ -47,14 +47,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainingSpec, offset:
                    total: int) -> LambdaLR:
     """A LambdaLR whose local step 0 is the job's step ``offset`` (rounds continue the curve)."""
     return LambdaLR(optimizer, lambda s: lr_factor(offset + s, total, spec))
-
-
-def round_steps(spec: TrainingSpec, dp_size: int) -> int:
-    """Optimizer steps in one round: ``steps``, or the fewest that consume ``tokens``."""
-    if spec.tokens is None:
-        return spec.steps
-    per_step = spec.batch_size * spec.grad_accum * spec.seq_len * dp_size
-    return max(1, math.ceil(spec.tokens / per_step))
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:

@@ -32,10 +32,10 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.shards import open_model
 from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
-from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
+from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards
 from xffl.training.entry import build
-from xffl.training.loop import make_scheduler, prox_snapshot, round_steps, run_steps
+from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
 from xffl.training.model import (
     LlamaConfig,
     LlamaForCausalLM,

@@ -21,8 +21,7 @@ import math
 from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
-from xffl.training.config import TrainJob
-from xffl.training.loop import round_steps
+from xffl.training.config import TrainJob, round_steps
 
 
 def _per_step_seconds(root: Path, rnd: int, site: str) -> float | None:

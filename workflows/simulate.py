@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.inputs import update_weight
 from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.shards import parse_size
 from xffl.aggregator.strategies import ROBUST, run_strategy
 from xffl.aggregator.verify import check_update
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
 from xffl.core.resources import peak_rss_bytes
+from xffl.core.sizes import parse_size
 from xffl.jobs.load import LoadedJob
 from xffl.workflows.simulate_sites import (
     Outcome,

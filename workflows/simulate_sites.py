@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xffl.core.errors import ExitCode, InvalidInput, XfflError
+from xffl.core.files import atomic_write
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import SiteSpec
 from xffl.training.config import DataSpec, ModelSpec, TrainJob
-from xffl.training.data import META_FILE, TOKENS_FILE, atomic_write, load_tokens, read_meta
+from xffl.training.data import META_FILE, TOKENS_FILE, load_tokens, read_meta
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ from xffl.aggregator.shards import (
     INDEX_FILE,
     MODEL_FILE,
     open_model,
-    parse_size,
     plan_shards,
     shard_name,
 )
 from xffl.aggregator.strategies import run_strategy, state_file
 from xffl.aggregator.verify import check_update, select_updates
 from xffl.core.errors import CheckpointError, InvalidInput
+from xffl.core.sizes import parse_size
 
 S1, S2, S3 = (shard_name(i, 3) for i in (1, 2, 3))
 # F32 tensors; bytes: emb 2400, a.w 480, a.b 48, b.w 480, b.b 48, norm 48 (3504 in all).

@@ -15,9 +15,9 @@ from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.core.errors import RunFailed
 from xffl.training import loop
 from xffl.training.arch import build_config
-from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
+from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import ensure_synthetic
-from xffl.training.loop import lr_factor, make_scheduler, prox_snapshot, round_steps, run_steps
+from xffl.training.loop import lr_factor, make_scheduler, prox_snapshot, run_steps
 from xffl.training.model import LlamaForCausalLM, build_model, lm_loss
 from xffl.training.parallelize import ParallelModel
 from xffl.training.trainer import make_optimizer, train_round

@@ -1,0 +1,35 @@
+"""Small file primitives every layer uses: atomic writes through a fsynced temporary file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _unique_tmp(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+                           f"{time.monotonic_ns()}")
+
+
+def atomic_write(final: Path, data: bytes) -> None:
+    """Write ``data`` to ``final`` through a fsynced temporary file and one rename."""
+    tmp = _unique_tmp(final)
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(final: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON to ``final`` atomically (parents created)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(final, (json.dumps(data, indent=2) + "\n").encode())
