@@ -12,9 +12,9 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ConnectionFailed, InvalidInput
+from xffl.core.layout import RunLayout
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.slurm_view import SiteUnreachable, load_profiles, query_site, ssh_run
-from xffl.workflows.rounds import ATTEMPT_MARK
 
 _EXEC = re.compile(r"EXECUTING step (?P<step>\S+) \(job (?P<job>\S+)\) .* into directory "
                    r"(?P<dir>\S+?):?$")
@@ -31,25 +31,30 @@ def tail(path: Path, lines: int) -> list[str]:
 def step_runs(log: Path, site: str) -> list[dict[str, str]]:
     """Every execution of ``site``'s train step in streamflow.log, in order.
 
-    Each carries the round (and attempt) the runner announced just before it
-    (rounds.ATTEMPT_MARK lines); the last execution of a round is its final attempt.
+    StreamFlow logs each execution as ``EXECUTING step /rounds/train_<site> (job J) ... into
+    directory D:`` followed by the command, whose ``--round`` value is the round; an
+    execution of a job name already seen is a retry (the next attempt).
     """
     runs: list[dict[str, str]] = []
-    announced: tuple[str, str] | None = None
-    mark = re.compile(re.escape(ATTEMPT_MARK) + rf" round (\d+) site {re.escape(site)} "
-                      r"attempt (\d+)$")
-    if log.is_file():
-        for line in log.read_text(errors="replace").splitlines():
-            m = mark.search(line)
-            if m:
-                announced = (m[1], m[2])
-                continue
-            e = _EXEC.search(line)
-            if e and e["step"].rsplit("/", 1)[-1] == f"train_{site}":
-                rnd, attempt = announced or (str(len(runs) + 1), "1")
-                runs.append({"job": e["job"], "dir": e["dir"], "round": rnd,
-                             "attempt": attempt})
-                announced = None
+    attempts: dict[str, int] = {}
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    for i, line in enumerate(lines):
+        e = _EXEC.search(line)
+        if not e or e["step"].rsplit("/", 1)[-1] != f"train_{site}":
+            continue
+        command = []
+        for nxt in lines[i + 1:]:
+            if _STAMP.match(nxt):
+                break
+            command.append(nxt.strip().rstrip("\\").strip())
+        rnd = next((command[k + 1] for k, word in enumerate(command[:-1])
+                    if word == "--round" and command[k + 1].isdigit()), None)
+        if rnd is None:
+            continue
+        key = f"{e['job']}@{rnd}"
+        attempts[key] = attempts.get(key, 0) + 1
+        runs.append({"job": e["job"], "dir": e["dir"], "round": rnd,
+                     "attempt": str(attempts[key])})
     return runs
 
 
@@ -58,10 +63,11 @@ def local_step_lines(log: Path, site: str, job: str, rnd: int) -> list[str]:
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
     out: list[str] = []
     inside = False
+    this_job = re.compile(re.escape(job) + r"(?![0-9.])")
     for line in lines:
         if _STAMP.match(line):
             inside = False
-            if job in line:
+            if this_job.search(line):
                 out.append(line)
                 inside = True
                 continue
@@ -108,7 +114,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
     root = Path(run.run_dir)
     sf_log = root / "streamflow.log"
     if site is None:
-        return {"run": run.id, "runner_log": tail(root / "runner.log", lines),
+        return {"run": run.id, "runner_log": tail(RunLayout(root).supervisor_log, lines),
                 "streamflow_log": tail(sf_log, lines)}
     if site not in run.sites:
         raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
@@ -146,7 +152,7 @@ def logs(
                                        "per log.")] = 200,
     as_json: JsonOpt = False,
 ) -> None:
-    """Show a run's output: without --site, the tails of runner.log and streamflow.log; with
+    """Show a run's output: without --site, the tails of supervisor.log and streamflow.log; with
     --site, that site's training job output (a SLURM site's job stdout, read over SSH).
 
     Example: xffl logs last --site alpha --round 1
@@ -157,7 +163,7 @@ def logs(
         print_json(data)
         return
     if site is None:
-        for key, title in (("runner_log", "runner.log"), ("streamflow_log", "streamflow.log")):
+        for key, title in (("runner_log", "supervisor.log"), ("streamflow_log", "streamflow.log")):
             console.print(f"[bold]== {title} ==[/bold]")
             for line in data[key]:
                 console.print(line, markup=False, soft_wrap=True)

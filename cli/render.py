@@ -9,9 +9,9 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import InvalidInput
-from xffl.core.paths import registry_path
 from xffl.jobs.load import load_job
-from xffl.workflows.plan import write_plan
+from xffl.jobs.registry import new_run_id
+from xffl.workflows.plan import write_initial_model, write_plan
 
 
 @handle_errors
@@ -23,26 +23,28 @@ def render(
     ] = True,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write the plan of JOB into a folder, to read it or run it by hand.
+    """Write the plan of JOB into a folder: the same files `xffl submit` runs.
 
-    With the initial model written, sbatch/<site>.sh of a SLURM site trains round 1 when
-    submitted by hand (sbatch sbatch/SITE.sh [ROUND] [MODEL] [OUT]).
+    The plan runs without xffl's supervisor and registry: `streamflow run
+    DIR/streamflow.yml`, or `cwltool --enable-ext DIR/main.cwl DIR/inputs.yml` (sites on
+    this machine). sbatch/<site>.sh of a SLURM site trains one round when submitted by hand
+    from a copy of DIR at the facility (sbatch sbatch/SITE.sh [ROUND] [MODEL] [JOB] [OUT]).
 
     Example: xffl render jobs/quickstart.yaml -o plan/
     """
     loaded = load_job(job)
     if out.exists() and any(out.iterdir()):
         raise InvalidInput(f"{out}: folder is not empty; choose a new or empty folder for -o.")
-    run_id = f"render-{loaded.spec.name}"
-    paths = write_plan(loaded, run_id, out, registry_path())
+    run_id = new_run_id(f"render-{loaded.spec.name}")
+    layout = write_plan(loaded, run_id, out)
+    layout.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
     if init_model:
-        from xffl.training.trainer import init_global  # torch: import only when needed
-
-        init_global(run_id, loaded.spec.model, loaded.spec.training.seed, paths.initial_model)
-    files = sorted(str(p.relative_to(paths.root)) for p in paths.root.rglob("*") if p.is_file())
+        write_initial_model(layout, loaded.spec, run_id)
+    root = layout.root
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     if as_json:
-        print_json({"plan": str(paths.root), "files": files})
+        print_json({"plan": str(root), "run_id": run_id, "files": files})
         return
-    console.print(f"plan written to {paths.root}:")
+    console.print(f"plan written to {root}:")
     for f in files:
         console.print(f"  {f}")

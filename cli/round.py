@@ -25,14 +25,14 @@ def round_(
 
     Example: xffl round quickstart-20261122-051000-a3f9
     """
-    from xffl.workflows.runner import execute
+    from xffl.workflows.supervisor import execute
 
     registry = Registry()
     record = resolve_run(registry, run)
     if record.state in ("completed", "cancelled", "failed"):
         message = f"run {record.id} is {record.state}: no round to run"
         code = 0
-    else:
+    else:  # the state is checked again under the round lock (a cancel may come first)
         code = execute(record.id, registry, once=True)
         final = registry.get_run(record.id)
         message = f"run {record.id}: {final.state}: {final.message}"

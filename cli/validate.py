@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
-from xffl.core.paths import registry_path
 from xffl.jobs.load import load_job
 from xffl.workflows.plan import write_plan
 from xffl.workflows.validate import validate_cwl
@@ -26,10 +25,8 @@ def validate(
     """
     loaded = load_job(job)
     with tempfile.TemporaryDirectory(prefix="xffl-validate-") as tmp:
-        paths = write_plan(loaded, f"validate-{loaded.spec.name}", Path(tmp), registry_path())
-        validate_cwl(paths.main)
-        for site in loaded.spec.sites:  # the per-site round plan the runner executes
-            validate_cwl(paths.root / "sites" / f"{site.name}.cwl")
+        layout = write_plan(loaded, f"validate-{loaded.spec.name}", Path(tmp))
+        validate_cwl(layout.main)
     if as_json:
         print_json({"valid": True, "job": str(loaded.path), "rounds": loaded.spec.rounds,
                     "sites": {s.name: s.profile for s in loaded.spec.sites}})

@@ -28,8 +28,8 @@ def wait_for_run(registry: Registry, run_id: str, timeout: float,
         if run.runner_pid and not runner_alive(run) and time.monotonic() > grace_until:
             run = registry.get_run(run_id)
             if not run.finished:
-                registry.set_state(run_id, "failed", "the runner process died without "
-                                   f"recording an outcome; see {run.run_dir}/runner.log",
+                registry.set_state(run_id, "failed", "the supervisor process died without "
+                                   f"recording an outcome; see {run.run_dir}/supervisor.log",
                                    ended=time.time())
                 return registry.get_run(run_id)
             return run

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
+from xffl.core.layout import RunLayout
 from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.status import runner_alive
-from xffl.workflows.runner import spawn
+from xffl.workflows.supervisor import spawn
 
 
 def resume_run(registry: Registry, run: RunRecord) -> int:
@@ -27,11 +28,11 @@ def resume_run(registry: Registry, run: RunRecord) -> int:
         raise InvalidInput(f"run {run.id} is {run.state} (runner pid {run.runner_pid}); "
                            f"`xffl cancel {run.id}` first to restart it.")
     run_dir = Path(run.run_dir)
-    spec = JobSpec.model_validate_json((run_dir / "job.json").read_text())
+    spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
     require_credentials(spec, load_profiles(run_dir), then=f"run `xffl resume {run.id}` again")
     registry.set_state(run.id, "submitted",
                        f"resumed from round {run.rounds_done + 1} (was {run.state})",
                        ended=None)
     pid = spawn(run.id, Path(run.run_dir), registry.path)
-    registry.event(run.id, "runner", f"runner spawned (pid {pid})")
+    registry.event(run.id, "runner", f"supervisor spawned (pid {pid})")
     return pid

@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from xffl.core.names import check_name
+from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec
 
@@ -38,8 +39,8 @@ class AggregationSpec(_Strict):
     ] = "fedavg"
     weighting: Literal["samples", "tokens", "uniform"] = "samples"
     params: dict[str, float] = Field(default_factory=dict)
-    max_shard_size: str | int | None = Field(
-        default=None,
+    max_shard_size: str | int = Field(
+        default=DEFAULT_MAX_SHARD_SIZE,
         description="largest global model file, e.g. 5GB, 500MB or 2GiB: a bigger model is "
         "split into Hugging Face shards with model.safetensors.index.json; 0 never splits; "
         "default 5GB (Hugging Face's)",
@@ -47,9 +48,9 @@ class AggregationSpec(_Strict):
 
     @field_validator("max_shard_size")
     @classmethod
-    def _size(cls, value: str | int | None) -> str | int | None:
-        from xffl.aggregator.shards import parse_size
+    def _size(cls, value: str | int) -> str | int:
         from xffl.core.errors import InvalidInput
+        from xffl.core.sizes import parse_size
 
         try:
             parse_size(value)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
+from xffl.core.layout import Registration
 from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.paths import registry_path, runs_dir
 from xffl.jobs.credential_gate import require_credentials
@@ -14,7 +15,7 @@ from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.registry import Registry, RunRecord, new_run_id
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan import write_plan
-from xffl.workflows.runner import spawn
+from xffl.workflows.supervisor import spawn
 
 
 @dataclass(frozen=True)
@@ -26,19 +27,21 @@ class Submitted:
 
 
 def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Path) -> None:
-    """Write job.yaml (as submitted), job.json (resolved) and the plan into ``run_dir``.
+    """Write job.yaml (as submitted), job.json (resolved), the plan and run.json into ``run_dir``.
 
     Everything is written into a temporary sibling first and renamed at the end, so a failure
-    leaves no half-written run directory behind.
+    leaves no half-written run directory behind. The plan is what ``xffl render`` writes;
+    ``run.json`` registers it, so the plan's steps record the rounds in ``registry``.
     """
     tmp = run_dir.parent / f".{run_dir.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        shutil.copyfile(loaded.path, tmp / "job.yaml")
-        (tmp / "job.json").write_text(loaded.spec.model_dump_json(indent=2) + "\n")
-        write_plan(loaded, run_id, tmp, registry, run_dir=run_dir)
+        staged = write_plan(loaded, run_id, tmp, run_dir=run_dir)
+        shutil.copyfile(loaded.path, staged.job_yaml)
+        staged.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
+        Registration(run_id=run_id, registry=registry).write(staged)
         tmp.rename(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -75,5 +78,5 @@ def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submi
         registry.set_state(run_id, "waiting", f"not started: `xffl round {run_id}` runs the "
                            f"next round (`xffl schedule {run_id} --cron EXPR` from cron)")
     else:
-        registry.event(run_id, "runner", f"runner spawned (pid {pid})")
+        registry.event(run_id, "runner", f"supervisor spawned (pid {pid})")
     return Submitted(run=registry.get_run(run_id), pid=pid)

@@ -119,6 +119,17 @@ class SshConnector(_Strict):
 
 
 _SHELL_UNSAFE = set('"$`\\')
+# StreamFlow renders the batch template with Jinja2 a second time; the site's own lines sit
+# in a {% raw %} block there, which only a Jinja2 statement tag could end
+_TEMPLATE_TAG = "{%"
+
+
+def template_text(value: str) -> str:
+    """A value that reaches the batch template: no Jinja2 statement tag."""
+    if _TEMPLATE_TAG in value:
+        raise ValueError(f"{value!r} holds '{_TEMPLATE_TAG}', which the batch script's "
+                         "template would read as a Jinja2 statement; remove it")
+    return value
 
 
 def _slurm_text(value: str | None) -> str | None:
@@ -128,7 +139,7 @@ def _slurm_text(value: str | None) -> str | None:
     if any(ord(c) < 32 or ord(c) == 127 for c in value) or _SHELL_UNSAFE & set(value):
         raise ValueError(f"{value!r} holds a control character or one of \" $ ` \\, which "
                          "would break the batch script; use the plain SLURM value")
-    return value
+    return template_text(value)
 
 
 def _slurm_lines(value: list[str] | None) -> list[str] | None:
@@ -137,6 +148,7 @@ def _slurm_lines(value: list[str] | None) -> list[str] | None:
         if any(ord(c) < 32 or ord(c) == 127 for c in item):
             raise ValueError(f"{item!r} holds a control character (newline, tab, ...); give "
                              "one #SBATCH option per list item")
+        template_text(item)
     return value
 
 
@@ -276,7 +288,18 @@ class SiteProfile(_Strict):
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
+        for key, text in value.items():
             if not key.replace("_", "a").isalnum() or key[0].isdigit():
                 raise ValueError(f"{key!r} is not a valid environment variable name")
+            if "$(" in text or "${" in text:  # CWL's EnvVarRequirement evaluates them
+                raise ValueError(f"the value of {key} holds '$(' or '${{', which CWL reads as "
+                                 "an expression; give the plain value")
+            template_text(text)
+        return value
+
+    @field_validator("setup")
+    @classmethod
+    def _setup_lines(cls, value: list[str]) -> list[str]:
+        for line in value:
+            template_text(line)
         return value

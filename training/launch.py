@@ -3,9 +3,14 @@
 ``python -m xffl.training.launch --ranks 2 --launcher torchrun -- --job J --round 1 ...``
 
 gloo processes very rarely abort at exit after writing correct output ("terminate called
-without an active exception", STACK.md). When the ranks exit non-zero but the output
-directory holds a checkpoint that is new and passes verification, the round counts as done
-(exit 0, with a warning on stderr); otherwise the launcher's failure code is returned.
+without an active exception"). When the ranks exit non-zero but the output directory holds a
+checkpoint that is new and passes verification, the round counts as done (exit 0, with a
+warning on stderr); otherwise the launcher's failure code is returned.
+
+With ``--keep DIR`` a site's round is idempotent: the launcher keeps the update it wrote in
+``DIR/r<round>`` (hard links, the previous round's removed), and when the same round is run
+again from the same global model (a retry after the transfer failed, ``xffl resume`` after
+the coordinator stopped), it hands that update back instead of training again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
-from xffl.aggregator.exchange import MANIFEST_FILE, verify_checkpoint
+from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, verify_checkpoint
 from xffl.core.errors import XfflError
 from xffl.training import slurm_job
 
@@ -70,16 +76,76 @@ def _describe(rc: int) -> str:
     return f"exit code {rc}"
 
 
+def _link_all(src: Path, dst: Path, names: Sequence[str]) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        try:
+            os.link(src / name, dst / name)
+        except OSError:
+            shutil.copy2(src / name, dst / name)
+
+
+def reuse_kept(keep: Path, rnd: int, model: Path, out_dir: Path) -> bool:
+    """Put the update kept for round ``rnd`` from the global ``model`` into ``out_dir``.
+
+    True when there was one (verified: checksums, round, parent digest); False otherwise.
+    """
+    kept = Path(keep) / f"r{rnd}"
+    if not (kept / MANIFEST_FILE).is_file():
+        return False
+    try:
+        manifest = verify_checkpoint(kept)
+        parent = read_manifest(model).digest()
+    except XfflError:
+        return False
+    if manifest.round != rnd or manifest.parent != parent:
+        return False
+    shutil.rmtree(out_dir, ignore_errors=True)
+    _link_all(kept, Path(out_dir), [MANIFEST_FILE, *manifest.files])
+    return True
+
+
+def keep_update(out_dir: Path, keep: Path, rnd: int) -> None:
+    """Keep the update in ``out_dir`` as ``keep/r<rnd>`` (replacing older rounds' updates)."""
+    manifest = read_manifest(out_dir)
+    keep = Path(keep)
+    staging = keep / f".r{rnd}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    _link_all(Path(out_dir), staging, [MANIFEST_FILE, *manifest.files])
+    final = keep / f"r{rnd}"
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    for other in keep.iterdir():
+        if other.name != final.name and other.name.startswith("r"):
+            shutil.rmtree(other, ignore_errors=True)
+
+
 def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir: Path, *,
            module: str = TRAINER_MODULE, env: Mapping[str, str] | None = None,
-           slurm_job_name: str | None = None) -> int:
+           slurm_job_name: str | None = None, keep: Path | None = None) -> int:
     """Run the trainer ranks, streaming their output; 0 when a verified checkpoint was written.
 
     Inside a SLURM job the job is named ``slurm_job_name`` first and its record is written
-    beside the checkpoint at the end (:mod:`xffl.training.slurm_job`).
+    beside the checkpoint at the end (:mod:`xffl.training.slurm_job`). With ``keep``, a round
+    already trained from the same global model is handed back, not trained again.
     """
     job = slurm_job.start(slurm_job_name, env)
-    rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module, env=env)
+    rnd, model = _arg(trainer_args, "--round"), _arg(trainer_args, "--model")
+    if keep is not None and rnd is not None and model is not None and rnd.isdigit() \
+            and reuse_kept(keep, int(rnd), Path(model), out_dir):
+        print(f"xffl.training.launch: reusing the update this site trained for round {rnd} "
+              f"from the same global model ({keep}/r{rnd}); not training again.",
+              file=sys.stderr, flush=True)
+        rc = 0
+    else:
+        rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module, env=env)
+        if rc == 0 and keep is not None and rnd is not None and rnd.isdigit():
+            try:
+                keep_update(out_dir, keep, int(rnd))
+            except (OSError, XfflError) as exc:  # the round is done; only a rerun would train
+                print(f"xffl.training.launch: warning: could not keep the update in {keep} "
+                      f"({exc}); a rerun of this round would train again.",
+                      file=sys.stderr, flush=True)
     slurm_job.finish(job, out_dir, rc)
     return rc
 
@@ -119,13 +185,13 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
     return _exit_code(rc) or 1
 
 
-def _out_from_args(trainer_args: Sequence[str]) -> Path | None:
-    """The value of ``--out`` among the trainer's arguments, if present."""
+def _arg(trainer_args: Sequence[str], option: str) -> str | None:
+    """The value of ``option`` among the trainer's arguments, if present."""
     for i, arg in enumerate(trainer_args):
-        if arg == "--out" and i + 1 < len(trainer_args):
-            return Path(trainer_args[i + 1])
-        if arg.startswith("--out="):
-            return Path(arg.split("=", 1)[1])
+        if arg == option and i + 1 < len(trainer_args):
+            return trainer_args[i + 1]
+        if arg.startswith(f"{option}="):
+            return arg.split("=", 1)[1]
     return None
 
 
@@ -144,16 +210,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=get_args(Launcher), default="torchrun")
     parser.add_argument("--out", type=Path, default=None,
                         help="checkpoint directory to check (default: the trainer's --out)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="folder that keeps the site's last update: a round run again from "
+                        "the same global model hands it back instead of training again")
     parser.add_argument("--slurm-job-name", default=None,
                         help="inside a SLURM job: the name the job should carry (renamed with "
                         "scontrol if it differs); its record goes to OUT/slurm_job.json")
     args = parser.parse_args(own)
-    out_dir = args.out or _out_from_args(trainer_args)
+    out_arg = _arg(trainer_args, "--out")
+    out_dir = args.out or (Path(out_arg) if out_arg is not None else None)
     if out_dir is None:
         parser.error("the trainer arguments after -- need --out DIR (or pass --out here)")
     try:
         return launch(args.ranks, args.launcher, trainer_args, out_dir,
-                      slurm_job_name=args.slurm_job_name)
+                      slurm_job_name=args.slurm_job_name, keep=args.keep)
     except ValueError as exc:
         parser.error(str(exc))
     return 2

@@ -1,146 +1,175 @@
 """The aggregate step of a round, run by the plan on the coordinator.
 
-It verifies the site updates against the previous global model, aggregates the accepted ones
-tensor by tensor into ``<run_dir>/rounds/<r>/global`` (atomically), records the round in the
-registry, and answers the loop through ``cwl.output.json`` (model, next_round, go), so the
-CWL needs no JavaScript engine.
+``python -m xffl.workflows.aggregate_step --run-dir D --sites a,b --round R --max-rounds M
+--previous G --verdict=a=V --update=a=U --job=a=J ... [strategy options]`` takes every site's
+verdict (from its admit step), aggregates the admitted updates tensor by tensor into
+``rounds/<r>/global`` (atomically) when at least ``--min-sites`` were admitted, keeps them in
+``rounds/<r>/updates/<site>`` under the coordinator's names, and answers the loop through
+``cwl.output.json``: the new model, the next round, ``go``, and each site's job file for the
+next round (balanced by throughput when the job asks for it), so the CWL needs no
+JavaScript. In a registered run (``run.json``) it records the round in the registry. Too few
+admitted updates: the round is recorded as failed, with every site's reason, and the step
+exits 1, which ends the workflow.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from xffl.aggregator.exchange import read_manifest, verify_checkpoint
-from xffl.aggregator.shards import DEFAULT_MAX_SHARD_SIZE
+from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.strategies import parse_pairs, run_strategy
-from xffl.aggregator.verify import select_updates
 from xffl.core.failpoints import failpoint
-from xffl.jobs.registry import Registry, RoundRecord, SiteRound
-from xffl.jobs.slurm_view import record_delivered
+from xffl.core.layout import RunLayout, registration
+from xffl.jobs.registry import Registry, RoundRecord
+from xffl.workflows.admit_step import link_files
+from xffl.workflows.balance import round_job
+from xffl.workflows.verdict import Verdict, read_verdict
 
-
-def _link_tree(src: Path, dst: Path) -> None:
-    """Expose ``src`` as ``dst`` (the step's output) by hardlinks, falling back to copies."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        try:
-            os.link(item, dst / item.name)
-        except OSError:
-            shutil.copy2(item, dst / item.name)
+QUORUM_EXIT = 1
+QUORUM_EVENT = "quorum"  # the registry event the supervisor reports a failed round with
 
 
 class QuorumNotMet(RuntimeError):
-    """Fewer valid updates than the job's ``failure.min_sites``: the round cannot aggregate."""
+    """Fewer admitted updates than the job's ``failure.min_sites``: the round cannot aggregate."""
 
 
-def aggregate_round(
-    run_id: str, run_dir: Path, registry: Registry, rnd: int, previous_dir: Path,
-    updates: list[Path], *, strategy: str = "fedavg", weighting: str = "samples",
-    params: dict[str, float] | None = None, max_shard_size: str | int | None = None,
-    min_sites: int = 1, failed: list[SiteRound] | None = None,
-    attempts: dict[str, int] | None = None,
-) -> Path:
-    """Verify ``updates``, aggregate the valid ones into rounds/<rnd>/global, record the round.
+def _per_site(pairs: Sequence[str], option: str, sites: list[str]) -> dict[str, Path]:
+    """``SITE=PATH`` options as {site: path}, for the plan's own sites only."""
+    out: dict[str, Path] = {}
+    for pair in pairs:
+        site, sep, path = pair.partition("=")
+        if not sep or site not in sites or site in out:
+            raise SystemExit(f"{option}: {pair!r} is not SITE=PATH for a site of {sites}")
+        out[site] = Path(path)
+    return out
 
-    ``failed`` are sites that delivered nothing (with their reasons), recorded beside the
-    verified ones. Raises QuorumNotMet, after recording the round as failed, when fewer
-    than ``min_sites`` updates are valid. Returns the new global checkpoint's directory.
-    """
-    attempts = attempts or {}
-    previous = verify_checkpoint(previous_dir)
-    accepted, rejected = select_updates(
-        updates, expected_round=rnd, expected_parent=previous.digest(),
-        reference_index=previous.tensors,
-    )
-    for update_dir, site in [(d, m.site or "?") for d, m in accepted] + [
-            (d, site) for d, site, _ in rejected]:  # the SLURM job that trained each update
-        record_delivered(registry, run_id, rnd, site, update_dir)
-    sites: list[SiteRound] = list(failed or [])
-    for _, site, reason in rejected:
-        print(f"rejected update from {site}: {reason}", file=sys.stderr)
-        sites.append(SiteRound(site=site, state="rejected", reason=reason,
-                               attempts=attempts.get(site, 1)))
-    for _, m in accepted:
-        site = m.site or "?"
-        sites.append(SiteRound(site=site, state="completed", num_samples=m.num_samples,
-                               num_tokens=m.num_tokens, loss=m.metrics.get("loss"),
-                               train_seconds=m.metrics.get("train_seconds"),
-                               attempts=attempts.get(site, 1)))
-    if len(accepted) < min_sites:
-        registry.finish_round(run_id, RoundRecord(
-            round=rnd, state="failed", ended=time.time(), sites=sites))
-        lost = "; ".join(f"{s.site}: {s.reason}" for s in sites if s.state != "completed")
-        raise QuorumNotMet(f"round {rnd}: {len(accepted)} valid update(s), the job needs "
-                           f"{min_sites} (failure.min_sites) ({lost or 'no update'})")
-    target = Path(run_dir) / "rounds" / str(rnd) / "global"
+
+def quorum_message(rnd: int, verdicts: list[Verdict], min_sites: int) -> str:
+    """The sentence a round that cannot aggregate ends with."""
+    admitted = sum(v.accepted for v in verdicts)
+    lost = "; ".join(f"{v.site}: {v.reason or v.state}" for v in verdicts if not v.accepted)
+    return (f"round {rnd}: {admitted} valid update(s), the job needs {min_sites} "
+            f"(failure.min_sites) ({lost or 'no update'})")
+
+
+def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
+                    updates: dict[str, Path], args: argparse.Namespace,
+                    registry: tuple[Registry, str] | None) -> Path:
+    """Aggregate the admitted updates into rounds/<rnd>/global; record the round."""
+    if sum(v.accepted for v in verdicts) < args.min_sites:
+        message = quorum_message(rnd, verdicts, args.min_sites)
+        if registry is not None:
+            reg, run_id = registry
+            reg.finish_round(run_id, RoundRecord(
+                round=rnd, state="failed", ended=time.time(),
+                sites=[v.site_round() for v in verdicts]))
+            reg.event(run_id, QUORUM_EVENT, message)
+        raise QuorumNotMet(message)
+    admitted = sorted(v.site for v in verdicts if v.accepted)
+    parent = read_manifest(previous)
+    target = layout.global_dir(rnd)
     t0 = time.perf_counter()
     run_strategy(
-        strategy, [d for d, _ in accepted], previous_dir, target,
-        weighting=weighting, params=params or {}, run_id=run_id,  # type: ignore[arg-type]
-        round=rnd, parent_digest=previous.digest(), max_shard_size=max_shard_size,
+        args.strategy, [updates[s] for s in admitted], previous, target,
+        weighting=args.weighting, params=parse_pairs(args.param), run_id=parent.run_id,
+        round=rnd, parent_digest=parent.digest(), max_shard_size=args.max_shard_size,
     )
     seconds = time.perf_counter() - t0
     failpoint(f"aggregated-round-{rnd}")  # the global is on disk, the registry not updated
-    for update_dir, m in accepted:  # keep what was aggregated beside the result (hardlinks)
-        kept = target.parent / "updates" / (m.site or update_dir.name)
+    for site in admitted:  # keep what was aggregated beside the result, under our names
+        kept = layout.kept_update(rnd, site)
         if not kept.exists():
-            _link_tree(update_dir, kept)
+            link_files(updates[site], kept, sorted(p.name for p in updates[site].iterdir()))
     manifest = read_manifest(target)
-    registry.finish_round(run_id, RoundRecord(
-        round=rnd, state="completed", started=None, ended=time.time(),
-        aggregate_seconds=seconds, global_path=str(target), global_digest=manifest.digest(),
-        num_samples=manifest.num_samples, loss=manifest.metrics.get("loss"), sites=sites,
-    ))
-    print(f"round {rnd}: aggregated {len(accepted)} updates in {seconds:.2f} s")
+    if registry is not None:
+        reg, run_id = registry
+        reg.finish_round(run_id, RoundRecord(
+            round=rnd, state="completed", ended=time.time(), aggregate_seconds=seconds,
+            global_path=str(target), global_digest=manifest.digest(),
+            num_samples=manifest.num_samples, loss=manifest.metrics.get("loss"),
+            sites=[v.site_round() for v in verdicts]))
+    print(f"round {rnd}: aggregated {len(admitted)} updates ({', '.join(admitted)}) in "
+          f"{seconds:.2f} s", file=sys.stderr)
     return target
 
 
+def next_jobs(layout: RunLayout, rnd: int, jobs: dict[str, Path], sites: list[str],
+              here: Path) -> dict[str, Path]:
+    """Each site's job file for round ``rnd + 1``, as outputs in ``here``.
+
+    The configured job, or the one balanced by the sites' throughput in round ``rnd``
+    (``training.balance``, :mod:`xffl.workflows.balance`).
+    """
+    out: dict[str, Path] = {}
+    for site in sites:
+        chosen = layout.root / round_job(layout.root, site, rnd + 1, sites)
+        if chosen == layout.job_file(site):
+            chosen = jobs[site]  # as the round was given it
+        dst = here / "jobs" / f"{site}.json"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(chosen, dst)
+        out[site] = dst
+    return out
+
+
 def run_step(args: argparse.Namespace) -> int:
-    """Aggregate one round as main.cwl's aggregate step; return the process exit code."""
-    registry = Registry(Path(args.registry))
+    """Aggregate one round as round.cwl's aggregate step; return the process exit code."""
+    layout = RunLayout(Path(args.run_dir))
+    sites = [s for s in args.sites.split(",") if s]
+    verdict_files = _per_site(args.verdict, "--verdict", sites)
+    updates = _per_site(args.update, "--update", sites)
+    jobs = _per_site(args.job, "--job", sites)
+    verdicts = [read_verdict(verdict_files[s]) for s in sites]
+    for v in verdicts:  # an update without an admitted verdict is never aggregated
+        if v.accepted and v.site not in updates:
+            raise SystemExit(f"--update: no update for admitted site {v.site!r}")
+    reg = registration(layout)
+    registry = (Registry(reg.registry), reg.run_id) if reg is not None else None
     rnd: int = args.round
     try:
-        target = aggregate_round(
-            args.run_id, Path(args.run_dir), registry, rnd, Path(args.previous),
-            [Path(u) for u in args.updates], strategy=args.strategy,
-            weighting=args.weighting, params=parse_pairs(args.param),
-            max_shard_size=args.max_shard_size,
-        )
+        target = aggregate_round(layout, rnd, Path(args.previous), verdicts, updates, args,
+                                 registry)
     except QuorumNotMet as exc:
         print(str(exc), file=sys.stderr)
-        return 1
-    _link_tree(target, Path.cwd() / "global")
+        return QUORUM_EXIT
+    here = Path.cwd()
+    link_files(target, here / "global", sorted(p.name for p in target.iterdir()))
     go = rnd < args.max_rounds
-    if go:
-        registry.start_round(args.run_id, rnd + 1, registry.get_run(args.run_id).sites)
-    out = {"model": {"class": "Directory", "path": str(Path.cwd() / "global")},
-           "next_round": rnd + 1, "go": go}
-    Path("cwl.output.json").write_text(json.dumps(out))
+    if go and registry is not None:
+        registry[0].start_round(registry[1], rnd + 1, sites)
+    out: dict[str, Any] = {"model": {"class": "Directory", "path": str(here / "global")},
+                           "next_round": rnd + 1, "go": go}
+    for site, path in next_jobs(layout, rnd, jobs, sites, here).items():
+        out[f"job_{site}"] = {"class": "File", "path": str(path)}
+    (here / "cwl.output.json").write_text(json.dumps(out))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m xffl.workflows.aggregate_step ...`` (the plan's aggregate tool)."""
+    """Entry point of the plan's aggregate tool."""
     parser = argparse.ArgumentParser(prog="xffl.workflows.aggregate_step")
-    parser.add_argument("--run-id", required=True)
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--registry", required=True)
+    parser.add_argument("--sites", required=True, help="the plan's sites, comma-separated")
     parser.add_argument("--weighting", default="samples")
     parser.add_argument("--strategy", default="fedavg")
     parser.add_argument("--param", action="append", default=[], help="KEY=NUMBER")
-    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="0: one file")
+    parser.add_argument("--max-shard-size", required=True, help="0: one file")
+    parser.add_argument("--min-sites", type=int, required=True)
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)
-    parser.add_argument("updates", nargs="+")
+    for name in ("update", "verdict", "job"):
+        parser.add_argument(f"--{name}", action="append", default=[], help="SITE=PATH")
     return run_step(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -1,9 +1,11 @@
 """A site's side of the plan: its StreamFlow deployments and the batch script of its SLURM jobs.
 
-A SLURM site is an ssh deployment (its login node) wrapped by a slurm deployment whose
-``train`` service carries the sbatch options of the site's effective SLURM settings (the
-profile's slurm section with the job spec's per-site overrides applied). The same settings
-render ``sbatch/<site>.sh``, the script a user can submit by hand.
+A SLURM site is an ssh deployment (its login node) wrapped by an ``xffl-slurm`` deployment
+(StreamFlow's SLURM connector with xffl's deadline; see :mod:`xffl.workflows.sf_connectors`)
+whose batch template is ``sbatch/<site>.j2``. That template and the hand-run
+``sbatch/<site>.sh`` come from one Jinja2 template (``templates/sbatch.sh.j2``) and the
+site's effective SLURM settings (the profile's slurm section with the job spec's per-site
+overrides applied), so what StreamFlow submits and what a user submits by hand agree.
 """
 
 from __future__ import annotations
@@ -11,21 +13,27 @@ from __future__ import annotations
 import getpass
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
 from xffl.core.paths import xffl_home
 from xffl.site_profiles.login import Login, resolve
 from xffl.site_profiles.schema import LocalConnector, SiteProfile, SlurmSpec
 
-# sbatch's long option names, the SlurmSpec field and StreamFlow's camelCase service key
+# the names xffl's StreamFlow plugin registers (xffl.workflows.sf_plugin)
+FAILURE_MANAGER = "xffl"
+SLURM_CONNECTOR = "xffl-slurm"
+LOCAL_CONNECTOR = "xffl-local"
+TRAIN_SERVICE = "train"
+
+# sbatch's long option names and the SlurmSpec field
 _SBATCH_OPTIONS = (
-    ("partition", "partition", "partition"), ("account", "account", "account"),
-    ("qos", "qos", "qos"), ("ntasks-per-node", "ntasks_per_node", "ntasksPerNode"),
-    ("gpus-per-node", "gpus_per_node", "gpusPerNode"),
-    ("cpus-per-task", "cpus_per_task", "cpusPerTask"), ("mem", "mem", "mem"),
-    ("constraint", "constraint", "constraint"),
+    ("partition", "partition"), ("account", "account"), ("qos", "qos"),
+    ("ntasks-per-node", "ntasks_per_node"), ("gpus-per-node", "gpus_per_node"),
+    ("cpus-per-task", "cpus_per_task"), ("mem", "mem"), ("constraint", "constraint"),
 )
 
 
@@ -39,34 +47,43 @@ def site_python(profile: SiteProfile) -> str:
     return profile.python or sys.executable
 
 
+def site_data_path(profile: SiteProfile, site: str, path: str) -> str:
+    """A site's data path on that site's filesystem (relative paths join the workdir)."""
+    if path.startswith(("/", "~")):
+        return path
+    return f"{site_workdir(profile, site).rstrip('/')}/{path}"
+
+
+def kept_updates_dir(profile: SiteProfile, site: str, run_id: str) -> str:
+    """The folder at the site where the launcher keeps the site's last update of the run."""
+    return f"{site_workdir(profile, site).rstrip('/')}/kept/{run_id}"
+
+
 def sbatch_options(slurm: SlurmSpec) -> list[str]:
     """The ``--option=value`` lines of ``slurm`` beyond nodes/ntasks/time, ``extra`` last."""
-    options = [f"--{flag}={getattr(slurm, field)}" for flag, field, _ in _SBATCH_OPTIONS
+    options = [f"--{flag}={getattr(slurm, field)}" for flag, field in _SBATCH_OPTIONS
                if getattr(slurm, field) is not None]
     return options + list(slurm.extra)
 
 
-def batch_template(profile: SiteProfile) -> str:
-    """The batch script StreamFlow submits for a SLURM site (a Jinja2 template for it).
+@dataclass(frozen=True)
+class BatchPaths:
+    """Where the hand-run batch script finds its inputs, relative to the submit folder."""
 
-    ``{{streamflow_command}}`` is where StreamFlow puts the step's command; the profile's
-    ``extra`` #SBATCH options (which StreamFlow has no key for), setup lines and
-    environment come from the site's effective profile, shell-quoted, inside a Jinja2 raw
-    block (so that a ``{{`` of theirs reaches the script as written).
+    model: str = "rounds/0/global"
+    job_file: str = "jobs/{site}.json"
+    out: str = "updates/{site}"
+
+
+def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str, *,
+                 by_hand: bool) -> str:
+    """The batch script of ``site`` from the one template, for StreamFlow or for sbatch.
+
+    ``by_hand``: a complete script (``sbatch/<site>.sh``) that trains one round from paths
+    relative to the folder it is submitted from. Otherwise: the Jinja2 template that
+    StreamFlow renders again with each round's command (``{{streamflow_command}}``); the
+    site's own lines sit in a raw block there (the profile schema refuses ``{%`` in them).
     """
-    assert profile.slurm is not None
-    lines = ["#!/bin/bash"]
-    lines += [f"#SBATCH {opt}" for opt in profile.slurm.extra]
-    lines += ["# xffl: one federated round at this site (submitted by StreamFlow)",
-              "set -eo pipefail"]
-    lines += list(profile.setup)
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(profile.env.items())]
-    return "{% raw %}" + "\n".join(lines) + "\n{% endraw %}{{streamflow_command}}\n"
-
-
-def sbatch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str,
-                  final: Path) -> str:
-    """A complete batch script for one round at ``site``, runnable by hand with sbatch."""
     import jinja2
 
     slurm = profile.slurm
@@ -76,32 +93,15 @@ def sbatch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
     )
     env.filters["q"] = lambda v: shlex.quote(str(v))
+    paths = BatchPaths()
     return env.get_template("sbatch.sh.j2").render(
-        site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
+        by_hand=by_hand, site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
         job_name=slurm_job_name(run_id, site), slurm=slurm, ranks=ranks,
-        options=sbatch_options(slurm),
-        model=str(final / "rounds" / "0" / "global"), out=str(final / "manual" / site),
-        setup=profile.setup, env=sorted(profile.env.items()), python=site_python(profile),
-        launcher=profile.launcher, job_file=str(final / "jobs" / f"{site}.json"),
-        data=data_path,
+        options=sbatch_options(slurm), setup=profile.setup, env=sorted(profile.env.items()),
+        python=site_python(profile), launcher=profile.launcher, data=data_path,
+        model=paths.model, job_file=paths.job_file.format(site=site),
+        out=paths.out.format(site=site),
     )
-
-
-def slurm_service(run_id: str, site: str, profile: SiteProfile, ranks: int,
-                  template: Path) -> dict[str, Any]:
-    """sbatch options (StreamFlow's camelCase names) for a site's train job.
-
-    ``jobName`` is the run's and site's prefix; the runner sets the round's full name
-    (``...-r<round>``) in each round's configuration, and the launcher renames a job that
-    was submitted without it (``--slurm-job-name``).
-    """
-    slurm = profile.slurm
-    assert slurm is not None
-    service: dict[str, Any] = {"file": str(template), "jobName": slurm_job_name(run_id, site),
-                               "nodes": str(slurm.nodes), "ntasks": ranks, "time": slurm.time}
-    service.update({key: getattr(slurm, field) for _, field, key in _SBATCH_OPTIONS
-                    if getattr(slurm, field) is not None})
-    return service
 
 
 def ssh_connection(login: Login, links: Path, final_links: Path, tag: str) -> dict[str, Any]:
@@ -128,12 +128,14 @@ def ssh_connection(login: Login, links: Path, final_links: Path, tag: str) -> di
     return node
 
 
-def site_deployments(run_id: str, site: str, profile: SiteProfile, ranks: int,
-                     out: Path, final: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def site_deployments(site: str, profile: SiteProfile, out: Path,
+                     final: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The StreamFlow deployments of one site and the binding target of its train step."""
     conn = profile.connector
-    if isinstance(conn, LocalConnector):
-        return {f"site-{site}": {"type": "local", "config": {}}}, {"deployment": f"site-{site}"}
+    workdir = site_workdir(profile, site)
+    if isinstance(conn, LocalConnector):  # its jobs' folders in the site's workdir, as remotely
+        return ({f"site-{site}": {"type": LOCAL_CONNECTOR, "config": {}, "workdir": workdir}},
+                {"deployment": f"site-{site}"})
     resolved = resolve(conn, f"site profile {profile.name}")
     node = ssh_connection(resolved, out / "ssh", final / "ssh", site)
     login: dict[str, Any] = {
@@ -142,21 +144,18 @@ def site_deployments(run_id: str, site: str, profile: SiteProfile, ranks: int,
         "retryDelay": conn.transfer.retry_delay,
         "transferBufferSize": conn.transfer.buffer_size,
     }
-    workdir = site_workdir(profile, site)
     deployments: dict[str, Any] = {
         f"login-{site}": {"type": "ssh", "config": login, "workdir": workdir},
     }
     if profile.slurm is None:
         return deployments, {"deployment": f"login-{site}"}
-    template = out / "sbatch" / f"{site}.j2"
-    template.parent.mkdir(parents=True, exist_ok=True)
-    template.write_text(batch_template(profile))
     deployments[f"slurm-{site}"] = {
-        "type": "slurm", "wraps": f"login-{site}", "workdir": workdir,
+        "type": SLURM_CONNECTOR, "wraps": f"login-{site}", "workdir": workdir,
         "config": {
+            # every sbatch option is a #SBATCH line of the template, as in the hand-run
+            # script; StreamFlow adds --parsable, --chdir and the output file
             "pollingInterval": profile.slurm.polling_interval, "maxConcurrentJobs": 4,
-            "services": {"train": slurm_service(run_id, site, profile, ranks,
-                                                final / "sbatch" / f"{site}.j2")},
+            "services": {TRAIN_SERVICE: {"file": str(RunLayout(final).batch_template(site))}},
         },
     }
-    return deployments, {"deployment": f"slurm-{site}", "service": "train"}
+    return deployments, {"deployment": f"slurm-{site}", "service": TRAIN_SERVICE}

@@ -18,17 +18,19 @@ app.command()(cancel.cancel)
 app.command()(logs.logs)
 runner = CliRunner()
 
-SF_LOG = """\
-2026-11-22 06:23:58,227 INFO     EXECUTING step /rounds/train_alpha (job /rounds/train_alpha/0.0) \
-locally into directory /tmp/x/d56b:
-\t/usr/bin/python \\
-\t-m xffl.training.launch
-2026-11-22 06:23:58,228 INFO     EXECUTING step /rounds/train_beta (job /rounds/train_beta/0.0) \
-locally into directory /tmp/x/92d7:
-\t/usr/bin/python
-2026-11-22 06:24:13,078 INFO     {"site": "beta", "round": 1, "num_samples": 512}
-2026-11-22 06:24:13,154 INFO     {"site": "alpha", "round": 1, "num_samples": 768}
-"""
+def _execution(site: str, job: str, rnd: int, directory: str) -> str:
+    """An EXECUTING entry of a train step as StreamFlow logs it: the command follows."""
+    return (f"2026-11-22 06:23:58,227 INFO     EXECUTING step /rounds/train_{site} (job {job}) "
+            f"locally into directory {directory}:\n/usr/bin/python -m xffl.training.launch \\\n"
+            f"\t--ranks \\\n\t2 \\\n\t-- \\\n\t--round \\\n\t{rnd} \\\n\t--out \\\n\tupdate\n")
+
+
+SF_LOG = (_execution("alpha", "/rounds/train_alpha/0.0", 1, "/tmp/x/d56b")
+          + _execution("beta", "/rounds/train_beta/0.0", 1, "/tmp/x/92d7")
+          + '2026-11-22 06:24:13,078 INFO     {"site": "beta", "round": 1, "num_samples": 512}\n'
+          + '2026-11-22 06:24:13,154 INFO     {"site": "alpha", "round": 1, "num_samples": 768}\n'
+          + _execution("beta", "/rounds/train_beta/0.1", 2, "/tmp/x/a0a0")
+          + '2026-11-22 06:24:30,000 INFO     {"site": "beta", "round": 2, "num_samples": 512}\n')
 
 
 def _closed_port() -> int:
@@ -49,7 +51,7 @@ def _run(tmp_path: Path, slurm_alpha: bool) -> tuple[Registry, str]:
                           "known_hosts": str(tmp_path / "none")}}
     (run_dir / "profiles.json").write_text(json.dumps(profiles))
     (run_dir / "streamflow.log").write_text(SF_LOG)
-    (run_dir / "runner.log").write_text("runner says hello\n")
+    (run_dir / "supervisor.log").write_text("supervisor says hello\n")
     registry.create_run("r1", "r", tmp_path / "job.yaml", run_dir, 2, ["alpha", "beta"])
     registry.set_state("r1", "running", "runner started")
     registry.start_round("r1", 1, ["alpha", "beta"])
@@ -86,13 +88,16 @@ def test_cancel_finished_run_is_a_no_op(tmp_path: Path) -> None:
 def test_logs_of_local_sites(tmp_path: Path) -> None:
     _, run_id = _run(tmp_path, slurm_alpha=False)
     result = runner.invoke(app, ["logs", run_id])
-    assert result.exit_code == 0 and "runner says hello" in result.stdout
-    result = runner.invoke(app, ["logs", run_id, "--site", "beta", "--json"])
+    assert result.exit_code == 0 and "supervisor says hello" in result.stdout
+    result = runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "1", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["source"] == "streamflow.log" and data["round"] == 1
     assert data["directory"] == "/tmp/x/92d7"
     text = "\n".join(data["lines"])
-    assert '"site": "beta"' in text and "train_beta" in text and "train_alpha" not in text
+    assert '"site": "beta"' in text and "train_beta/0.0" in text and "train_alpha" not in text
+    assert "train_beta/0.1" not in text and '"round": 2' not in text  # round 1's lines only
+    latest = json.loads(runner.invoke(app, ["logs", run_id, "--site", "beta", "--json"]).stdout)
+    assert latest["round"] == 2 and latest["directory"] == "/tmp/x/a0a0"
     assert runner.invoke(app, ["logs", run_id, "--site", "gamma"]).exit_code == 2
-    assert runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "2"]).exit_code == 2
+    assert runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "3"]).exit_code == 2

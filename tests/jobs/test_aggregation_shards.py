@@ -24,13 +24,14 @@ def _job(tmp_path: Path, size: Any) -> Path:
 
 
 def _aggregate_args(tmp_path: Path, size: Any) -> list[str]:
-    paths = write_plan(load_job(_job(tmp_path, size)), "qs-9", tmp_path / "plan",
-                       tmp_path / "reg.db")
+    paths = write_plan(load_job(_job(tmp_path, size)), "qs-9", tmp_path / "plan")
     tool = yaml.safe_load((paths.root / "tools" / "aggregate.cwl").read_text())
     return [a for a in tool["arguments"] if a.startswith("--max-shard-size")]
 
 
-@pytest.mark.parametrize(("size", "arg"), [(None, []), ("2GiB", ["--max-shard-size=2GiB"]),
+# one default for the plan, the initial model and `xffl aggregate`: Hugging Face's 5GB
+@pytest.mark.parametrize(("size", "arg"), [(None, ["--max-shard-size=5GB"]),
+                                           ("2GiB", ["--max-shard-size=2GiB"]),
                                            (0, ["--max-shard-size=0"])])
 def test_max_shard_size_reaches_the_aggregate_step(tmp_path: Path, size: Any,
                                                    arg: list[str]) -> None:

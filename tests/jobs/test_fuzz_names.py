@@ -23,7 +23,8 @@ from xffl.core.errors import InvalidInput
 from xffl.core.names import NAME_RE
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.site_profiles.lookup import available
-from xffl.workflows.plan import site_data_path, write_plan
+from xffl.workflows.deployments import site_data_path
+from xffl.workflows.plan import write_plan
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -81,8 +82,7 @@ def _load(job: Path, fields: set[str], file: Path | None = None) -> LoadedJob | 
 
 def _check_plan(loaded: LoadedJob, out: Path) -> dict[str, Any]:
     """Render the plan; every CWL id is plain and every file stays inside the plan folder."""
-    paths = write_plan(loaded, f"{loaded.spec.name}-20260101-000000-abcd", out,
-                       out.parent / "registry.db")
+    paths = write_plan(loaded, f"{loaded.spec.name}-20260101-000000-abcd", out)
     root = paths.root.resolve()
     for file in root.rglob("*"):
         assert file.resolve().is_relative_to(root), file

@@ -136,7 +136,7 @@ def test_transfer_settings_reach_streamflow(home: Path, tmp_path: Path) -> None:
                                       "transfer": {"connect_timeout": 90, "retries": 8,
                                                    "retry_delay": 30, "buffer_size": 1 << 20}},
         "slurm": {"partition": "p"}})
-    deployments, target = site_deployments("run", "slow", profile, 1, tmp_path, tmp_path)
+    deployments, target = site_deployments("slow", profile, tmp_path, tmp_path)
     login = deployments["login-slow"]["config"]
     assert {k: login[k] for k in ("connectTimeout", "retries", "retryDelay",
                                   "transferBufferSize")} == \
@@ -145,5 +145,5 @@ def test_transfer_settings_reach_streamflow(home: Path, tmp_path: Path) -> None:
                                                      "service": "train"}
     default = SiteProfile.model_validate({"name": "d", "connector": {"type": "ssh",
                                                                      "host": "h"}})
-    deployments, _ = site_deployments("run", "d", default, 1, tmp_path, tmp_path)
+    deployments, _ = site_deployments("d", default, tmp_path, tmp_path)
     assert deployments["login-d"]["config"]["transferBufferSize"] == 4 << 20

@@ -1,4 +1,4 @@
-"""The compiled plan: CWL that cwltool accepts, bindings per site, no absolute staging paths."""
+"""The compiled plan: CWL that cwltool accepts, the loop, bindings, failure policy, one template."""
 
 from __future__ import annotations
 
@@ -6,104 +6,192 @@ import json
 from pathlib import Path
 
 import jinja2
+import pytest
 import yaml
 
 from tests.conftest import QUICKSTART
+from xffl.core.errors import InvalidInput
+from xffl.core.layout import RunLayout
 from xffl.jobs.load import load_job
-from xffl.workflows.plan import write_plan
+from xffl.workflows.plan import write_execution_inputs, write_plan
 from xffl.workflows.validate import validate_cwl
 
 
-def test_plan_files_and_cwltool_validate(tmp_path: Path) -> None:
-    loaded = load_job(QUICKSTART)
-    paths = write_plan(loaded, "qs-1", tmp_path / "plan", tmp_path / "reg.db")
-    root = paths.root
-    for rel in ["main.cwl", "round.cwl", "tools/train_alpha.cwl", "tools/train_beta.cwl",
-                "tools/aggregate.cwl", "inputs.yml", "streamflow.yml", "jobs/alpha.json",
-                "jobs/beta.json"]:
-        assert (root / rel).is_file(), rel
-    # cwltool, the reference implementation, accepts both workflows
-    validate_cwl(root / "main.cwl")
-    validate_cwl(root / "round.cwl")
-    for site in ("alpha", "beta"):  # the per-site round plan the runner executes
-        validate_cwl(root / "sites" / f"{site}.cwl")
-    sites_cfg = yaml.safe_load((root / "streamflow-sites.yml").read_text())
-    assert sites_cfg["workflows"]["qs-1-alpha"]["bindings"] == [
-        {"step": "/train_alpha", "target": {"deployment": "site-alpha"}}]
-    assert sites_cfg["deployments"] == yaml.safe_load(
-        (root / "streamflow.yml").read_text())["deployments"]
+def _job(tmp_path: Path, **changes: object) -> Path:
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data.update(changes)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data, sort_keys=False))
+    return job
 
-    main = yaml.safe_load((root / "main.cwl").read_text())
+
+def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> None:
+    loaded = load_job(QUICKSTART)
+    layout = write_plan(loaded, "qs-1", tmp_path / "plan")
+    root = layout.root
+    for rel in ["main.cwl", "round.cwl", "tools/train_alpha.cwl", "tools/train_beta.cwl",
+                "tools/admit.cwl", "tools/aggregate.cwl", "inputs.yml", "streamflow.yml",
+                "jobs/alpha.json", "jobs/beta.json", "profiles.json"]:
+        assert (root / rel).is_file(), rel
+    assert not layout.registration.exists()  # a plan is registered only by `xffl submit`
+    # cwltool, the reference implementation, accepts the cyclic workflow and its round
+    validate_cwl(layout.main)
+    validate_cwl(layout.round_cwl)
+
+    main = yaml.safe_load(layout.main.read_text())
     loop = main["steps"]["rounds"]["requirements"]["cwltool:Loop"]
     assert loop["loopWhen"] == "$(inputs.go)"  # a parameter reference: no JavaScript engine
-    assert loop["loop"] == {"round": "next_round", "model": "model", "go": "go"}
+    assert loop["loop"] == {"round": "next_round", "model": "model", "go": "go",
+                            "job_alpha": "job_alpha", "job_beta": "job_beta"}
+    steps = yaml.safe_load(layout.round_cwl.read_text())["steps"]
+    assert set(steps) == {"train_alpha", "admit_alpha", "train_beta", "admit_beta",
+                          "aggregate"}
+    assert steps["admit_beta"]["in"]["update"] == "train_beta/update"
+    assert steps["admit_beta"]["in"]["site"] == {"default": "beta"}  # the coordinator's name
+    assert steps["aggregate"]["in"]["update_beta"] == "admit_beta/update"
 
-    sf = yaml.safe_load((root / "streamflow.yml").read_text())
+    sf = yaml.safe_load(layout.streamflow.read_text())
     binding = {b["step"]: b["target"]["deployment"] for b in sf["workflows"]["qs-1"]["bindings"]}
     assert binding == {"/rounds/train_alpha": "site-alpha", "/rounds/train_beta": "site-beta"}
+    assert sf["deployments"]["site-alpha"] == {
+        "type": "xffl-local", "config": {}, "workdir": str(xffl_home / "sites" / "alpha")}
     assert sf["database"]["config"]["connection"] == str(root / "streamflow" / "sqlite.db")
+    assert sf["failureManager"] == {
+        "enabled": True, "type": "xffl",
+        "config": {"retries": 0, "retry_delay": 0.0, "run_dir": str(root), "sites": {
+            s: [f"/rounds/train_{s}", f"/rounds/admit_{s}/__transfer__/update"]
+            for s in ("alpha", "beta")}}}
 
     train = yaml.safe_load((root / "tools" / "train_alpha.cwl").read_text())
     args = train["arguments"]
     assert args[args.index("--ranks") + 1] == "2"
-    data = args[args.index("--data") + 1]
-    assert data.endswith("/sites/alpha/data/alpha")
+    assert args[args.index("--data") + 1] == str(xffl_home / "sites" / "alpha" / "data" / "alpha")
+    keep = args[args.index("--keep") + 1]
+    assert keep == str(xffl_home / "sites" / "alpha" / "kept" / "qs-1")  # at the site
+    assert "ToolTimeLimit" not in train["requirements"]  # no failure.round_timeout
+
+    inputs = yaml.safe_load(layout.inputs.read_text())
+    assert inputs == {"first_round": 1, "max_rounds": 3,
+                      "model": {"class": "Directory", "path": "rounds/0/global"},
+                      "job_alpha": {"class": "File", "path": "jobs/alpha.json"},
+                      "job_beta": {"class": "File", "path": "jobs/beta.json"}}
+
+
+def test_execution_inputs_start_from_a_later_round(tmp_path: Path) -> None:
+    loaded = load_job(QUICKSTART)
+    layout = write_plan(loaded, "qs-5", tmp_path / "plan")
+    layout.round_job(2, "beta").parent.mkdir(parents=True)
+    layout.round_job(2, "beta").write_text("{}")  # balanced for round 2 by round 1
+    path = write_execution_inputs(layout, loaded.spec, "tick", 2, 2)
+    data = yaml.safe_load(path.read_text())
+    assert (data["first_round"], data["max_rounds"]) == (2, 2)
+    assert (path.parent / data["model"]["path"]).resolve() == layout.global_dir(1).resolve()
+    assert (path.parent / data["job_alpha"]["path"]).resolve() == layout.job_file("alpha")
+    assert (path.parent / data["job_beta"]["path"]).resolve() == layout.round_job(2, "beta")
 
 
 def test_staged_plan_points_at_final_dir(tmp_path: Path) -> None:
     loaded = load_job(QUICKSTART)
     final = tmp_path / "final"
-    paths = write_plan(loaded, "qs-2", tmp_path / "staging", tmp_path / "reg.db", run_dir=final)
-    text = "".join(p.read_text() for p in paths.root.rglob("*") if p.is_file())
+    layout = write_plan(loaded, "qs-2", tmp_path / "staging", run_dir=final)
+    text = "".join(p.read_text() for p in layout.root.rglob("*") if p.is_file())
     assert str(tmp_path / "staging") not in text
-    agg = yaml.safe_load((paths.root / "tools" / "aggregate.cwl").read_text())
-    assert agg["arguments"][agg["arguments"].index("--run-dir") + 1] == str(final)
-    inputs = yaml.safe_load((paths.root / "inputs.yml").read_text())
-    assert inputs["model"] == {"class": "Directory", "path": "rounds/0/global"}
+    for tool in ("aggregate", "admit"):
+        agg = yaml.safe_load(layout.tool(tool).read_text())
+        assert agg["arguments"][agg["arguments"].index("--run-dir") + 1] == str(final)
+    sf = yaml.safe_load(layout.streamflow.read_text())
+    assert sf["failureManager"]["config"]["run_dir"] == str(final)
 
 
-def test_strategy_reaches_the_aggregate_step(tmp_path: Path) -> None:
-    data = yaml.safe_load(QUICKSTART.read_text())
-    data["aggregation"] = {"strategy": "fedyogi", "weighting": "tokens", "params": {"eta": 0.05}}
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(data))
-    paths = write_plan(load_job(job), "qs-3", tmp_path / "plan", tmp_path / "reg.db")
-    args = yaml.safe_load((paths.root / "tools" / "aggregate.cwl").read_text())["arguments"]
+def test_job_spec_reaches_the_aggregate_step_and_the_failure_manager(tmp_path: Path) -> None:
+    job = _job(tmp_path, aggregation={"strategy": "fedyogi", "weighting": "tokens",
+                                      "params": {"eta": 0.05}, "max_shard_size": "1MB"},
+               failure={"retries": 2, "retry_delay": 1.5, "min_sites": 1,
+                        "round_timeout": 90.5})
+    layout = write_plan(load_job(job), "qs-3", tmp_path / "plan")
+    args = yaml.safe_load(layout.tool("aggregate").read_text())["arguments"]
     assert args[args.index("--strategy") + 1] == "fedyogi"
     assert args[args.index("--weighting") + 1] == "tokens"
-    assert "--param=eta=0.05" in args
-    validate_cwl(paths.main)
+    assert args[args.index("--min-sites") + 1] == "1"
+    assert args[args.index("--sites") + 1] == "alpha,beta"
+    assert "--param=eta=0.05" in args and "--max-shard-size=1MB" in args
+    config = yaml.safe_load(layout.streamflow.read_text())["failureManager"]["config"]
+    assert (config["retries"], config["retry_delay"]) == (2, 1.5)
+    train = yaml.safe_load(layout.tool("train_beta").read_text())
+    assert train["requirements"]["ToolTimeLimit"] == {"timelimit": 91}  # whole seconds, up
+    validate_cwl(layout.main)
 
 
-def test_site_slurm_overrides_reach_the_batch_script_and_streamflow(tmp_path: Path) -> None:
+def test_site_slurm_overrides_reach_both_batch_scripts(tmp_path: Path) -> None:
     from tests.jobs.test_slurm_overrides import job_with_overrides
 
     job = job_with_overrides(tmp_path, {"partition": "gpu", "time": "00:20:00", "qos": "fast",
                                         "account": None, "extra": ["--exclusive"]})
-    paths = write_plan(load_job(job), "qs-4", tmp_path / "plan", tmp_path / "reg.db")
-    script = (paths.root / "sbatch" / "alpha.sh").read_text()
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --time=00:20:00", "#SBATCH --qos=fast",
-                 "#SBATCH --exclusive", "#SBATCH --job-name=xffl-qs-4-alpha",
-                 "--slurm-job-name xffl-qs-4-alpha-r\"$ROUND\""):
-        assert line in script, line
+    layout = write_plan(load_job(job), "qs-4", tmp_path / "plan")
+    script = layout.batch_script("alpha").read_text()
+    header = ["#SBATCH --job-name=xffl-qs-4-alpha", "#SBATCH --nodes=1", "#SBATCH --ntasks=2",
+              "#SBATCH --time=00:20:00", "#SBATCH --partition=gpu", "#SBATCH --qos=fast",
+              "#SBATCH --exclusive"]
+    assert [ln for ln in script.splitlines() if ln.startswith("#SBATCH")] == header
+    assert "--slurm-job-name xffl-qs-4-alpha-r\"$ROUND\"" in script
     assert "--partition=batch" not in script and "acct1" not in script  # overridden
-    assert not (paths.root / "sbatch" / "beta.sh").exists()  # beta runs locally
-    sf = yaml.safe_load((paths.root / "streamflow.yml").read_text())
+    assert not layout.batch_script("beta").exists()  # beta runs locally
+    # the hand-run script names paths at the facility (relative to where it is submitted),
+    # never the folder it was rendered into
+    assert str(layout.root) not in script
+    assert 'MODEL=${2:-rounds/0/global}' in script and 'JOB=${3:-jobs/alpha.json}' in script
+
+    sf = yaml.safe_load(layout.streamflow.read_text())
     deployment = sf["deployments"]["slurm-alpha"]
-    service = deployment["config"]["services"]["train"]
-    assert (service["partition"], service["time"], service["qos"]) == ("gpu", "00:20:00", "fast")
-    assert "account" not in service and service["jobName"] == "xffl-qs-4-alpha"
+    assert deployment["type"] == "xffl-slurm" and deployment["wraps"] == "login-alpha"
+    # every sbatch option is in the template, as in the hand-run script: one source
+    assert deployment["config"]["services"] == {
+        "train": {"file": str(layout.batch_template("alpha"))}}
     assert deployment["config"]["pollingInterval"] == 2  # kept from the profile
-    # StreamFlow has no key for extra options: they are #SBATCH lines of its batch template
-    template = jinja2.Template((paths.root / "sbatch" / "alpha.j2").read_text())
-    rendered = template.render(streamflow_command="python -m xffl.training.launch").splitlines()
-    assert rendered[:2] == ["#!/bin/bash", "#SBATCH --exclusive"]
-    assert rendered[-1] == "python -m xffl.training.launch"
+    rendered = jinja2.Template(layout.batch_template("alpha").read_text()).render(
+        streamflow_command="python -m xffl.training.launch").splitlines()
+    assert rendered[0] == "#!/bin/bash" and rendered[-1] == "python -m xffl.training.launch"
+    assert [ln for ln in rendered if ln.startswith("#SBATCH")] == header
     # the launcher gets the round's job name at the SLURM site only
-    args = yaml.safe_load((paths.root / "tools" / "train_alpha.cwl").read_text())["arguments"]
+    args = yaml.safe_load(layout.tool("train_alpha").read_text())["arguments"]
     assert args[args.index("--slurm-job-name") + 1] == "xffl-qs-4-alpha-r$(inputs.round)"
-    beta = yaml.safe_load((paths.root / "tools" / "train_beta.cwl").read_text())["arguments"]
+    beta = yaml.safe_load(layout.tool("train_beta").read_text())["arguments"]
     assert "--slurm-job-name" not in beta
-    profiles = json.loads((paths.root / "profiles.json").read_text())
+    profiles = json.loads(layout.profiles.read_text())
     assert profiles["alpha"]["slurm"]["partition"] == "gpu"  # status/cancel see the same
-    validate_cwl(paths.main)
+    validate_cwl(layout.main)
+
+
+def test_site_lines_reach_the_job_as_written(tmp_path: Path) -> None:
+    """StreamFlow renders the template a second time: the site's own lines stay literal."""
+    from tests.jobs.test_slurm_overrides import SLURM_PROFILE, job_with_overrides
+
+    job = job_with_overrides(tmp_path, None)
+    profile = dict(SLURM_PROFILE, setup=["echo '{{ 7 * 7 }}' ${#PATH} {# not a comment #}"],
+                   env={"GREETING": "{{ lipsum }}"})
+    (tmp_path / "site_profiles" / "cluster.yaml").write_text(yaml.safe_dump(profile))
+    layout = write_plan(load_job(job), "qs-6", tmp_path / "plan")
+    rendered = jinja2.Template(layout.batch_template("alpha").read_text()).render(
+        streamflow_command="true")
+    assert "echo '{{ 7 * 7 }}' ${#PATH} {# not a comment #}" in rendered.splitlines()
+    assert "export GREETING='{{ lipsum }}'" in rendered.splitlines()
+    assert "echo '{{ 7 * 7 }}'" in layout.batch_script("alpha").read_text()
+
+
+@pytest.mark.parametrize("field", ["setup", "env", "extra"])
+def test_a_jinja2_statement_in_a_site_line_is_refused(tmp_path: Path, field: str) -> None:
+    from tests.jobs.test_slurm_overrides import SLURM_PROFILE, job_with_overrides
+
+    job = job_with_overrides(tmp_path, None)
+    evil = "{% endraw %}{{ lipsum.__globals__.os.system('id') }}{% raw %}"
+    profile: dict[str, object] = dict(SLURM_PROFILE)
+    if field == "setup":
+        profile["setup"] = [evil]
+    elif field == "env":
+        profile["env"] = {"X": evil}
+    else:
+        profile["slurm"] = dict(SLURM_PROFILE["slurm"], extra=[evil])  # type: ignore[arg-type]
+    (tmp_path / "site_profiles" / "cluster.yaml").write_text(yaml.safe_dump(profile))
+    with pytest.raises(InvalidInput, match="Jinja2 statement"):
+        load_job(job)
+    assert not RunLayout(tmp_path / "plan").root.exists()

@@ -103,23 +103,25 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     plan = tmp_path / "plan"
-    result = runner.invoke(app, ["render", str(job), "-o", str(plan)])
+    result = runner.invoke(app, ["render", str(job), "-o", str(plan), "--json"])
     assert result.exit_code == 0, result.output
+    run_id = json.loads(result.stdout)["run_id"]
     script = plan / "sbatch" / "alpha.sh"
     text = script.read_text()
     assert "#SBATCH --ntasks=2" in text and f"#SBATCH --partition={cluster.partition}" in text
-    assert "--launcher srun" in text
-    # submitted by hand, as a user would, on the login node of cluster alpha
-    assert "#SBATCH --job-name=xffl-render-byhand-alpha" in text  # `xffl render` has no run id yet
-    out = slurm_stack.ssh("alpha", f"sbatch --wait --parsable {script}", timeout=120)
+    assert "--launcher srun" in text and str(plan) not in text  # facility paths only
+    assert f"#SBATCH --job-name=xffl-{run_id}-alpha" in text
+    # submitted by hand, as a user would, from the plan folder on the login node of alpha
+    out = slurm_stack.ssh("alpha", f"cd {plan} && sbatch --wait --parsable sbatch/alpha.sh",
+                          timeout=120)
     assert out.returncode == 0, out.stderr
-    update = verify_checkpoint(plan / "manual" / "alpha")
+    update = verify_checkpoint(plan / "updates" / "alpha-r1")
     assert update.kind == "update" and update.site == "alpha" and update.round == 1
     assert update.parent == verify_checkpoint(plan / "rounds" / "0" / "global").digest()
     # the launcher renamed the job after its round: SLURM's own record says so
     job_id = out.stdout.strip().split(";")[0]
     record = next(r for r in slurm_stack.jobcomp_records("alpha") if r["JobId"] == job_id)
-    assert record["Name"] == "xffl-render-byhand-alpha-r1" and record["JobState"] == "COMPLETED"
-    job = json.loads((plan / "manual" / "alpha" / "slurm_job.json").read_text())
+    assert record["Name"] == f"xffl-{run_id}-alpha-r1" and record["JobState"] == "COMPLETED"
+    job = json.loads((plan / "updates" / "alpha-r1" / "slurm_job.json").read_text())
     assert (job["job_id"], job["renamed_from"], job["job_name"]) == (
-        job_id, "xffl-render-byhand-alpha", "xffl-render-byhand-alpha-r1")
+        job_id, f"xffl-{run_id}-alpha", f"xffl-{run_id}-alpha-r1")

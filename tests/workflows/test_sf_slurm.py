@@ -1,0 +1,124 @@
+"""xffl's SLURM connector against StreamFlow's, on the real two-cluster stack.
+
+The same small cyclic workflow as test_sf_plugin.py (sf_fixtures/), with site b's jobs
+submitted to cluster beta through its login node: what the round's time limit does to a
+job, and what closing StreamFlow does to a job still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.workflows.test_sf_plugin import attempts, final_global, run_rounds
+
+SLURM_TIME = "00:10:00"  # the facility's own time limit (minutes in SLURM's records: 10)
+
+
+def slurm_b(stack: Any, tmp_path: Path, kind: str) -> tuple[dict[str, Any], str]:
+    """Site a local, site b a SLURM job at cluster beta (deployment ``kind``): (deps, name)."""
+    cluster = stack.clusters["beta"]
+    name = f"sft-{secrets.token_hex(3)}"
+    workdir = f"{cluster.work_dir}/{name}"
+    return {
+        "site-a": {"type": "xffl-local", "config": {}},
+        "login-b": {"type": "ssh", "workdir": workdir, "config": {
+            "nodes": [f"127.0.0.1:{cluster.ssh_port}"], "username": stack.user,
+            "sshKey": stack.ssh_key, "checkHostKey": True}},
+        "site-b": {"type": kind, "wraps": "login-b", "workdir": workdir, "config": {
+            "pollingInterval": 1, "maxConcurrentJobs": 4, "services": {"train": {
+                "partition": cluster.partition, "nodes": "1", "ntasks": 1,
+                "time": SLURM_TIME, "jobName": name}}}},
+    }, name
+
+
+def _records(stack: Any, name: str) -> list[dict[str, str]]:
+    return [r for r in stack.jobcomp_records("beta") if r.get("Name") == name]
+
+
+@pytest.mark.slow
+def test_a_slurm_job_past_the_round_deadline_is_scancelled(
+        tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    (ctl / "sleep-b-r2").write_text("120")  # b's round-2 job would run for 2 minutes
+    deployments, name = slurm_b(slurm_stack, tmp_path, "xffl-slurm")
+    code, out, run_dir = run_rounds(tmp_path, deployments, retries=1, limit=15,
+                                    services={"b": "train"})
+    assert code == 0, out[-3000:]
+    r2 = "a@2(a@1(w0)+b@1(w0))"  # round 2 went on without b
+    assert final_global(run_dir) == f"a@3({r2})+b@3({r2})"
+    lost = attempts(run_dir, 2, "b")
+    assert lost is not None and lost["timed_out"] and lost["attempts"] == 1
+    assert "xffl: round timeout" in lost["failures"][0] and "scancelled" in lost["failures"][0]
+    states = [r["JobState"] for r in _records(slurm_stack, name)]
+    assert states == ["COMPLETED", "CANCELLED", "COMPLETED"], states
+    # the facility's own time limit stayed on every job
+    assert {r["TimeLimit"] for r in _records(slurm_stack, name)} == {"10"}
+
+
+@pytest.mark.slow
+def test_upstream_slurm_connector_replaces_the_facility_time_limit(
+        tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StreamFlow's SlurmConnector turns the CWL time limit into sbatch --time."""
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    deployments, name = slurm_b(slurm_stack, tmp_path, "slurm")
+    code, out, _ = run_rounds(tmp_path, deployments, limit=30, rounds=1, services={"b": "train"})
+    assert code == 0, out[-3000:]
+    (record,) = _records(slurm_stack, name)
+    assert record["TimeLimit"] == "1"  # 30 s, rounded up by SLURM: not the facility's 10
+
+
+async def _cancel_while_running(config: dict[str, Any], stack: Any, name: str,
+                                outdir: Path) -> list[str]:
+    """Start the workflow, cancel it once b's job runs, close StreamFlow: squeue's ids left."""
+    from xffl.workflows.streamflow_run import execute_workflow, open_context
+
+    context, pristine = open_context(config)
+    task = asyncio.create_task(execute_workflow(context, pristine, "rounds", "cancelled",
+                                                outdir))
+    deadline = time.monotonic() + 120
+    while not stack.ssh("beta", f"squeue -h -n {name} -t RUNNING -o %i").stdout.strip():
+        assert time.monotonic() < deadline and not task.done(), "b's job never ran"
+        await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with contextlib.suppress(Exception):  # upstream: undeploy fails on the inner location
+        await context.close()
+    await asyncio.sleep(1)
+    return stack.ssh("beta", f"squeue -h -n {name} -o %i").stdout.split()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["slurm", "xffl-slurm"])
+def test_closing_streamflow_cancels_the_jobs_in_flight(
+        tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Upstream's undeploy passes the inner (ssh) location to scancel and cancels nothing."""
+    from xffl.workflows.streamflow_run import load_config
+
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    (ctl / "sleep-b-r1").write_text("120")
+    deployments, name = slurm_b(slurm_stack, tmp_path, kind)
+    run_rounds(tmp_path, deployments, rounds=1, services={"b": "train"}, start=False)
+    monkeypatch.chdir(tmp_path)
+    config = load_config(tmp_path / "streamflow.yml")
+    left = asyncio.run(_cancel_while_running(copy.deepcopy(config), slurm_stack, name,
+                                             tmp_path / "out"))
+    try:
+        if kind == "slurm":
+            assert len(left) == 1  # still queued or running at the facility
+        else:
+            assert left == []
+    finally:
+        slurm_stack.ssh("beta", f"scancel -n {name}")

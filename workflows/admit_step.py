@@ -1,0 +1,122 @@
+"""The admit step of a round: check one site's update on the coordinator as soon as it arrives.
+
+``python -m xffl.workflows.admit_step --run-dir D --site S --round R --previous G [--update U]``
+runs once per site and round (``admit_<site>`` in round.cwl), on the coordinator, right after
+StreamFlow has brought the site's update back, so checking overlaps the other sites'
+training. The site's name is the coordinator's own (from the plan), never the update's.
+
+It writes ``verdict.json`` (:mod:`xffl.workflows.verdict`): ``completed`` (the update passed
+:func:`xffl.aggregator.verify.check_update` against the round's global model and names this
+site; it is output as ``update/``), ``rejected`` (with the reason), or ``failed`` (no update
+came back: the reasons the failure manager recorded). In a registered run it also records
+when the update arrived and the SLURM job that trained it. Exit 0 in all three cases: the
+aggregate step decides about the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from xffl.aggregator.exchange import MANIFEST_FILE, Manifest, read_manifest
+from xffl.aggregator.verify import UpdateRejected, check_update
+from xffl.core.layout import RunLayout, registration
+from xffl.training.slurm_job import RECORD_FILE
+from xffl.workflows.attempts import read_attempts
+from xffl.workflows.verdict import VERDICT_FILE, Verdict
+
+
+def link_files(src: Path, dst: Path, names: list[str]) -> None:
+    """Expose ``src/NAME`` as ``dst/NAME`` for each name, by hard link or else by copy."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        try:
+            os.link(src / name, dst / name)
+        except OSError:
+            shutil.copy2(src / name, dst / name)
+
+
+def admit(layout: RunLayout, site: str, rnd: int, previous: Path,
+          update: Path | None) -> tuple[Verdict, Manifest | None]:
+    """Judge ``site``'s update of round ``rnd`` against the global ``previous``."""
+    record = read_attempts(layout, rnd, site)
+    attempts = record.attempts if record is not None else 1
+    if update is None:
+        reason = record.reason if record is not None and record.failures else (
+            "no update came back")
+        return Verdict(site=site, round=rnd, state="failed", reason=reason,
+                       attempts=attempts), None
+    arrived = time.time()
+    parent = read_manifest(previous)  # the coordinator's own global model
+    try:
+        manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
+                                reference_index=parent.tensors, expected_run_id=parent.run_id)
+        if manifest.site != site:
+            raise UpdateRejected(update, site, f"the update says it comes from site "
+                                               f"{manifest.site!r}, not {site!r}")
+    except UpdateRejected as exc:
+        return Verdict(site=site, round=rnd, state="rejected", reason=exc.reason,
+                       attempts=attempts, delivered_at=arrived), None
+    metrics = manifest.metrics
+    return Verdict(site=site, round=rnd, state="completed", attempts=attempts,
+                   num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
+                   loss=metrics.get("loss"), train_seconds=metrics.get("train_seconds"),
+                   delivered_at=arrived, digest=manifest.digest()), manifest
+
+
+def _record(layout: RunLayout, verdict: Verdict, update: Path | None) -> None:
+    """In a registered run: when the update arrived, and the SLURM job that trained it."""
+    reg = registration(layout)
+    if reg is None or update is None or verdict.delivered_at is None:
+        return
+    from xffl.jobs.registry import Registry
+    from xffl.jobs.slurm_view import record_delivered
+
+    registry = Registry(reg.registry)
+    registry.mark_delivered(reg.run_id, verdict.round, verdict.site, at=verdict.delivered_at)
+    record_delivered(registry, reg.run_id, verdict.round, verdict.site, update)
+    what = f"update {verdict.digest[:12]}" if verdict.digest else "update"
+    registry.event(reg.run_id, "admit", f"round {verdict.round}: {verdict.site} {what} "
+                   f"{'admitted' if verdict.accepted else 'rejected: ' + verdict.reason}")
+
+
+def run_step(args: argparse.Namespace) -> int:
+    """Admit one update; write verdict.json and cwl.output.json in the working directory."""
+    layout = RunLayout(Path(args.run_dir))
+    update = Path(args.update) if args.update else None
+    verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update)
+    _record(layout, verdict, update)
+    out: dict[str, Any] = {"update": None}
+    if manifest is not None and update is not None:
+        kept = [MANIFEST_FILE, *manifest.files]
+        if (update / RECORD_FILE).is_file():
+            kept.append(RECORD_FILE)
+        link_files(update, Path.cwd() / "update", kept)
+        out["update"] = {"class": "Directory", "path": str(Path.cwd() / "update")}
+    verdict.write(Path.cwd() / VERDICT_FILE)
+    out["verdict"] = {"class": "File", "path": str(Path.cwd() / VERDICT_FILE)}
+    Path("cwl.output.json").write_text(json.dumps(out))
+    line = f"round {verdict.round}: site {verdict.site} {verdict.state}"
+    print(line + (f": {verdict.reason}" if verdict.reason else ""), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the plan's admit tool."""
+    parser = argparse.ArgumentParser(prog="xffl.workflows.admit_step")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--site", required=True)
+    parser.add_argument("--round", type=int, required=True)
+    parser.add_argument("--previous", required=True, help="the round's global model")
+    parser.add_argument("--update", default=None, help="the site's update (absent: none came)")
+    return run_step(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

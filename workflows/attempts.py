@@ -1,0 +1,73 @@
+"""A site's failed attempts in one round, as the failure manager records them for the admit step.
+
+The failure manager runs inside StreamFlow on the coordinator; it writes
+``rounds/<r>/attempts/<site>.json`` every time one of the site's steps fails, and the admit
+step of that site and round reads it: how many times the job ran, why each attempt failed,
+and whether the site was given up (the round then goes on without it). The file is written by
+the coordinator, never by a site, and atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from xffl.core.files import write_json
+from xffl.core.layout import RunLayout
+
+REASON_CHARS = 400
+
+
+@dataclass
+class SiteAttempts:
+    """What went wrong for one site in one round."""
+
+    site: str
+    round: int
+    attempts: int = 1
+    failures: list[str] = field(default_factory=list)  # "attempt N: reason", in order
+    gave_up: bool = False
+    timed_out: bool = False
+
+    @property
+    def reason(self) -> str:
+        """Every failed attempt's reason, in one line."""
+        return "; ".join(self.failures)
+
+
+def read_attempts(layout: RunLayout, rnd: int, site: str) -> SiteAttempts | None:
+    """The record of ``site`` in round ``rnd``; None when no step of it failed."""
+    path = layout.attempts_file(rnd, site)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return SiteAttempts(site=site, round=rnd, attempts=int(data["attempts"]),
+                        failures=[str(f) for f in data["failures"]],
+                        gave_up=bool(data["gave_up"]), timed_out=bool(data["timed_out"]))
+
+
+def write_attempts(layout: RunLayout, record: SiteAttempts) -> Path:
+    """Store ``record`` (atomically); return its file."""
+    path = layout.attempts_file(record.round, record.site)
+    write_json(path, asdict(record))
+    return path
+
+
+def short_reason(text: str) -> str:
+    """One line out of a failure message: the trainer's own sentence when there is one.
+
+    StreamFlow reports a failed command as ``FAILED Job NAME with error:`` followed by the
+    command's output; the useful sentence is the trainer's (``xffl.training (rank 0): ...``),
+    else the last line xffl printed, else the last line.
+    """
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return "no reason given"
+    if lines[0].startswith("FAILED Job") and len(lines) > 1:
+        body = lines[1:]
+        pick = next((ln for ln in body if ln.startswith("xffl.training (rank")),
+                    next((ln for ln in reversed(body) if ln.startswith("xffl")), body[-1]))
+        return pick[:REASON_CHARS]
+    return " ".join(lines[:2])[:REASON_CHARS]

@@ -1,0 +1,198 @@
+"""The CWL documents of a plan, as Python data: tools, the round workflow, the cyclic main.
+
+``main.cwl`` loops (cwltool:Loop, no JavaScript engine) over ``round.cwl``. In a round every
+site's ``train_<site>`` step trains at its facility, ``admit_<site>`` checks that site's
+update on the coordinator as soon as it arrives (so transfers overlap the other sites'
+training), and ``aggregate`` folds the admitted updates into the next global model and
+answers the loop (``cwl.output.json``: model, next_round, go and each site's job file for
+the next round). Names are restricted by the schemas (:mod:`xffl.core.names`), so no user
+value can inject into a CWL id, a path or a command line.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from xffl.core.names import slurm_job_name
+
+LOOP_NS = "http://commonwl.org/cwltool#"
+CWL_VERSION = "v1.2"
+LOOP_STEP = "rounds"
+
+
+def train_step(site: str) -> str:
+    """The id of a site's training step in round.cwl."""
+    return f"train_{site}"
+
+
+def admit_step(site: str) -> str:
+    """The id of a site's admission step in round.cwl."""
+    return f"admit_{site}"
+
+
+def step_path(step: str) -> str:
+    """The step's name inside StreamFlow (the loop step's sub-workflow)."""
+    return f"/{LOOP_STEP}/{step}"
+
+
+def site_steps(site: str) -> list[str]:
+    """The StreamFlow steps whose failure is the site's: its training, the transfer back."""
+    return [step_path(train_step(site)), f"{step_path(admit_step(site))}/__transfer__/update"]
+
+
+def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int, data: str,
+               keep: str, env: dict[str, str], slurm: bool,
+               time_limit: float | None) -> dict[str, Any]:
+    """The CommandLineTool that trains one round at ``site`` and outputs ``update/``.
+
+    At a SLURM site the launcher gets the round's job name (``--slurm-job-name``): it renames
+    the job, which StreamFlow submits under the site's prefix, and records it in
+    ``update/slurm_job.json``. ``keep`` is the folder at the site where the launcher keeps
+    the site's last update, so a round run again from the same global is not trained again.
+    """
+    own = ["--ranks", str(ranks), "--launcher", launcher, "--keep", keep]
+    if slurm:
+        own += ["--slurm-job-name", slurm_job_name(run_id, site, "$(inputs.round)")]
+    requirements: dict[str, Any] = {
+        "EnvVarRequirement": {"envDef": {"PYTHONUNBUFFERED": "1", **env}}}
+    if time_limit is not None:  # failure.round_timeout: a deadline, queue wait included
+        requirements["ToolTimeLimit"] = {"timelimit": math.ceil(time_limit)}
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "CommandLineTool",
+        "doc": f"Train one round at site {site} and write update/ (safetensors + manifest).",
+        "requirements": requirements,
+        "baseCommand": [python, "-m", "xffl.training.launch"],
+        "arguments": [
+            *own, "--",
+            "--job", "$(inputs.job.path)", "--round", "$(inputs.round)",
+            "--model", "$(inputs.model.path)", "--data", data, "--out", "update",
+        ],
+        "inputs": {"round": "int", "model": "Directory", "job": "File"},
+        "outputs": {"update": {"type": "Directory", "outputBinding": {"glob": "update"}}},
+    }
+
+
+def admit_tool(run_dir: str) -> dict[str, Any]:
+    """The CommandLineTool that admits (or rejects) one site's update on the coordinator."""
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "CommandLineTool",
+        "doc": "Check one site's update against the round's global model; output it with a "
+        "verdict (accepted, rejected or failed, and why).",
+        "baseCommand": [sys.executable, "-m", "xffl.workflows.admit_step"],
+        "arguments": ["--run-dir", run_dir],
+        "inputs": {
+            "site": {"type": "string", "inputBinding": {"prefix": "--site"}},
+            "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
+            "model": {"type": "Directory", "inputBinding": {"prefix": "--previous"}},
+            "update": {"type": "Directory?", "inputBinding": {"prefix": "--update"}},
+        },
+        "outputs": {"update": "Directory?", "verdict": "File"},
+    }
+
+
+def aggregate_tool(run_dir: str, sites: list[str], arguments: list[str]) -> dict[str, Any]:
+    """The CommandLineTool that aggregates a round on the coordinator and answers the loop.
+
+    Each site's inputs are bound under the coordinator's own name for it
+    (``--update=SITE=PATH``), never under a name an update gives itself.
+    """
+    per_site: dict[str, Any] = {}
+    for s in sites:
+        for name, kind in (("update", "Directory?"), ("verdict", "File"), ("job", "File")):
+            per_site[f"{name}_{s}"] = {
+                "type": kind, "inputBinding": {"prefix": f"--{name}={s}=", "separate": False}}
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "CommandLineTool",
+        "doc": "Aggregate the admitted updates into rounds/<r>/global, record the round, and "
+        "decide on the next one (cwl.output.json: model, next_round, go, job files).",
+        "baseCommand": [sys.executable, "-m", "xffl.workflows.aggregate_step"],
+        "arguments": ["--run-dir", run_dir, "--sites", ",".join(sites), *arguments],
+        "inputs": {
+            "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
+            "max_rounds": {"type": "int", "inputBinding": {"prefix": "--max-rounds"}},
+            "model": {"type": "Directory", "inputBinding": {"prefix": "--previous"}},
+            **per_site,
+        },
+        "outputs": {"model": "Directory", "next_round": "int", "go": "boolean",
+                    **{f"job_{s}": "File" for s in sites}},
+    }
+
+
+def round_workflow(sites: list[str]) -> dict[str, Any]:
+    """One round: train at every site, admit each update, aggregate."""
+    steps: dict[str, Any] = {}
+    for s in sites:
+        steps[train_step(s)] = {
+            "run": f"tools/train_{s}.cwl",
+            "in": {"round": "round", "model": "model", "job": f"job_{s}"},
+            "out": ["update"],
+        }
+        steps[admit_step(s)] = {
+            "run": "tools/admit.cwl",
+            "in": {"site": {"default": s}, "round": "round", "model": "model",
+                   "update": f"{train_step(s)}/update"},
+            "out": ["update", "verdict"],
+        }
+    steps["aggregate"] = {
+        "run": "tools/aggregate.cwl",
+        "in": {"round": "round", "max_rounds": "max_rounds", "model": "model",
+               **{f"update_{s}": f"{admit_step(s)}/update" for s in sites},
+               **{f"verdict_{s}": f"{admit_step(s)}/verdict" for s in sites},
+               **{f"job_{s}": f"job_{s}" for s in sites}},
+        "out": ["model", "next_round", "go", *(f"job_{s}" for s in sites)],
+    }
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "Workflow",
+        "doc": "One federated round: train at every site, admit each update on the "
+        "coordinator, aggregate.",
+        "inputs": {"round": "int", "go": "boolean", "max_rounds": "int", "model": "Directory",
+                   **{f"job_{s}": "File" for s in sites}},
+        "outputs": {
+            "model": {"type": "Directory", "outputSource": "aggregate/model"},
+            "next_round": {"type": "int", "outputSource": "aggregate/next_round"},
+            "go": {"type": "boolean", "outputSource": "aggregate/go"},
+            **{f"job_{s}": {"type": "File", "outputSource": f"aggregate/job_{s}"}
+               for s in sites},
+        },
+        "steps": steps,
+    }
+
+
+def main_workflow(sites: list[str]) -> dict[str, Any]:
+    """The cyclic workflow: round.cwl again while the aggregate step says ``go``."""
+    jobs = {f"job_{s}": f"job_{s}" for s in sites}
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "Workflow",
+        "doc": "Federated training: rounds of round.cwl from first_round until the aggregate "
+        "step stops the loop (after max_rounds, or when a round fails).",
+        "$namespaces": {"cwltool": LOOP_NS},
+        "requirements": {"SubworkflowFeatureRequirement": {}},
+        "inputs": {"first_round": "int", "max_rounds": "int", "model": "Directory",
+                   **{f"job_{s}": "File" for s in sites}},
+        "outputs": {
+            "model": {"type": "Directory", "outputSource": f"{LOOP_STEP}/model"},
+            "next_round": {"type": "int", "outputSource": f"{LOOP_STEP}/next_round"},
+        },
+        "steps": {
+            LOOP_STEP: {
+                "run": "round.cwl",
+                "in": {"round": "first_round", "go": {"default": True},
+                       "max_rounds": "max_rounds", "model": "model", **jobs},
+                "out": ["model", "next_round", "go", *jobs],
+                "requirements": {
+                    "cwltool:Loop": {
+                        "loopWhen": "$(inputs.go)",
+                        "loop": {"round": "next_round", "model": "model", "go": "go", **jobs},
+                        "outputMethod": "last",
+                    }
+                },
+            }
+        },
+    }

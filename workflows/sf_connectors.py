@@ -1,0 +1,153 @@
+"""StreamFlow connectors as xffl needs them: a round's time limit is a deadline, and it is kept.
+
+A train tool carries CWL's ``ToolTimeLimit`` (``failure.round_timeout``); StreamFlow hands it
+to the connector as ``timeout``. The stock connectors of StreamFlow 0.2.0rc3 do not turn it
+into what a round needs:
+
+* ``SlurmConnector`` only passes it to sbatch as ``--time``: it replaces the facility's own
+  time limit and leaves the queue wait unbounded;
+* ``LocalConnector`` stops waiting after ``timeout`` but leaves the command running
+  (``asyncio.wait_for`` on ``communicate()``, no kill);
+* ``SlurmConnector.undeploy`` (``QueueManagerConnector``) cancels the jobs still in flight by
+  calling ``_remove_jobs`` with the inner (ssh) location, whose own ``run`` then raises
+  "does not wrap any inner location": no job is cancelled.
+
+The two classes here, registered by xffl's StreamFlow plugin as ``xffl-slurm`` and
+``xffl-local``, keep everything else of their parents: the deadline counts from submission
+(queue wait included), the job is scancelled (the local process group killed) when it
+passes, and the failure that StreamFlow sees starts with ``xffl: round timeout`` so that the
+site failure manager gives the site up for the round instead of retrying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import MutableMapping, MutableSequence
+from typing import Any
+
+from streamflow.core import utils
+from streamflow.core.deployment import ExecutionLocation
+from streamflow.core.exception import WorkflowExecutionException
+from streamflow.deployment.connector.local import LocalConnector
+from streamflow.deployment.connector.queue_manager import SlurmConnector
+
+from xffl.workflows.sf_failure import TIMEOUT_MARK
+
+KILL_GRACE_S = 10.0
+STDOUT = asyncio.subprocess.STDOUT
+
+
+def timeout_error(job_name: str, timeout: float, what: str) -> WorkflowExecutionException:
+    """The failure a job past its deadline ends with."""
+    return WorkflowExecutionException(
+        f"{TIMEOUT_MARK}: {job_name} was still queued or running after {timeout:g} s "
+        f"(failure.round_timeout); {what}")
+
+
+class XfflSlurmConnector(SlurmConnector):
+    """SlurmConnector whose ``timeout`` is a deadline from submission, then scancel."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As SlurmConnector; also remembers each job's SLURM id by its StreamFlow name."""
+        super().__init__(*args, **kwargs)
+        self._job_ids: dict[str, str] = {}
+
+    async def _run_batch_command(self, command: str, environment: MutableMapping[str, str] | None,
+                                 job_name: str, location: ExecutionLocation,
+                                 workdir: str | None = None, stdin: int | str | None = None,
+                                 stdout: int | str = STDOUT, stderr: int | str = STDOUT,
+                                 timeout: int | None = None) -> str:
+        """sbatch, keeping the facility's time limit; record the job id."""
+        job_id: str = await super()._run_batch_command(
+            command, environment, job_name, location, workdir, stdin, stdout, stderr, None)
+        self._job_ids[job_name] = job_id
+        return job_id
+
+    async def run(self, location: ExecutionLocation, command: MutableSequence[str],
+                  environment: MutableMapping[str, str] | None = None,
+                  workdir: str | None = None, stdin: int | str | None = None,
+                  stdout: int | str = STDOUT, stderr: int | str = STDOUT,
+                  capture_output: bool = False, timeout: int | None = None,
+                  job_name: str | None = None) -> tuple[str, int] | None:
+        """Run a job (``job_name``) as a batch job bounded by ``timeout``; else as upstream."""
+        if not (job_name and timeout):
+            result: tuple[str, int] | None = await super().run(
+                location, command, environment, workdir, stdin, stdout, stderr,
+                capture_output, timeout, job_name)
+            return result
+        try:
+            result = await asyncio.wait_for(super().run(
+                location, command, environment, workdir, stdin, stdout, stderr,
+                capture_output, None, job_name), timeout)
+            return result
+        except asyncio.TimeoutError:
+            job_id = self._job_ids.get(job_name)
+            if job_id is None:
+                raise timeout_error(job_name, timeout, "it was never submitted") from None
+            self._scheduled_jobs.pop(job_id, None)
+            await self._remove_jobs(location, [job_id])
+            raise timeout_error(job_name, timeout, f"SLURM job {job_id} scancelled") from None
+        finally:
+            self._job_ids.pop(job_name, None)
+
+    async def undeploy(self, external: bool) -> None:
+        """scancel the jobs still in flight through their SLURM location, then as upstream."""
+        groups: dict[str, tuple[ExecutionLocation, list[str]]] = {}
+        scheduled: MutableMapping[str, ExecutionLocation] = self._scheduled_jobs
+        for job_id, location in scheduled.items():
+            groups.setdefault(location.name, (location, []))[1].append(job_id)
+        scheduled.clear()
+        await asyncio.gather(*(self._remove_jobs(loc, ids) for loc, ids in groups.values()),
+                             return_exceptions=True)
+        await super().undeploy(external)
+
+
+class XfflLocalConnector(LocalConnector):
+    """LocalConnector that kills a job's whole process group at its deadline or cancellation."""
+
+    async def run(self, location: ExecutionLocation, command: MutableSequence[str],
+                  environment: MutableMapping[str, str] | None = None,
+                  workdir: str | None = None, stdin: int | str | None = None,
+                  stdout: int | str = STDOUT, stderr: int | str = STDOUT,
+                  capture_output: bool = False, timeout: int | None = None,
+                  job_name: str | None = None) -> tuple[str, int] | None:
+        """Run ``command`` in its own session (what upstream runs), bounded by ``timeout``."""
+        if not job_name:
+            result: tuple[str, int] | None = await super().run(
+                location, command, environment, workdir, stdin, stdout, stderr,
+                capture_output, timeout, job_name)
+            return result
+        line = utils.create_command(self.__class__.__name__, command, environment, workdir,
+                                    stdin, stdout, stderr)
+        pipe = asyncio.subprocess.PIPE if capture_output else asyncio.subprocess.DEVNULL
+        proc = await asyncio.create_subprocess_exec(
+            self._get_shell(), "-c", line, env=os.environ | location.environment,
+            stdin=None, stdout=pipe, stderr=pipe, start_new_session=True)
+        try:
+            if capture_output:
+                out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+                return out.decode().strip(), int(proc.returncode or 0)
+            await asyncio.wait_for(proc.wait(), timeout)
+            return None
+        except asyncio.TimeoutError:
+            await _kill_group(proc)
+            raise timeout_error(job_name, float(timeout or 0), "its processes were killed") \
+                from None
+        except asyncio.CancelledError:
+            await _kill_group(proc)
+            raise
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM the process group of ``proc``, SIGKILL it after a grace period."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            await asyncio.wait_for(proc.wait(), wait)
+            return
+        except asyncio.TimeoutError:
+            continue

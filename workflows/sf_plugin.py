@@ -1,0 +1,24 @@
+"""xffl's StreamFlow plugin: the site failure manager and the deadline-keeping connectors.
+
+Loaded by StreamFlow through the entry point ``unito.streamflow.plugin`` (pyproject.toml), so
+``streamflow run streamflow.yml`` in a plan directory finds the same extensions as
+``xffl submit``; ``streamflow plugin list`` shows them.
+"""
+
+from __future__ import annotations
+
+from streamflow.ext.plugin import StreamFlowPlugin
+
+from xffl.workflows.deployments import FAILURE_MANAGER, LOCAL_CONNECTOR, SLURM_CONNECTOR
+from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
+from xffl.workflows.sf_failure import SiteFailureManager
+
+
+class XfflPlugin(StreamFlowPlugin):
+    """Registers xffl's failure manager and connectors with StreamFlow."""
+
+    def register(self) -> None:
+        """Called by StreamFlow when it loads its extensions."""
+        self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
+        self.register_connector(SLURM_CONNECTOR, XfflSlurmConnector)
+        self.register_connector(LOCAL_CONNECTOR, XfflLocalConnector)

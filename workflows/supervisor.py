@@ -1,0 +1,229 @@
+"""The supervisor: one process per run that executes the run's ``main.cwl`` with StreamFlow.
+
+``xffl submit`` and ``xffl resume`` start ``python -m xffl.workflows.supervisor RUN_ID`` in a
+new session (so the run survives the terminal); ``xffl round`` runs one round in the
+foreground (``execute(once=True)``). Either way it is the same plan: the run directory's
+``streamflow.yml`` and ``main.cwl``, run through StreamFlow's Python API (what ``streamflow
+run`` does) as one workflow, from the round after the last completed one. A whole run is one
+StreamFlow workflow named after the run; a resumed run or a cron tick is one more, whose
+inputs (``executions/<name>.yml``) start from the last completed round's global model.
+
+The supervisor starts the workflow, watches it (a failed step ends it at once: StreamFlow
+does not always end a workflow whose loop lost a step), and records the run's state; the
+plan's own steps record the rounds (admit and aggregate write to the registry named in
+``run.json``). Site failures, retries, quorum and round timeouts happen inside the workflow,
+through xffl's StreamFlow plugin (:mod:`xffl.workflows.sf_failure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from xffl.core.errors import first_line
+from xffl.core.layout import RunLayout
+from xffl.core.resources import peak_rss_bytes
+from xffl.jobs.credential_gate import blockers
+from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.round_lock import RoundInFlight, round_lock
+from xffl.jobs.slurm_view import load_profiles
+from xffl.jobs.spec import JobSpec
+from xffl.workflows.aggregate_step import QUORUM_EVENT
+from xffl.workflows.plan import write_execution_inputs, write_initial_model
+
+
+def spawn(run_id: str, run_dir: Path, registry: Path) -> int:
+    """Start the supervisor of ``run_id`` detached from this process; return its pid."""
+    layout = RunLayout(run_dir)
+    log = layout.supervisor_log.open("ab")
+    env = {**os.environ, "XFFL_REGISTRY": str(registry)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xffl.workflows.supervisor", run_id],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, close_fds=True, cwd=run_dir, env=env,
+    )
+    log.close()
+    return proc.pid
+
+
+class _Errors(logging.Handler):
+    """The first lines of StreamFlow's ERROR messages during one execution."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the message's first three lines."""
+        lines = [ln.strip() for ln in record.getMessage().splitlines() if ln.strip()]
+        if lines:
+            self.messages.append(" ".join(lines[:3])[:400])
+
+
+def execution_name(run: RunRecord, first: int, last: int) -> str:
+    """The StreamFlow workflow name of one execution: the run id for a whole run."""
+    if first == 1 and last == run.rounds_total:
+        return run.id
+    return f"{run.id}-r{first}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+async def _execute(layout: RunLayout, run_id: str, spec: JobSpec, name: str, first: int,
+                   last: int) -> None:
+    """Run main.cwl for rounds ``first``..``last`` as the StreamFlow workflow ``name``."""
+    from xffl.workflows.streamflow_run import execute_workflow, load_config, log_to, open_context
+
+    log_to(layout.streamflow_log)
+    layout.streamflow_tmp.mkdir(parents=True, exist_ok=True)
+    # StreamFlow's local working folders go inside the run directory (same filesystem as
+    # rounds/, so the steps' outputs are linked, not copied)
+    os.environ["TMPDIR"] = str(layout.streamflow_tmp)
+    tempfile.tempdir = None  # gettempdir() caches its first answer
+    config = load_config(layout.streamflow)
+    if (first, last) != (1, spec.rounds):
+        inputs = write_execution_inputs(layout, spec, name, first, last)
+        config["workflows"][run_id]["config"]["settings"] = str(inputs)
+    context, pristine = open_context(config)
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is not None:  # xffl cancel: stop StreamFlow, whose connectors scancel the jobs
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await execute_workflow(context, pristine, run_id, name,
+                               layout.root / "streamflow" / "outputs" / name)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            await context.close()
+
+
+def _credentials_block(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
+                       once: bool) -> bool:
+    """Leave the run waiting, submitting nothing, if a site's credential would not last.
+
+    An expired or expiring SSH certificate is not a failure: the run waits with the site,
+    the expiry and the renewal in its message, and continues once the credential is renewed
+    (the next cron tick, or ``xffl resume``).
+    """
+    found = blockers(spec, load_profiles(layout.root))
+    if not found:
+        return False
+    then = ("the next `xffl round` (cron tick) continues" if once
+            else f"`xffl resume {run.id}` continues")
+    message = (f"round {run.rounds_done + 1} not started, nothing submitted: "
+               + " ".join(b.sentence(then) for b in found))
+    registry.event(run.id, "credential", message)
+    registry.set_state(run.id, "waiting", message)
+    print(message, flush=True)
+    return True
+
+
+def _failure_message(registry: Registry, run_id: str, since: float, errors: list[str],
+                     exc: BaseException, layout: RunLayout) -> str:
+    """Why an execution failed: a round's quorum, else StreamFlow's first error."""
+    quorum = [m for ts, kind, m in registry.events(run_id) if kind == QUORUM_EVENT and ts >= since]
+    if quorum:
+        return f"{quorum[-1]}; `xffl resume {run_id}` continues from the last completed round"
+    detail = errors[0] if errors else first_line(exc)
+    return f"{detail} (see {layout.streamflow_log})"
+
+
+def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
+         once: bool) -> int:
+    """Execute the run's next rounds (one with ``once``); record the outcome."""
+    first = run.rounds_done + 1
+    last = first if once else run.rounds_total
+    registry.start_round(run.id, first, run.sites)
+    name = execution_name(run, first, last)
+    registry.event(run.id, "execution", f"StreamFlow workflow {name}: rounds {first}-{last}")
+    from streamflow.log_handler import logger as sf_logger
+
+    errors = _Errors()
+    sf_logger.addHandler(errors)
+    started = time.time()
+    try:
+        asyncio.run(_execute(layout, run.id, spec, name, first, last))
+    except (Exception, asyncio.CancelledError) as exc:
+        if registry.get_run(run.id).state == "cancelled":
+            return 1
+        traceback.print_exc()
+        registry.set_state(run.id, "failed", _failure_message(
+            registry, run.id, started, errors.messages, exc, layout), ended=time.time())
+        return 1
+    finally:
+        sf_logger.removeHandler(errors)
+        registry.event(run.id, "resources", f"rounds {first}-{last}: supervisor peak RSS "
+                       f"{peak_rss_bytes() / 2**20:.0f} MiB")
+    done = registry.get_run(run.id)
+    if done.rounds_done >= done.rounds_total:
+        registry.set_state(run.id, "completed", f"{done.rounds_done} rounds completed",
+                           ended=time.time())
+    elif done.rounds_done < last:  # the workflow ended without recording its rounds
+        registry.set_state(run.id, "failed", f"the workflow ended after round "
+                           f"{done.rounds_done}, not {last} (see {layout.streamflow_log})",
+                           ended=time.time())
+        return 1
+    else:
+        registry.set_state(run.id, "waiting", f"round {done.rounds_done} of "
+                           f"{done.rounds_total} done; the next round starts on the next "
+                           "`xffl round` (cron tick)")
+    return 0
+
+
+def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
+    """Drive a run from its next round to a terminal state; return the exit code.
+
+    With ``once`` (a cron tick, ``xffl round``) run at most one round, then leave the run
+    waiting for the next tick (or completed after its last round). A run that is cancelled,
+    completed or failed when the round lock is taken is left as it is.
+    """
+    run = registry.get_run(run_id)
+    layout = RunLayout(Path(run.run_dir))
+    try:
+        spec = JobSpec.model_validate_json(layout.job_json.read_text())
+        with round_lock(layout.root):
+            run = registry.get_run(run_id)  # what it is now that no one else runs it
+            if run.state in ("cancelled", "completed", "failed") and once:
+                print(f"run {run.id} is {run.state}: no round to run", flush=True)
+                return 0
+            registry.set_state(run_id, "running", "supervisor started", started=time.time(),
+                               runner_pid=os.getpid())
+            write_initial_model(layout, spec, run_id)
+            if run.rounds_done >= run.rounds_total:
+                registry.set_state(run_id, "completed", f"{run.rounds_done} rounds completed",
+                                   ended=time.time())
+                return 0
+            if _credentials_block(run, registry, spec, layout, once):
+                return 0
+            return _run(registry.get_run(run_id), registry, spec, layout, once)
+    except RoundInFlight as exc:
+        registry.event(run_id, "tick", f"{exc}; nothing to do")
+        print(f"{exc}; nothing to do", flush=True)
+        return 0
+    except BaseException as exc:  # every failure must reach the registry
+        traceback.print_exc()
+        registry.set_state(run_id, "failed",
+                           f"{first_line(exc)} (see {layout.supervisor_log})",
+                           ended=time.time())
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m xffl.workflows.supervisor RUN_ID``."""
+    args: list[str] = sys.argv[1:] if argv is None else argv
+    registry = Registry(Path(os.environ["XFFL_REGISTRY"])) if "XFFL_REGISTRY" in os.environ \
+        else Registry()
+    return execute(args[0], registry)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

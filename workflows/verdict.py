@@ -1,0 +1,57 @@
+"""A site's outcome in one round, as the admit step writes it and the aggregate step reads it.
+
+``verdict.json`` is an output of the round's ``admit_<site>`` step (CWL File), written on the
+coordinator: the site's name in it is the coordinator's own. The aggregate step records every
+site's verdict in the registry and aggregates the updates whose verdict is ``completed``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from xffl.jobs.registry import SiteRound
+
+VERDICT_FILE = "verdict.json"
+SiteState = Literal["completed", "rejected", "failed"]
+
+
+@dataclass
+class Verdict:
+    """What became of one site's update in one round."""
+
+    site: str
+    round: int
+    state: SiteState
+    reason: str = ""
+    attempts: int = 1
+    num_samples: int | None = None
+    num_tokens: int | None = None
+    loss: float | None = None
+    train_seconds: float | None = None
+    delivered_at: float | None = None  # epoch time the update was on the coordinator
+    digest: str | None = None  # the admitted update's manifest digest
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the update goes into the aggregate."""
+        return self.state == "completed"
+
+    def site_round(self) -> SiteRound:
+        """The registry's row for this site in this round."""
+        return SiteRound(site=self.site, state=self.state, num_samples=self.num_samples,
+                         num_tokens=self.num_tokens, loss=self.loss,
+                         train_seconds=self.train_seconds, reason=self.reason,
+                         attempts=self.attempts)
+
+    def write(self, path: Path) -> None:
+        """Store as JSON."""
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def read_verdict(path: Path) -> Verdict:
+    """A verdict written by an admit step."""
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    return Verdict(**data)
