@@ -25,6 +25,8 @@ from xffl.core.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
 def shard_name(index: int, count: int) -> str:
     """Hugging Face's name of shard ``index`` (1-based) of ``count``."""
     return f"model-{index:05d}-of-{count:05d}.safetensors"

@@ -11,6 +11,7 @@ from xffl.cli import (
     cancel,
     data,
     logs,
+    provenance,
     render,
     report,
     resume,
@@ -55,6 +56,7 @@ app.command()(resume.resume)
 app.command(name="round")(round.round_)
 app.command()(schedule.schedule)
 app.command()(report.report)
+app.command()(provenance.provenance)
 app.command()(simulate.simulate)
 app.add_typer(sites.app, name="sites")
 app.add_typer(data.app, name="data")

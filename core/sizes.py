@@ -13,6 +13,7 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
+
 def parse_size(value: int | str | None) -> int | None:
     """Bytes of a size such as 5GB, 500MB, 2GiB or 1000000; None or 0 means "do not shard"."""
     if value is None:

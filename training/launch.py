@@ -36,10 +36,16 @@ TRAINER_MODULE = "xffl.training"
 
 def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
                   module: str = TRAINER_MODULE, python: str | None = None) -> list[str]:
-    """The argv that starts ``ranks`` trainer processes with the chosen launcher."""
+    """The argv that starts ``ranks`` trainer processes with the chosen launcher.
+
+    One rank under torchrun needs no rendezvous: it runs as one process (what torchrun would
+    start, without torchrun's own interpreter and its second import of torch).
+    """
     py = python or sys.executable
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, got {ranks}")
+    if launcher == "torchrun" and ranks == 1:
+        launcher = "none"
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(ranks), "-m", module, *trainer_args]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,13 @@ def open_context(config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 async def execute_workflow(context: Any, config: dict[str, Any], wf_name: str, name: str,
-                           outdir: Path, poll: float = 0.5) -> None:
+                           outdir: Path, poll: float = 0.5,
+                           on_start: Callable[[], None] | None = None) -> None:
     """Translate and run one workflow of ``config`` in ``context``; outputs land in ``outdir``.
 
     What streamflow.cwl.main.main does, keeping the workflow object in hand so that a failed
-    step ends the run (StepFailed) instead of leaving a loop waiting for ever.
+    step ends the run (StepFailed) instead of leaving a loop waiting for ever. ``on_start``
+    is called once the workflow is translated and saved, as it starts executing.
     """
     # Imported lazily: StreamFlow pulls in a large dependency tree that most commands never need.
     import cwl_utils.parser
@@ -85,6 +88,8 @@ async def execute_workflow(context: Any, config: dict[str, Any], wf_name: str, n
         workflow_config=wf_config,
     ).translate()
     await workflow.save(context.database)
+    if on_start is not None:
+        on_start()
     task = asyncio.create_task(StreamFlowExecutor(workflow).run())
     watcher = asyncio.create_task(_watch(workflow, task, poll))
     try:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from xffl.core.errors import first_line
@@ -77,8 +78,11 @@ def execution_name(run: RunRecord, first: int, last: int) -> str:
 
 
 async def _execute(layout: RunLayout, run_id: str, spec: JobSpec, name: str, first: int,
-                   last: int) -> None:
-    """Run main.cwl for rounds ``first``..``last`` as the StreamFlow workflow ``name``."""
+                   last: int, on_start: Callable[[], None]) -> None:
+    """Run main.cwl for rounds ``first``..``last`` as the StreamFlow workflow ``name``.
+
+    ``on_start`` is called when the translated workflow starts executing.
+    """
     from xffl.workflows.streamflow_run import execute_workflow, load_config, log_to, open_context
 
     log_to(layout.streamflow_log)
@@ -98,7 +102,7 @@ async def _execute(layout: RunLayout, run_id: str, spec: JobSpec, name: str, fir
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
     try:
         await execute_workflow(context, pristine, run_id, name,
-                               layout.root / "streamflow" / "outputs" / name)
+                               layout.root / "streamflow" / "outputs" / name, on_start=on_start)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
         with contextlib.suppress(Exception):
@@ -141,16 +145,18 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
     """Execute the run's next rounds (one with ``once``); record the outcome."""
     first = run.rounds_done + 1
     last = first if once else run.rounds_total
-    registry.start_round(run.id, first, run.sites)
     name = execution_name(run, first, last)
     registry.event(run.id, "execution", f"StreamFlow workflow {name}: rounds {first}-{last}")
+
+    def start() -> None:  # the round starts with the workflow (StreamFlow set up before it)
+        registry.start_round(run.id, first, run.sites)
     from streamflow.log_handler import logger as sf_logger
 
     errors = _Errors()
     sf_logger.addHandler(errors)
     started = time.time()
     try:
-        asyncio.run(_execute(layout, run.id, spec, name, first, last))
+        asyncio.run(_execute(layout, run.id, spec, name, first, last, start))
     except (Exception, asyncio.CancelledError) as exc:
         if registry.get_run(run.id).state == "cancelled":
             return 1
@@ -191,7 +197,7 @@ def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
         spec = JobSpec.model_validate_json(layout.job_json.read_text())
         with round_lock(layout.root):
             run = registry.get_run(run_id)  # what it is now that no one else runs it
-            if run.state in ("cancelled", "completed", "failed") and once:
+            if run.state == "cancelled" or (once and run.state in ("completed", "failed")):
                 print(f"run {run.id} is {run.state}: no round to run", flush=True)
                 return 0
             registry.set_state(run_id, "running", "supervisor started", started=time.time(),

@@ -3,7 +3,8 @@
 Both sides train the same tiny-model job on the two test clusters (alpha, beta; SLURM over SSH
 on 127.0.0.1) for R rounds, in the same invocation:
 
-  xffl      ``xffl submit job.yaml --wait``: the runner, StreamFlow, SSH, SLURM, aggregation
+  xffl      ``xffl submit job.yaml --wait``: the run's one StreamFlow workflow (main.cwl: SLURM
+            over SSH at both sites, admission and aggregation on the coordinator)
   wait      the baseline, a hand-written loop doing the same round: scp of the global model
             to each site, ``sbatch --wait`` of the same batch script (``xffl render``'s
             sbatch/<site>.sh) at both sites in parallel over ssh, scp of the updates back,
@@ -104,6 +105,11 @@ def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     run_dir = Path(status["run_dir"])
     registry = Registry(Path(env["XFFL_HOME"]) / "registry.db")
     rows = []
+    submitted = registry.events(status["id"])[0][0]
+    first = registry.rounds(status["id"])[0].started
+    assert first is not None
+    print(f"xffl: {first - submitted:.2f} s from submit to round 1 (supervisor start, initial "
+          "model, StreamFlow set-up: once per run, not per round)", flush=True)
     for rnd in registry.rounds(status["id"]):
         assert rnd.started is not None and rnd.ended is not None
         updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in SITES}
@@ -130,7 +136,7 @@ def _baseline_site(info: stack.StackInfo, plan: Path, work: Path, site: str, rnd
     info.ssh(site, f"mkdir -p {remote}", timeout=60, check=True)
     _scp(info, site, str(model), f"@remote:{remote}/model")
     submit = (f"cd {remote} && sbatch --parsable {plan / 'sbatch' / f'{site}.sh'} {rnd} "
-              f"{remote}/model {remote}/update")
+              f"{remote}/model {plan / 'jobs' / f'{site}.json'} {remote}/update")
     if mode == "wait":
         command = submit.replace("sbatch --parsable", "sbatch --wait --parsable")
     else:
@@ -192,7 +198,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     print(" mean | " + ", ".join(f"{m} {v:.2f} s" for m, v in summary["overhead_s"].items())
           + "; xffl / " + ", xffl / ".join(f"{m} = {r:.2f}" for m, r in summary["ratio"].items())
           + f"; xffl's worst round {summary['max_overhead_s']['xffl']:.2f} s "
-          "(target: <= 1.5 x wait, < 5 s)")
+          "(target: <= 1.1 x poll)")
     print("      | wall - the slowest training loop (torch start-up counted as overhead too): "
           + ", ".join(f"{m} {v:.2f} s" for m, v in summary["overhead_vs_train_s"].items()))
     return summary

@@ -14,14 +14,14 @@ from xffl.training.trainer import init_global
 
 def _make_job(data_dir: Path, *, language: str = "alpha", sequences: int = 64, steps: int = 4,
              batch_size: int = 2, seq_len: int = 16, lr: float = 3e-3, seed: int = 0,
-             site: str = "site-a") -> TrainJob:
+             site: str = "site-a", adam_eps: float = 1e-8) -> TrainJob:
     """A TrainJob for the tiny-test preset on a synthetic dataset."""
     return TrainJob(
         run_id="run-test",
         site=site,
         model=ModelSpec(preset="tiny-test"),
         training=TrainingSpec(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                              seed=seed),
+                              seed=seed, adam_eps=adam_eps),
         data=DataSpec(path=str(data_dir), synthetic=language, synthetic_sequences=sequences),
     )
 

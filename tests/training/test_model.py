@@ -113,9 +113,14 @@ def test_forward_matches_reference_gqa_and_rotary(kv_heads: int) -> None:
     ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = model(ids)
-        want = _ref_forward(dict(model.state_dict()), config, ids)
+        want = _ref_forward({k: v.double() for k, v in model.state_dict().items()}, config, ids)
     assert got.shape == (2, 9, 50)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The reference runs in float64, so the difference is the fp32 model's own rounding: about
+    # 12 chained products of length K <= 40, each within K * 2^-24 = 2.4e-6 of its operands'
+    # magnitude, which the x20 weights make up to ~4x the result's (cancellation): < 1.2e-4
+    # of the largest logit. A wrong mask, rotation or kv-head grouping moves logits by O(1).
+    bound = 2e-4 * float(want.abs().max())
+    assert float((got.double() - want).abs().max()) <= bound
 
 
 def test_forward_is_causal() -> None:

@@ -193,3 +193,35 @@ def test_two_round_ticks_at_once_run_one_round(tmp_path: Path,
     last = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True,
                           timeout=60)
     assert last.returncode == 0 and "is completed: no round to run" in last.stdout
+
+
+@pytest.mark.slow
+def test_round_timeout_scancels_a_site_and_the_round_goes_on(
+        tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    job = _job(tmp_path, slurm_stack, "deadline", rounds=1, steps=2, min_sites=1,
+               round_timeout=25)
+    spec = yaml.safe_load(job.read_text())
+    spec["sites"][1]["budget"] = {"steps": 100_000}  # beta would train for many minutes
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    started = time.monotonic()
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    assert status["state"] == "completed" and time.monotonic() - started < 120
+    sites = _sites(status, 1)
+    assert sites["alpha"]["state"] == "completed"
+    beta = sites["beta"]
+    assert beta["state"] == "failed" and beta["attempts"] == 1  # a timeout is not retried
+    assert "xffl: round timeout" in beta["reason"] and "scancelled" in beta["reason"]
+    glob = verify_checkpoint(Path(status["run_dir"]) / "rounds" / "1" / "global")
+    assert set(glob.extra["sites"]) == {"alpha"}
+    # SLURM's record: beta's round-1 job was cancelled, not left to run
+    name = f"xffl-{status['id']}-beta-r1"
+    deadline = time.monotonic() + 30
+    while not [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]:
+        assert time.monotonic() < deadline, "no record of beta's job"
+        time.sleep(0.5)
+    (record,) = [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]
+    assert record["JobState"] == "CANCELLED"

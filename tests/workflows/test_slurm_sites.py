@@ -1,8 +1,11 @@
-"""Two SLURM facilities over SSH (the real test stack): 2 rounds, srun -n 2 DDP at each site."""
+"""Two SLURM facilities over SSH (the real test stack): 3 rounds, srun -n 2 DDP at each site,
+as one StreamFlow workflow; its provenance as an RO-Crate; the hand-run batch script."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +24,14 @@ runner = CliRunner()
 
 
 @pytest.mark.slow
-def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_slurm_facilities_three_rounds(tmp_path: Path,
+                                           slurm_stack,  # type: ignore[no-untyped-def]
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
     profiles = tmp_path / "site_profiles"
     profiles.mkdir()
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="slurm2", rounds=2)
+    spec.update(name="slurm3", rounds=3)
     spec["training"]["steps"] = 6
     for site in spec["sites"]:
         cluster = slurm_stack.clusters[site["name"]]
@@ -43,13 +47,21 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
     status = json.loads(result.stdout)
     run_id, run_dir = status["id"], Path(status["run_dir"])
     assert status["state"] == "completed"
+    rounds = (1, 2, 3)
+
+    # the run is one StreamFlow workflow, named after it (StreamFlow's own listing)
+    listing = subprocess.run([str(Path(sys.executable).with_name("streamflow")), "list", "-f",
+                              "streamflow.yml"], cwd=run_dir, capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split("\n")
+    names = [ln.split()[0] for ln in listing[1:] if ln.strip()]
+    assert names == [run_id], listing
 
     # SLURM's own records: one COMPLETED job per round and cluster, named after the run, the
     # site and the round
     job_ids: dict[tuple[int, str], str] = {}
     for name in ("alpha", "beta"):
         new = slurm_stack.jobcomp_records(name)[len(before[name]):]
-        for rnd in (1, 2):
+        for rnd in rounds:
             ours = [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}-r{rnd}"]
             assert len(ours) == 1, new
             assert ours[0]["JobState"] == "COMPLETED" and ours[0]["ProcCnt"] == "2"
@@ -73,7 +85,7 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
         == job_ids
 
     # the globals are the sample-weighted averages of the updates that came back over SSH
-    for rnd in (1, 2):
+    for rnd in rounds:
         round_dir = run_dir / "rounds" / str(rnd)
         verify_checkpoint(round_dir / "global")
         ups = {s: verify_checkpoint(round_dir / "updates" / s) for s in ("alpha", "beta")}
@@ -83,6 +95,26 @@ def test_two_slurm_facilities_two_rounds(tmp_path: Path, slurm_stack,  # type: i
             expected = sum(ups[s].num_samples * tensors[s][name].astype(np.float64)
                            for s in ups) / total
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7, err_msg=name)
+    # provenance: a Workflow Run RO-Crate that names every global and each site's SLURM job
+    from rocrate.rocrate import ROCrate
+
+    crate_file = tmp_path / "run.crate.zip"
+    made = runner.invoke(app, ["provenance", run_id, "-o", str(crate_file), "--json"])
+    assert made.exit_code == 0, made.output
+    crate = ROCrate(str(crate_file))
+    registry_rounds = {r.round: r for r in Registry().rounds(run_id)}
+    for rnd in rounds:
+        glob = crate.dereference(f"#xffl-global-r{rnd}")
+        assert glob["https://xffl.dev/terms#sha256"] == registry_rounds[rnd].global_digest
+        for site in ("alpha", "beta"):
+            update = crate.dereference(f"#xffl-update-r{rnd}-{site}")
+            (job,) = update["identifier"]
+            assert job["value"] == job_ids[(rnd, site)]
+            assert update["https://xffl.dev/terms#sha256"] == verify_checkpoint(
+                run_dir / "rounds" / str(rnd) / "updates" / site).digest()
+    steps = [e.get("name") for e in crate.get_entities() if "CreateAction" in str(e.type)]
+    for step in ("train_alpha", "train_beta", "admit_alpha", "aggregate"):
+        assert sum(n.endswith(f"#{step}") for n in steps) == len(rounds), (step, steps)
     # no key material in the run directory
     assert not any("PRIVATE KEY" in p.read_text(errors="ignore")
                    for p in run_dir.rglob("*") if p.is_file() and p.stat().st_size < 1 << 20)

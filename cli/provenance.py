@@ -1,0 +1,43 @@
+"""`xffl provenance`: a Workflow Run RO-Crate of a run (StreamFlow's provenance plus xffl's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.core.errors import InvalidInput
+from xffl.jobs.registry import Registry
+
+
+@handle_errors
+def provenance(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    out: Annotated[Path | None, typer.Option(
+        "-o", "--out", help="The crate to write (default: <run>.crate.zip here).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a Workflow Run RO-Crate (zip) of RUN: every StreamFlow execution of its plan,
+    each round's global model and each site's update with their sha256, and the SLURM job
+    that trained each update. Checkpoints are described by checksum, not copied.
+
+    Example: xffl provenance last -o run.crate.zip
+    """
+    from xffl.core.layout import RunLayout
+    from xffl.workflows.provenance import write_crate
+
+    registry = Registry()
+    record = resolve_run(registry, run)
+    if not RunLayout(Path(record.run_dir)).streamflow_db.is_file():
+        raise InvalidInput(f"run {record.id} has not started a StreamFlow workflow yet; "
+                           "nothing to describe.")
+    target = out if out is not None else Path.cwd() / f"{record.id}.crate.zip"
+    if not target.name.endswith(".zip"):
+        raise InvalidInput(f"-o {target}: the crate is a zip file; name it *.crate.zip.")
+    path = write_crate(registry, record, target)
+    if as_json:
+        print_json({"run": record.id, "crate": str(path)})
+    else:
+        console.print(f"RO-Crate of run {record.id} written to {path}", soft_wrap=True)

@@ -1,0 +1,117 @@
+"""The wiring between the plan and the aggregator, end to end through real `xffl submit` runs.
+
+A non-default strategy with its own parameter, token weighting and a small shard size must
+reach the aggregate step and give, round by round, the globals that FedAdam's formula gives
+(recomputed here with numpy from the kept updates); an update that a real round rejects
+counts against failure.min_sites.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART, REPO
+from xffl.aggregator.exchange import read_manifest, verify_checkpoint
+from xffl.cli.app import app
+
+runner = CliRunner()
+
+# FedAdam as Flower documents it (Reddi et al., 2021), written out here: with the weighted
+# mean x_bar of the updates and the previous global x,
+#   d = x_bar - x;  m = b1 m + (1 - b1) d;  v = b2 v + (1 - b2) d^2;
+#   x' = x + eta m / (sqrt(v) + tau)
+ETA, BETA_1, BETA_2, TAU = 0.05, 0.9, 0.99, 1e-9  # eta from the job spec; the rest Flower's
+
+
+def _submit(tmp_path: Path, spec: dict) -> tuple[int, dict]:
+    job = tmp_path / f"{spec['name']}.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint, one file or Hugging Face shards (read independently)."""
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(str(directory / "model.safetensors"))
+    out: dict[str, np.ndarray] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        out.update(load_file(str(directory / shard)))
+    return out
+
+
+@pytest.mark.slow
+def test_fedadam_tokens_and_shards_reach_every_round(tmp_path: Path, xffl_home: Path) -> None:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="wired", rounds=2)
+    spec["training"].update(steps=3, batch_size=4)
+    spec["aggregation"] = {"strategy": "fedadam", "params": {"eta": ETA},
+                           "weighting": "tokens", "max_shard_size": "100KB"}
+    for site, steps in zip(spec["sites"], (3, 2), strict=True):
+        site.update(ranks=1, budget={"steps": steps})  # different token counts per site
+        site["data"]["synthetic_sequences"] = 64
+    code, status = _submit(tmp_path, spec)
+    assert code == 0, status
+    run_dir = Path(status["run_dir"])
+    x = {k: v.astype(np.float64) for k, v in _tensors(run_dir / "rounds/0/global").items()}
+    m = {k: np.zeros_like(v) for k, v in x.items()}
+    v2 = {k: np.zeros_like(v) for k, v in x.items()}
+    for rnd in (1, 2):
+        rdir = run_dir / "rounds" / str(rnd)
+        glob = verify_checkpoint(rdir / "global")
+        assert (rdir / "global" / "model.safetensors.index.json").is_file()  # sharded
+        assert len(glob.files) > 4 and glob.extra["aggregation"] == "fedadam"
+        ups = {s: read_manifest(rdir / "updates" / s) for s in ("alpha", "beta")}
+        tokens = {s: float(u.num_tokens or 0) for s, u in ups.items()}
+        assert tokens["alpha"] == 1.5 * tokens["beta"] > 0  # 3 vs 2 steps of the same batch
+        got = _tensors(rdir / "global")
+        new_x = {}
+        for name, prev in x.items():
+            mean = sum(tokens[s] * _tensors(rdir / "updates" / s)[name].astype(np.float64)
+                       for s in ups) / sum(tokens.values())
+            d = mean - prev
+            m[name] = BETA_1 * m[name] + (1 - BETA_1) * d
+            v2[name] = BETA_2 * v2[name] + (1 - BETA_2) * d * d
+            ref = (prev + ETA * m[name] / (np.sqrt(v2[name]) + TAU)).astype(np.float32)
+            # Both sides compute in float64 from the same fp32 inputs and round once to fp32.
+            # Summation order can differ by ~1e-16 relative in d; the step's derivative in d
+            # is at most (1 - b1) / tau = 1e8, so the float64 results differ by < 1e-8 * eta
+            # * |x| < 1e-9, below half an fp32 ulp of these weights (> 1e-9 for |w| > 2e-2):
+            # the fp32 results are equal, or one ulp apart where the value sits on a rounding
+            # boundary.
+            assert np.all(np.abs(got[name] - ref) <= np.spacing(np.abs(ref))), name
+            new_x[name] = got[name].astype(np.float64)
+            # the server state is kept as fp32 (server_m/server_v.safetensors)
+            m[name] = m[name].astype(np.float32).astype(np.float64)
+            v2[name] = v2[name].astype(np.float32).astype(np.float64)
+        x = new_x
+
+
+@pytest.mark.slow
+def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
+        tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the sites import tests.workflows.update_fns
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="rejected", rounds=1)
+    spec["training"].update(update_fn="tests.workflows.update_fns:nan_at_beta")
+    for site in spec["sites"]:
+        site.update(ranks=1)
+    code, status = _submit(tmp_path, spec)
+    assert code == 1 and status["state"] == "failed"
+    (r1,) = status["rounds"]
+    sites = {s["site"]: s for s in r1["sites"]}
+    assert r1["state"] == "failed" and sites["alpha"]["state"] == "completed"
+    assert sites["beta"]["state"] == "rejected"
+    assert sites["beta"]["reason"] == \
+        "tensor 'model.norm.weight' holds non-finite values (NaN or Inf)"
+    assert "round 1: 1 valid update(s), the job needs 2 (failure.min_sites) (beta: tensor " \
+        "'model.norm.weight' holds non-finite values (NaN or Inf))" in status["message"]
+    assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()

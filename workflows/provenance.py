@@ -1,0 +1,154 @@
+"""A Workflow Run RO-Crate of a whole run: StreamFlow's provenance plus xffl's own records.
+
+StreamFlow builds the crate (``streamflow prov``'s CWL Run Crate: the workflow, every step's
+execution with its inputs and outputs) from the run's StreamFlow database, which holds every
+execution of the run's ``main.cwl`` (the whole run, resumes, cron ticks). Checkpoints are
+described, not copied: StreamFlow would zip every model it moved (gigabytes per site and
+round), so files larger than ``embed_limit`` stay where they are, named by their checksums
+in the metadata. xffl then adds what StreamFlow does not know: every round's global model
+and every site's update with their sha256 digests, and the SLURM job that trained each
+update, from the run registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from xffl.core.layout import RunLayout
+from xffl.jobs.registry import Registry, RunRecord
+
+METADATA = "ro-crate-metadata.json"
+EMBED_LIMIT = 1 << 20
+XFFL = "https://xffl.dev/terms#"
+
+
+class _Embedded(dict[str, str]):
+    """StreamFlow's map of files to put in the archive, keeping only the small ones."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, src: str, dst: str) -> None:
+        if os.path.isfile(src) and os.path.getsize(src) <= self.limit:
+            super().__setitem__(src, dst)
+
+
+async def _streamflow_crate(layout: RunLayout, out: Path, embed_limit: int) -> None:
+    """StreamFlow's CWL Run Crate of every execution in the run's database, into ``out``."""
+    from streamflow.core.workflow import Workflow
+    from streamflow.persistence.loading_context import DefaultDatabaseLoadingContext
+    from streamflow.provenance.run_crate import CWLRunCrateProvenanceManager
+
+    from xffl.workflows.streamflow_run import load_config, open_context
+
+    context, _ = open_context(load_config(layout.streamflow))
+    try:
+        db = DefaultDatabaseLoadingContext(database=context.database)
+        rows = [w for name in await _workflow_names(context)
+                for w in await context.database.get_workflows_by_name(name, last_only=False)]
+        workflows = [await Workflow.load(persistent_id=w["id"], loading_context=db)
+                     for w in sorted(rows, key=lambda w: int(w["id"]))]
+        manager = CWLRunCrateProvenanceManager(context, db, workflows)
+        manager.files_map = _Embedded(embed_limit)
+        with contextlib.redirect_stdout(sys.stderr):  # StreamFlow prints where it wrote
+            await manager.create_archive(outdir=str(out.parent), filename=out.name,
+                                         config=str(layout.streamflow), additional_files=None,
+                                         additional_properties=None)
+    finally:
+        await context.close()
+
+
+async def _workflow_names(context: Any) -> list[str]:
+    """The names of the workflows in a StreamFlow database, each once."""
+    names: list[str] = []
+    for row in await context.database.get_workflows_list(None):
+        if row["name"] not in names:
+            names.append(row["name"])
+    return names
+
+
+def _entity(id_: str, type_: str, **fields: Any) -> dict[str, Any]:
+    return {"@id": id_, "@type": type_, **{k: v for k, v in fields.items() if v is not None}}
+
+
+def xffl_entities(registry: Registry, run: RunRecord) -> list[dict[str, Any]]:
+    """Rounds, global models, updates and SLURM jobs of ``run`` as RO-Crate entities."""
+    layout = RunLayout(Path(run.run_dir))
+    jobs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for row in registry.slurm_jobs(run.id):
+        jobs.setdefault((row["round"], row["site"]), []).append(row)
+    entities: list[dict[str, Any]] = []
+    for rnd in registry.rounds(run.id):
+        global_id = f"#xffl-global-r{rnd.round}"
+        updates = []
+        for site in rnd.sites:
+            update_id = f"#xffl-update-r{rnd.round}-{site.site}"
+            job_ids = []
+            for job in jobs.get((rnd.round, site.site), []):
+                job_id = f"#xffl-slurm-{site.site}-{job['job_id']}"
+                job_ids.append({"@id": job_id})
+                entities.append(_entity(job_id, "PropertyValue", propertyID="slurm_job_id",
+                                        value=job["job_id"], name=job["name"],
+                                        description=f"SLURM job at {site.site}: {job['state']}"))
+            digest = _manifest_digest(layout.kept_update(rnd.round, site.site))
+            entities.append(_entity(
+                update_id, "Dataset", name=f"update of {site.site}, round {rnd.round}",
+                description=site.reason or None, identifier=job_ids or None,
+                **{f"{XFFL}site": site.site, f"{XFFL}state": site.state,
+                   f"{XFFL}sha256": digest, f"{XFFL}num_samples": site.num_samples}))
+            updates.append({"@id": update_id})
+        entities.append(_entity(
+            global_id, "Dataset", name=f"global model after round {rnd.round}",
+            contentUrl=rnd.global_path, isBasedOn=updates,
+            **{f"{XFFL}round": rnd.round, f"{XFFL}state": rnd.state,
+               f"{XFFL}sha256": rnd.global_digest}))
+    return entities
+
+
+def _manifest_digest(update: Path) -> str | None:
+    """The digest of a kept update (None when the round kept none of this site)."""
+    from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest
+
+    return read_manifest(update).digest() if (update / MANIFEST_FILE).is_file() else None
+
+
+def _rewrite(archive: Path, extra: Iterable[dict[str, Any]]) -> None:
+    """Add ``extra`` entities to the crate's metadata (mentioned by its root dataset)."""
+    tmp = archive.with_suffix(".tmp")
+    with zipfile.ZipFile(archive) as src, zipfile.ZipFile(tmp, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == METADATA:
+                meta = json.loads(data)
+                graph = meta["@graph"]
+                root = next(e for e in graph if e.get("@id") == "./")
+                for entity in extra:
+                    graph.append(entity)
+                    root.setdefault("mentions", []).append({"@id": entity["@id"]})
+                data = json.dumps(meta, indent=2, sort_keys=True).encode()
+            dst.writestr(item, data)
+    tmp.replace(archive)
+
+
+def write_crate(registry: Registry, run: RunRecord, out: Path,
+                embed_limit: int = EMBED_LIMIT) -> Path:
+    """Write the run's RO-Crate zip to ``out`` (atomically); return its path."""
+    layout = RunLayout(Path(run.run_dir))
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".xffl-crate-") as tmp:
+        staged = Path(tmp) / out.name
+        asyncio.run(_streamflow_crate(layout, staged, embed_limit))
+        _rewrite(staged, xffl_entities(registry, run))
+        staged.replace(out)
+    return out
