@@ -16,7 +16,7 @@ for the path, so the layout can be read in one place::
     rounds/<r>/jobs/<site>.json        a site's balanced TrainJob for round r
     job.yaml  job.json  run.json       the spec as submitted, as resolved, the registration
     executions/<name>.yml              inputs of a resumed or one-round execution of main.cwl
-    streamflow/sqlite.db  streamflow/tmp  streamflow.log  supervisor.log  round.lock
+    streamflow/sqlite.db  streamflow/work  streamflow.log  supervisor.log  round.lock
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ class RunLayout:
         return self.root / "streamflow" / "sqlite.db"
 
     @property
-    def streamflow_tmp(self) -> Path:
-        """StreamFlow's local working folders (same filesystem as rounds/: hard links work)."""
-        return self.root / "streamflow" / "tmp"
+    def coordinator_workdir(self) -> Path:
+        """Working folders of the steps on the coordinator (same filesystem as rounds/)."""
+        return self.root / "streamflow" / "work"
 
     @property
     def streamflow_log(self) -> Path:

@@ -27,6 +27,7 @@ from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.strategies import parse_pairs, run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.layout import RunLayout, registration
+from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.registry import Registry, RoundRecord
 from xffl.workflows.admit_step import link_files
 from xffl.workflows.balance import round_job
@@ -90,6 +91,8 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
     manifest = read_manifest(target)
     if registry is not None:
         reg, run_id = registry
+        reg.event(run_id, "resources", f"round {rnd}: aggregate step peak RSS "
+                  f"{peak_rss_bytes() / 2**20:.0f} MiB")
         reg.finish_round(run_id, RoundRecord(
             round=rnd, state="completed", ended=time.time(), aggregate_seconds=seconds,
             global_path=str(target), global_digest=manifest.digest(),

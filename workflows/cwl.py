@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from xffl.core.names import slurm_job_name
+from xffl.workflows.deployments import SLURM_NAME_OPTION
 
 LOOP_NS = "http://commonwl.org/cwltool#"
 CWL_VERSION = "v1.2"
@@ -54,7 +55,7 @@ def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int
     """
     own = ["--ranks", str(ranks), "--launcher", launcher, "--keep", keep]
     if slurm:
-        own += ["--slurm-job-name", slurm_job_name(run_id, site, "$(inputs.round)")]
+        own += [SLURM_NAME_OPTION, slurm_job_name(run_id, site, "$(inputs.round)")]
     requirements: dict[str, Any] = {
         "EnvVarRequirement": {"envDef": {"PYTHONUNBUFFERED": "1", **env}}}
     if time_limit is not None:  # failure.round_timeout: a deadline, queue wait included

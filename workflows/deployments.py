@@ -28,6 +28,8 @@ FAILURE_MANAGER = "xffl"
 SLURM_CONNECTOR = "xffl-slurm"
 LOCAL_CONNECTOR = "xffl-local"
 TRAIN_SERVICE = "train"
+COORDINATOR = "coordinator"  # the deployment of the steps that run on the coordinator
+SLURM_NAME_OPTION = "--slurm-job-name"  # the launcher's option naming the round's job
 
 # sbatch's long option names and the SlurmSpec field
 _SBATCH_OPTIONS = (
@@ -94,9 +96,15 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     )
     env.filters["q"] = lambda v: shlex.quote(str(v))
     paths = BatchPaths()
+    prefix = slurm_job_name(run_id, site)
+    # StreamFlow's rendering names the job after the round, from the launcher's
+    # --slurm-job-name in the round's command (the bare prefix if it has none)
+    round_job_name = (f"{{{{ streamflow_command.split('{SLURM_NAME_OPTION}')[1].split()[0] "
+                      f"if '{SLURM_NAME_OPTION}' in streamflow_command else '{prefix}' }}}}")
     return env.get_template("sbatch.sh.j2").render(
+        round_job_name=round_job_name,
         by_hand=by_hand, site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
-        job_name=slurm_job_name(run_id, site), slurm=slurm, ranks=ranks,
+        job_name=prefix, slurm=slurm, ranks=ranks,
         options=sbatch_options(slurm), setup=profile.setup, env=sorted(profile.env.items()),
         python=site_python(profile), launcher=profile.launcher, data=data_path,
         model=paths.model, job_file=paths.job_file.format(site=site),

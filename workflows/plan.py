@@ -21,7 +21,9 @@ from xffl.jobs.spec import JobSpec
 from xffl.training.config import TrainJob
 from xffl.workflows import cwl
 from xffl.workflows.deployments import (
+    COORDINATOR,
     FAILURE_MANAGER,
+    LOCAL_CONNECTOR,
     batch_script,
     kept_updates_dir,
     site_data_path,
@@ -54,16 +56,20 @@ def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
 def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) -> dict[str, Any]:
     """streamflow.yml: every site's deployments, train steps bound to them, the failure policy.
 
-    The admit and aggregate steps are bound to nothing: StreamFlow runs them on the
-    coordinator (its local deployment).
+    The admit and aggregate steps run on the coordinator (the ``coordinator`` deployment).
     """
-    deployments: dict[str, Any] = {}
-    bindings = []
+    layout = RunLayout(final)
+    # the coordinator's steps run here, their folders inside the run directory (the same
+    # filesystem as rounds/, so updates and globals are hard-linked, never copied)
+    deployments: dict[str, Any] = {COORDINATOR: {
+        "type": LOCAL_CONNECTOR, "config": {}, "workdir": str(layout.coordinator_workdir)}}
+    bindings: list[dict[str, Any]] = [
+        {"step": cwl.step_path(step), "target": {"deployment": COORDINATOR}}
+        for step in [*(cwl.admit_step(s.name) for s in loaded.spec.sites), "aggregate"]]
     for site in loaded.spec.sites:
         deps, target = site_deployments(site.name, loaded.site_profile(site.name), out, final)
         deployments.update(deps)
         bindings.append({"step": cwl.step_path(cwl.train_step(site.name)), "target": target})
-    layout = RunLayout(final)
     return {
         "version": "v1.0",
         "workflows": {

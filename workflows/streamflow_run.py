@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +103,24 @@ async def execute_workflow(context: Any, config: dict[str, Any], wf_name: str, n
         watcher.cancel()
 
 
-def log_to(log_file: Path) -> None:
-    """Send StreamFlow's log (INFO and up) to ``log_file`` instead of stderr."""
+@contextlib.contextmanager
+def logging_to(log_file: Path) -> Iterator[None]:
+    """Send StreamFlow's log (INFO and up) to ``log_file`` instead of stderr, for a while.
+
+    The logger's handlers, level and propagation are put back afterwards, so that a run in
+    this process (``xffl round`` in the foreground) leaves the process as it found it.
+    """
     from streamflow.log_handler import logger as sf_logger
 
+    saved = (list(sf_logger.handlers), sf_logger.propagate, sf_logger.level)
     handler = logging.FileHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s %(message)s"))
     sf_logger.handlers = [handler]
     sf_logger.propagate = False
     sf_logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        handler.close()
+        sf_logger.handlers, sf_logger.propagate = saved[0], saved[1]
+        sf_logger.setLevel(saved[2])

@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -83,14 +82,8 @@ async def _execute(layout: RunLayout, run_id: str, spec: JobSpec, name: str, fir
 
     ``on_start`` is called when the translated workflow starts executing.
     """
-    from xffl.workflows.streamflow_run import execute_workflow, load_config, log_to, open_context
+    from xffl.workflows.streamflow_run import execute_workflow, load_config, open_context
 
-    log_to(layout.streamflow_log)
-    layout.streamflow_tmp.mkdir(parents=True, exist_ok=True)
-    # StreamFlow's local working folders go inside the run directory (same filesystem as
-    # rounds/, so the steps' outputs are linked, not copied)
-    os.environ["TMPDIR"] = str(layout.streamflow_tmp)
-    tempfile.tempdir = None  # gettempdir() caches its first answer
     config = load_config(layout.streamflow)
     if (first, last) != (1, spec.rounds):
         inputs = write_execution_inputs(layout, spec, name, first, last)
@@ -155,8 +148,11 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
     errors = _Errors()
     sf_logger.addHandler(errors)
     started = time.time()
+    from xffl.workflows.streamflow_run import logging_to
+
     try:
-        asyncio.run(_execute(layout, run.id, spec, name, first, last, start))
+        with logging_to(layout.streamflow_log):
+            asyncio.run(_execute(layout, run.id, spec, name, first, last, start))
     except (Exception, asyncio.CancelledError) as exc:
         if registry.get_run(run.id).state == "cancelled":
             return 1

@@ -11,8 +11,8 @@ them with the streaming FedAvg. Afterwards the bench checks, tensor by tensor, t
     final global == w0 + sum over rounds of the mean over sites of the delta
 
 to fp32 rounding (at most one rounding of each input and of each average per round), and
-reports the time per round and the coordinator's peak RSS (the runner process, which also
-aggregates; the runner records it in the registry after every round) against the model
+reports the time per round and the coordinator's peak RSS (the largest of the supervisor's and
+the aggregate steps', which record it in the registry as ``resources`` events) against the model
 size. The acceptance target is a peak of at most 1.5x the model size; NVIDIA FLARE
 documents ~5.5x for its server.
 

@@ -52,7 +52,12 @@ def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> Non
 
     sf = yaml.safe_load(layout.streamflow.read_text())
     binding = {b["step"]: b["target"]["deployment"] for b in sf["workflows"]["qs-1"]["bindings"]}
-    assert binding == {"/rounds/train_alpha": "site-alpha", "/rounds/train_beta": "site-beta"}
+    assert binding == {"/rounds/train_alpha": "site-alpha", "/rounds/train_beta": "site-beta",
+                       "/rounds/admit_alpha": "coordinator", "/rounds/admit_beta": "coordinator",
+                       "/rounds/aggregate": "coordinator"}
+    # the coordinator's steps work inside the run directory: hard links, nothing copied
+    assert sf["deployments"]["coordinator"] == {
+        "type": "xffl-local", "config": {}, "workdir": str(root / "streamflow" / "work")}
     assert sf["deployments"]["site-alpha"] == {
         "type": "xffl-local", "config": {}, "workdir": str(xffl_home / "sites" / "alpha")}
     assert sf["database"]["config"]["connection"] == str(root / "streamflow" / "sqlite.db")
@@ -152,6 +157,12 @@ def test_site_slurm_overrides_reach_both_batch_scripts(tmp_path: Path) -> None:
         streamflow_command="python -m xffl.training.launch").splitlines()
     assert rendered[0] == "#!/bin/bash" and rendered[-1] == "python -m xffl.training.launch"
     assert [ln for ln in rendered if ln.startswith("#SBATCH")] == header
+    # a round's command names its job: StreamFlow submits it under the round's name
+    command = "python -m xffl.training.launch --slurm-job-name xffl-qs-4-alpha-r7 -- --round 7"
+    rendered = jinja2.Template(layout.batch_template("alpha").read_text()).render(
+        streamflow_command=command).splitlines()
+    assert [ln for ln in rendered if ln.startswith("#SBATCH")] == \
+        ["#SBATCH --job-name=xffl-qs-4-alpha-r7", *header[1:]]
     # the launcher gets the round's job name at the SLURM site only
     args = yaml.safe_load(layout.tool("train_alpha").read_text())["arguments"]
     assert args[args.index("--slurm-job-name") + 1] == "xffl-qs-4-alpha-r$(inputs.round)"
