@@ -19,4 +19,15 @@ def xffl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker.
+
+    Every pytest-xdist worker has its own SLURM stack (tests/stack/fixtures.py).
+    """
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(pytest.mark.xdist_group("machine"))
+
+
 from tests.stack.fixtures import slurm_stack  # noqa: E402, F401

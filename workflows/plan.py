@@ -23,7 +23,6 @@ from xffl.workflows import cwl
 from xffl.workflows.deployments import (
     COORDINATOR,
     FAILURE_MANAGER,
-    LOCAL_CONNECTOR,
     batch_script,
     kept_updates_dir,
     site_data_path,
@@ -60,9 +59,10 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
     """
     layout = RunLayout(final)
     # the coordinator's steps run here, their folders inside the run directory (the same
-    # filesystem as rounds/, so updates and globals are hard-linked, never copied)
+    # filesystem as rounds/, so updates and globals are hard-linked, never copied); StreamFlow's
+    # own local connector runs them in the supervisor's process group, which `xffl cancel` stops
     deployments: dict[str, Any] = {COORDINATOR: {
-        "type": LOCAL_CONNECTOR, "config": {}, "workdir": str(layout.coordinator_workdir)}}
+        "type": "local", "config": {}, "workdir": str(layout.coordinator_workdir)}}
     bindings: list[dict[str, Any]] = [
         {"step": cwl.step_path(step), "target": {"deployment": COORDINATOR}}
         for step in [*(cwl.admit_step(s.name) for s in loaded.spec.sites), "aggregate"]]

@@ -51,7 +51,14 @@ def _unavailable(reason: str) -> None:
 
 
 def _bring_up() -> tuple[StackInfo | None, str | None, bool]:
-    """(info, error, started_by_us)."""
+    """(info, error, started_by_us).
+
+    Each pytest-xdist worker gets its own stack (instance N for worker gwN), so stack tests
+    run in parallel without stopping each other's controllers.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        os.environ.setdefault("XFFL_STACK_INSTANCE", worker[2:])
     if sys.platform != "linux":
         return None, f"needs Linux, not {sys.platform}", False
     if os.geteuid() != 0:

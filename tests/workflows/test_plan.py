@@ -57,7 +57,7 @@ def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> Non
                        "/rounds/aggregate": "coordinator"}
     # the coordinator's steps work inside the run directory: hard links, nothing copied
     assert sf["deployments"]["coordinator"] == {
-        "type": "xffl-local", "config": {}, "workdir": str(root / "streamflow" / "work")}
+        "type": "local", "config": {}, "workdir": str(root / "streamflow" / "work")}
     assert sf["deployments"]["site-alpha"] == {
         "type": "xffl-local", "config": {}, "workdir": str(xffl_home / "sites" / "alpha")}
     assert sf["database"]["config"]["connection"] == str(root / "streamflow" / "sqlite.db")

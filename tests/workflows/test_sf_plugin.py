@@ -159,18 +159,17 @@ def test_a_site_that_cannot_be_reached_is_left_out_of_every_round(tmp_path: Path
 def test_a_local_job_past_its_time_limit_is_killed(tmp_path: Path) -> None:
     ctl = tmp_path / "ctl"
     ctl.mkdir()
-    (ctl / "sleep-b-r2").write_text("20")  # b's round-2 job would sleep 20 s, then train
+    (ctl / "sleep-b-r2").write_text("12")  # b's round-2 job would sleep 12 s, then train
     started = time.monotonic()
     code, out, run_dir = run_rounds(tmp_path, local_sites(), retries=2, limit=3)
     assert code == 0, out[-3000:]
-    assert time.monotonic() - started < 20
     r2 = "a@2(a@1(w0)+b@1(w0))"  # round 2 went on without b; b is back in round 3
     assert final_global(run_dir) == f"a@3({r2})+b@3({r2})"
     lost = attempts(run_dir, 2, "b")
     assert lost is not None and lost["gave_up"] and lost["timed_out"]
     assert lost["attempts"] == 1  # a round timeout is not retried
     assert "xffl: round timeout" in lost["failures"][0]
-    time.sleep(20)
+    time.sleep(max(0.0, started + 15 - time.monotonic()))  # past when it would have woken
     assert not (ctl / "woke-b-r2").exists()  # its process group was killed, not left behind
 
 
