@@ -1,4 +1,4 @@
-"""The checkpoint exchange format between sites and coordinator (DESIGN.md).
+"""The checkpoint exchange format between sites and coordinator.
 
 A checkpoint is a directory holding the model (``model.safetensors``, or Hugging Face shards
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``; see
@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -31,6 +32,7 @@ from xffl.core.errors import CheckpointError
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
+MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read only below this
 _CHUNK = 8 << 20
 
 
@@ -176,13 +178,34 @@ def finalize_manifest(
     return full
 
 
+def read_small_file(path: Path, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes (links and bigger files refused).
+
+    The size is checked before anything is read, so a site cannot make the coordinator load
+    a file of any size it likes; the file is opened without following a link.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file.")
+        if st.st_size > limit:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than the {limit} allowed.")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
 def read_manifest(directory: Path) -> Manifest:
     """Parse a checkpoint's manifest.json (no checksum verification)."""
     path = Path(directory) / MANIFEST_FILE
     try:
-        return Manifest.model_validate_json(path.read_bytes())
+        return Manifest.model_validate_json(read_small_file(path))
     except FileNotFoundError as exc:
         raise CheckpointError(f"{directory}: no {MANIFEST_FILE}.") from exc
+    except OSError as exc:  # a link (ELOOP with O_NOFOLLOW), a folder, unreadable
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc}).") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

@@ -25,6 +25,7 @@ from xffl.core.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 16 << 20
 
 
 def shard_name(index: int, count: int) -> str:
@@ -63,6 +64,8 @@ def read_index(path: Path) -> dict[str, str]:
     def bad(reason: str) -> CheckpointError:
         return CheckpointError(f"{INDEX_FILE}: {reason}.")
 
+    if Path(path).stat().st_size > MAX_INDEX_BYTES:  # read only what an index can need
+        raise bad(f"more than {MAX_INDEX_BYTES} bytes")
     try:
         index = json.loads(Path(path).read_bytes(), object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -1,32 +1,44 @@
-"""Admission of site updates: integrity, provenance, tensor layout and finite values.
+"""Admission of site updates: integrity, provenance, tensor layout, bounds and finite values.
 
 A checkpoint that crossed a facility border is trusted only after :func:`check_update`:
-manifest fields (kind, run, round, parent global digest), the tensor layout against the
-global model, every file's sha256 and finite tensor values. The model (one file, or Hugging
-Face shards with their index json) is read once, slice by slice into a reused buffer, for
-both the checksums and the finiteness check, and several updates are checked in parallel
-threads (hashing and numpy release the GIL).
+what the folder holds (only the regular files its manifest lists, plus known side files,
+each under its size cap, no links, no sub-folders), manifest fields (kind, run, round,
+parent global digest), the counts and metrics it reports (finite, within what the
+coordinator knows the site could have done: :class:`Bounds`), its config.json against the
+global model's, the tensor layout against the global model, every file's sha256 and finite
+tensor values. The model (one file, or Hugging Face shards with their index json) is read
+once, slice by slice into a reused buffer, for both the checksums and the finiteness check,
+and several updates are checked in parallel threads (hashing and numpy release the GIL).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
+import stat
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from xffl.aggregator.exchange import (
+    CONFIG_FILE,
     FORMAT_VERSION,
     INDEX_FILE,
+    MANIFEST_FILE,
+    MAX_JSON_BYTES,
     MODEL_FILE,
     Manifest,
     TensorInfo,
     index_of,
     read_manifest,
+    read_small_file,
     sha256_file,
 )
 from xffl.aggregator.safetensors_io import STORAGE_DTYPES, Array, SafetensorsReader
@@ -34,6 +46,22 @@ from xffl.aggregator.shards import ModelReader, open_model
 from xffl.core.errors import CheckpointError
 
 _SCAN_BYTES = 16 << 20
+MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the coordinator knows a site could have done in one round.
+
+    ``max_tokens``: steps x batch x accumulation x sequence length x ranks of the site's job
+    (balancing and token budgets included); ``max_samples``: the size of its dataset when
+    the job declares it. ``None``: no bound. ``side_files``: files that may come back beside
+    the checkpoint without being part of it (``slurm_job.json``), with their size caps.
+    """
+
+    max_tokens: int | None = None
+    max_samples: int | None = None
+    side_files: Mapping[str, int] = field(default_factory=dict)
 
 
 class UpdateRejected(CheckpointError):
@@ -123,6 +151,55 @@ def scan_shards(
     return sums, bad
 
 
+def check_contents(directory: Path, manifest: Manifest, side_files: Mapping[str, int]) -> None:
+    """The folder holds only regular files the manifest lists (or side files), under caps.
+
+    Raises CheckpointError naming the first file that is a link, a folder or another kind of
+    entry, that no one listed, or that is bigger than its cap (json files and side files).
+    """
+    allowed = {MANIFEST_FILE, *manifest.files, *side_files}
+    with os.scandir(directory) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise CheckpointError(f"{entry.name!r} is a symbolic link")
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{entry.name!r} is not a regular file")
+            if entry.name not in allowed:
+                raise CheckpointError(f"{entry.name!r} is not listed in the manifest")
+            cap = side_files.get(entry.name, MAX_JSON_BYTES if entry.name.endswith(".json")
+                                 else None)
+            if cap is not None and st.st_size > cap:
+                raise CheckpointError(f"{entry.name} is {st.st_size} bytes, more than the "
+                                      f"{cap} allowed")
+
+
+def check_reported(manifest: Manifest, bounds: Bounds) -> None:
+    """Counts and metrics are finite numbers within what the site could have done."""
+    for name, value in sorted(manifest.metrics.items()):
+        if not math.isfinite(value) or abs(value) > MAX_METRIC:
+            raise CheckpointError(f"metric {name!r} is {value!r}, not a finite number below "
+                                  f"{MAX_METRIC:g}")
+    for what, value, cap in (("num_tokens", manifest.num_tokens, bounds.max_tokens),
+                             ("num_samples", manifest.num_samples, bounds.max_samples)):
+        if cap is not None and value > cap:
+            shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
+            raise CheckpointError(f"{what} is {shown}, more than the {cap} the site's job "
+                                  "allows")
+
+
+def check_config(directory: Path, expected: Mapping[str, Any]) -> None:
+    """The update's config.json is the global model's (the architecture did not change)."""
+    try:
+        got = json.loads(read_small_file(directory / CONFIG_FILE))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"no {CONFIG_FILE}") from exc
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"unreadable {CONFIG_FILE} ({exc})") from exc
+    if got != expected:
+        raise CheckpointError(f"{CONFIG_FILE} differs from the global model's")
+
+
 def check_update(
     update_dir: Path,
     *,
@@ -131,14 +208,18 @@ def check_update(
     reference_index: Sequence[TensorInfo] | None = None,
     expected_run_id: str | None = None,
     check_finite: bool = True,
+    expected_config: Mapping[str, Any] | None = None,
+    bounds: Bounds | None = None,
 ) -> Manifest:
     """Admit one update or raise UpdateRejected naming its site and the reason.
 
-    Checks, cheapest first: manifest, format version, kind "update", site, run id, round,
-    parent global digest, the index json of a sharded model (its checksum first, then every
-    shard listed and holding what it says), safetensors headers (truncation), tensor index
-    against the manifest and against ``reference_index``, sha256 of every file, finite
-    values. ``None`` skips a check.
+    Checks, cheapest first: manifest (size capped, no link), format version, kind "update",
+    site, run id, round, parent global digest, the folder's contents (with ``bounds``: only
+    listed regular files and side files, caps), counts and metrics (finite; with ``bounds``,
+    within them), config.json against ``expected_config``, the index json of a sharded model
+    (its checksum first, then every shard listed and holding what it says), safetensors
+    headers (truncation), tensor index against the manifest and against
+    ``reference_index``, sha256 of every file, finite values. ``None`` skips a check.
     """
     directory = Path(update_dir)
     manifest: Manifest | None = None
@@ -167,10 +248,21 @@ def check_update(
     files = manifest.files
     if MODEL_FILE not in files and INDEX_FILE not in files:
         raise reject(f"the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}")
+    for name in files:
+        if name in ("", ".", "..", MANIFEST_FILE) or Path(name).name != name:
+            raise reject(f"the manifest lists {name!r}, which is not a plain file name")
+    try:
+        if bounds is not None:
+            check_contents(directory, manifest, bounds.side_files)
+        check_reported(manifest, bounds or Bounds())
+        if expected_config is not None:
+            check_config(directory, expected_config)
+    except CheckpointError as exc:
+        raise reject(str(exc).rstrip(".")) from exc
+    except OSError as exc:
+        raise reject(f"unreadable ({exc.strerror or exc})") from exc
     try:
         for name in files:
-            if name in ("", ".", "..") or Path(name).name != name:
-                raise reject(f"the manifest lists {name!r}, which is not a plain file name")
             if not (directory / name).is_file():
                 raise reject(f"{name} is missing")
         if INDEX_FILE in files and sha256_file(directory / INDEX_FILE) != files[INDEX_FILE]:

@@ -116,6 +116,17 @@ class DataSpec(_Strict):
     path: str
     synthetic: Literal["alpha", "beta", "gamma", "delta"] | None = None
     synthetic_sequences: int = Field(default=512, ge=1)
+    max_samples: int | None = Field(
+        default=None, ge=1, description="the most samples this site may report (its "
+        "dataset's size): sites are weighed by their samples, so this bounds what a site's "
+        "report can claim; synthetic data is bounded by synthetic_sequences")
+
+    @property
+    def declared_samples(self) -> int | None:
+        """The dataset size the job declares for this site (None: not declared)."""
+        if self.max_samples is not None:
+            return self.max_samples
+        return self.synthetic_sequences if self.synthetic is not None else None
 
     @field_validator("path")
     @classmethod

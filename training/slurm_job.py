@@ -13,7 +13,9 @@ not list it; verification ignores it).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 RECORD_FILE = "slurm_job.json"
+RECORD_BYTES = 64 << 10
+_JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,12})?$")
 SCONTROL_TIMEOUT = 20.0
 
 
@@ -108,9 +112,26 @@ def finish(record: dict[str, Any] | None, out_dir: Path, returncode: int) -> Pat
 
 
 def read_record(update_dir: Path) -> dict[str, Any] | None:
-    """The ``slurm_job.json`` an update came back with, if any (None if absent or damaged)."""
+    """The ``slurm_job.json`` an update came back with, if any (None if absent or damaged).
+
+    It came from a facility: at most RECORD_BYTES are read, the job id must be a SLURM job
+    id (digits, or an array job's ``N_M``), and every other value a short printable string
+    or a finite number; anything else makes the record count as absent.
+    """
+    from xffl.aggregator.exchange import read_small_file
+    from xffl.core.errors import CheckpointError
+
     try:
-        data = json.loads((Path(update_dir) / RECORD_FILE).read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_small_file(Path(update_dir) / RECORD_FILE, RECORD_BYTES))
+    except (OSError, ValueError, CheckpointError):
         return None
-    return data if isinstance(data, dict) and data.get("job_id") else None
+    if not isinstance(data, dict) or not _JOB_ID.match(str(data.get("job_id", ""))):
+        return None
+    for value in data.values():
+        if isinstance(value, str) and (len(value) > 256 or not value.isprintable()):
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if not isinstance(value, str | int | float | bool | None):
+            return None
+    return data

@@ -24,12 +24,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xffl.aggregator.exchange import MANIFEST_FILE, Manifest, read_manifest
-from xffl.aggregator.verify import UpdateRejected, check_update
+from xffl.aggregator.exchange import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    read_manifest,
+    read_small_file,
+)
+from xffl.aggregator.verify import Bounds, UpdateRejected, check_update
 from xffl.core.layout import RunLayout, registration
-from xffl.training.slurm_job import RECORD_FILE
+from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.attempts import read_attempts
 from xffl.workflows.verdict import VERDICT_FILE, Verdict
+
+SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
 
 
 def link_files(src: Path, dst: Path, names: list[str]) -> None:
@@ -42,9 +50,13 @@ def link_files(src: Path, dst: Path, names: list[str]) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def admit(layout: RunLayout, site: str, rnd: int, previous: Path,
-          update: Path | None) -> tuple[Verdict, Manifest | None]:
-    """Judge ``site``'s update of round ``rnd`` against the global ``previous``."""
+def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
+          bounds: Bounds | None = None) -> tuple[Verdict, Manifest | None]:
+    """Judge ``site``'s update of round ``rnd`` against the global ``previous``.
+
+    Every problem with the update, expected or not, is a rejection of this site's update
+    with its reason: one bad update never stops a round that has its quorum.
+    """
     record = read_attempts(layout, rnd, site)
     attempts = record.attempts if record is not None else 1
     if update is None:
@@ -54,15 +66,22 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path,
                        attempts=attempts), None
     arrived = time.time()
     parent = read_manifest(previous)  # the coordinator's own global model
+    config = json.loads(read_small_file(previous / CONFIG_FILE))
     try:
         manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
-                                reference_index=parent.tensors, expected_run_id=parent.run_id)
+                                reference_index=parent.tensors, expected_run_id=parent.run_id,
+                                expected_config=config,
+                                bounds=bounds or Bounds(side_files=SIDE_FILES))
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "
                                                f"{manifest.site!r}, not {site!r}")
     except UpdateRejected as exc:
         return Verdict(site=site, round=rnd, state="rejected", reason=exc.reason,
                        attempts=attempts, delivered_at=arrived), None
+    except Exception as exc:  # whatever a crafted update makes a check raise
+        return Verdict(site=site, round=rnd, state="rejected", attempts=attempts,
+                       reason=f"could not be checked ({type(exc).__name__}: "
+                       f"{str(exc)[:200]})", delivered_at=arrived), None
     metrics = manifest.metrics
     return Verdict(site=site, round=rnd, state="completed", attempts=attempts,
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
@@ -90,7 +109,10 @@ def run_step(args: argparse.Namespace) -> int:
     """Admit one update; write verdict.json and cwl.output.json in the working directory."""
     layout = RunLayout(Path(args.run_dir))
     update = Path(args.update) if args.update else None
-    verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update)
+    bounds = Bounds(max_tokens=args.max_tokens, max_samples=args.max_samples,
+                    side_files=SIDE_FILES)
+    verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
+                              bounds)
     _record(layout, verdict, update)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:
@@ -115,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--previous", required=True, help="the round's global model")
     parser.add_argument("--update", default=None, help="the site's update (absent: none came)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="the most tokens the site's job can have trained on")
+    parser.add_argument("--max-samples", type=int, default=None,
+                        help="the most samples the site may report")
     return run_step(parser.parse_args(argv))
 
 

@@ -90,6 +90,8 @@ def admit_tool(run_dir: str) -> dict[str, Any]:
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
             "model": {"type": "Directory", "inputBinding": {"prefix": "--previous"}},
             "update": {"type": "Directory?", "inputBinding": {"prefix": "--update"}},
+            "max_tokens": {"type": "long?", "inputBinding": {"prefix": "--max-tokens"}},
+            "max_samples": {"type": "long?", "inputBinding": {"prefix": "--max-samples"}},
         },
         "outputs": {"update": "Directory?", "verdict": "File"},
     }
@@ -124,10 +126,18 @@ def aggregate_tool(run_dir: str, sites: list[str], arguments: list[str]) -> dict
     }
 
 
-def round_workflow(sites: list[str]) -> dict[str, Any]:
-    """One round: train at every site, admit each update, aggregate."""
+def round_workflow(sites: list[str],
+                   bounds: dict[str, tuple[int | None, int | None]]) -> dict[str, Any]:
+    """One round: train at every site, admit each update, aggregate.
+
+    ``bounds``: each site's (max tokens, max samples) its admission checks the update's
+    report against (None: no bound).
+    """
     steps: dict[str, Any] = {}
     for s in sites:
+        limits = {name: {"default": value} for name, value
+                  in zip(("max_tokens", "max_samples"), bounds[s], strict=True)
+                  if value is not None}
         steps[train_step(s)] = {
             "run": f"tools/train_{s}.cwl",
             "in": {"round": "round", "model": "model", "job": f"job_{s}"},
@@ -136,7 +146,7 @@ def round_workflow(sites: list[str]) -> dict[str, Any]:
         steps[admit_step(s)] = {
             "run": "tools/admit.cwl",
             "in": {"site": {"default": s}, "round": "round", "model": "model",
-                   "update": f"{train_step(s)}/update"},
+                   "update": f"{train_step(s)}/update", **limits},
             "out": ["update", "verdict"],
         }
     steps["aggregate"] = {

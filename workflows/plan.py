@@ -10,6 +10,7 @@ batch scripts come from one Jinja2 template (:func:`xffl.workflows.deployments.b
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ import yaml
 
 from xffl.core.layout import RunLayout
 from xffl.jobs.load import LoadedJob
-from xffl.jobs.spec import JobSpec
-from xffl.training.config import TrainJob
+from xffl.jobs.spec import JobSpec, SiteSpec
+from xffl.training.config import TrainJob, round_steps
 from xffl.workflows import cwl
 from xffl.workflows.deployments import (
     COORDINATOR,
@@ -42,6 +43,24 @@ def aggregate_arguments(spec: JobSpec) -> list[str]:
     return ["--strategy", agg.strategy, "--weighting", agg.weighting,
             *(f"--param={k}={v!r}" for k, v in sorted(agg.params.items())),
             f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum)]
+
+
+def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None]:
+    """The most tokens and samples ``site``'s update may report in a round (None: unbounded).
+
+    Tokens: steps x batch x accumulation x sequence length x ranks, steps as many as the
+    budget allows (a token budget with one data-parallel rank, the most steps), times
+    ``balance_max`` when throughput balancing may raise them. Samples: the dataset size the
+    job declares, or the samples of the round's steps if more (a ``training.update_fn``
+    reports those).
+    """
+    training = site.budget.apply(spec.training) if site.budget else spec.training
+    steps = round_steps(training, 1)
+    if training.balance == "throughput":
+        steps = math.floor(steps * training.balance_max)
+    samples = steps * training.batch_size * training.grad_accum * site.ranks
+    declared = site.data.declared_samples
+    return samples * training.seq_len, None if declared is None else max(declared, samples)
 
 
 def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
@@ -152,7 +171,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
     _dump(staged.tool("admit"), cwl.admit_tool(str(final)))
     _dump(staged.tool("aggregate"),
           cwl.aggregate_tool(str(final), names, aggregate_arguments(spec)))
-    _dump(staged.round_cwl, cwl.round_workflow(names))
+    _dump(staged.round_cwl, cwl.round_workflow(
+        names, {s.name: report_bounds(spec, s) for s in spec.sites}))
     _dump(staged.main, cwl.main_workflow(names))
     _dump(staged.inputs, loop_inputs(spec, 1, spec.rounds))
     _dump(staged.streamflow, streamflow_config(run_id, loaded, out, final))

@@ -1,4 +1,5 @@
-"""xffl's StreamFlow plugin: the site failure manager and the deadline-keeping connectors.
+"""xffl's StreamFlow plugin: the site failure manager, the deadline-keeping connectors, and
+the directory-listing adapter (:mod:`xffl.workflows.sf_listing`).
 
 Loaded by StreamFlow through the entry point ``unito.streamflow.plugin`` (pyproject.toml), so
 ``streamflow run streamflow.yml`` in a plan directory finds the same extensions as
@@ -12,6 +13,7 @@ from streamflow.ext.plugin import StreamFlowPlugin
 from xffl.workflows.deployments import FAILURE_MANAGER, LOCAL_CONNECTOR, SLURM_CONNECTOR
 from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
 from xffl.workflows.sf_failure import SiteFailureManager
+from xffl.workflows.sf_listing import install as install_listing_fix
 
 
 class XfflPlugin(StreamFlowPlugin):
@@ -19,6 +21,7 @@ class XfflPlugin(StreamFlowPlugin):
 
     def register(self) -> None:
         """Called by StreamFlow when it loads its extensions."""
+        install_listing_fix()
         self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
         self.register_connector(SLURM_CONNECTOR, XfflSlurmConnector)
         self.register_connector(LOCAL_CONNECTOR, XfflLocalConnector)

@@ -1,0 +1,94 @@
+"""A hostile-update corpus through one real round: one honest site and 36 compromised ones.
+
+Every hostile site's "Python" is tests/security/hostile_site.py, which writes a well-formed
+update and then alters it one way (VARIANTS: names that are paths, extra files, links, huge
+and non-finite counts and metrics, wrong run, round, parent or config, impersonation,
+oversized JSON, header bombs, ...). With failure.min_sites 1 the round must make the honest
+update the global model, reject each hostile one with its reason, and change nothing outside
+the run directory and the sites' own folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from tests.security.hostile_site import VARIANTS
+from xffl.cli.app import app
+
+runner = CliRunner()
+SCRIPT = Path(__file__).with_name("hostile_site.py")
+
+
+def snapshot(root: Path, skip: list[Path]) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` but those under ``skip``: a file's size and mtime (ns)."""
+    out = {}
+    for path in root.rglob("*"):
+        if any(path == s or s in path.parents for s in skip):
+            continue
+        st = path.lstat()
+        out[str(path)] = (0, 0) if path.is_dir() else (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.slow
+def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
+        tmp_path: Path, xffl_home: Path) -> None:
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    wrapper = tmp_path / "hostile-python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {SCRIPT} \"$@\"\n")
+    wrapper.chmod(0o755)
+    (profiles / "hostile.yaml").write_text(yaml.safe_dump(
+        {"name": "hostile", "python": str(wrapper), "launcher": "none"}))
+    sites = [{"name": "honest", "profile": "local", "ranks": 1,
+              "data": {"path": "data/alpha", "synthetic": "alpha", "synthetic_sequences": 32}}]
+    sites += [{"name": f"h{i:02d}", "profile": "hostile", "ranks": 1,
+               "data": {"path": "nothing", "max_samples": 1000}}
+              for i in range(len(VARIANTS))]
+    spec = {"name": "hostile", "rounds": 1, "model": {"preset": "tiny-test"},
+            "training": {"steps": 2, "batch_size": 2, "seq_len": 16},
+            "failure": {"min_sites": 1}, "sites": sites}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    coordinator = [xffl_home / "runs", xffl_home / "sites", xffl_home / "registry.db",
+                   xffl_home / "registry.db-wal", xffl_home / "registry.db-shm"]
+    xffl_home.mkdir()
+    before = snapshot(tmp_path, coordinator)
+
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "500"])
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    assert status["state"] == "completed", status["message"]
+    (r1,) = status["rounds"]
+    by_site = {s["site"]: s for s in r1["sites"]}
+    assert by_site["honest"]["state"] == "completed"
+    for i, (attack, reason) in enumerate(VARIANTS):
+        row = by_site[f"h{i:02d}"]
+        if reason is None:  # it delivered nothing: the round went on without it
+            assert row["state"] == "failed" and row["reason"], (attack.__name__, row)
+        else:
+            assert row["state"] == "rejected", (attack.__name__, row)
+            assert reason in row["reason"], (attack.__name__, row["reason"])
+
+    # the global model is the honest update, bit for bit (FedAvg of one update)
+    run_dir = Path(status["run_dir"])
+    glob = load_file(str(run_dir / "rounds" / "1" / "global" / "model.safetensors"))
+    honest = load_file(str(run_dir / "rounds" / "1" / "updates" / "honest" / "model.safetensors"))
+    assert glob.keys() == honest.keys()
+    assert all(np.array_equal(glob[k], honest[k]) for k in glob)
+    assert sorted(p.name for p in (run_dir / "rounds" / "1" / "updates").iterdir()) == ["honest"]
+
+    # nothing changed outside the run directory and the sites' folders
+    assert snapshot(tmp_path, coordinator) == before
+    assert [p.name for p in (xffl_home / "runs").iterdir()] == [run_dir.name]
+    assert not list(tmp_path.rglob("ESCAPED")) and not os.path.exists("/ESCAPED")
+    assert not os.path.exists("/tmp/xffl-owned")
