@@ -27,6 +27,7 @@ from xffl.site_profiles.schema import LocalConnector, SiteProfile, SlurmSpec
 FAILURE_MANAGER = "xffl"
 SLURM_CONNECTOR = "xffl-slurm"
 LOCAL_CONNECTOR = "xffl-local"
+SSH_CONNECTOR = "xffl-ssh"
 TRAIN_SERVICE = "train"
 COORDINATOR = "coordinator"  # the deployment of the steps that run on the coordinator
 SLURM_NAME_OPTION = "--slurm-job-name"  # the launcher's option naming the round's job
@@ -152,8 +153,10 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
         "retryDelay": conn.transfer.retry_delay,
         "transferBufferSize": conn.transfer.buffer_size,
     }
-    deployments: dict[str, Any] = {
-        f"login-{site}": {"type": "ssh", "config": login, "workdir": workdir},
+    if conn.known_hosts is not None:  # StreamFlow checks the host key as xffl does
+        login["knownHosts"] = str(Path(conn.known_hosts).expanduser())
+    deployments: dict[str, Any] = {  # xffl-ssh: safe extraction, owner-only job folders
+        f"login-{site}": {"type": SSH_CONNECTOR, "config": login, "workdir": workdir},
     }
     if profile.slurm is None:
         return deployments, {"deployment": f"login-{site}"}

@@ -1,5 +1,5 @@
-"""xffl's StreamFlow plugin: the site failure manager, the deadline-keeping connectors, and
-the directory-listing adapter (:mod:`xffl.workflows.sf_listing`).
+"""xffl's StreamFlow plugin: the site failure manager, the connectors for facilities (deadlines
+kept, transfers from untrusted sites extracted safely) and the directory-listing adapter.
 
 Loaded by StreamFlow through the entry point ``unito.streamflow.plugin`` (pyproject.toml), so
 ``streamflow run streamflow.yml`` in a plan directory finds the same extensions as
@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from streamflow.ext.plugin import StreamFlowPlugin
 
-from xffl.workflows.deployments import FAILURE_MANAGER, LOCAL_CONNECTOR, SLURM_CONNECTOR
+from xffl.workflows.deployments import (
+    FAILURE_MANAGER,
+    LOCAL_CONNECTOR,
+    SLURM_CONNECTOR,
+    SSH_CONNECTOR,
+)
 from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
 from xffl.workflows.sf_failure import SiteFailureManager
 from xffl.workflows.sf_listing import install as install_listing_fix
+from xffl.workflows.sf_ssh import XfflSshConnector
 
 
 class XfflPlugin(StreamFlowPlugin):
@@ -25,3 +31,4 @@ class XfflPlugin(StreamFlowPlugin):
         self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
         self.register_connector(SLURM_CONNECTOR, XfflSlurmConnector)
         self.register_connector(LOCAL_CONNECTOR, XfflLocalConnector)
+        self.register_connector(SSH_CONNECTOR, XfflSshConnector)

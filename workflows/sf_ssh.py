@@ -1,0 +1,183 @@
+"""StreamFlow's SSH connector for an untrusted facility: ``xffl-ssh``.
+
+What StreamFlow 0.2.0rc3's ``SSHConnector`` does that an untrusted facility could abuse, and
+what this subclass (registered by xffl's StreamFlow plugin) does instead:
+
+* a copy from the site is a tar stream that ``streamflow.deployment.connector.base.
+  extract_tar_stream`` extracts with no member filter: names with ``..`` or absolute names
+  land outside the destination, links and devices are created as they come. Here every
+  member must be a regular file or a folder under the copied path, files are created without
+  following links, and the bytes of one copy are capped (``maxCopyBytes``);
+* the job folders StreamFlow creates at the site are ``mkdir -m 777``: another user of the
+  facility could swap a job's ``update/`` before it is copied back. Here they are ``700``;
+* host keys are checked against the user's ``~/.ssh/known_hosts`` only; here the site
+  profile's ``known_hosts`` (``knownHosts``) is used when it has one, as for xffl's own
+  connections.
+
+``tests/workflows/test_sf_ssh.py`` shows each upstream behaviour beside this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import posixpath
+import tarfile
+import urllib.parse
+from collections.abc import MutableMapping, MutableSequence
+from typing import Any
+
+import asyncssh
+from streamflow.core.deployment import ExecutionLocation
+from streamflow.core.exception import WorkflowExecutionException
+from streamflow.deployment import aiotarstream
+from streamflow.deployment.connector.ssh import (
+    SSHConfig,
+    SSHConnector,
+    SSHContext,
+    get_param_from_file,
+    parse_hostname,
+)
+from streamflow.log_handler import logger
+
+MAX_COPY_BYTES = 4 << 40  # 4 TiB: far above a checkpoint, far below a full disk's worth
+_OWNER_ONLY = "700"
+
+
+class UnsafeArchive(WorkflowExecutionException):
+    """A tar stream from a site held something a checkpoint copy never holds."""
+
+
+async def safe_extract(tar: aiotarstream.AioTarStream, src: str, dst: str,
+                       buffer_size: int, max_bytes: int = MAX_COPY_BYTES) -> None:
+    """Extract the copy of ``src`` into ``dst``: regular files and folders under it only.
+
+    A member named ``<basename(src)>[/rest]`` becomes ``dst[/rest]``; anything else (an
+    absolute name, ``..``, a name outside the copied folder, a link, a device or FIFO, more
+    than ``max_bytes`` in all) raises UnsafeArchive before it is written.
+    """
+    root = posixpath.basename(src.rstrip("/"))
+    real_dst = os.path.realpath(dst)
+    total = 0
+    async for member in tar:
+        name = member.name
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if name.startswith("/") or ".." in parts or not parts or parts[0] != root:
+            raise UnsafeArchive(f"refused to extract {name!r}: not a path under {root}")
+        if not (member.isreg() or member.isdir()):
+            raise UnsafeArchive(f"refused to extract {name!r}: not a regular file or folder")
+        target = os.path.join(real_dst, *parts[1:])
+        if os.path.commonpath([target, real_dst]) != real_dst:
+            raise UnsafeArchive(f"refused to extract {name!r}: outside {dst}")
+        if member.isdir():
+            os.makedirs(target, mode=0o700, exist_ok=True)
+            continue
+        total += member.size
+        if total > max_bytes:
+            raise UnsafeArchive(f"refused to extract {name!r}: the copy of {src} exceeds "
+                                f"{max_bytes} bytes")
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        # O_NOFOLLOW: a link put there by an earlier member (never, see above) or anyone else
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            reader = await tar.extractfile(member)
+            if reader is None:
+                raise UnsafeArchive(f"refused to extract {name!r}: unreadable member")
+            async with reader as source:
+                while chunk := await source.read(buffer_size):
+                    out.write(chunk)
+
+
+class _KnownHostsContext(SSHContext):
+    """An SSH connection whose host key is checked against the node's own known_hosts file."""
+
+    async def _get_connection(self, config: SSHConfig | None) -> Any:
+        known = getattr(config, "known_hosts", None)
+        if config is None or known is None or not config.check_host_key:
+            return await super()._get_connection(config)
+        # upstream's call, with the known_hosts file given instead of asyncssh's default
+        hostname, port = parse_hostname(config.hostname)
+        return await asyncssh.connect(
+            client_keys=config.client_keys, compression_algs=None,
+            encryption_algs=["aes128-gcm@openssh.com", "aes256-ctr", "aes192-ctr",
+                             "aes128-ctr"],
+            known_hosts=known, host=hostname,
+            passphrase=get_param_from_file(config.ssh_key_passphrase_file,
+                                           self._streamflow_config_dir),
+            password=get_param_from_file(config.password_file, self._streamflow_config_dir),
+            port=port, tunnel=await self._get_connection(config.tunnel),
+            username=config.username, connect_timeout=config.connect_timeout)
+
+
+class XfflSshConnector(SSHConnector):
+    """SSHConnector with safe extraction, owner-only folders and the profile's known_hosts."""
+
+    def __init__(self, *args: Any, knownHosts: str | None = None,
+                 maxCopyBytes: int = MAX_COPY_BYTES, **kwargs: Any) -> None:
+        """As SSHConnector, with ``knownHosts`` and ``maxCopyBytes``."""
+        self.knownHosts = knownHosts
+        self.maxCopyBytes = maxCopyBytes
+        super().__init__(*args, **kwargs)
+        self._cls_context = _KnownHostsContext
+
+    def _get_config(self, node: str | MutableMapping[str, Any] | None) -> SSHConfig | None:
+        """Upstream's settings of a node (jump hosts included), with the known_hosts file."""
+        config = super()._get_config(node)
+        hop = config
+        while hop is not None:
+            hop.known_hosts = self.knownHosts  # type: ignore[attr-defined]
+            hop = hop.tunnel
+        return config
+
+    @classmethod
+    def get_schema(cls) -> str:
+        """Upstream's schema of the ssh connector, with knownHosts and maxCopyBytes."""
+        upstream: dict[str, Any] = json.loads(super().get_schema())
+        base = urllib.parse.urljoin(upstream["$id"], upstream["$ref"])  # .../base/ssh.json
+        return json.dumps({
+            "$schema": upstream["$schema"],
+            "$id": "https://xffl.dev/schemas/streamflow/xffl_ssh.json",
+            "type": "object",
+            "$ref": base,
+            "properties": {
+                "knownHosts": {"type": "string", "description": "known_hosts file for the "
+                               "host keys (default: ~/.ssh/known_hosts of the user running "
+                               "StreamFlow)"},
+                "maxCopyBytes": {"type": "integer", "minimum": 1, "description": "the most "
+                                 "bytes one copy from the site may extract"},
+            },
+            "unevaluatedProperties": False,
+        })
+
+    async def copy_remote_to_local(self, src: str, dst: str, location: ExecutionLocation,
+                                   read_only: bool = False) -> None:
+        """Upstream's tar-over-SSH copy, extracted with :func:`safe_extract`."""
+        logger.info(f"COPYING from {src} on location {location} to {dst} on local file-system")
+        command = ["tar", "chf", "-", "-C", *posixpath.split(src)]
+        async with await self.get_stream_reader(command=command, location=location) as reader:
+            try:
+                async with aiotarstream.open(stream=reader, mode="r",
+                                             copybufsize=self.transferBufferSize) as tar:
+                    await safe_extract(tar, src, dst, self.transferBufferSize,
+                                       self.maxCopyBytes)
+            except tarfile.TarError as exc:
+                raise WorkflowExecutionException(
+                    f"FAILED copy from {src} from location {location} to {dst}: {exc}") from exc
+        logger.info(f"COMPLETED copy from {src} on location {location} to {dst} on local "
+                    "file-system")
+
+    async def run(self, location: ExecutionLocation, command: MutableSequence[str],
+                  environment: MutableMapping[str, str] | None = None,
+                  workdir: str | None = None, stdin: int | str | None = None,
+                  stdout: int | str = asyncio.subprocess.STDOUT,
+                  stderr: int | str = asyncio.subprocess.STDOUT,
+                  capture_output: bool = False, timeout: int | None = None,
+                  job_name: str | None = None) -> tuple[str, int] | None:
+        """Run ``command`` at the site; StreamFlow's ``mkdir -m 777`` becomes owner-only."""
+        if list(command[:3]) == ["mkdir", "-m", "777"]:
+            command = ["mkdir", "-m", _OWNER_ONLY, *command[3:]]
+        result: tuple[str, int] | None = await super().run(
+            location, command, environment, workdir, stdin, stdout, stderr, capture_output,
+            timeout, job_name)
+        return result
