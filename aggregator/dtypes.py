@@ -80,3 +80,10 @@ def storage_dtype(dtype: str) -> np.dtype[Any]:
         return STORAGE_DTYPES[dtype]
     except KeyError:
         raise CheckpointError(f"unsupported safetensors dtype {dtype!r}.") from None
+
+
+def decode(raw: Array, dtype: str) -> Array:
+    """Storage elements (bf16 as its bit pattern) as float64."""
+    if dtype == "BF16":
+        raw = bf16_bits_to_f32(raw)
+    return raw.astype(np.float64)

@@ -39,9 +39,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from xffl.aggregator.dtypes import decode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     Manifest,
@@ -60,13 +62,13 @@ from xffl.aggregator.inputs import (
     prepare,
     weighted_metrics,
 )
+from xffl.aggregator.robust import cap_shares, clip_factors, delta_norm
 from xffl.aggregator.safetensors_io import (
     FLOAT_DTYPES,
     STORAGE_DTYPES,
     Array,
     SafetensorsReader,
     SafetensorsWriter,
-    bf16_bits_to_f32,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import ModelReader, open_model
@@ -115,13 +117,6 @@ def resolve_params(name: str, params: Mapping[str, float] | None) -> dict[str, f
     if name == "fedtrimmedavg" and not 0 <= out["beta"] < 0.5:
         raise InvalidInput(f"fedtrimmedavg beta must be in [0, 0.5), got {out['beta']}.")
     return out
-
-
-def _decode(raw: Array, dtype: str) -> Array:
-    """Storage elements as float64."""
-    if dtype == "BF16":
-        raw = bf16_bits_to_f32(raw)
-    return raw.astype(np.float64)
 
 
 def _server_step(
@@ -196,8 +191,13 @@ def _write(
     metadata: Mapping[str, str],
     progress: Progress | None,
     max_shard_bytes: int | None = None,
+    clips: Sequence[float] | None = None,
 ) -> dict[str, str]:
-    """Stream the strategy's output (and new server state) into ``tmp``; return sha256s."""
+    """Stream the strategy's output (and new server state) into ``tmp``; return sha256s.
+
+    ``clips``: each update's change from the previous global is scaled by its factor
+    (:func:`xffl.aggregator.robust.clip_factors`) before it enters the mean.
+    """
     prev_model, prev_state = previous
     weights = [u.weight for u in active]
     total = math.fsum(weights)
@@ -226,19 +226,23 @@ def _write(
                 stack_ = np.empty((len(active), hi - lo), dtype=np.float64)
                 for i, u in enumerate(active):
                     raw = u.reader.read_into(t.name, lo, np.empty(hi - lo, dtype=dt))
-                    stack_[i] = _decode(raw, t.dtype)
+                    stack_[i] = decode(raw, t.dtype)
+                floating = t.dtype in FLOAT_DTYPES and prev_model is not None
+                x = decode(prev_model.raw(t.name, lo, hi), t.dtype) if floating and (
+                    buffers or clips is not None) and prev_model is not None else None
                 if name in ROBUST:
                     result = _robust(name, p, stack_)
                 else:
                     result = np.zeros(hi - lo, dtype=np.float64)
-                    for w, row in zip(weights, stack_, strict=True):
+                    for i, (w, row) in enumerate(zip(weights, stack_, strict=True)):
+                        if clips is not None and clips[i] != 1.0 and x is not None:
+                            row = x + clips[i] * (row - x)
                         result += w * row
                     result /= total
-                if buffers and t.dtype in FLOAT_DTYPES and prev_model is not None:
-                    x = _decode(prev_model.raw(t.name, lo, hi), t.dtype)
+                if buffers and x is not None:
                     state = {
                         b: (
-                            _decode(prev_state[b].raw(t.name, lo, hi), "F32")
+                            decode(prev_state[b].raw(t.name, lo, hi), "F32")
                             if prev_state
                             else np.zeros(hi - lo, dtype=np.float64)
                         )
@@ -272,20 +276,27 @@ def run_strategy(
     metadata: Mapping[str, str] | None = None,
     progress: Progress | None = None,
     max_shard_size: int | str | None = None,
+    clip_norm: float | None = None,
+    max_weight_share: float | None = None,
 ) -> Manifest:
     """Aggregate ``updates`` with strategy ``name`` into a global checkpoint at ``out_dir``.
 
     ``previous_global_dir`` (the global the round started from) is required by the stateful
     strategies (fedavgm, fedadam, fedyogi, fedadagrad), whose server state is read from it
-    and written beside the new global. ``params`` overrides :data:`DEFAULT_PARAMS`;
-    ``progress(done, total)`` is called after each tensor; ``max_shard_size`` splits a larger
-    model into Hugging Face shards (server state stays one file per buffer). Other arguments
-    are those of
-    :func:`xffl.aggregator.fedavg.aggregate`; "fedavg" is that function. Inputs are not
+    and written beside the new global, and by ``clip_norm``. ``params`` overrides
+    :data:`DEFAULT_PARAMS`; ``progress(done, total)`` is called after each tensor;
+    ``max_shard_size`` splits a larger model into Hugging Face shards (server state stays one
+    file per buffer); ``clip_norm`` and ``max_weight_share`` bound one site's influence on
+    the averaging strategies (:mod:`xffl.aggregator.robust`). Other arguments are those of
+    :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
     verified here: run :func:`xffl.aggregator.verify.select_updates` first.
     """
     p = resolve_params(name, params)
-    if name == "fedavg":
+    bounded = clip_norm is not None or max_weight_share is not None
+    if bounded and name in ROBUST:
+        raise InvalidInput(f"{name} bounds a minority's influence by its own rule; clip_norm "
+                           "and max_weight_share apply to the averaging strategies only.")
+    if name == "fedavg" and not bounded:
         manifest = aggregate(
             updates,
             out_dir,
@@ -312,9 +323,26 @@ def run_strategy(
         active = [u for u in ups if u.weight > 0]
         if name == "fedtrimmedavg" and len(active) - 2 * int(p["beta"] * len(active)) < 1:
             raise InvalidInput(f"beta={p['beta']} trims all {len(active)} updates.")
+        bounds: dict[str, Any] = {}
+        if max_weight_share is not None:
+            for u, w in zip(active, cap_shares([u.weight for u in active], max_weight_share),
+                            strict=True):
+                u.weight = w
+            total = math.fsum(u.weight for u in active)
+            for u in active:
+                sites[u.site]["weight"] = u.weight / total
+            bounds["max_weight_share"] = max_weight_share
         with ExitStack() as stack:
             prev = None if previous_global_dir is None else Path(previous_global_dir)
             prev_model, prev_state, loaded = _open_previous(name, prev, layout, stack)
+            clips = None
+            if clip_norm is not None:
+                if prev_model is None:
+                    raise InvalidInput("clip_norm needs the global the round started from.")
+                clips = clip_factors([delta_norm(u.reader, prev_model, layout)
+                                      for u in active], clip_norm)
+                bounds["clip_norm"] = clip_norm
+                bounds["clip_factors"] = {u.site: f for u, f in zip(active, clips, strict=True)}
             with staged_dir(Path(out_dir)) as tmp:
                 sums = _write(
                     name,
@@ -326,6 +354,7 @@ def run_strategy(
                     {"format": "pt", **(metadata or {})},
                     progress,
                     max_bytes,
+                    clips,
                 )
                 if config is not None:
                     (tmp / CONFIG_FILE).write_bytes(config)
@@ -342,6 +371,7 @@ def run_strategy(
                         "params": p,
                         "weighting": "unweighted" if name in ROBUST else label,
                         "sites": sites,
+                        **({"bounds": bounds} if bounds else {}),
                         "server_state": {
                             "files": [state_file(b) for b in STATE_BUFFERS.get(name, ())],
                             "loaded_from": str(prev) if loaded else None,

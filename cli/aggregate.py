@@ -48,6 +48,14 @@ def aggregate(
             "model.safetensors.index.json, e.g. 500MB or 2GiB; 0 never splits.",
         ),
     ] = DEFAULT_MAX_SHARD_SIZE,
+    clip_norm: Annotated[float | None, typer.Option(
+        "--clip-norm", help="Scale each update's change from --previous to at most this L2 "
+        "norm (averaging strategies).")] = None,
+    max_weight_share: Annotated[float | None, typer.Option(
+        "--max-weight-share", help="No update's share of the weights above this, in (0, 1] "
+        "(averaging strategies).")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace OUT if it exists.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Check UPDATE directories and write their aggregate under the chosen strategy to OUT.
@@ -58,6 +66,9 @@ def aggregate(
     max_bytes = parse_size(max_shard_size)
     if weighting not in ("samples", "tokens", "uniform"):
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
+    if output.exists() and not force:
+        raise InvalidInput(f"-o {output}: it exists; choose a new path, or --force to replace "
+                           "it.")
     parent = reference = None
     if previous is not None:
         manifest = read_manifest(previous)
@@ -95,6 +106,7 @@ def aggregate(
             parent_digest=parent,
             max_shard_size=max_bytes,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
+            clip_norm=clip_norm, max_weight_share=max_weight_share,
         )
     report["global"] = {
         "round": result.round,

@@ -46,6 +46,23 @@ class AggregationSpec(_Strict):
         "default 5GB (Hugging Face's)",
     )
 
+    clip_norm: float | None = Field(
+        default=None, gt=0, description="scale each update's change from the round's global "
+        "to at most this L2 norm (averaging strategies): one site moves the mean by at most "
+        "clip_norm x its share")
+    max_weight_share: float | None = Field(
+        default=None, gt=0, le=1, description="no site's share of the weights above this "
+        "(averaging strategies): a site cannot own the mean by reporting a huge dataset")
+
+    @model_validator(mode="after")
+    def _bounds_average(self) -> AggregationSpec:
+        if (self.clip_norm is not None or self.max_weight_share is not None) and \
+                self.strategy in ("fedmedian", "fedtrimmedavg"):
+            raise ValueError(f"{self.strategy} bounds a minority's influence by its own rule; "
+                             "clip_norm and max_weight_share apply to the averaging "
+                             "strategies: remove them or choose fedavg")
+        return self
+
     @field_validator("max_shard_size")
     @classmethod
     def _size(cls, value: str | int) -> str | int:

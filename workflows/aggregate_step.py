@@ -27,6 +27,7 @@ from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.strategies import parse_pairs, run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.layout import RunLayout, registration
+from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.registry import Registry, RoundRecord
 from xffl.workflows.admit_step import link_files
@@ -81,6 +82,7 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
         args.strategy, [updates[s] for s in admitted], previous, target,
         weighting=args.weighting, params=parse_pairs(args.param), run_id=parent.run_id,
         round=rnd, parent_digest=parent.digest(), max_shard_size=args.max_shard_size,
+        clip_norm=args.clip_norm, max_weight_share=args.max_weight_share,
     )
     seconds = time.perf_counter() - t0
     failpoint(f"aggregated-round-{rnd}")  # the global is on disk, the registry not updated
@@ -157,6 +159,7 @@ def run_step(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's aggregate tool."""
+    private_files()  # also when StreamFlow runs the plan by hand
     parser = argparse.ArgumentParser(prog="xffl.workflows.aggregate_step")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--sites", required=True, help="the plan's sites, comma-separated")
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param", action="append", default=[], help="KEY=NUMBER")
     parser.add_argument("--max-shard-size", required=True, help="0: one file")
     parser.add_argument("--min-sites", type=int, required=True)
+    parser.add_argument("--clip-norm", type=float, default=None)
+    parser.add_argument("--max-weight-share", type=float, default=None)
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)

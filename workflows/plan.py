@@ -40,9 +40,12 @@ def _dump(path: Path, data: Any) -> None:
 def aggregate_arguments(spec: JobSpec) -> list[str]:
     """The aggregate step's options from the job spec (strategy, weighting, quorum, ...)."""
     agg = spec.aggregation
+    bounds = [f"--{flag}={value!r}" for flag, value in (("clip-norm", agg.clip_norm),
+                                                       ("max-weight-share", agg.max_weight_share))
+              if value is not None]
     return ["--strategy", agg.strategy, "--weighting", agg.weighting,
             *(f"--param={k}={v!r}" for k, v in sorted(agg.params.items())),
-            f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum)]
+            f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum), *bounds]
 
 
 def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None]:

@@ -111,3 +111,35 @@ def test_help_ends_with_example() -> None:
     result = runner.invoke(app, ["aggregate", "--help"])
     assert result.exit_code == 0
     assert "xffl aggregate --strategy fedavg -o OUT UPDATE..." in result.output
+
+
+def test_an_existing_output_is_kept_unless_forced(tmp_path: Path) -> None:
+    g0, ups = _setup(tmp_path)
+    out = tmp_path / "g1"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    refused = runner.invoke(app, ["aggregate", "-o", str(out), *map(str, ups)])
+    assert refused.exit_code == 2, refused.output
+    assert "--force" in refused.output and (out / "keep.txt").read_text() == "mine"
+    forced = runner.invoke(app, ["aggregate", "-o", str(out), "--force", *map(str, ups)])
+    assert forced.exit_code == 0, forced.output
+    assert not (out / "keep.txt").exists()
+    verify_checkpoint(out)
+
+
+def test_clip_norm_and_weight_cap_from_the_command_line(tmp_path: Path) -> None:
+    # alpha moves every element of w (12 of them) from 0 to 1: a change of norm sqrt(12),
+    # clipped to 0.5 (factor 0.5/sqrt(12)); beta moves them to 2, clipped by 0.5/sqrt(48).
+    # Samples 3:1 capped at 0.6 -> shares 0.6 and 0.4. Each element: 0.6 * 0.5/sqrt(12) * 1
+    # + 0.4 * 0.5/sqrt(48) * 2 = (0.3 + 0.2) / sqrt(12), computed in float64 (relative error
+    # ~1e-15) and rounded once to fp32 (relative error <= 2^-24): rtol 2^-23 covers both.
+    g0, ups = _setup(tmp_path)
+    out = tmp_path / "g1"
+    result = runner.invoke(app, ["aggregate", "-o", str(out), "--previous", str(g0),
+                                 "--clip-norm", "0.5", "--max-weight-share", "0.6", "--json",
+                                 *map(str, ups)])
+    assert result.exit_code == 0, result.output
+    with SafetensorsReader(out / MODEL_FILE) as r:
+        np.testing.assert_allclose(r.read("w"), 0.5 / np.sqrt(12.0), rtol=2.0**-23, atol=0)
+    bounds = read_manifest(out).extra["bounds"]
+    assert bounds["clip_norm"] == 0.5 and bounds["max_weight_share"] == 0.6

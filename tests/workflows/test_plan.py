@@ -127,6 +127,17 @@ def test_job_spec_reaches_the_aggregate_step_and_the_failure_manager(tmp_path: P
     validate_cwl(layout.main)
 
 
+def test_influence_bounds_reach_the_aggregate_step(tmp_path: Path) -> None:
+    job = _job(tmp_path, aggregation={"clip_norm": 0.5, "max_weight_share": 0.4})
+    layout = write_plan(load_job(job), "qs-5", tmp_path / "plan")
+    args = yaml.safe_load(layout.tool("aggregate").read_text())["arguments"]
+    assert "--clip-norm=0.5" in args and "--max-weight-share=0.4" in args
+    (tmp_path / "plain").mkdir()
+    plain = write_plan(load_job(_job(tmp_path / "plain")), "qs-6", tmp_path / "plan-plain")
+    args = yaml.safe_load(plain.tool("aggregate").read_text())["arguments"]
+    assert not [a for a in args if a.startswith(("--clip-norm", "--max-weight-share"))]
+
+
 def test_site_slurm_overrides_reach_both_batch_scripts(tmp_path: Path) -> None:
     from tests.jobs.test_slurm_overrides import job_with_overrides
 
