@@ -25,6 +25,7 @@ from xffl.cli import (
     validate,
 )
 from xffl.cli.common import state
+from xffl.core.paths import private_files
 
 app = typer.Typer(
     name="xffl",
@@ -42,6 +43,7 @@ def _root(
 ) -> None:
     """Cross-facility federated learning orchestrator."""
     state.debug = debug
+    private_files()  # everything a command writes is owner-only
 
 
 app.command()(submit.submit)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Annotated
 
 import typer
@@ -33,7 +35,9 @@ def round_(
         message = f"run {record.id} is {record.state}: no round to run"
         code = 0
     else:  # the state is checked again under the round lock (a cancel may come first)
-        code = execute(record.id, registry, once=True)
+        # what the round prints goes to the log (cron.log); with --json, stdout is the JSON
+        with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):
+            code = execute(record.id, registry, once=True)
         final = registry.get_run(record.id)
         message = f"run {record.id}: {final.state}: {final.message}"
     final = registry.get_run(record.id)

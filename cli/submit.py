@@ -46,7 +46,7 @@ def submit(
                 if submitted.pid else run.message))
         return
     if as_json:
-        final = wait_for_run(registry, run.id, timeout)
+        final = wait_for_run(registry, run.id, timeout, spawned=submitted.pid)
     else:
         console.print(f"submitted run [bold]{run.id}[/bold]; following it (Ctrl-C stops "
                       "following, not the run)")
@@ -59,7 +59,8 @@ def submit(
                 label = r.state if r.finished else f"{r.state}: round {r.rounds_done + 1}"
                 progress.update(task, completed=r.rounds_done, description=label)
 
-            final = wait_for_run(registry, run.id, timeout, on_update=update)
+            final = wait_for_run(registry, run.id, timeout, on_update=update,
+                                 spawned=submitted.pid)
     model = latest_global(registry, final)
     if as_json:
         print_json(run_status(registry, final))

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xffl.jobs import schedule
 from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
+from xffl.jobs.round_lock import holder
 from xffl.jobs.slurm_view import (
     SSH_TIMEOUT,
     SiteUnreachable,
@@ -29,7 +31,6 @@ from xffl.jobs.slurm_view import (
     slurm_sites,
     ssh_run,
 )
-from xffl.jobs.status import runner_alive
 from xffl.site_profiles.schema import SiteProfile
 
 RUNNER_GRACE_S = 5.0
@@ -50,15 +51,23 @@ class CancelResult:
 
 
 def stop_runner(run: RunRecord, grace: float = RUNNER_GRACE_S) -> bool:
-    """SIGTERM the runner's process group, SIGKILL it after ``grace`` s; True if it is gone."""
-    pid = run.runner_pid
-    if not pid or not runner_alive(run):
+    """SIGTERM the process executing the run, SIGKILL it after ``grace`` s; True if it is gone.
+
+    That process is the one holding the run's round lock (its supervisor, or the `xffl round`
+    of a cron tick), never merely the pid the registry recorded, which may by now belong to
+    an unrelated process. A supervisor leads its own session: its whole process group (the
+    StreamFlow steps it runs) is signalled.
+    """
+    pid = holder(Path(run.run_dir))
+    if pid is None:
         return True
+    if pid == 0:  # held, but by a process this machine cannot name: signal nothing
+        return False
     try:
         pgid = os.getpgid(pid)
     except ProcessLookupError:
         return True
-    # the runner is a session leader (start_new_session=True): never signal our own group
+    # never signal our own group (a foreground `xffl round` is in the caller's group)
     targets = pgid if pgid == pid and pgid != os.getpgrp() else None
 
     def _signal(sig: int) -> None:
@@ -71,10 +80,10 @@ def stop_runner(run: RunRecord, grace: float = RUNNER_GRACE_S) -> bool:
             pass
 
     def _gone() -> bool:
-        # reap it if it is our child (tests start runners from this process)
+        # reap it if it is our child (tests start supervisors from this process)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        return not runner_alive(run)
+        return holder(Path(run.run_dir)) != pid
 
     _signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -172,6 +181,8 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
             sites=[SiteRound(site=s, state="cancelled", reason="cancelled by the user")
                    for s in current.sites]))
     message = "cancelled by the user"
+    if _remove_schedule(run.id):
+        message += "; its cron entry removed"
     if result.unreachable:
         message += ("; could not reach " + ", ".join(sorted(result.unreachable))
                     + ": jobs named " + ", ".join(job_name(run.id, s) + "[-r<round>]"
@@ -181,6 +192,13 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
         message += "; still in squeue after scancel: " + ", ".join(
             f"{s} ({', '.join(ids)})" for s, ids in sorted(result.left_over.items()))
     if not result.runner_stopped:
-        message += f"; the runner (pid {run.runner_pid}) did not stop"
+        message += "; its supervisor did not stop"
     registry.set_state(run.id, "cancelled", message, ended=time.time())
     return result
+
+
+def _remove_schedule(run_id: str) -> bool:
+    """Remove the run's crontab entry, if any (a cancelled run has no round left to tick)."""
+    if schedule.current(run_id) is None:
+        return False
+    return schedule.remove(run_id)

@@ -2,37 +2,47 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 from xffl.core.errors import TimedOut
 from xffl.jobs.registry import Registry, RunRecord
-from xffl.jobs.status import runner_alive
+from xffl.jobs.status import settle
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child ``pid`` has exited (it is reaped then)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child, or already reaped
+        return True
+    return done == pid
 
 
 def wait_for_run(registry: Registry, run_id: str, timeout: float,
                  on_update: Callable[[RunRecord], None] | None = None,
-                 poll: float = 0.5) -> RunRecord:
+                 poll: float = 0.5, spawned: int | None = None) -> RunRecord:
     """Poll the registry until the run is finished; TimedOut after ``timeout`` seconds.
 
-    A runner that died without recording an outcome marks the run failed.
+    A supervisor that died without recording an outcome leaves the run failed
+    (:func:`xffl.jobs.status.settle`); so does ``spawned``, the supervisor this process
+    started, exiting before it took the run over.
     """
     deadline = time.monotonic() + timeout
-    grace_until = time.monotonic() + 10.0
     while True:
-        run = registry.get_run(run_id)
+        run = settle(registry, registry.get_run(run_id))
         if on_update is not None:
             on_update(run)
         if run.finished:
             return run
-        if run.runner_pid and not runner_alive(run) and time.monotonic() > grace_until:
+        if spawned is not None and run.state == "submitted" and _exited(spawned):
             run = registry.get_run(run_id)
-            if not run.finished:
-                registry.set_state(run_id, "failed", "the supervisor process died without "
-                                   f"recording an outcome; see {run.run_dir}/supervisor.log",
+            if run.state == "submitted":
+                registry.set_state(run_id, "failed", "the supervisor exited before it started "
+                                   f"the run; see {run.run_dir}/supervisor.log",
                                    ended=time.time())
-                return registry.get_run(run_id)
-            return run
+            continue
         if time.monotonic() > deadline:
             raise TimedOut(f"run {run_id} still {run.state} after {timeout:.0f} s; it goes on "
                            f"in the background: follow it with `xffl status {run_id}`.")

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xffl.core.paths import registry_path
+from xffl.core.fstype import on_network_filesystem
+from xffl.core.paths import private_dir, registry_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -116,14 +117,24 @@ class Registry:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path) if path is not None else registry_path()
+        self._journal: str | None = None
+
+    @property
+    def journal_mode(self) -> str:
+        """WAL on a local disk; SQLite's rollback journal on a network filesystem, where the
+        write-ahead log's shared memory does not work across processes."""
+        if self._journal is None:
+            private_dir(self.path.parent)
+            self._journal = "DELETE" if on_network_filesystem(self.path.parent) else "WAL"
+        return self._journal
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        journal = self.journal_mode
         conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         conn.row_factory = sqlite3.Row
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA journal_mode={journal}")
             conn.execute("PRAGMA busy_timeout=30000")
             conn.executescript(SCHEMA)
             _migrate(conn)

@@ -200,7 +200,9 @@ def _publish(out: Path, render: Callable[[Path], list[str]]) -> list[Path]:
             with (tmp / name).open("rb") as f:
                 os.fsync(f.fileno())
         if fresh:
-            tmp.chmod(0o755)  # mkdtemp makes it private; a report folder is an ordinary one
+            mask = os.umask(0)  # mkdtemp makes it 0700: give it the mode mkdir would
+            os.umask(mask)
+            tmp.chmod(0o777 & ~mask)
             try:
                 os.rename(tmp, out)
                 tmp = out

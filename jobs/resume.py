@@ -10,7 +10,7 @@ from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
-from xffl.jobs.status import runner_alive
+from xffl.jobs.status import runner_alive, settle
 from xffl.workflows.supervisor import spawn
 
 
@@ -21,11 +21,12 @@ def resume_run(registry: Registry, run: RunRecord) -> int:
     runner continues with round ``rounds_done + 1``; updates that already arrived for that
     round are reused, so no finished training or round is computed again.
     """
+    run = settle(registry, run)
     if run.state == "completed":
         raise InvalidInput(f"run {run.id} is completed ({run.rounds_done} rounds): nothing to "
                            "resume; submit the job again for a new run.")
     if runner_alive(run) and run.state in ("running", "submitted"):
-        raise InvalidInput(f"run {run.id} is {run.state} (runner pid {run.runner_pid}); "
+        raise InvalidInput(f"run {run.id} is {run.state} (its supervisor is alive); "
                            f"`xffl cancel {run.id}` first to restart it.")
     run_dir = Path(run.run_dir)
     spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())

@@ -53,14 +53,29 @@ def xffl_executable() -> str:
     return str(Path(found).resolve())
 
 
+def crontab_safe(what: str, value: str) -> str:
+    """``value`` if it can stand in a crontab line; InvalidInput naming ``what`` otherwise.
+
+    A newline would end the entry and start one of the value's choosing; cron turns ``%``
+    into a newline of the command's input. Quoting protects neither.
+    """
+    if "%" in value or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidInput(f"{what} ({value!r}) holds a control character or '%', which "
+                           "cannot stand in a crontab line; use a plain path without them.")
+    return value
+
+
 def cron_command(run: RunRecord) -> str:
-    """The shell command of a run's crontab entry."""
+    """The shell command of a run's crontab entry (every value checked, then shell-quoted)."""
     env = {"XFFL_HOME": str(xffl_home()), "HOME": os.environ.get("HOME", "/root"),
            "PATH": f"{Path(sys.executable).parent}:{PATH}"}
     # cron has no ssh-agent: an agent the user keeps at a fixed socket (`ssh-agent -a PATH`)
     # is passed on, so agent-held keys and certificates work from cron ticks too
     if os.environ.get("SSH_AUTH_SOCK"):
         env["SSH_AUTH_SOCK"] = os.environ["SSH_AUTH_SOCK"]
+    for name, value in [*env.items(), ("the run directory", run.run_dir),
+                        ("the xffl command", xffl_executable())]:
+        crontab_safe(name, value)
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     log = shlex.quote(str(Path(run.run_dir) / "cron.log"))
     return (f"cd {shlex.quote(run.run_dir)} && env {assigns} {shlex.quote(xffl_executable())} "
@@ -81,9 +96,9 @@ def install(run: RunRecord, expr: str) -> Schedule:
     expr = validate_cron(expr)
     if run.state in ("completed", "cancelled"):
         raise InvalidInput(f"run {run.id} is {run.state}: there is no round left to schedule.")
+    command = cron_command(run)  # refused before the crontab is touched
     cron = _crontab()
     cron.remove_all(comment=_tag(run.id))
-    command = cron_command(run)
     job = cron.new(command=command, comment=_tag(run.id))
     job.setall(expr)
     cron.write()

@@ -2,29 +2,50 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict
+import sqlite3
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.round_lock import holder
 
 
 def runner_alive(run: RunRecord) -> bool:
-    """Whether the run's runner process still exists (only meaningful on this machine)."""
-    if not run.runner_pid:
-        return False
+    """Whether a process of this machine is executing the run: it holds the run's round lock.
+
+    The lock, not the pid recorded in the registry, decides: that pid may since have been
+    reused by any process, and a cron tick or a resume may have run the run since.
+    """
+    return holder(Path(run.run_dir)) is not None
+
+
+def orphan_message(run_id: str) -> str:
+    """Why a run that no process executes can no longer be ``running``."""
+    return (f"its supervisor ended without recording an outcome (killed, or the disk was "
+            f"full); `xffl resume {run_id}` continues from the last completed round")
+
+
+def settle(registry: Registry, run: RunRecord) -> RunRecord:
+    """``run`` as it really stands: one recorded ``running`` that no process runs has failed.
+
+    Only a process holding the run's round lock sets ``running`` and it records the run's
+    end before letting the lock go, so ``running`` with a free lock means that process died
+    (SIGKILL, or a full disk that kept it from writing the registry). The run is marked
+    failed, or, where the registry cannot be written either, shown so.
+    """
+    if run.state != "running" or runner_alive(run):
+        return run
+    current = registry.get_run(run.id)  # it may have ended since it was read
+    if current.state != "running" or runner_alive(current):
+        return current
+    message = orphan_message(run.id)
     try:
-        os.kill(run.runner_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (dead, not yet reaped by its parent, e.g. `xffl submit --wait`) is gone
-        stat = Path(f"/proc/{run.runner_pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+        registry.set_state(run.id, "failed", message, ended=time.time())
+    except sqlite3.OperationalError:
+        return replace(current, state="failed", message=message)
+    return registry.get_run(run.id)
 
 
 def latest_global(registry: Registry, run: RunRecord) -> str | None:
@@ -62,6 +83,7 @@ def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[dict[str, 
 
 def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
     """The run, its rounds with per-site results, events and its latest global model."""
+    run = settle(registry, run)
     data = run_summary(run)
     data["rounds"] = rounds_with_breakdown(registry, run)
     data["latest_global"] = latest_global(registry, run)

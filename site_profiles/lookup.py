@@ -19,13 +19,18 @@ def bundled_dir() -> Path:
     return Path(str(resources.files("xffl.site_profiles") / "bundled"))
 
 
+def installed_dirs() -> list[Path]:
+    """The folders of installed profiles: the user's config folder, then the bundled ones."""
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return [config_home / "xffl" / "site_profiles", bundled_dir()]
+
+
 def search_path(job_dir: Path | None = None) -> list[Path]:
     """Folders searched for ``NAME.yaml``, first match wins."""
-    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     dirs = []
     if job_dir is not None:
         dirs.append(job_dir / "site_profiles")
-    dirs += [Path.cwd() / "site_profiles", config_home / "xffl" / "site_profiles", bundled_dir()]
+    dirs += [Path.cwd() / "site_profiles", *installed_dirs()]
     unique: list[Path] = []
     for d in dirs:
         if d.resolve() not in [u.resolve() for u in unique]:
@@ -67,4 +72,14 @@ def find_profile(name: str, job_dir: Path | None = None, referrer: str = "") -> 
             f"{prefix}site profile {name!r} not found; {hint} "
             f"(or add site_profiles/{name}.yaml)."
         )
-    return load_profile_file(profiles[name])
+    chosen = profiles[name]
+    installed = [d / f"{name}.yaml" for d in installed_dirs()]
+    shadowed = [p for p in installed if p.is_file() and p.resolve() != chosen.resolve()]
+    if shadowed and chosen.parent.resolve() not in [d.resolve() for d in installed_dirs()]:
+        # a job's folder (perhaps a collaborator's) must not silently redirect a profile the
+        # user installed: same name, another host, another key
+        raise InvalidInput(
+            f"{prefix}site profile {name!r} in {chosen} has the name of the installed "
+            f"profile {shadowed[0]}; a job's folder cannot replace an installed profile: "
+            f"rename the file and its name field (e.g. {name}-job).")
+    return load_profile_file(chosen)

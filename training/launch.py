@@ -203,6 +203,7 @@ def _arg(trainer_args: Sequence[str], option: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: options before ``--`` are the launcher's, after it the trainer's."""
+    os.umask(0o077)  # the update and the kept copy at the site are the site user's alone
     args_list = list(sys.argv[1:] if argv is None else argv)
     split = args_list.index("--") if "--" in args_list else len(args_list)
     own, trainer_args = args_list[:split], args_list[split + 1:]

@@ -33,6 +33,7 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.verify import Bounds, UpdateRejected, check_update
 from xffl.core.layout import RunLayout, registration
+from xffl.core.paths import private_files
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.attempts import read_attempts
 from xffl.workflows.verdict import VERDICT_FILE, Verdict
@@ -131,6 +132,7 @@ def run_step(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's admit tool."""
+    private_files()  # also when StreamFlow runs the plan by hand
     parser = argparse.ArgumentParser(prog="xffl.workflows.admit_step")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--site", required=True)

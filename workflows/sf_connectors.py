@@ -17,6 +17,13 @@ The two classes here, registered by xffl's StreamFlow plugin as ``xffl-slurm`` a
 (queue wait included), the job is scancelled (the local process group killed) when it
 passes, and the failure that StreamFlow sees starts with ``xffl: round timeout`` so that the
 site failure manager gives the site up for the round instead of retrying.
+
+StreamFlow also renders each batch template with a plain ``jinja2.Template``
+(``streamflow/deployment/template.py``), in which an expression such as
+``{{ lipsum.__globals__.os.system(...) }}`` runs code on the coordinator. The site profile
+schema refuses Jinja2 statements in the lines a site contributes; ``xffl-slurm`` also renders
+its templates in Jinja2's sandbox (:class:`SandboxedTemplateMap`), so a template that got
+past the schema still cannot reach Python.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import contextlib
 import os
 import signal
 from collections.abc import MutableMapping, MutableSequence
+from pathlib import Path
 from typing import Any
 
 from streamflow.core import utils
@@ -33,6 +41,7 @@ from streamflow.core.deployment import ExecutionLocation
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.local import LocalConnector
 from streamflow.deployment.connector.queue_manager import SlurmConnector
+from streamflow.deployment.template import CommandTemplateMap
 
 from xffl.workflows.sf_failure import TIMEOUT_MARK
 
@@ -47,13 +56,31 @@ def timeout_error(job_name: str, timeout: float, what: str) -> WorkflowExecution
         f"(failure.round_timeout); {what}")
 
 
+class SandboxedTemplateMap(CommandTemplateMap):
+    """StreamFlow's batch templates, compiled in Jinja2's sandbox instead of plain Templates."""
+
+    def __init__(self, default: str, template_map: MutableMapping[str, str] | None = None):
+        """As CommandTemplateMap (same checks), every template sandboxed."""
+        from jinja2.sandbox import SandboxedEnvironment
+
+        super().__init__(default, template_map)
+        env = SandboxedEnvironment()
+        sources = {"__DEFAULT__": default, **(template_map or {})}
+        self.templates = {name: env.from_string(src) for name, src in sources.items()}
+
+
 class XfflSlurmConnector(SlurmConnector):
     """SlurmConnector whose ``timeout`` is a deadline from submission, then scancel."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """As SlurmConnector; also remembers each job's SLURM id by its StreamFlow name."""
+        """As SlurmConnector, with sandboxed templates; remembers each job's SLURM id."""
         super().__init__(*args, **kwargs)
         self._job_ids: dict[str, str] = {}
+        files = {name: Path(self.config_dir, service.file).read_text()
+                 for name, service in self.services.items() if service.file is not None}
+        default = (Path(self.config_dir, kwargs["file"]).read_text() if kwargs.get("file")
+                   else "#!/bin/sh\n\n{{streamflow_command}}")
+        self.template_map = SandboxedTemplateMap(default, files)
 
     async def _run_batch_command(self, command: str, environment: MutableMapping[str, str] | None,
                                  job_name: str, location: ExecutionLocation,

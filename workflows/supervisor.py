@@ -31,6 +31,7 @@ from pathlib import Path
 
 from xffl.core.errors import first_line
 from xffl.core.layout import RunLayout
+from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.credential_gate import blockers
 from xffl.jobs.registry import Registry, RunRecord
@@ -192,35 +193,58 @@ def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
     try:
         spec = JobSpec.model_validate_json(layout.job_json.read_text())
         with round_lock(layout.root):
-            run = registry.get_run(run_id)  # what it is now that no one else runs it
-            if run.state == "cancelled" or (once and run.state in ("completed", "failed")):
-                print(f"run {run.id} is {run.state}: no round to run", flush=True)
-                return 0
-            registry.set_state(run_id, "running", "supervisor started", started=time.time(),
-                               runner_pid=os.getpid())
-            write_initial_model(layout, spec, run_id)
-            if run.rounds_done >= run.rounds_total:
-                registry.set_state(run_id, "completed", f"{run.rounds_done} rounds completed",
-                                   ended=time.time())
-                return 0
-            if _credentials_block(run, registry, spec, layout, once):
-                return 0
-            return _run(registry.get_run(run_id), registry, spec, layout, once)
+            try:
+                return _execute_locked(run_id, registry, spec, layout, once)
+            except BaseException as exc:  # recorded while the lock still says who runs it
+                _record_crash(registry, run_id, exc, layout)
+                return 1
     except RoundInFlight as exc:
         registry.event(run_id, "tick", f"{exc}; nothing to do")
         print(f"{exc}; nothing to do", flush=True)
         return 0
-    except BaseException as exc:  # every failure must reach the registry
-        traceback.print_exc()
-        registry.set_state(run_id, "failed",
-                           f"{first_line(exc)} (see {layout.supervisor_log})",
-                           ended=time.time())
+    except BaseException as exc:  # the job file could not be read: no lock was taken
+        _record_crash(registry, run_id, exc, layout)
         return 1
+
+
+def _record_crash(registry: Registry, run_id: str, exc: BaseException,
+                  layout: RunLayout) -> None:
+    """Every failure must reach the registry; if even that fails (a full disk), say so.
+
+    A run left ``running`` by a supervisor that could not record its end is recognised by
+    its free round lock (:func:`xffl.jobs.status.settle`).
+    """
+    traceback.print_exc()
+    try:
+        registry.set_state(run_id, "failed", f"{first_line(exc)} (see {layout.supervisor_log})",
+                           ended=time.time())
+    except Exception as again:
+        print(f"could not record the failure in the registry: {first_line(again)}", flush=True)
+
+
+def _execute_locked(run_id: str, registry: Registry, spec: JobSpec, layout: RunLayout,
+                    once: bool) -> int:
+    """:func:`execute`, with the run's round lock held."""
+    run = registry.get_run(run_id)  # what it is now that no one else runs it
+    if run.state == "cancelled" or (once and run.state in ("completed", "failed")):
+        print(f"run {run.id} is {run.state}: no round to run", flush=True)
+        return 0
+    registry.set_state(run_id, "running", "supervisor started", started=time.time(),
+                       runner_pid=os.getpid())
+    write_initial_model(layout, spec, run_id)
+    if run.rounds_done >= run.rounds_total:
+        registry.set_state(run_id, "completed", f"{run.rounds_done} rounds completed",
+                           ended=time.time())
+        return 0
+    if _credentials_block(run, registry, spec, layout, once):
+        return 0
+    return _run(registry.get_run(run_id), registry, spec, layout, once)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m xffl.workflows.supervisor RUN_ID``."""
     args: list[str] = sys.argv[1:] if argv is None else argv
+    private_files()
     registry = Registry(Path(os.environ["XFFL_REGISTRY"])) if "XFFL_REGISTRY" in os.environ \
         else Registry()
     return execute(args[0], registry)

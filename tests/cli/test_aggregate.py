@@ -114,7 +114,7 @@ def test_help_ends_with_example() -> None:
 
 
 def test_an_existing_output_is_kept_unless_forced(tmp_path: Path) -> None:
-    g0, ups = _setup(tmp_path)
+    _g0, ups = _setup(tmp_path)
     out = tmp_path / "g1"
     out.mkdir()
     (out / "keep.txt").write_text("mine")

@@ -9,8 +9,10 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
+from tests.security.processes import lock_holder
 from xffl.cli import cancel, logs, status
 from xffl.jobs.registry import Registry, RoundRecord, SiteRound
+from xffl.jobs.round_lock import holder
 
 app = typer.Typer()
 app.command()(status.status)
@@ -60,6 +62,7 @@ def _run(tmp_path: Path, slurm_alpha: bool) -> tuple[Registry, str]:
 
 def test_status_and_cancel_with_unreachable_site(tmp_path: Path) -> None:
     registry, run_id = _run(tmp_path, slurm_alpha=True)
+    supervisor = lock_holder(tmp_path / "run")  # a live process runs the run
     result = runner.invoke(app, ["status", run_id, "--json"])
     assert result.exit_code == 0, result.output
     (job,) = json.loads(result.stdout)["slurm"]
@@ -69,6 +72,8 @@ def test_status_and_cancel_with_unreachable_site(tmp_path: Path) -> None:
 
     result = runner.invoke(app, ["cancel", run_id])
     assert result.exit_code == 3, result.output
+    supervisor.wait(timeout=10)  # cancel stopped it (and reaped it: it is our child)
+    assert holder(tmp_path / "run") is None
     run = registry.get_run(run_id)
     assert run.state == "cancelled" and "xffl-r1-alpha" in run.message
     (rnd,) = registry.rounds(run_id)

@@ -150,7 +150,7 @@ def test_kill_during_aggregation_then_resume_is_bitwise_equal(
     monkeypatch.delenv("XFFL_FAILPOINT")
     killed = json.loads(result.stdout)
     assert result.exit_code == 1 and killed["state"] == "failed"  # SIGKILL: it said nothing
-    assert "the supervisor process died without recording an outcome" in killed["message"]
+    assert "its supervisor ended without recording an outcome" in killed["message"]
     run_dir = Path(killed["run_dir"])
     assert (run_dir / "rounds" / "1" / "global").is_dir() and killed["rounds_done"] == 0
     result = runner.invoke(app, ["resume", killed["id"]])
