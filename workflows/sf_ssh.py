@@ -14,7 +14,7 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
   profile's ``known_hosts`` (``knownHosts``) is used when it has one, as for xffl's own
   connections.
 
-``tests/workflows/test_sf_ssh.py`` shows each upstream behaviour beside this one.
+``tests/security/test_transfers.py`` shows each upstream behaviour beside this one.
 """
 
 from __future__ import annotations
