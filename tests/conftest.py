@@ -21,13 +21,16 @@ def xffl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker.
+    """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker;
+    tests of the SLURM stack are marked ``stack`` (``-m "not stack"`` leaves them out).
 
     Every pytest-xdist worker has its own SLURM stack (tests/stack/fixtures.py).
     """
     for item in items:
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group("machine"))
+        if "slurm_stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.stack)
 
 
 from tests.stack.fixtures import slurm_stack  # noqa: E402, F401

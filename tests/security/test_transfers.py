@@ -2,8 +2,8 @@
 
 The tar tests feed crafted streams (what a compromised facility account can send in place of
 ``tar chf -``) to upstream's ``extract_tar_stream`` and to xffl's ``safe_extract``; the stack
-tests run the small cyclic workflow of tests/workflows/sf_fixtures/ with site b behind cluster beta's login
-node through each connector.
+tests run the small cyclic workflow of tests/workflows/sf_fixtures/ with site b behind
+cluster beta's login node through each connector.
 """
 
 from __future__ import annotations

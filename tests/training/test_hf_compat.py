@@ -1,4 +1,4 @@
-"""Checkpoints load in Hugging Face transformers with identical logits (skipped without it)."""
+"""Checkpoints load in Hugging Face transformers with identical logits."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from xffl.training.config import ModelSpec
 from xffl.training.trainer import init_global, load_model
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "rope_theta": 500.0,
