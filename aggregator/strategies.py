@@ -146,11 +146,13 @@ def _server_step(
 def _robust(name: str, p: Mapping[str, float], stack: Array) -> Array:
     """Coordinate-wise median or trimmed mean over axis 0 of ``stack``."""
     if name == "fedmedian":
-        return np.median(stack, axis=0)
+        median: Array = np.median(stack, axis=0)
+        return median
     n = stack.shape[0]
     cut = int(p["beta"] * n)
     ordered = np.sort(stack, axis=0)
-    return ordered[cut : n - cut].mean(axis=0)
+    trimmed: Array = ordered[cut : n - cut].mean(axis=0)
+    return trimmed
 
 
 def _open_previous(

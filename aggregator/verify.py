@@ -30,10 +30,8 @@ import numpy as np
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     FORMAT_VERSION,
-    INDEX_FILE,
     MANIFEST_FILE,
     MAX_JSON_BYTES,
-    MODEL_FILE,
     Manifest,
     TensorInfo,
     index_of,
@@ -42,7 +40,7 @@ from xffl.aggregator.exchange import (
     sha256_file,
 )
 from xffl.aggregator.safetensors_io import STORAGE_DTYPES, Array, SafetensorsReader
-from xffl.aggregator.shards import ModelReader, open_model
+from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, ModelReader, open_model
 from xffl.core.errors import CheckpointError
 
 _SCAN_BYTES = 16 << 20

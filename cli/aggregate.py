@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.fedavg import Weighting
+from xffl.aggregator.inputs import Weighting
 from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
 from xffl.aggregator.verify import select_updates
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json

@@ -20,7 +20,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
     loader.flatten_mapping(node)
     result: dict[Any, Any] = {}
     for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, str):
             raise yaml.constructor.ConstructorError(
                 None, None, f"key {key!r} is not a string (quote it, or fix the indentation)",
@@ -30,13 +30,13 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r}", key_node.start_mark
             )
-        result[key] = loader.construct_object(value_node, deep=True)  # type: ignore[no-untyped-call]
+        result[key] = loader.construct_object(value_node, deep=True)
     return result
 
 
 _LineLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_mapping,  # type: ignore[arg-type]
+    _construct_mapping,
 )
 
 

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from croniter import croniter
 
@@ -23,6 +24,9 @@ from xffl.core.errors import InvalidInput
 from xffl.core.paths import xffl_home
 from xffl.jobs.registry import RunRecord
 from xffl.jobs.schedule_spec import validate_cron
+
+if TYPE_CHECKING:
+    from crontab import CronTab
 
 PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -36,7 +40,8 @@ class Schedule:
 
     def next_tick(self, now: datetime | None = None) -> datetime:
         """When cron next runs the entry (local time)."""
-        return croniter(self.expr, now or datetime.now()).get_next(datetime)
+        tick: datetime = croniter(self.expr, now or datetime.now()).get_next(datetime)
+        return tick
 
 
 def _tag(run_id: str) -> str:
@@ -82,7 +87,7 @@ def cron_command(run: RunRecord) -> str:
             f"round {shlex.quote(run.id)} >> {log} 2>&1")
 
 
-def _crontab():  # type: ignore[no-untyped-def]
+def _crontab() -> CronTab:
     from crontab import CronTab
 
     if shutil.which("crontab") is None:

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 .venv/bin/ruff check .
-.venv/bin/mypy core cli jobs site_profiles workflows training aggregator
+bash scripts/typecheck.sh
 # two workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py);
 # XFFL_TEST_WORKERS=0 runs everything in this process
 exec .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-2}" \

@@ -200,7 +200,7 @@ def load_tokens(path: Path) -> np.ndarray:
 
 def num_samples(path: Path, seq_len: int) -> int:
     """Number of training sequences (windows of seq_len + 1 tokens) at the site."""
-    return read_meta(Path(path))["num_tokens"] // (seq_len + 1)
+    return int(read_meta(Path(path))["num_tokens"]) // (seq_len + 1)
 
 
 def epoch_permutation(n: int, seed: int, round: int, epoch: int) -> np.ndarray:

@@ -112,7 +112,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
             with nullcontext() if last_micro else pm.no_sync():  # backward included (FSDP2)
                 with autocast(device, spec.precision):
                     loss = lm_loss(pm.net(inputs), targets) / spec.grad_accum
-                loss.backward()
+                torch.autograd.backward(loss)
             losses[step] += loss.detach().double()
         if prox is not None:
             with torch.no_grad():

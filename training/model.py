@@ -114,7 +114,8 @@ class LlamaAttention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        result: Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return result
 
 
 class LlamaMLP(nn.Module):
@@ -128,7 +129,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the gated feed-forward block."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        result: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return result
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -144,7 +146,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Run one block."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
 
 
 class LlamaModel(nn.Module):
@@ -170,7 +173,8 @@ class LlamaModel(nn.Module):
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
-        return self.norm(x)
+        result: Tensor = self.norm(x)
+        return result
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
                 f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
                 f"({self.config.max_position_embeddings})"
             )
-        return self.lm_head(self.model(input_ids))
+        result: Tensor = self.lm_head(self.model(input_ids))
+        return result
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

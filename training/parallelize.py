@@ -156,7 +156,7 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
             raise InvalidInput(f"tensor_parallel {tp} needs {tp} or more ranks; got 1 process.")
         return ParallelModel(module=model, net=model)
     world = dist.get_world_size()
-    if llama:
+    if isinstance(model, LlamaForCausalLM):
         check_tensor_parallel(model.config, tp, world)
     mode = data_parallel_mode(data_parallel, tp)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS)

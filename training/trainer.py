@@ -23,13 +23,12 @@ from torch import Tensor, nn
 
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
-    MODEL_FILE,
     Manifest,
     finalize_manifest,
     staged_dir,
     verify_checkpoint,
 )
-from xffl.aggregator.shards import open_model
+from xffl.aggregator.shards import MODEL_FILE, open_model
 from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps

@@ -126,7 +126,7 @@ class SiteFailureManager(FailureManager):
                 try:
                     # the command and the collection of its outputs, as ExecuteStep runs them,
                     # without the @recoverable wrapper that would call us again
-                    await ExecuteStep._execute_command.__wrapped__(step, job, {})  # type: ignore[attr-defined]
+                    await ExecuteStep._execute_command.__wrapped__(step, job, {})
                     return
                 except asyncio.CancelledError:
                     raise

@@ -126,7 +126,7 @@ class XfflSshConnector(SSHConnector):
         config = super()._get_config(node)
         hop = config
         while hop is not None:
-            hop.known_hosts = self.knownHosts  # type: ignore[attr-defined]
+            hop.known_hosts = self.knownHosts
             hop = hop.tunnel
         return config
 

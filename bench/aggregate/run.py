@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from xffl.aggregator.exchange import MODEL_FILE, Manifest, finalize_manifest, staged_dir
+from xffl.aggregator.exchange import Manifest, finalize_manifest, staged_dir
 from xffl.aggregator.safetensors_io import SafetensorsWriter
+from xffl.aggregator.shards import MODEL_FILE
 
 MODES = ("floor", "xffl", "verify", "baseline")
 MiB = 1 << 20

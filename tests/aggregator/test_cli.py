@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from xffl.aggregator.__main__ import main
-from xffl.aggregator.exchange import MODEL_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.exchange import read_manifest, verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
 
 
 def _t(seed: int) -> dict[str, Any]:

@@ -13,13 +13,10 @@ from safetensors.numpy import load_file as load_np
 from safetensors.torch import load_file as load_torch
 
 from xffl.aggregator import fedavg
-from xffl.aggregator.exchange import (
-    MODEL_FILE,
-    read_manifest,
-    verify_checkpoint,
-)
+from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.fedavg import aggregate
 from xffl.aggregator.safetensors_io import SafetensorsWriter
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.errors import CheckpointError, InvalidInput
 
 SHAPES = {"layers.0.w": (37, 29), "layers.0.b": (29,), "embed": (50, 8), "norm": (8,)}

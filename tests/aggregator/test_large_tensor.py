@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xffl.aggregator.exchange import MODEL_FILE, Manifest, finalize_manifest, staged_dir
+from xffl.aggregator.exchange import Manifest, finalize_manifest, staged_dir
 from xffl.aggregator.fedavg import aggregate
 from xffl.aggregator.safetensors_io import (
     SafetensorsReader,
@@ -22,6 +22,7 @@ from xffl.aggregator.safetensors_io import (
     bf16_bits_to_f32,
     f32_to_bf16_bits,
 )
+from xffl.aggregator.shards import MODEL_FILE
 
 BIG = "model.embed.weight"
 SMALL = "model.norm.weight"

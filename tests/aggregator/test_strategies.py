@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from xffl.aggregator import strategies
-from xffl.aggregator.exchange import MODEL_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.exchange import read_manifest, verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.aggregator.strategies import DEFAULT_PARAMS, run_strategy, state_file
 from xffl.core.errors import InvalidInput
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from xffl.aggregator.exchange import MODEL_FILE, read_manifest
+from xffl.aggregator.exchange import read_manifest
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.aggregator.verify import UpdateRejected, check_update, select_updates
 
 SHAPES = {"w": (6, 4), "b": (4,)}

@@ -10,8 +10,9 @@ import typer
 from typer.testing import CliRunner
 
 from tests.aggregator.conftest import write_checkpoint
-from xffl.aggregator.exchange import MODEL_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.safetensors_io import SafetensorsReader
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.aggregate import aggregate
 
 runner = CliRunner()

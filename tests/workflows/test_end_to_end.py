@@ -13,7 +13,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
-from xffl.aggregator.exchange import MODEL_FILE, verify_checkpoint
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
 from xffl.training.trainer import evaluate
 

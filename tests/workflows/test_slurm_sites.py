@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
-from xffl.aggregator.exchange import MODEL_FILE, verify_checkpoint
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
 from xffl.jobs.registry import Registry
 
