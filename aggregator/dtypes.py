@@ -87,3 +87,23 @@ def decode(raw: Array, dtype: str) -> Array:
     if dtype == "BF16":
         raw = bf16_bits_to_f32(raw)
     return raw.astype(np.float64)
+
+
+def encode(acc: Array, dtype: str, out: Array, scratch: Array) -> None:
+    """Cast a float64 block into ``out`` (storage dtype), rounding like torch's .to(dtype).
+
+    The inverse of :func:`decode`; ``scratch`` is a float32 buffer of the same length.
+    Integer and bool tensors get the value rounded half to even (``acc`` is rounded in
+    place).
+    """
+    if dtype == "BF16":
+        np.copyto(scratch, acc, casting="same_kind")
+        f32_to_bf16_bits(scratch, out=out)
+    elif dtype == "F16":
+        np.copyto(scratch, acc, casting="same_kind")
+        np.copyto(out, scratch, casting="same_kind")
+    elif dtype in FLOAT_DTYPES:
+        np.copyto(out, acc, casting="same_kind")
+    else:  # integer and bool tensors: weighted mean rounded half to even
+        np.rint(acc, out=acc)
+        np.copyto(out, acc, casting="unsafe")

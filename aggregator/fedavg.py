@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from xffl.aggregator.dtypes import encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     Manifest,
@@ -31,21 +32,18 @@ from xffl.aggregator.exchange import (
     finalize_manifest,
     staged_dir,
 )
-from xffl.aggregator.inputs import WEIGHTINGS as WEIGHTINGS  # re-exported
 from xffl.aggregator.inputs import (
     Update,
-    Weighting,
     close_updates,
     open_updates,
     prepare,
     weighted_metrics,
 )
+from xffl.aggregator.registry import Weighting
 from xffl.aggregator.safetensors_io import (
-    FLOAT_DTYPES,
     STORAGE_DTYPES,
     Array,
     bf16_bits_to_f32,
-    f32_to_bf16_bits,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.core.errors import InvalidInput
@@ -56,21 +54,6 @@ READ_BUDGET_ELEMENTS = 1 << 23  # elements of one slice of every update together
 MIN_SLICE_ELEMENTS = 1 << 16  # fewest elements per slice, however many updates
 BLOCK_ELEMENTS = 1 << 17  # elements per accumulation block (fits in L2/L3)
 FLUSH_BYTES = 64 << 20  # start writeback of the output every this many bytes
-
-
-def _store(acc: Array, dtype: str, out: Array, scratch: Array) -> None:
-    """Cast a float64 block into ``out`` (storage dtype), rounding like torch's .to(dtype)."""
-    if dtype == "BF16":
-        np.copyto(scratch, acc, casting="same_kind")
-        f32_to_bf16_bits(scratch, out=out)
-    elif dtype == "F16":
-        np.copyto(scratch, acc, casting="same_kind")
-        np.copyto(out, scratch, casting="same_kind")
-    elif dtype in FLOAT_DTYPES:
-        np.copyto(out, acc, casting="same_kind")
-    else:  # integer and bool tensors: weighted mean rounded half to even
-        np.rint(acc, out=acc)
-        np.copyto(out, acc, casting="unsafe")
 
 
 class _Averager:
@@ -100,7 +83,7 @@ class _Averager:
                 if i:
                     np.add(acc, tmp, out=acc)
             np.divide(acc, total, out=acc)
-            _store(acc, dtype, out[lo:hi], f32)
+            encode(acc, dtype, out[lo:hi], f32)
 
 
 def slice_elements(count: int) -> int:
@@ -229,26 +212,24 @@ def aggregate(
     max_bytes = parse_size(max_shard_size)
     ups = open_updates(updates)
     try:
-        label, run, rnd, parent, layout, config, sites = prepare(
-            ups, weights, weighting, run_id, round, parent_digest
-        )
+        prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
         st_meta = {"format": "pt", **(metadata or {})}
         with staged_dir(Path(out_dir)) as tmp:
-            sums = _write_average(ups, layout, tmp, st_meta, max_bytes)
-            if config is not None:
-                (tmp / CONFIG_FILE).write_bytes(config)
+            sums = _write_average(ups, prep.layout, tmp, st_meta, max_bytes)
+            if prep.config is not None:
+                (tmp / CONFIG_FILE).write_bytes(prep.config)
             manifest = Manifest(
                 kind="global",
-                run_id=run,
-                round=rnd,
-                parent=parent,
+                run_id=prep.run_id,
+                round=prep.round,
+                parent=prep.parent,
                 num_samples=sum(u.manifest.num_samples for u in ups),
                 num_tokens=sum(u.manifest.num_tokens for u in ups),
                 metrics=weighted_metrics(ups),
                 extra={
                     "aggregation": "fedavg",
-                    "weighting": label,
-                    "sites": sites,
+                    "weighting": prep.label,
+                    "sites": prep.sites,
                     **(extra or {}),
                 },
             )

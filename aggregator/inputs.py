@@ -13,15 +13,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from xffl.aggregator.exchange import CONFIG_FILE, Manifest, TensorInfo, index_of, read_manifest
+from xffl.aggregator.registry import WEIGHTINGS, Weighting
 from xffl.aggregator.shards import ModelReader, open_model
 from xffl.aggregator.verify import canonical_key, layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
-
-Weighting = Literal["samples", "tokens", "uniform"]
-WEIGHTINGS: tuple[str, ...] = ("samples", "tokens", "uniform")
 
 
 @dataclass
@@ -164,6 +162,19 @@ def weighted_metrics(ups: list[Update]) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Prepared:
+    """What every strategy starts from, once the updates are checked against each other."""
+
+    label: str  # how the weights were assigned: samples, tokens, uniform or explicit
+    run_id: str
+    round: int
+    parent: str | None
+    layout: list[TensorInfo]  # the tensor index every update shares
+    config: bytes | None  # the config.json every update shares, if any
+    sites: dict[str, dict[str, Any]]  # per-site summary for the global's manifest
+
+
 def prepare(
     ups: list[Update],
     weights: Sequence[float] | None,
@@ -171,20 +182,19 @@ def prepare(
     run_id: str | None,
     round: int | None,
     parent_digest: str | None,
-) -> tuple[str, Any, Any, Any, list[TensorInfo], bytes | None, dict[str, Any]]:
+) -> Prepared:
     """Checks and derivations every strategy starts with.
 
     One update per site, their weights, the run/round/parent they agree on, the common
-    tensor layout and config, and the per-site summary for the manifest. Returns
-    (weighting label, run id, round, parent, layout, config bytes, sites).
+    tensor layout and config, and the per-site summary for the manifest.
     """
     dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
     if dup:
         raise CheckpointError(f"more than one update from site(s) {', '.join(sorted(dup))}.")
     label = _assign_weights(ups, weights, weighting)
-    run = _agree(ups, "run id", "run_id", run_id)
-    rnd = _agree(ups, "round", "round", round)
-    parent = _agree(ups, "parent", "parent", parent_digest)
+    run: str = _agree(ups, "run id", "run_id", run_id)
+    rnd: int = _agree(ups, "round", "round", round)
+    parent: str | None = _agree(ups, "parent", "parent", parent_digest)
     layout = _common_layout(ups)
     config = _common_config(ups)
     total = math.fsum(u.weight for u in ups)
@@ -198,7 +208,7 @@ def prepare(
         }
         for u in ups
     }
-    return label, run, rnd, parent, layout, config, sites
+    return Prepared(label, run, rnd, parent, layout, config, sites)
 
 
 def close_updates(ups: Sequence[Update]) -> None:

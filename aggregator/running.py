@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from xffl.aggregator.dtypes import STORAGE_DTYPES, Array, bf16_bits_to_f32
+from xffl.aggregator.dtypes import STORAGE_DTYPES, Array, bf16_bits_to_f32, encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     Manifest,
@@ -32,7 +32,7 @@ from xffl.aggregator.exchange import (
     read_manifest,
     staged_dir,
 )
-from xffl.aggregator.fedavg import BLOCK_ELEMENTS, _store
+from xffl.aggregator.fedavg import BLOCK_ELEMENTS
 from xffl.aggregator.inputs import read_config, same_config
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import ModelReader, open_model
@@ -179,7 +179,7 @@ class RunningAggregate:
                         block = self._tmp[: hi - lo]
                         np.divide(acc[lo:hi], self.total_weight, out=block)
                         dst = out[t.dtype][: hi - lo]
-                        _store(block, t.dtype, dst, self._f32[: hi - lo])
+                        encode(block, t.dtype, dst, self._f32[: hi - lo])
                         writer.write_chunk(t.name, dst)
             if self.config is not None:
                 (tmp / CONFIG_FILE).write_bytes(self.config)

@@ -1,24 +1,10 @@
-"""Server-side strategies (FedAvgM, FedAdam, FedYogi, FedAdagrad, FedMedian, trimmed mean).
+"""Aggregation under any registered strategy, streamed tensor by tensor, slice by slice.
 
-Every strategy streams tensor by tensor, slice by slice (``fedavg.SLICE_ELEMENTS``
-elements): one slice of every update, of the previous global and of the server state is in
-memory at a time, whatever the model size. Arithmetic is float64; outputs are cast to the
-model's dtypes like :mod:`xffl.aggregator.fedavg` does.
-
-The server optimizers follow Flower's ``flwr.server.strategy`` (FedAvgM, FedOpt and its
-FedAdam/FedYogi/FedAdagrad subclasses, which implement Reddi et al. 2021, "Adaptive
-Federated Optimization", without Adam's bias correction):
-
-* pseudo-gradient ``delta = mean - x`` where ``mean`` is the weighted FedAvg of the updates
-  and ``x`` the previous global;
-* FedAdam / FedYogi / FedAdagrad: ``m = b1*m + (1-b1)*delta``; Adam ``v = b2*v +
-  (1-b2)*delta^2``; Yogi ``v = v - (1-b2)*delta^2*sign(v - delta^2)``; Adagrad ``v = v +
-  delta^2``; then ``x = x + eta*m / (sqrt(v) + tau)``. Flower's defaults: FedAdam eta=0.1,
-  b1=0.9, b2=0.99, tau=1e-9; FedYogi eta=0.01, b1=0.9, b2=0.99, tau=1e-3; FedAdagrad
-  eta=0.1, tau=1e-9 and b1=0 (so m = delta);
-* FedAvgM: ``buf = momentum*buf + (x - mean)``; ``x = x - lr*buf``. Flower's defaults
-  (lr=1.0, momentum=0.0) reduce it to FedAvg; we default to lr=1.0, momentum=0.9 (Hsu et
-  al. 2019).
+The strategies themselves (names, parameters, server state, steps) are the registry's
+(:mod:`xffl.aggregator.registry`). Here they are applied to checkpoints: one slice
+(``fedavg.SLICE_ELEMENTS`` elements) of every update, of the previous global and of the
+server state is in memory at a time, whatever the model size. Arithmetic is float64;
+outputs are cast to the model's dtypes like :mod:`xffl.aggregator.fedavg` does.
 
 Server state (m, v or the momentum buffer) is stored in fp32 as one safetensors file per
 buffer beside the global model (``server_m.safetensors``, ``server_v.safetensors``,
@@ -26,11 +12,7 @@ buffer beside the global model (``server_m.safetensors``, ``server_v.safetensors
 the manifest, and read back from the previous global's directory at the next round; a
 previous global without it (or written by another strategy) starts from zeros. Only
 floating-point tensors have state; integer and bool tensors get the rounded weighted mean.
-
-FedMedian and FedTrimmedAvg are coordinate-wise and unweighted, as in Flower:
-median of the updates, and the mean after dropping the ``int(beta*n)`` smallest and largest
-values of each coordinate (Flower's default beta=0.2). Updates of weight 0 are left out
-of every strategy, as in FedAvg.
+Updates of weight 0 are left out of every strategy, as in FedAvg.
 """
 
 from __future__ import annotations
@@ -43,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from xffl.aggregator.dtypes import decode
+from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     Manifest,
@@ -53,20 +35,19 @@ from xffl.aggregator.exchange import (
     read_manifest,
     staged_dir,
 )
-from xffl.aggregator.fedavg import SLICE_ELEMENTS, _store, aggregate
+from xffl.aggregator.fedavg import SLICE_ELEMENTS, aggregate
 from xffl.aggregator.inputs import (
     Update,
-    Weighting,
     close_updates,
     open_updates,
     prepare,
     weighted_metrics,
 )
+from xffl.aggregator.registry import Strategy, Weighting, get, resolve_params
 from xffl.aggregator.robust import cap_shares, clip_factors, delta_norm
 from xffl.aggregator.safetensors_io import (
     FLOAT_DTYPES,
     STORAGE_DTYPES,
-    Array,
     SafetensorsReader,
     SafetensorsWriter,
 )
@@ -78,89 +59,18 @@ from xffl.core.sizes import parse_size
 
 Progress = Callable[[int, int], None]
 
-#: strategy name -> its parameters and their defaults.
-DEFAULT_PARAMS: dict[str, dict[str, float]] = {
-    "fedavg": {},
-    "fedavgm": {"server_learning_rate": 1.0, "server_momentum": 0.9},
-    "fedadam": {"eta": 1e-1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-9},
-    "fedyogi": {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
-    "fedadagrad": {"eta": 1e-1, "beta_1": 0.0, "tau": 1e-9},
-    "fedmedian": {},
-    "fedtrimmedavg": {"beta": 0.2},
-}
-STRATEGIES: tuple[str, ...] = tuple(DEFAULT_PARAMS)
-#: the state buffers each stateful strategy keeps.
-STATE_BUFFERS: dict[str, tuple[str, ...]] = {
-    "fedavgm": ("momentum",),
-    "fedadam": ("m", "v"),
-    "fedyogi": ("m", "v"),
-    "fedadagrad": ("m", "v"),
-}
-ROBUST = frozenset({"fedmedian", "fedtrimmedavg"})
-
-
 def state_file(buffer: str) -> str:
     """The file name of one server-state buffer inside a global checkpoint."""
     return f"server_{buffer}.safetensors"
 
 
-def resolve_params(name: str, params: Mapping[str, float] | None) -> dict[str, float]:
-    """The strategy's defaults overridden by ``params`` (InvalidInput on unknown names)."""
-    if name not in DEFAULT_PARAMS:
-        raise InvalidInput(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}.")
-    out = dict(DEFAULT_PARAMS[name])
-    for key, value in (params or {}).items():
-        if key not in out:
-            known = ", ".join(out) or "none"
-            raise InvalidInput(f"strategy {name} has no parameter {key!r} (it has: {known}).")
-        out[key] = float(value)
-    if name == "fedtrimmedavg" and not 0 <= out["beta"] < 0.5:
-        raise InvalidInput(f"fedtrimmedavg beta must be in [0, 0.5), got {out['beta']}.")
-    return out
-
-
-def _server_step(
-    name: str, p: Mapping[str, float], x: Array, mean: Array, state: dict[str, Array]
-) -> Array:
-    """One server optimizer step on a slice; updates ``state`` in place, returns the new x."""
-    if name == "fedavgm":
-        buf = state["momentum"]
-        buf *= p["server_momentum"]
-        buf += x - mean
-        return x - p["server_learning_rate"] * buf
-    delta = mean - x
-    d2 = delta * delta
-    m, v = state["m"], state["v"]
-    m *= p["beta_1"]
-    m += (1.0 - p["beta_1"]) * delta
-    if name == "fedadagrad":
-        v += d2
-    elif name == "fedadam":
-        v *= p["beta_2"]
-        v += (1.0 - p["beta_2"]) * d2
-    else:  # fedyogi
-        v -= (1.0 - p["beta_2"]) * d2 * np.sign(v - d2)
-    return x + p["eta"] * m / (np.sqrt(v) + p["tau"])
-
-
-def _robust(name: str, p: Mapping[str, float], stack: Array) -> Array:
-    """Coordinate-wise median or trimmed mean over axis 0 of ``stack``."""
-    if name == "fedmedian":
-        median: Array = np.median(stack, axis=0)
-        return median
-    n = stack.shape[0]
-    cut = int(p["beta"] * n)
-    ordered = np.sort(stack, axis=0)
-    trimmed: Array = ordered[cut : n - cut].mean(axis=0)
-    return trimmed
-
-
 def _open_previous(
-    name: str, previous: Path | None, layout: list[TensorInfo], stack: ExitStack
+    strategy: Strategy, previous: Path | None, layout: list[TensorInfo], stack: ExitStack
 ) -> tuple[ModelReader | None, dict[str, SafetensorsReader], bool]:
-    """Open the previous global's model and, when it has one for ``name``, its server state."""
+    """Open the previous global's model and, when it has one for ``strategy``, its state."""
+    name = strategy.name
     if previous is None:
-        if name in STATE_BUFFERS:
+        if strategy.state:
             raise InvalidInput(f"strategy {name} needs the previous global checkpoint.")
         return None, {}, False
     previous = Path(previous)
@@ -169,7 +79,7 @@ def _open_previous(
     diff = layout_difference(index_of(model), layout, "the updates")
     if diff:
         raise CheckpointError(f"previous global {previous}: {diff}.")
-    buffers = STATE_BUFFERS.get(name, ())
+    buffers = strategy.state
     files = [state_file(b) for b in buffers]
     same = manifest.extra.get("aggregation") == name
     if not buffers or not same or not all(f in manifest.files for f in files):
@@ -184,7 +94,7 @@ def _open_previous(
 
 
 def _write(
-    name: str,
+    strategy: Strategy,
     p: Mapping[str, float],
     active: list[Update],
     layout: list[TensorInfo],
@@ -203,7 +113,7 @@ def _write(
     prev_model, prev_state = previous
     weights = [u.weight for u in active]
     total = math.fsum(weights)
-    buffers = STATE_BUFFERS.get(name, ())
+    buffers = strategy.state
     floats = [t for t in layout if t.dtype in FLOAT_DTYPES]
     with ExitStack() as stack:
         entries = [(t.name, t.dtype, t.shape) for t in layout]
@@ -215,7 +125,7 @@ def _write(
                 SafetensorsWriter(
                     tmp / state_file(b),
                     [(t.name, "F32", t.shape) for t in floats],
-                    {"strategy": name, "buffer": b},
+                    {"strategy": strategy.name, "buffer": b},
                 )
             )
             for b in buffers
@@ -232,8 +142,8 @@ def _write(
                 floating = t.dtype in FLOAT_DTYPES and prev_model is not None
                 x = decode(prev_model.raw(t.name, lo, hi), t.dtype) if floating and (
                     buffers or clips is not None) and prev_model is not None else None
-                if name in ROBUST:
-                    result = _robust(name, p, stack_)
+                if strategy.robust:
+                    result = strategy.combine(p, stack_)
                 else:
                     result = np.zeros(hi - lo, dtype=np.float64)
                     for i, (w, row) in enumerate(zip(weights, stack_, strict=True)):
@@ -250,11 +160,11 @@ def _write(
                         )
                         for b in buffers
                     }
-                    result = _server_step(name, p, x, result, state)
+                    result = strategy.step(p, x, result, state)
                     for b in buffers:
                         state_out[b].write_chunk(t.name, state[b].astype(np.float32))
                 out = np.empty(hi - lo, dtype=dt)
-                _store(result, t.dtype, out, np.empty(hi - lo, dtype=np.float32))
+                encode(result, t.dtype, out, np.empty(hi - lo, dtype=np.float32))
                 model.write_chunk(t.name, out)
             if progress is not None:
                 progress(done, len(layout))
@@ -284,18 +194,19 @@ def run_strategy(
     """Aggregate ``updates`` with strategy ``name`` into a global checkpoint at ``out_dir``.
 
     ``previous_global_dir`` (the global the round started from) is required by the stateful
-    strategies (fedavgm, fedadam, fedyogi, fedadagrad), whose server state is read from it
-    and written beside the new global, and by ``clip_norm``. ``params`` overrides
-    :data:`DEFAULT_PARAMS`; ``progress(done, total)`` is called after each tensor;
-    ``max_shard_size`` splits a larger model into Hugging Face shards (server state stays one
-    file per buffer); ``clip_norm`` and ``max_weight_share`` bound one site's influence on
-    the averaging strategies (:mod:`xffl.aggregator.robust`). Other arguments are those of
+    strategies (those with server state), whose state is read from it and written beside
+    the new global, and by ``clip_norm``. ``params`` overrides the strategy's defaults;
+    ``progress(done, total)`` is called after each tensor; ``max_shard_size`` splits a
+    larger model into Hugging Face shards (server state stays one file per buffer);
+    ``clip_norm`` and ``max_weight_share`` bound one site's influence on the averaging
+    strategies (:mod:`xffl.aggregator.robust`). Other arguments are those of
     :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
     verified here: run :func:`xffl.aggregator.verify.select_updates` first.
     """
+    strategy = get(name)
     p = resolve_params(name, params)
     bounded = clip_norm is not None or max_weight_share is not None
-    if bounded and name in ROBUST:
+    if bounded and strategy.robust:
         raise InvalidInput(f"{name} bounds a minority's influence by its own rule; clip_norm "
                            "and max_weight_share apply to the averaging strategies only.")
     if name == "fedavg" and not bounded:
@@ -319,12 +230,10 @@ def run_strategy(
     max_bytes = parse_size(max_shard_size)
     ups = open_updates(updates)
     try:
-        label, run, rnd, parent, layout, config, sites = prepare(
-            ups, weights, weighting, run_id, round, parent_digest
-        )
+        prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
+        layout, sites = prep.layout, prep.sites
         active = [u for u in ups if u.weight > 0]
-        if name == "fedtrimmedavg" and len(active) - 2 * int(p["beta"] * len(active)) < 1:
-            raise InvalidInput(f"beta={p['beta']} trims all {len(active)} updates.")
+        strategy.check_count(p, len(active))
         bounds: dict[str, Any] = {}
         if max_weight_share is not None:
             for u, w in zip(active, cap_shares([u.weight for u in active], max_weight_share),
@@ -336,7 +245,7 @@ def run_strategy(
             bounds["max_weight_share"] = max_weight_share
         with ExitStack() as stack:
             prev = None if previous_global_dir is None else Path(previous_global_dir)
-            prev_model, prev_state, loaded = _open_previous(name, prev, layout, stack)
+            prev_model, prev_state, loaded = _open_previous(strategy, prev, layout, stack)
             clips = None
             if clip_norm is not None:
                 if prev_model is None:
@@ -347,7 +256,7 @@ def run_strategy(
                 bounds["clip_factors"] = {u.site: f for u, f in zip(active, clips, strict=True)}
             with staged_dir(Path(out_dir)) as tmp:
                 sums = _write(
-                    name,
+                    strategy,
                     p,
                     active,
                     layout,
@@ -358,24 +267,24 @@ def run_strategy(
                     max_bytes,
                     clips,
                 )
-                if config is not None:
-                    (tmp / CONFIG_FILE).write_bytes(config)
+                if prep.config is not None:
+                    (tmp / CONFIG_FILE).write_bytes(prep.config)
                 manifest = Manifest(
                     kind="global",
-                    run_id=run,
-                    round=rnd,
-                    parent=parent,
+                    run_id=prep.run_id,
+                    round=prep.round,
+                    parent=prep.parent,
                     num_samples=sum(u.manifest.num_samples for u in ups),
                     num_tokens=sum(u.manifest.num_tokens for u in ups),
                     metrics=weighted_metrics(ups),
                     extra={
                         "aggregation": name,
                         "params": p,
-                        "weighting": "unweighted" if name in ROBUST else label,
+                        "weighting": "unweighted" if strategy.robust else prep.label,
                         "sites": sites,
                         **({"bounds": bounds} if bounds else {}),
                         "server_state": {
-                            "files": [state_file(b) for b in STATE_BUFFERS.get(name, ())],
+                            "files": [state_file(b) for b in strategy.state],
                             "loaded_from": str(prev) if loaded else None,
                         },
                     },
@@ -383,23 +292,3 @@ def run_strategy(
                 return finalize_manifest(tmp, manifest, checksums=sums)
     finally:
         close_updates(ups)
-
-
-def parse_pairs(pairs: Sequence[str], option: str = "--param", what: str = "KEY",
-                example: str = "eta=0.01") -> dict[str, float]:
-    """``NAME=NUMBER`` strings (site weights, strategy parameters) as a dict.
-
-    A malformed pair is an InvalidInput naming the option and showing an example.
-    """
-    out: dict[str, float] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not key:
-            raise InvalidInput(
-                f"{option} {pair!r}: expected {what}=NUMBER, e.g. {option} {example}."
-            )
-    return out

@@ -1,20 +1,25 @@
-"""`xffl aggregate`: verify site updates and aggregate them with a server strategy."""
+"""`xffl aggregate`: verify site updates and aggregate them with a server strategy.
+
+The one aggregate command line: ``python -m xffl.aggregator`` runs this same command.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.inputs import Weighting
-from xffl.aggregator.strategies import STRATEGIES, parse_pairs, run_strategy
-from xffl.aggregator.verify import select_updates
+from xffl.aggregator.registry import WEIGHTINGS
+from xffl.aggregator.registry import get as get_strategy
+from xffl.aggregator.registry import names as strategy_names
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
 from xffl.core.errors import InvalidInput, RunFailed
+from xffl.core.pairs import parse_pairs
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+
+if TYPE_CHECKING:
+    from xffl.aggregator.exchange import Manifest
 
 
 @handle_errors
@@ -22,7 +27,7 @@ def aggregate(
     updates: Annotated[list[Path], typer.Argument(help="Update checkpoint directories.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Global checkpoint to write.")],
     strategy: Annotated[
-        str, typer.Option("--strategy", help=f"One of {', '.join(STRATEGIES)}.")
+        str, typer.Option("--strategy", help=f"One of {', '.join(strategy_names())}.")
     ] = "fedavg",
     previous: Annotated[
         Path | None,
@@ -32,14 +37,24 @@ def aggregate(
             "match its tensors; stateful strategies read their server state from it.",
         ),
     ] = None,
+    parent_digest: Annotated[
+        str | None, typer.Option("--parent-digest", help="Without --previous: the digest "
+                                 "updates must name as their parent.")] = None,
     weighting: Annotated[
         str, typer.Option("--weighting", help="samples, tokens or uniform.")
     ] = "samples",
+    weight: Annotated[
+        list[str] | None, typer.Option("--weight", help="Explicit weight of one site, "
+                                       "SITE=NUMBER (repeat; replaces --weighting).")] = None,
     param: Annotated[
         list[str] | None, typer.Option("--param", help="Strategy parameter KEY=NUMBER (repeat).")
     ] = None,
     round: Annotated[int | None, typer.Option("--round", help="Accept only this round.")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Accept only this run.")] = None,
+    min_updates: Annotated[int, typer.Option(
+        "--min-updates", min=1, help="Fail (exit 1) when fewer updates are accepted.")] = 1,
+    no_finite_check: Annotated[bool, typer.Option(
+        "--no-finite-check", help="Skip the NaN/Inf scan of the update tensors.")] = False,
     max_shard_size: Annotated[
         str,
         typer.Option(
@@ -62,69 +77,89 @@ def aggregate(
 
     Example: xffl aggregate --strategy fedavg -o OUT UPDATE...
     """
+    get_strategy(strategy)
     params = parse_pairs(param or [])
+    weights = parse_pairs(weight or [], "--weight", "SITE", "leonardo=2")
     max_bytes = parse_size(max_shard_size)
-    if weighting not in ("samples", "tokens", "uniform"):
+    if weighting not in WEIGHTINGS:
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
     if output.exists() and not force:
         raise InvalidInput(f"-o {output}: it exists; choose a new path, or --force to replace "
                            "it.")
-    parent = reference = None
+    if previous is not None and parent_digest is not None:
+        raise InvalidInput("--previous names the parent already; give --parent-digest only "
+                           "without it.")
+    report = _aggregate(updates, output, strategy, previous, parent_digest,
+                        weights or weighting, params, round, run_id, min_updates,
+                        not no_finite_check, max_bytes, clip_norm, max_weight_share)
+    if as_json:
+        print_json(report)
+        return
+    for u in report["used"]:
+        console.print(f"used     {u['site']} ({u['dir']}): samples {u['num_samples']}, weight "
+                      f"{u['weight']:.4f}", soft_wrap=True)
+    for r in report["rejected"]:
+        console.print(
+            f"[yellow]rejected[/yellow] {r['site']} ({r['dir']}): {r['reason']}", soft_wrap=True
+        )
+    g = report["global"]
+    console.print(
+        f"[green]wrote[/green] {output}: {strategy} of {len(report['used'])} update(s), "
+        f"round {g['round']}, {g['num_samples']} samples, digest {g['digest'][:12]}.",
+        soft_wrap=True,
+    )
+
+
+def _aggregate(updates: list[Path], output: Path, strategy: str, previous: Path | None,
+               parent_digest: str | None, weighting: Any, params: dict[str, float],
+               round: int | None, run_id: str | None, min_updates: int, check_finite: bool,
+               max_bytes: int | None, clip_norm: float | None,
+               max_weight_share: float | None) -> dict[str, Any]:
+    """Select the updates, aggregate the accepted ones; what happened, as a report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from xffl.aggregator.exchange import read_manifest
+    from xffl.aggregator.strategies import run_strategy
+    from xffl.aggregator.verify import select_updates
+
+    reference = None
     if previous is not None:
         manifest = read_manifest(previous)
-        parent, reference = manifest.digest(), manifest.tensors
+        parent_digest, reference = manifest.digest(), manifest.tensors
     accepted, rejected = select_updates(
-        updates,
-        expected_round=round,
-        expected_parent=parent,
-        reference_index=reference,
-        expected_run_id=run_id,
+        updates, expected_round=round, expected_parent=parent_digest,
+        reference_index=reference, expected_run_id=run_id, check_finite=check_finite,
     )
     report: dict[str, Any] = {
         "output": str(output),
         "strategy": strategy,
         "rejected": [{"dir": str(d), "site": s, "reason": r} for d, s, r in rejected],
-        "used": [{"dir": str(d), "site": m.site} for d, m in accepted],
     }
-    if not accepted:
+    if len(accepted) < min_updates:
+        message = f"{len(accepted)} update(s) accepted, at least {min_updates} needed."
         reasons = [f"rejected {r['site']}: {r['reason']}" for r in report["rejected"]]
-        raise RunFailed("no update was accepted.", lines=["no update was accepted.", *reasons])
+        raise RunFailed(message, lines=[message, *reasons])
     columns = (TextColumn("aggregating"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"))
     with Progress(
         *columns, console=err_console, transient=True, disable=not err_console.is_terminal
     ) as bar:
         task = bar.add_task("aggregate", total=None)
-        result = run_strategy(
-            strategy,
-            [d for d, _ in accepted],
-            previous,
-            output,
-            weighting=cast(Weighting, weighting),
-            params=params,
-            run_id=run_id,
-            round=round,
-            parent_digest=parent,
+        result: Manifest = run_strategy(
+            strategy, [d for d, _ in accepted], previous, output, weighting=weighting,
+            params=params, run_id=run_id, round=round, parent_digest=parent_digest,
             max_shard_size=max_bytes,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             clip_norm=clip_norm, max_weight_share=max_weight_share,
         )
+    sites = result.extra["sites"]
+    report["used"] = [{"dir": str(d), "site": m.site, "num_samples": m.num_samples,
+                       "weight": sites[m.site]["weight"]} for d, m in accepted]
     report["global"] = {
         "round": result.round,
         "digest": result.digest(),
         "num_samples": result.num_samples,
+        "metrics": result.metrics,
         "params": result.extra.get("params", {}),
         "files": sorted(result.files),
     }
-    if as_json:
-        print_json(report)
-        return
-    for r in report["rejected"]:
-        console.print(
-            f"[yellow]rejected[/yellow] {r['site']} ({r['dir']}): {r['reason']}", soft_wrap=True
-        )
-    sites = ", ".join(str(u["site"]) for u in report["used"])
-    console.print(
-        f"[green]wrote[/green] {output}: {strategy} of {len(accepted)} update(s) ({sites}), "
-        f"round {result.round}, digest {result.digest()[:12]}.",
-        soft_wrap=True,
-    )
+    return report

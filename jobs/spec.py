@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from xffl.aggregator import registry
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
 from xffl.site_profiles.schema import SlurmOverride
@@ -30,13 +31,11 @@ class _Strict(BaseModel):
 class AggregationSpec(_Strict):
     """How the coordinator combines the site updates every round.
 
-    ``params`` override the strategy's defaults (xffl.aggregator.strategies.DEFAULT_PARAMS),
-    e.g. ``{eta: 0.01}`` for fedadam.
+    ``strategy`` is a name of :mod:`xffl.aggregator.registry`; ``params`` override its
+    defaults, e.g. ``{eta: 0.01}`` for fedadam.
     """
 
-    strategy: Literal[
-        "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"
-    ] = "fedavg"
+    strategy: str = "fedavg"
     weighting: Literal["samples", "tokens", "uniform"] = "samples"
     params: dict[str, float] = Field(default_factory=dict)
     max_shard_size: str | int = Field(
@@ -54,10 +53,20 @@ class AggregationSpec(_Strict):
         default=None, gt=0, le=1, description="no site's share of the weights above this "
         "(averaging strategies): a site cannot own the mean by reporting a huge dataset")
 
+    @field_validator("strategy")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in registry.STRATEGIES:
+            known = ", ".join(repr(n) for n in registry.names())
+            close = difflib.get_close_matches(value, list(registry.STRATEGIES), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"input should be one of {known} (got {value!r}){hint}")
+        return value
+
     @model_validator(mode="after")
     def _bounds_average(self) -> AggregationSpec:
         if (self.clip_norm is not None or self.max_weight_share is not None) and \
-                self.strategy in ("fedmedian", "fedtrimmedavg"):
+                registry.get(self.strategy).robust:
             raise ValueError(f"{self.strategy} bounds a minority's influence by its own rule; "
                              "clip_norm and max_weight_share apply to the averaging "
                              "strategies: remove them or choose fedavg")
@@ -78,10 +87,9 @@ class AggregationSpec(_Strict):
     @field_validator("params")
     @classmethod
     def _known_params(cls, value: dict[str, float], info: ValidationInfo) -> dict[str, float]:
-        from xffl.aggregator.strategies import DEFAULT_PARAMS
-
         strategy = info.data.get("strategy")
-        known = DEFAULT_PARAMS.get(strategy, {}) if isinstance(strategy, str) else {}
+        known = registry.STRATEGIES[strategy].defaults if strategy in registry.STRATEGIES \
+            else {}
         for key in value if strategy is not None else ():
             if key not in known:
                 close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)

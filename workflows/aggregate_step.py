@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.strategies import parse_pairs, run_strategy
+from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.layout import RunLayout, registration
+from xffl.core.pairs import parse_pairs
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.registry import Registry, RoundRecord

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from xffl.aggregator import registry
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.inputs import update_weight
 from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.strategies import ROBUST, run_strategy
+from xffl.aggregator.strategies import run_strategy
 from xffl.aggregator.verify import check_update
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
@@ -102,11 +103,12 @@ def check_request(loaded: LoadedJob, opts: SimulateOptions) -> None:
         raise InvalidInput(f"--rounds must be at least 1, got {opts.rounds}.")
     if opts.timeout is not None and not (opts.timeout > 0 and math.isfinite(opts.timeout)):
         raise InvalidInput(f"--timeout must be a positive number of seconds, got {opts.timeout}.")
-    if spec.aggregation.strategy in ROBUST:
+    if registry.get(spec.aggregation.strategy).robust:
+        averaging = [n for n in registry.names() if not registry.get(n).robust]
         raise InvalidInput(
             f"{where} aggregation.strategy: {spec.aggregation.strategy} needs every update at "
-            "once, but xffl simulate folds each update into a running aggregate; use fedavg "
-            "(or fedavgm, fedadam, fedyogi, fedadagrad).")
+            "once, but xffl simulate folds each update into a running aggregate; use one of "
+            f"{', '.join(averaging)}.")
     if spec.training.tensor_parallel > 1:
         raise InvalidInput(f"{where} training.tensor_parallel: xffl simulate trains each "
                            "virtual site in one process; set it to 1 to simulate this job.")

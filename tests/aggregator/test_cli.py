@@ -1,4 +1,4 @@
-"""Tests of ``python -m xffl.aggregator``."""
+"""``python -m xffl.aggregator``: the same command as ``xffl aggregate``, as a module."""
 
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ def test_cli_reports_used_and_rejected(
     b = make_update("beta", _t(2), round=1, parent=parent, num_samples=1)
     late = make_update("gamma", _t(3), round=0, parent=parent)
     out = tmp_path / "g1"
-    code = main(["-o", str(out), "--round", "1", "--parent", str(g0), str(a), str(b), str(late)])
+    code = main(["-o", str(out), "--round", "1", "--previous", str(g0), str(a), str(b),
+                 str(late)])
     text = capsys.readouterr().out
     assert code == 0
-    assert "used      alpha" in text and "weight=0.7500" in text
-    assert "rejected  gamma" in text and "round 0, expected round 1" in text
+    assert "used     alpha" in text and "weight 0.7500" in text
+    assert "rejected gamma" in text and "round 0, expected round 1" in text
     m = verify_checkpoint(out)
     assert m.kind == "global" and m.round == 1 and m.parent == parent
     assert set(m.extra["sites"]) == {"alpha", "beta"}
@@ -65,9 +66,9 @@ def test_cli_exit_codes(
     assert not (tmp_path / "g").exists()
     assert main(["-o", str(tmp_path / "g"), "--weight", "alpha", str(a)]) == 2
     assert "expected SITE=NUMBER" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(["-o", str(tmp_path / "g")])
-    assert exc.value.code == 2
+    assert main(["-o", str(tmp_path / "g"), "--strategy", "fedsgd", str(a)]) == 2
+    assert "unknown strategy 'fedsgd'" in capsys.readouterr().err
+    assert main(["-o", str(tmp_path / "g")]) == 2  # no UPDATE
 
 
 def test_module_runs_as_a_program(make_update: Any, tmp_path: Path) -> None:
@@ -79,7 +80,7 @@ def test_module_runs_as_a_program(make_update: Any, tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "wrote global round 1" in proc.stdout
+    assert "fedavg of 1 update(s), round 1" in proc.stdout
     assert (tmp_path / "g" / MODEL_FILE).is_file()
 
 

@@ -11,15 +11,30 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xffl.aggregator import strategies
+from xffl.aggregator import registry, strategies
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.aggregator.strategies import DEFAULT_PARAMS, run_strategy, state_file
+from xffl.aggregator.strategies import run_strategy, state_file
 from xffl.core.errors import InvalidInput
 
 SHAPES = {"w": (13, 11), "b": (11,), "norm": (7,)}
 SAMPLES = {"karolina": 120, "leonardo": 7, "lumi": 33}
 Data = dict[str, dict[str, np.ndarray]]
+
+# the defaults, written out from their sources (not read from the code under test): Flower's
+# FedAdam, FedYogi, FedAdagrad (flwr.server.strategy) and trimmed mean; FedAvgM with Hsu et
+# al.'s momentum 0.9 (Flower's own default 0.0 would make it FedAvg)
+DEFAULTS: dict[str, dict[str, float]] = {
+    "fedavg": {},
+    "fedavgm": {"server_learning_rate": 1.0, "server_momentum": 0.9},
+    "fedadam": {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-9},
+    "fedyogi": {"eta": 0.01, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
+    "fedadagrad": {"eta": 0.1, "beta_1": 0.0, "tau": 1e-9},
+    "fedmedian": {},
+    "fedtrimmedavg": {"beta": 0.2},
+}
+STATE = {"fedavgm": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"),
+         "fedadagrad": ("m", "v")}
 
 
 def _round_to(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
@@ -100,7 +115,7 @@ def _ref_step(
 def _reference(
     name: str, data: Data, x: dict[str, np.ndarray], state: dict[str, Any]
 ) -> dict[str, np.ndarray]:
-    p = DEFAULT_PARAMS[name]
+    p = DEFAULTS[name]
     out = {}
     for k in SHAPES:
         stack = np.stack([t[k] for t in data.values()])
@@ -112,7 +127,7 @@ def _reference(
             cut = int(p["beta"] * len(stack))
             out[k] = np.sort(stack, axis=0)[cut : len(stack) - cut].mean(axis=0)
         else:
-            buffers = strategies.STATE_BUFFERS[name]
+            buffers = STATE[name]
             st = {b: state.get((b, k), np.zeros(SHAPES[k])) for b in buffers}
             out[k] = _ref_step(name, p, x[k], _mean(data, k), st)
             for b in buffers:  # stored as fp32 between rounds
@@ -130,7 +145,7 @@ def _check(out_dir: Path, ref: dict[str, np.ndarray], dtype: torch.dtype) -> dic
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", strategies.STRATEGIES)
+@pytest.mark.parametrize("name", registry.names())
 def test_one_round_matches_formula(
     name: str, dtype: torch.dtype, make_update: Any, write_ckpt: Any, tmp_path: Path
 ) -> None:
@@ -139,7 +154,7 @@ def test_one_round_matches_formula(
     m = run_strategy(name, dirs, g0, tmp_path / "g1", run_id="run-1", round=1)
     _check(tmp_path / "g1", _reference(name, data, x, {}), dtype)
     assert m.extra["aggregation"] == name
-    assert m.extra["params"] == DEFAULT_PARAMS[name]
+    assert m.extra["params"] == DEFAULTS[name]
     verify_checkpoint(tmp_path / "g1")
 
 
@@ -156,7 +171,7 @@ def test_three_rounds_reload_state_from_disk(
         out = tmp_path / f"g{rnd}"
         m = run_strategy(name, dirs, prev, out, round=rnd)
         x = _check(out, _reference(name, data, x, state), torch.float32)
-        files = [state_file(b) for b in strategies.STATE_BUFFERS[name]]
+        files = [state_file(b) for b in STATE[name]]
         assert all(f in m.files for f in files)
         assert m.extra["server_state"]["loaded_from"] == (None if rnd == 1 else str(prev))
         assert m.parent == parent
@@ -235,7 +250,7 @@ def test_module_entry_point_takes_strategy_and_params(
         str(out),
         "--round",
         "1",
-        "--parent",
+        "--previous",
         str(g0),
         "--strategy",
         "fedadam",
