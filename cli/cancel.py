@@ -9,7 +9,6 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ExitCode
-from xffl.jobs.cancel import cancel_run
 from xffl.jobs.registry import Registry
 
 
@@ -27,6 +26,8 @@ def cancel(
 
     Example: xffl cancel quickstart-20261122-051000-a3f9
     """
+    from xffl.jobs.cancel import cancel_run
+
     registry = Registry()
     record = resolve_run(registry, run)
     result = cancel_run(registry, record)

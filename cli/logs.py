@@ -14,7 +14,6 @@ from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry import Registry, RunRecord
-from xffl.jobs.slurm_view import SiteUnreachable, load_profiles, query_site, ssh_run
 
 _EXEC = re.compile(r"EXECUTING step (?P<step>\S+) \(job (?P<job>\S+)\) .* into directory "
                    r"(?P<dir>\S+?):?$")
@@ -86,6 +85,8 @@ def local_step_lines(log: Path, site: str, job: str, rnd: int) -> list[str]:
 def slurm_step_output(run: RunRecord, site: str, step_dir: str | None,
                       rnd: int) -> list[str]:
     """The SLURM job's stdout: slurm-<id>.out in the step's directory, else StdOut= of scontrol."""
+    from xffl.jobs.slurm_view import SiteUnreachable, load_profiles, query_site, ssh_run
+
     profile = load_profiles(Path(run.run_dir))[site]
     try:
         if step_dir:
@@ -111,6 +112,8 @@ def slurm_step_output(run: RunRecord, site: str, step_dir: str | None,
 
 def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> dict[str, Any]:
     """The log lines `xffl logs` shows, as a dict."""
+    from xffl.jobs.slurm_view import load_profiles
+
     root = Path(run.run_dir)
     sf_log = root / "streamflow.log"
     if site is None:

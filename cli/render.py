@@ -9,9 +9,7 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import InvalidInput
-from xffl.jobs.load import load_job
 from xffl.jobs.registry import new_run_id
-from xffl.workflows.plan import write_initial_model, write_plan
 
 
 @handle_errors
@@ -32,6 +30,9 @@ def render(
 
     Example: xffl render jobs/quickstart.yaml -o plan/
     """
+    from xffl.jobs.load import load_job
+    from xffl.workflows.plan import write_initial_model, write_plan
+
     loaded = load_job(job)
     if out.exists() and any(out.iterdir()):
         raise InvalidInput(f"{out}: folder is not empty; choose a new or empty folder for -o.")

@@ -9,7 +9,6 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
-from xffl.jobs.report import write_report
 
 
 @handle_errors
@@ -29,6 +28,8 @@ def report(
 
     Example: xffl report quickstart-20261122-051000-a3f9 -o /tmp/report
     """
+    from xffl.jobs.report import write_report
+
     registry = Registry()
     record = resolve_run(registry, run)
     data, files = write_report(registry, record, out)

@@ -8,7 +8,6 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
-from xffl.jobs.resume import resume_run
 
 
 @handle_errors
@@ -24,6 +23,8 @@ def resume(
 
     Example: xffl resume quickstart-20261122-051000-a3f9
     """
+    from xffl.jobs.resume import resume_run
+
     registry = Registry()
     record = resolve_run(registry, run)
     pid = resume_run(registry, record)

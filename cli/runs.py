@@ -8,7 +8,6 @@ from rich.table import Column, Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.jobs.registry import Registry
-from xffl.jobs.status import run_summary, settle
 
 
 def _when(ts: float | None) -> str:
@@ -21,6 +20,8 @@ def runs(as_json: JsonOpt = False) -> None:
 
     Example: xffl runs --json
     """
+    from xffl.jobs.status import run_summary, settle
+
     registry = Registry()
     records = [settle(registry, r) for r in registry.list_runs()]
     if as_json:

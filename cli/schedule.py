@@ -8,7 +8,6 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import InvalidInput
-from xffl.jobs import schedule as cron
 from xffl.jobs.registry import Registry
 
 
@@ -28,6 +27,8 @@ def schedule(
 
     Example: xffl schedule quickstart-20261122-051000-a3f9 --cron '*/30 * * * *'
     """
+    from xffl.jobs import schedule as cron
+
     registry = Registry()
     record = resolve_run(registry, run)
     if remove == (expr is not None):

@@ -11,9 +11,6 @@ from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import ExitCode
-from xffl.site_profiles.lookup import available, find_profile, load_profile_file
-from xffl.site_profiles.remote import check_site
-from xffl.site_profiles.schema import SshConnector
 
 app = typer.Typer(help="List, show and check site profiles.", no_args_is_help=True)
 
@@ -27,6 +24,9 @@ def list_sites(json_out: JsonOpt = False) -> None:
 
     Example: xffl sites list
     """
+    from xffl.site_profiles.lookup import available, load_profile_file
+    from xffl.site_profiles.schema import SshConnector
+
     rows = []
     for name, path in sorted(available().items()):
         profile = load_profile_file(path)
@@ -56,6 +56,8 @@ def show(name: NameArg, json_out: JsonOpt = False) -> None:
 
     Example: xffl sites show leonardo
     """
+    from xffl.site_profiles.lookup import find_profile
+
     data = find_profile(name).model_dump(mode="json")
     if json_out:
         print_json(data)
@@ -74,6 +76,9 @@ def check(name: NameArg, json_out: JsonOpt = False) -> None:
 
     Example: xffl sites check leonardo
     """
+    from xffl.site_profiles.lookup import find_profile
+    from xffl.site_profiles.remote import check_site
+
     result = check_site(name, find_profile(name))
     if json_out:
         print_json(result.as_dict())

@@ -9,9 +9,6 @@ from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
-from xffl.jobs.report import fmt
-from xffl.jobs.slurm_view import slurm_view
-from xffl.jobs.status import run_status
 
 
 def _num(value: Any, fmt: str = "{}") -> str:
@@ -20,6 +17,8 @@ def _num(value: Any, fmt: str = "{}") -> str:
 
 def render_status(data: dict[str, Any]) -> None:
     """Print a run's status as a header and a rounds x sites table."""
+    from xffl.jobs.report import fmt
+
     console.print(f"run [bold]{data['id']}[/bold]: {data['state']} — "
                   f"{data['rounds_done']}/{data['rounds_total']} rounds"
                   + (f" — {data['message']}" if data["message"] else ""))
@@ -83,6 +82,9 @@ def status(
 
     Example: xffl status quickstart-20261122-051000-a3f9
     """
+    from xffl.jobs.slurm_view import slurm_view
+    from xffl.jobs.status import run_status
+
     registry = Registry()
     record = resolve_run(registry, run)
     data = run_status(registry, record)

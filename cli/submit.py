@@ -10,10 +10,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import ExitCode
-from xffl.jobs.follow import wait_for_run
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.status import latest_global, run_status
-from xffl.jobs.submit import submit as submit_job
 
 
 @handle_errors
@@ -34,6 +32,9 @@ def submit(
 
     Example: xffl submit jobs/quickstart.yaml --wait
     """
+    from xffl.jobs.follow import wait_for_run
+    from xffl.jobs.submit import submit as submit_job
+
     submitted = submit_job(job, name=name, start=start)
     run = submitted.run
     registry = Registry()

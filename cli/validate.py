@@ -9,9 +9,6 @@ from typing import Annotated
 import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
-from xffl.jobs.load import load_job
-from xffl.workflows.plan import write_plan
-from xffl.workflows.validate import validate_cwl
 
 
 @handle_errors
@@ -23,6 +20,10 @@ def validate(
 
     Example: xffl validate jobs/quickstart.yaml
     """
+    from xffl.jobs.load import load_job
+    from xffl.workflows.plan import write_plan
+    from xffl.workflows.validate import validate_cwl
+
     loaded = load_job(job)
     with tempfile.TemporaryDirectory(prefix="xffl-validate-") as tmp:
         layout = write_plan(loaded, f"validate-{loaded.spec.name}", Path(tmp))

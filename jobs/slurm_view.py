@@ -23,7 +23,6 @@ from typing import Any
 from xffl.core.errors import ConnectionFailed
 from xffl.core.names import slurm_job_name, slurm_job_round
 from xffl.jobs.registry import Registry, RunRecord
-from xffl.site_profiles import remote
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0
@@ -77,6 +76,8 @@ def ssh_run(profile: SiteProfile, command: str,
     The connection is site_profiles.remote's (host keys always verified); any failure to
     reach the site becomes SiteUnreachable, so callers can show it instead of crashing.
     """
+    from xffl.site_profiles import remote
+
     try:
         client = remote.connect(profile)
     except ConnectionFailed as exc:

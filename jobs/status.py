@@ -109,13 +109,17 @@ def credential_view(run: RunRecord) -> list[dict[str, Any]]:
     credential has expired, or will before a round could end, is ``waiting``, not failed.
     """
     from xffl.core.errors import XfflError
-    from xffl.jobs.credential_gate import blockers, site_credentials
     from xffl.jobs.slurm_view import load_profiles
-    from xffl.jobs.spec import JobSpec
+    from xffl.site_profiles.schema import SshConnector
 
     run_dir = Path(run.run_dir)
     try:
         profiles = load_profiles(run_dir)
+        if not any(isinstance(p.connector, SshConnector) for p in profiles.values()):
+            return []  # no login to check: nothing to read (and no SSH stack to import)
+        from xffl.jobs.credential_gate import blockers, site_credentials
+        from xffl.jobs.spec import JobSpec
+
         spec = JobSpec.model_validate_json((run_dir / "job.json").read_text())
         creds = site_credentials(profiles)
         blocked = {b.site: b for b in blockers(spec, profiles)}
