@@ -26,6 +26,7 @@ from xffl.site_profiles.lookup import available
 from xffl.workflows.deployments import site_data_path
 from xffl.workflows.plan import write_plan
 
+BUNDLED = {"local", "leonardo", "karolina", "lumi"}
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
@@ -35,6 +36,26 @@ NASTY = ["x; rm -rf /", "$(id)", "`id`", "../..", "a b", "Alpha", "1job", "a" * 
          "a\u2028b", "a\rb", "a\tb", "'", '"', "\\", "*", "~", "%", "a.b"]
 CWL_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# the rules, written out here (not read from the code under test): what the loader must
+# accept, so that a loader refusing too much fails these tests as one accepting too much does
+PLAIN_NAME = re.compile(r"\A[a-z][a-z0-9_-]{0,31}\Z")
+ROUND_SUFFIX = re.compile(r"-r[0-9]+\Z")
+
+
+def valid_name(name: str) -> bool:
+    """A job or profile name xffl must accept."""
+    return bool(PLAIN_NAME.match(name))
+
+
+def valid_site(name: str) -> bool:
+    """A site name xffl must accept (a plain name not ending like a round, -r<N>)."""
+    return valid_name(name) and not ROUND_SUFFIX.search(name)
+
+
+def valid_path(path: str) -> bool:
+    """A path xffl must accept: not blank, no control characters, no CWL expression."""
+    return bool(path.strip()) and not CONTROL.search(path) and "$(" not in path \
+        and "${" not in path
 
 text = st.one_of(st.text(max_size=40), st.sampled_from(NASTY),
                  st.from_regex(NAME_RE, fullmatch=True))
@@ -103,6 +124,7 @@ def test_job_and_site_names(work: Path, name: str, site: str) -> None:
     folder = work / "names"
     job = _write(folder, _spec(name=name, site=site))
     loaded = _load(job, {"name", "sites[0].name"})
+    assert (loaded is not None) == (valid_name(name) and valid_site(site)), (name, site)
     if loaded is None:
         return
     assert NAME_RE.match(loaded.spec.name) and NAME_RE.match(loaded.spec.sites[0].name)
@@ -118,10 +140,9 @@ def test_data_paths(work: Path, path: str) -> None:
     folder = work / "paths"
     job = _write(folder, _spec(path=path))
     loaded = _load(job, {"sites[0].data.path"})
+    assert (loaded is not None) == valid_path(path), path
     if loaded is None:
-        assert not path.strip() or CONTROL.search(path) or "$(" in path or "${" in path
         return
-    assert path.strip() and not CONTROL.search(path) and "$(" not in path and "${" not in path
     tool = _check_plan(loaded, folder / "plan" / "x")
     args = tool["arguments"]
     expected = site_data_path(loaded.profiles["alpha"], "alpha", path)
@@ -138,10 +159,11 @@ def test_profile_names(work: Path, profile: str) -> None:
     folder = work / "profiles"
     job = _write(folder, _spec(profile=profile))
     loaded = _load(job, {"sites[0].profile"})
+    # only the profiles that exist (the bundled ones: no job folder profiles here) load
+    assert (loaded is not None) == (valid_name(profile) and profile in BUNDLED), profile
     if loaded is None:
-        assert profile not in available(folder) or not NAME_RE.match(profile)
         return
-    assert NAME_RE.match(profile) and profile in available(folder)
+    assert profile in available(folder)
 
 
 @FUZZ
@@ -155,10 +177,11 @@ def test_profile_file_name_and_workdir(work: Path, name: str, workdir: str) -> N
     prof = _write(folder, {"name": name, "workdir": workdir}, "site_profiles/mine.yaml")
     job = _write(folder, _spec(profile="mine"))
     loaded = _load(job, {"name", "workdir"}, file=prof)
+    # the file is mine.yaml: a profile named otherwise is refused (the name must match)
+    assert (loaded is not None) == (name == "mine" and valid_path(workdir)), (name, workdir)
     if loaded is None:
         return
     assert loaded.profiles["alpha"].name == "mine" == name
-    assert not CONTROL.search(workdir) and "$(" not in workdir and "${" not in workdir
     _check_plan(loaded, folder / "plan" / "x")
 
 
