@@ -73,7 +73,10 @@ class TensorEntry:
         return storage_dtype(self.dtype).itemsize
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` object hook that refuses a key given twice (two parsers could each keep a
+    different one of them: a hostile header says one thing to a checker, another to a
+    loader)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -107,7 +110,7 @@ class SafetensorsReader:
         if hlen > _MAX_HEADER or 8 + hlen > size:
             raise self._fail(f"header length {hlen} does not fit in a {size}-byte file")
         try:
-            header = json.loads(self._fh.read(hlen), object_pairs_hook=_no_duplicates)
+            header = json.loads(self._fh.read(hlen), object_pairs_hook=no_duplicate_keys)
         except (ValueError, UnicodeDecodeError) as exc:
             raise self._fail(f"unreadable header ({exc})") from exc
         if not isinstance(header, dict):

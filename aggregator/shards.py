@@ -19,7 +19,7 @@ from xffl.aggregator.safetensors_io import (
     Array,
     SafetensorsReader,
     TensorEntry,
-    _no_duplicates,
+    no_duplicate_keys,
 )
 from xffl.core.errors import CheckpointError
 
@@ -67,7 +67,7 @@ def read_index(path: Path) -> dict[str, str]:
     if Path(path).stat().st_size > MAX_INDEX_BYTES:  # read only what an index can need
         raise bad(f"more than {MAX_INDEX_BYTES} bytes")
     try:
-        index = json.loads(Path(path).read_bytes(), object_pairs_hook=_no_duplicates)
+        index = json.loads(Path(path).read_bytes(), object_pairs_hook=no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"unreadable JSON ({exc})") from exc
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):

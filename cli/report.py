@@ -28,7 +28,7 @@ def report(
 
     Example: xffl report quickstart-20261122-051000-a3f9 -o /tmp/report
     """
-    from xffl.jobs.report import write_report
+    from xffl.jobs.report_write import write_report
 
     registry = Registry()
     record = resolve_run(registry, run)

@@ -23,7 +23,7 @@ def resume(
 
     Example: xffl resume quickstart-20261122-051000-a3f9
     """
-    from xffl.jobs.resume import resume_run
+    from xffl.workflows.resume import resume_run
 
     registry = Registry()
     record = resolve_run(registry, run)

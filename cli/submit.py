@@ -33,7 +33,7 @@ def submit(
     Example: xffl submit jobs/quickstart.yaml --wait
     """
     from xffl.jobs.follow import wait_for_run
-    from xffl.jobs.submit import submit as submit_job
+    from xffl.workflows.submit import submit as submit_job
 
     submitted = submit_job(job, name=name, start=start)
     run = submitted.run

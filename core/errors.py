@@ -6,7 +6,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Exit codes of every xffl command (DESIGN.md, CLI contract)."""
+    """Exit codes of every xffl command (the CLI contract in the README)."""
 
     OK = 0
     RUN_FAILED = 1

@@ -13,7 +13,8 @@ import pytest
 
 from xffl.jobs import report_render
 from xffl.jobs.registry import Registry, RoundRecord, SiteRound
-from xffl.jobs.report import assemble, fmt, site_breakdown, write_report
+from xffl.jobs.report import assemble, fmt, site_breakdown
+from xffl.jobs.report_write import write_report
 from xffl.jobs.status import run_status
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,10 +12,10 @@ import yaml
 
 from tests.conftest import QUICKSTART, REPO
 from xffl.core.errors import ConnectionFailed
-from xffl.jobs.submit import submit
 from xffl.site_profiles.lookup import bundled_dir, load_profile_file
 from xffl.site_profiles.remote import check_site, connect, preflight, run
 from xffl.site_profiles.schema import SiteProfile
+from xffl.workflows.submit import submit
 
 
 def write_profile(folder: Path, stack, cluster: str = "alpha",  # type: ignore[no-untyped-def]

@@ -1,0 +1,96 @@
+"""The layout tells the architecture, and this test keeps it telling the truth.
+
+xffl's subpackages form layers; a module may import its own package and the layers below:
+
+    core  <-  aggregator  <-  training  <-  site_profiles  <-  jobs  <-  workflows  <-  cli
+
+(``aggregator`` owns the exchange format that training writes; ``jobs`` is the job spec, the
+run registry and the run's state; ``workflows`` compiles and runs the plan, and submits and
+resumes runs.) Checked on every import, function-level ones included: no module imports a
+higher layer (``python -m`` entry points, ``__main__`` modules, are command lines and may
+use ``cli``), no import circle between modules, and no private name (``_x``) is imported
+from another module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+LAYERS = ["core", "aggregator", "training", "site_profiles", "jobs", "workflows", "cli"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in LAYERS:
+        for file in sorted((REPO / pkg).glob("*.py")):
+            out[f"xffl.{pkg}" + ("" if file.stem == "__init__" else f".{file.stem}")] = file
+    return out
+
+
+def _imports(file: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(imported xffl module, names taken from it) for every import statement in ``file``."""
+    found = []
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("xffl"):
+            names = [a.name for a in node.names]
+            submodules = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in modules]
+            for sub in submodules:
+                found.append((sub, []))
+            found.append((node.module, [n for n in names if f"{node.module}.{n}" not in modules]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("xffl.")]
+    return found
+
+
+def test_no_module_imports_a_higher_layer_or_a_private_name() -> None:
+    modules = _modules()
+    assert len(modules) > 80
+    problems = []
+    for name, file in modules.items():
+        layer = LAYERS.index(name.split(".")[1])
+        for target, names in _imports(file, modules):
+            if target not in modules:
+                continue
+            other = LAYERS.index(target.split(".")[1])
+            if other > layer and not name.endswith(".__main__"):
+                problems.append(f"{name} imports {target} (a higher layer)")
+            private = [n for n in names if n.startswith("_")]
+            if private and target != name:
+                problems.append(f"{name} imports private {', '.join(private)} from {target}")
+    assert problems == []
+
+
+def test_no_import_circles() -> None:
+    modules = _modules()
+    graph = {name: {t for t, _ in _imports(file, modules) if t in modules and t != name}
+             for name, file in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert circles == []
+
+
+def test_the_repository_stands_alone() -> None:
+    """No code or doc refers to design notes that live outside the repository."""
+    offenders = [str(p.relative_to(REPO)) for pattern in ("*.py", "*.md", "*.sh", "*.j2")
+                 for p in REPO.rglob(pattern)
+                 if ".venv" not in p.parts and "build" not in p.parts
+                 and p != Path(__file__)
+                 and any(ref in p.read_text(errors="ignore")
+                         for ref in ("DESIGN.md", "STACK.md", "../shared/"))]
+    assert offenders == []
