@@ -115,7 +115,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
     from xffl.jobs.slurm_view import load_profiles
 
     root = Path(run.run_dir)
-    sf_log = root / "streamflow.log"
+    sf_log = RunLayout(root).streamflow_log
     if site is None:
         return {"run": run.id, "runner_log": tail(RunLayout(root).supervisor_log, lines),
                 "streamflow_log": tail(sf_log, lines)}

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK_FILE = "round.lock"
+from xffl.core.layout import RunLayout
+
 PID_WAIT_S = 1.0  # a new holder writes its pid right after taking the lock
 
 
@@ -27,7 +28,7 @@ class RoundInFlight(RuntimeError):
 @contextmanager
 def round_lock(run_dir: Path) -> Iterator[None]:
     """Hold the run's round lock, or raise RoundInFlight at once if another process has it."""
-    fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(RunLayout(Path(run_dir)).lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -72,7 +73,7 @@ def holder(run_dir: Path) -> int | None:
     0 stands for "held by a process this machine cannot name" (another host of a shared
     filesystem, or no pid written in time): never a pid to signal.
     """
-    path = Path(run_dir) / LOCK_FILE
+    path = RunLayout(Path(run_dir)).lock
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

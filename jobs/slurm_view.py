@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from xffl.core.errors import ConnectionFailed
+from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name, slurm_job_round
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.site_profiles.schema import SiteProfile, SshConnector
@@ -56,7 +57,7 @@ def job_ids_command(run_id: str, site: str) -> str:
 
 def load_profiles(run_dir: Path) -> dict[str, SiteProfile]:
     """The resolved site profiles of a run (empty for runs planned before profiles.json)."""
-    path = Path(run_dir) / "profiles.json"
+    path = RunLayout(Path(run_dir)).profiles
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())

@@ -109,6 +109,7 @@ def credential_view(run: RunRecord) -> list[dict[str, Any]]:
     credential has expired, or will before a round could end, is ``waiting``, not failed.
     """
     from xffl.core.errors import XfflError
+    from xffl.core.layout import RunLayout
     from xffl.jobs.slurm_view import load_profiles
     from xffl.site_profiles.schema import SshConnector
 
@@ -120,7 +121,7 @@ def credential_view(run: RunRecord) -> list[dict[str, Any]]:
         from xffl.jobs.credential_gate import blockers, site_credentials
         from xffl.jobs.spec import JobSpec
 
-        spec = JobSpec.model_validate_json((run_dir / "job.json").read_text())
+        spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
         creds = site_credentials(profiles)
         blocked = {b.site: b for b in blockers(spec, profiles)}
     except (OSError, ValueError, XfflError) as exc:
