@@ -31,7 +31,7 @@ def round_(
 
     registry = Registry()
     record = resolve_run(registry, run)
-    if record.state in ("completed", "cancelled", "failed"):
+    if record.state.terminal:
         message = f"run {record.id} is {record.state}: no round to run"
         code = 0
     else:  # the state is checked again under the round lock (a cancel may come first)

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.states import RunState
 from xffl.jobs.status import latest_global, run_status
 
 
@@ -65,12 +66,12 @@ def submit(
     model = latest_global(registry, final)
     if as_json:
         print_json(run_status(registry, final))
-    elif final.state == "completed":
+    elif final.state == RunState.COMPLETED:
         console.print(f"[green]run {final.id} completed[/green]: {final.rounds_done} rounds.")
         console.print(f"final global model: {model}")
         console.print(f"next: `xffl status {final.id}` shows every round and site.")
     else:
         console.print(f"[red]run {final.id} {final.state}[/red]: {final.message}")
         console.print(f"next: `xffl status {final.id}`, and the logs in {final.run_dir}.")
-    if final.state != "completed":
+    if final.state != RunState.COMPLETED:
         raise typer.Exit(int(ExitCode.RUN_FAILED))

@@ -31,6 +31,7 @@ from xffl.jobs.slurm_view import (
     slurm_sites,
     ssh_run,
 )
+from xffl.jobs.states import RoundState, RunState, SiteState
 from xffl.site_profiles.schema import SiteProfile
 
 RUNNER_GRACE_S = 5.0
@@ -175,10 +176,10 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
                                       row["queue_wait_s"], row["run_s"])
     # record the round in flight and the run itself
     current = registry.get_run(run.id)
-    if any(r.round == rnd and r.state == "running" for r in registry.rounds(run.id)):
+    if any(r.round == rnd and r.state == RoundState.RUNNING for r in registry.rounds(run.id)):
         registry.finish_round(run.id, RoundRecord(
-            round=rnd, state="cancelled", ended=time.time(),
-            sites=[SiteRound(site=s, state="cancelled", reason="cancelled by the user")
+            round=rnd, state=RoundState.CANCELLED, ended=time.time(),
+            sites=[SiteRound(site=s, state=SiteState.CANCELLED, reason="cancelled by the user")
                    for s in current.sites]))
     message = "cancelled by the user"
     if _remove_schedule(run.id):
@@ -193,7 +194,7 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
             f"{s} ({', '.join(ids)})" for s, ids in sorted(result.left_over.items()))
     if not result.runner_stopped:
         message += "; its supervisor did not stop"
-    registry.set_state(run.id, "cancelled", message, ended=time.time())
+    registry.set_state(run.id, RunState.CANCELLED, message, ended=time.time())
     return result
 
 

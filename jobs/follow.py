@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from xffl.core.errors import TimedOut
 from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.states import RunState
 from xffl.jobs.status import settle
 
 
@@ -36,11 +37,11 @@ def wait_for_run(registry: Registry, run_id: str, timeout: float,
             on_update(run)
         if run.finished:
             return run
-        if spawned is not None and run.state == "submitted" and _exited(spawned):
+        if spawned is not None and run.state == RunState.SUBMITTED and _exited(spawned):
             run = registry.get_run(run_id)
-            if run.state == "submitted":
-                registry.set_state(run_id, "failed", "the supervisor exited before it started "
-                                   f"the run; see {run.run_dir}/supervisor.log",
+            if run.state == RunState.SUBMITTED:
+                registry.set_state(run_id, RunState.FAILED, "the supervisor exited before it "
+                                   f"started the run; see {run.run_dir}/supervisor.log",
                                    ended=time.time())
             continue
         if time.monotonic() > deadline:

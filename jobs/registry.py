@@ -14,6 +14,7 @@ from typing import Any
 
 from xffl.core.fstype import on_network_filesystem
 from xffl.core.paths import private_dir, registry_path
+from xffl.jobs.states import RoundState, RunState, SiteState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -45,9 +46,6 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-TERMINAL_STATES = frozenset({"completed", "failed", "cancelled"})
-# site states whose update reached the coordinator (its delivery time is kept)
-DELIVERED_STATES = frozenset({"completed", "rejected"})
 
 
 @dataclass
@@ -58,7 +56,7 @@ class RunRecord:
     name: str
     job_path: str
     run_dir: str
-    state: str
+    state: RunState
     rounds_total: int
     rounds_done: int
     sites: list[str]
@@ -72,7 +70,7 @@ class RunRecord:
     @property
     def finished(self) -> bool:
         """Whether the run reached a terminal state."""
-        return self.state in TERMINAL_STATES
+        return self.state.terminal
 
 
 @dataclass
@@ -80,7 +78,7 @@ class SiteRound:
     """One site's outcome in one round."""
 
     site: str
-    state: str
+    state: SiteState
     num_samples: int | None = None
     num_tokens: int | None = None
     loss: float | None = None
@@ -96,7 +94,7 @@ class RoundRecord:
     """One round of a run with its sites."""
 
     round: int
-    state: str
+    state: RoundState
     started: float | None = None
     ended: float | None = None
     aggregate_seconds: float | None = None
@@ -192,8 +190,10 @@ class Registry:
             rows = db.execute("SELECT * FROM runs ORDER BY created DESC").fetchall()
         return [_run_from_row(r) for r in rows]
 
-    def set_state(self, run_id: str, state: str, message: str = "", **fields: Any) -> None:
+    def set_state(self, run_id: str, state: RunState, message: str = "",
+                  **fields: Any) -> None:
         """Move a run to ``state`` and log the transition as an event."""
+        state = RunState(state)  # a state's name is accepted too; anything else is refused
         allowed = {"started", "ended", "runner_pid", "rounds_done"}
         unknown = set(fields) - allowed
         if unknown:
@@ -203,9 +203,9 @@ class Registry:
             db.execute(
                 f"UPDATE runs SET state = ?, message = ?, updated = ?{', ' if sets else ''}{sets}"
                 " WHERE id = ?",
-                (state, message, time.time(), *fields.values(), run_id),
+                (state.value, message, time.time(), *fields.values(), run_id),
             )
-            self._event(db, run_id, state, message or state)
+            self._event(db, run_id, state.value, message or state.value)
 
     def start_round(self, run_id: str, rnd: int, sites: list[str]) -> None:
         """Record that round ``rnd`` started with these sites.
@@ -228,13 +228,6 @@ class Registry:
                 )
             self._event(db, run_id, "round", f"round {rnd} started")
 
-    def set_round_state(self, run_id: str, rnd: int, state: str, message: str) -> None:
-        """Move a round in flight to ``state`` (e.g. aggregating) and log why."""
-        with self._db() as db:
-            db.execute("UPDATE rounds SET state = ? WHERE run_id = ? AND round = ?",
-                       (state, run_id, rnd))
-            self._event(db, run_id, "round", message)
-
     def finish_round(self, run_id: str, record: RoundRecord) -> None:
         """Store a completed round with every site's outcome and advance ``rounds_done``."""
         with self._db() as db:
@@ -243,14 +236,14 @@ class Registry:
                 " aggregate_seconds, global_path, global_digest, num_samples, loss)"
                 " VALUES (?, ?, ?, COALESCE(?, (SELECT started FROM rounds WHERE run_id = ?"
                 " AND round = ?)), ?, ?, ?, ?, ?, ?)",
-                (run_id, record.round, record.state, record.started, run_id, record.round,
-                 record.ended, record.aggregate_seconds, record.global_path,
+                (run_id, record.round, RoundState(record.state).value, record.started, run_id,
+                 record.round, record.ended, record.aggregate_seconds, record.global_path,
                  record.global_digest, record.num_samples, record.loss),
             )
             for s in record.sites:
                 # a site that delivered keeps the delivery time marked when its update arrived
                 delivered = s.delivered_seconds
-                if delivered is None and s.state in DELIVERED_STATES:
+                if delivered is None and SiteState(s.state).delivered:
                     row = db.execute(
                         "SELECT delivered_seconds FROM site_rounds WHERE run_id = ?"
                         " AND round = ? AND site = ?", (run_id, record.round, s.site),
@@ -260,10 +253,10 @@ class Registry:
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (run_id, record.round, s.site, s.state, s.num_samples, s.num_tokens, s.loss,
-                     s.train_seconds, s.reason, s.attempts, delivered),
+                    (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
+                     s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered),
                 )
-            if record.state == "completed":
+            if record.state == RoundState.COMPLETED:
                 db.execute(
                     "UPDATE runs SET rounds_done = MAX(rounds_done, ?), updated = ? WHERE id = ?",
                     (record.round, time.time(), run_id),
@@ -282,13 +275,13 @@ class Registry:
         by_round: dict[int, list[SiteRound]] = {}
         for s in site_rows:
             by_round.setdefault(s["round"], []).append(
-                SiteRound(site=s["site"], state=s["state"], num_samples=s["num_samples"],
+                SiteRound(site=s["site"], state=SiteState(s["state"]), num_samples=s["num_samples"],
                           num_tokens=s["num_tokens"], loss=s["loss"],
                           train_seconds=s["train_seconds"], reason=s["reason"],
                           attempts=s["attempts"], delivered_seconds=s["delivered_seconds"])
             )
         return [
-            RoundRecord(round=r["round"], state=r["state"], started=r["started"],
+            RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],
                         ended=r["ended"], aggregate_seconds=r["aggregate_seconds"],
                         global_path=r["global_path"], global_digest=r["global_digest"],
                         num_samples=r["num_samples"], loss=r["loss"],
@@ -382,4 +375,5 @@ def _migrate(conn: sqlite3.Connection) -> None:
 def _run_from_row(row: sqlite3.Row) -> RunRecord:
     data = dict(row)
     data["sites"] = json.loads(data["sites"])
+    data["state"] = RunState(data["state"])
     return RunRecord(**data)

@@ -24,6 +24,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.paths import xffl_home
 from xffl.jobs.registry import RunRecord
 from xffl.jobs.schedule_spec import validate_cron
+from xffl.jobs.states import RunState
 
 if TYPE_CHECKING:
     from crontab import CronTab
@@ -99,7 +100,7 @@ def _crontab() -> CronTab:
 def install(run: RunRecord, expr: str) -> Schedule:
     """Install (or replace) the run's crontab entry for the cron expression ``expr``."""
     expr = validate_cron(expr)
-    if run.state in ("completed", "cancelled"):
+    if run.state in (RunState.COMPLETED, RunState.CANCELLED):
         raise InvalidInput(f"run {run.id} is {run.state}: there is no round left to schedule.")
     command = cron_command(run)  # refused before the crontab is touched
     cron = _crontab()

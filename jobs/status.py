@@ -10,6 +10,7 @@ from typing import Any
 
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.round_lock import holder
+from xffl.jobs.states import RoundState, RunState
 
 
 def runner_alive(run: RunRecord) -> bool:
@@ -35,22 +36,22 @@ def settle(registry: Registry, run: RunRecord) -> RunRecord:
     (SIGKILL, or a full disk that kept it from writing the registry). The run is marked
     failed, or, where the registry cannot be written either, shown so.
     """
-    if run.state != "running" or runner_alive(run):
+    if run.state != RunState.RUNNING or runner_alive(run):
         return run
     current = registry.get_run(run.id)  # it may have ended since it was read
-    if current.state != "running" or runner_alive(current):
+    if current.state != RunState.RUNNING or runner_alive(current):
         return current
     message = orphan_message(run.id)
     try:
-        registry.set_state(run.id, "failed", message, ended=time.time())
+        registry.set_state(run.id, RunState.FAILED, message, ended=time.time())
     except sqlite3.OperationalError:
-        return replace(current, state="failed", message=message)
+        return replace(current, state=RunState.FAILED, message=message)
     return registry.get_run(run.id)
 
 
 def latest_global(registry: Registry, run: RunRecord) -> str | None:
     """The path of the newest completed global checkpoint of ``run``."""
-    done = [r for r in registry.rounds(run.id) if r.state == "completed" and r.global_path]
+    done = [r for r in registry.rounds(run.id) if r.state == RoundState.COMPLETED and r.global_path]
     return done[-1].global_path if done else None
 
 

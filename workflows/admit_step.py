@@ -34,6 +34,7 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.verify import Bounds, UpdateRejected, check_update
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
+from xffl.jobs.states import SiteState
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.attempts import read_attempts
 from xffl.workflows.verdict import VERDICT_FILE, Verdict
@@ -63,7 +64,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     if update is None:
         reason = record.reason if record is not None and record.failures else (
             "no update came back")
-        return Verdict(site=site, round=rnd, state="failed", reason=reason,
+        return Verdict(site=site, round=rnd, state=SiteState.FAILED, reason=reason,
                        attempts=attempts), None
     arrived = time.time()
     parent = read_manifest(previous)  # the coordinator's own global model
@@ -77,14 +78,14 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
             raise UpdateRejected(update, site, f"the update says it comes from site "
                                                f"{manifest.site!r}, not {site!r}")
     except UpdateRejected as exc:
-        return Verdict(site=site, round=rnd, state="rejected", reason=exc.reason,
+        return Verdict(site=site, round=rnd, state=SiteState.REJECTED, reason=exc.reason,
                        attempts=attempts, delivered_at=arrived), None
     except Exception as exc:  # whatever a crafted update makes a check raise
-        return Verdict(site=site, round=rnd, state="rejected", attempts=attempts,
+        return Verdict(site=site, round=rnd, state=SiteState.REJECTED, attempts=attempts,
                        reason=f"could not be checked ({type(exc).__name__}: "
                        f"{str(exc)[:200]})", delivered_at=arrived), None
     metrics = manifest.metrics
-    return Verdict(site=site, round=rnd, state="completed", attempts=attempts,
+    return Verdict(site=site, round=rnd, state=SiteState.COMPLETED, attempts=attempts,
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
                    loss=metrics.get("loss"), train_seconds=metrics.get("train_seconds"),
                    delivered_at=arrived, digest=manifest.digest()), manifest

@@ -31,6 +31,7 @@ from xffl.core.pairs import parse_pairs
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.registry import Registry, RoundRecord
+from xffl.jobs.states import RoundState
 from xffl.workflows.admit_step import link_files
 from xffl.workflows.balance import round_job
 from xffl.workflows.verdict import Verdict, read_verdict
@@ -71,7 +72,7 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
         if registry is not None:
             reg, run_id = registry
             reg.finish_round(run_id, RoundRecord(
-                round=rnd, state="failed", ended=time.time(),
+                round=rnd, state=RoundState.FAILED, ended=time.time(),
                 sites=[v.site_round() for v in verdicts]))
             reg.event(run_id, QUORUM_EVENT, message)
         raise QuorumNotMet(message)
@@ -97,7 +98,7 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
         reg.event(run_id, "resources", f"round {rnd}: aggregate step peak RSS "
                   f"{peak_rss_bytes() / 2**20:.0f} MiB")
         reg.finish_round(run_id, RoundRecord(
-            round=rnd, state="completed", ended=time.time(), aggregate_seconds=seconds,
+            round=rnd, state=RoundState.COMPLETED, ended=time.time(), aggregate_seconds=seconds,
             global_path=str(target), global_digest=manifest.digest(),
             num_samples=manifest.num_samples, loss=manifest.metrics.get("loss"),
             sites=[v.site_round() for v in verdicts]))

@@ -10,6 +10,7 @@ from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
+from xffl.jobs.states import RunState
 from xffl.jobs.status import runner_alive, settle
 from xffl.workflows.supervisor import spawn
 
@@ -22,16 +23,16 @@ def resume_run(registry: Registry, run: RunRecord) -> int:
     round are reused, so no finished training or round is computed again.
     """
     run = settle(registry, run)
-    if run.state == "completed":
+    if run.state == RunState.COMPLETED:
         raise InvalidInput(f"run {run.id} is completed ({run.rounds_done} rounds): nothing to "
                            "resume; submit the job again for a new run.")
-    if runner_alive(run) and run.state in ("running", "submitted"):
+    if runner_alive(run) and run.state in (RunState.RUNNING, RunState.SUBMITTED):
         raise InvalidInput(f"run {run.id} is {run.state} (its supervisor is alive); "
                            f"`xffl cancel {run.id}` first to restart it.")
     run_dir = Path(run.run_dir)
     spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
     require_credentials(spec, load_profiles(run_dir), then=f"run `xffl resume {run.id}` again")
-    registry.set_state(run.id, "submitted",
+    registry.set_state(run.id, RunState.SUBMITTED,
                        f"resumed from round {run.rounds_done + 1} (was {run.state})",
                        ended=None)
     pid = spawn(run.id, Path(run.run_dir), registry.path)

@@ -13,6 +13,7 @@ from xffl.core.paths import registry_path, runs_dir
 from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.registry import Registry, RunRecord, new_run_id
+from xffl.jobs.states import RunState
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan import write_plan
 from xffl.workflows.supervisor import spawn
@@ -75,7 +76,7 @@ def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submi
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
     if pid is None:
-        registry.set_state(run_id, "waiting", f"not started: `xffl round {run_id}` runs the "
+        registry.set_state(run_id, RunState.WAITING, f"not started: `xffl round {run_id}` runs the "
                            f"next round (`xffl schedule {run_id} --cron EXPR` from cron)")
     else:
         registry.event(run_id, "runner", f"supervisor spawned (pid {pid})")

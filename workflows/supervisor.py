@@ -38,6 +38,7 @@ from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.round_lock import RoundInFlight, round_lock
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
+from xffl.jobs.states import RunState
 from xffl.workflows.aggregate_step import QUORUM_EVENT
 from xffl.workflows.plan import write_execution_inputs, write_initial_model
 
@@ -119,7 +120,7 @@ def _credentials_block(run: RunRecord, registry: Registry, spec: JobSpec, layout
     message = (f"round {run.rounds_done + 1} not started, nothing submitted: "
                + " ".join(b.sentence(then) for b in found))
     registry.event(run.id, "credential", message)
-    registry.set_state(run.id, "waiting", message)
+    registry.set_state(run.id, RunState.WAITING, message)
     print(message, flush=True)
     return True
 
@@ -155,10 +156,10 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
         with logging_to(layout.streamflow_log):
             asyncio.run(_execute(layout, run.id, spec, name, first, last, start))
     except (Exception, asyncio.CancelledError) as exc:
-        if registry.get_run(run.id).state == "cancelled":
+        if registry.get_run(run.id).state == RunState.CANCELLED:
             return 1
         traceback.print_exc()
-        registry.set_state(run.id, "failed", _failure_message(
+        registry.set_state(run.id, RunState.FAILED, _failure_message(
             registry, run.id, started, errors.messages, exc, layout), ended=time.time())
         return 1
     finally:
@@ -167,15 +168,15 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
                        f"{peak_rss_bytes() / 2**20:.0f} MiB")
     done = registry.get_run(run.id)
     if done.rounds_done >= done.rounds_total:
-        registry.set_state(run.id, "completed", f"{done.rounds_done} rounds completed",
+        registry.set_state(run.id, RunState.COMPLETED, f"{done.rounds_done} rounds completed",
                            ended=time.time())
     elif done.rounds_done < last:  # the workflow ended without recording its rounds
-        registry.set_state(run.id, "failed", f"the workflow ended after round "
+        registry.set_state(run.id, RunState.FAILED, f"the workflow ended after round "
                            f"{done.rounds_done}, not {last} (see {layout.streamflow_log})",
                            ended=time.time())
         return 1
     else:
-        registry.set_state(run.id, "waiting", f"round {done.rounds_done} of "
+        registry.set_state(run.id, RunState.WAITING, f"round {done.rounds_done} of "
                            f"{done.rounds_total} done; the next round starts on the next "
                            "`xffl round` (cron tick)")
     return 0
@@ -216,8 +217,8 @@ def _record_crash(registry: Registry, run_id: str, exc: BaseException,
     """
     traceback.print_exc()
     try:
-        registry.set_state(run_id, "failed", f"{first_line(exc)} (see {layout.supervisor_log})",
-                           ended=time.time())
+        registry.set_state(run_id, RunState.FAILED,
+                           f"{first_line(exc)} (see {layout.supervisor_log})", ended=time.time())
     except Exception as again:
         print(f"could not record the failure in the registry: {first_line(again)}", flush=True)
 
@@ -226,14 +227,15 @@ def _execute_locked(run_id: str, registry: Registry, spec: JobSpec, layout: RunL
                     once: bool) -> int:
     """:func:`execute`, with the run's round lock held."""
     run = registry.get_run(run_id)  # what it is now that no one else runs it
-    if run.state == "cancelled" or (once and run.state in ("completed", "failed")):
+    if run.state == RunState.CANCELLED or (
+            once and run.state in (RunState.COMPLETED, RunState.FAILED)):
         print(f"run {run.id} is {run.state}: no round to run", flush=True)
         return 0
-    registry.set_state(run_id, "running", "supervisor started", started=time.time(),
+    registry.set_state(run_id, RunState.RUNNING, "supervisor started", started=time.time(),
                        runner_pid=os.getpid())
     write_initial_model(layout, spec, run_id)
     if run.rounds_done >= run.rounds_total:
-        registry.set_state(run_id, "completed", f"{run.rounds_done} rounds completed",
+        registry.set_state(run_id, RunState.COMPLETED, f"{run.rounds_done} rounds completed",
                            ended=time.time())
         return 0
     if _credentials_block(run, registry, spec, layout, once):

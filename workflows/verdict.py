@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from xffl.jobs.registry import SiteRound
+from xffl.jobs.states import SiteState
 
 VERDICT_FILE = "verdict.json"
-SiteState = Literal["completed", "rejected", "failed"]
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Verdict:
 
     site: str
     round: int
-    state: SiteState
+    state: SiteState  # completed, rejected or failed
     reason: str = ""
     attempts: int = 1
     num_samples: int | None = None
@@ -37,7 +37,7 @@ class Verdict:
     @property
     def accepted(self) -> bool:
         """Whether the update goes into the aggregate."""
-        return self.state == "completed"
+        return self.state == SiteState.COMPLETED
 
     def site_round(self) -> SiteRound:
         """The registry's row for this site in this round."""
@@ -54,4 +54,5 @@ class Verdict:
 def read_verdict(path: Path) -> Verdict:
     """A verdict written by an admit step."""
     data: dict[str, Any] = json.loads(Path(path).read_text())
+    data["state"] = SiteState(data["state"])
     return Verdict(**data)

@@ -143,7 +143,8 @@ def test_unsupported_strategy_and_used_folder_exit_2(tmp_path: Path) -> None:
     job = _job(tmp_path, aggregation={"strategy": "fedmedian"})
     result = runner.invoke(app, ["simulate", str(job), "--sites", "2"])
     assert result.exit_code == ExitCode.INVALID_INPUT
-    assert "running aggregate; use fedavg" in _one_error_line(result)
+    assert ("running aggregate; use one of fedavg, fedavgm, fedadam, fedyogi, fedadagrad"
+            in _one_error_line(result))
     used = tmp_path / "used"
     used.mkdir()
     (used / "x").write_text("")
