@@ -1,5 +1,6 @@
 """xffl's StreamFlow plugin: the site failure manager, the connectors for facilities (deadlines
-kept, transfers from untrusted sites extracted safely) and the directory-listing adapter.
+kept, transfers from untrusted sites extracted safely), the directory-listing adapter and the
+translation adapter (each tool file parsed once).
 
 Loaded by StreamFlow through the entry point ``unito.streamflow.plugin`` (pyproject.toml), so
 ``streamflow run streamflow.yml`` in a plan directory finds the same extensions as
@@ -20,6 +21,7 @@ from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
 from xffl.workflows.sf_failure import SiteFailureManager
 from xffl.workflows.sf_listing import install as install_listing_fix
 from xffl.workflows.sf_ssh import XfflSshConnector
+from xffl.workflows.sf_translate import install as install_translation_fix
 
 
 class XfflPlugin(StreamFlowPlugin):
@@ -28,6 +30,7 @@ class XfflPlugin(StreamFlowPlugin):
     def register(self) -> None:
         """Called by StreamFlow when it loads its extensions."""
         install_listing_fix()
+        install_translation_fix()
         self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
         self.register_connector(SLURM_CONNECTOR, XfflSlurmConnector)
         self.register_connector(LOCAL_CONNECTOR, XfflLocalConnector)
