@@ -35,6 +35,7 @@ def _job(tmp_path: Path, stack, name: str, setup: list[str]) -> Path:  # type: i
     spec.update(name=name, rounds=1)
     spec["training"]["steps"] = 4
     for site in spec["sites"]:
+        site["ranks"] = 1  # cancelling is under test, not DDP
         site["profile"] = write_profile(profiles, stack.clusters[site["name"]], stack, setup)
         site["data"]["path"] = str(tmp_path / "data" / site["name"])
     job = tmp_path / "job.yaml"

@@ -47,6 +47,7 @@ def _job(tmp_path: Path, name: str, profiles: dict[str, str], rounds: int = 1) -
     spec.update(name=name, rounds=rounds)
     spec["training"].update(steps=2)
     for site in spec["sites"]:
+        site["ranks"] = 1  # logins are under test, not DDP
         site["profile"] = profiles[site["name"]]
         site["data"]["path"] = str(tmp_path / "data" / site["name"])
         site["data"]["synthetic_sequences"] = 64

@@ -38,6 +38,9 @@ def _job(tmp_path: Path, stack: Any, name: str, rounds: int, steps: int,
     spec.update(name=name, rounds=rounds, failure=failure)
     spec["training"].update(steps=steps)
     for site in spec["sites"]:
+        # one rank per site: the failure policy is under test here, DDP under SLURM in
+        # test_slurm_sites.py (2 ranks would double the torch start-ups, not the coverage)
+        site["ranks"] = 1
         site["profile"] = write_profile(profiles, stack.clusters[site["name"]], stack)
         site["data"]["path"] = str(tmp_path / "data" / site["name"])
         site["data"]["synthetic_sequences"] = 128
