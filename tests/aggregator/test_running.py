@@ -58,25 +58,51 @@ def _decoded(directory: Path) -> dict[str, np.ndarray]:
         return {name: np.asarray(reader.read(name)) for name in reader.names()}
 
 
+def _assert_same_average(got: Path, want: Path, dirs: list[Path]) -> None:
+    """The running aggregate's tensors == fedavg's, to the rounding the two orders allow.
+
+    Both compute sum_i w_i x_i / sum_i w_i in float64 (IEEE, so the same on every CPU) and
+    round it once to the stored dtype; only the order of the n <= 7 additions differs.
+    float64: each result is within (n + 1) * 2^-53 * max|x_i| of the exact average, so
+    they differ by <= 16 * 2^-53 * max|x_i|. bf16 and f16: every product w_i x_i is exact
+    in float64 (<= 11 significant bits times an integer weight < 2^14) and so is every
+    partial sum (all terms are multiples of 2^-24, the smallest f16 step, and of 2^-20 for
+    bf16, whose inputs here are >= 2.7e-4 in magnitude, and all sums are < 2^21), so the
+    results are equal bit for bit. fp32: the float64 values differ by far less than an fp32
+    ulp and are rounded once, so they are equal or adjacent: <= 1 ulp of max|y|. Integers
+    are rounded from the same float64 values: equal. A weight off by one sample moves a
+    tensor by ~1e-3 of its scale, far above any of these.
+    """
+    a, b = _decoded(got), _decoded(want)
+    inputs = [_decoded(d) for d in dirs]
+    assert sorted(a) == sorted(b) == sorted(DTYPES)
+    for name, x in a.items():
+        y = b[name]
+        assert x.dtype == y.dtype and x.shape == y.shape
+        if DTYPES[name] == torch.float64:
+            xmax = max(float(np.abs(t[name]).max()) for t in inputs)
+            assert float(np.abs(x - y).max()) <= 16 * 2**-53 * xmax, name
+        elif DTYPES[name] == torch.float32:
+            tol = float(np.spacing(np.float32(np.abs(y).max())))
+            assert float(np.abs(x.astype(np.float64) - y).max()) <= tol, name
+        else:  # bf16 (decoded to fp32), f16, integers: bitwise equal
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
 @pytest.mark.parametrize("weighting", ["samples", "tokens", "uniform"])
 def test_equals_fedavg(make_update: Any, tmp_path: Path, weighting: str) -> None:
     dirs = _updates(make_update, 7)
     ref = aggregate(dirs, tmp_path / "fedavg", weighting=weighting)  # type: ignore[arg-type]
     _, got = _running(dirs, tmp_path / "running", weighting)
     assert verify_checkpoint(tmp_path / "running") == got
-    a, b = _decoded(tmp_path / "running"), _decoded(tmp_path / "fedavg")
-    assert sorted(a) == sorted(b) == sorted(DTYPES)
-    for name, x in a.items():
-        y = b[name]
-        assert x.dtype == y.dtype and x.shape == y.shape
-        if x.dtype.kind == "f":
-            tol = 1e-6 * float(np.abs(y).max())
-            assert float(np.abs(x.astype(np.float64) - y).max()) <= tol, name
-        else:
-            np.testing.assert_array_equal(x, y)
+    _assert_same_average(tmp_path / "running", tmp_path / "fedavg", dirs)
     assert got.tensors == ref.tensors
     assert (got.num_samples, got.num_tokens) == (ref.num_samples, ref.num_tokens)
-    assert got.metrics == pytest.approx(ref.metrics, rel=1e-12)
+    # weighted means of 7 positive metrics: a running float64 sum (7 products and 6
+    # additions, each within 2^-53: <= 13 * 2^-53 relative) against fedavg's math.fsum of
+    # the products (<= 2 * 2^-53), each divided once: <= 17 * 2^-53 = 1.9e-15 apart
+    # relative: rel 4e-15 (a site's metric left out is off by > 1e-2)
+    assert got.metrics == pytest.approx(ref.metrics, rel=4e-15, abs=0)
     assert (tmp_path / "running" / "config.json").read_bytes() == \
         (tmp_path / "fedavg" / "config.json").read_bytes()
     assert got.kind == "global" and got.parent == "p" * 64 and got.extra["updates"] == 7
@@ -89,9 +115,7 @@ def test_sharded_output_equals_fedavg(make_update: Any, tmp_path: Path) -> None:
     assert "model.safetensors.index.json" in got.files
     assert sorted(got.files) == sorted(read_manifest(tmp_path / "fedavg").files)
     verify_checkpoint(tmp_path / "running")
-    a, b = _decoded(tmp_path / "running"), _decoded(tmp_path / "fedavg")
-    for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-6)
+    _assert_same_average(tmp_path / "running", tmp_path / "fedavg", dirs)
 
 
 def test_memory_does_not_depend_on_the_number_of_updates(make_update: Any) -> None:

@@ -313,8 +313,12 @@ def test_transformers_loads_a_sharded_global_with_the_same_logits(tmp_path: Path
             assert torch.equal(v, many.state_dict()[k]), k
         logits = many(ids).logits
         assert torch.equal(one(ids).logits, logits)
+        # xffl's model is op for op transformers' except the attention core's SDPA path
+        # (tests/training/test_hf_compat.py): 2 layers x (8 + 2 x 24) summed terms in
+        # another order, logits' sums S_z <= 0.8: <= 2 * 112 * 2^-24 * 0.8 = 1.1e-5, atol
+        # 4e-5 (a wrong tensor or rope_theta moves the logits by >= 1e-3)
         torch.testing.assert_close(load_model(tmp_path / "many").eval()(ids), logits,
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=4e-5, rtol=0)
     ours = read_weights(tmp_path / "many")
     assert ours.keys() == read_weights(tmp_path / "one").keys()
     assert all(torch.equal(v, read_weights(tmp_path / "one")[k]) for k, v in ours.items())

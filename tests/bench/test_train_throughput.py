@@ -22,5 +22,5 @@ def test_plain_and_xffl_loops_agree(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert result["max_loss_difference"] == 0.0  # same model, data, order: the same curve
     assert result["parameters"] == 3_033_344 and result["steps"] == 3
-    assert result["ratio"] == pytest.approx(
-        result["xffl_tokens_per_s"] / result["plain_tokens_per_s"])
+    # the benchmark divides the same two floats (JSON round-trips them exactly): bitwise equal
+    assert result["ratio"] == result["xffl_tokens_per_s"] / result["plain_tokens_per_s"]

@@ -1,4 +1,15 @@
-"""Checkpoints load in Hugging Face transformers with identical logits."""
+"""Checkpoints load in Hugging Face transformers with identical logits.
+
+Tolerance (u = 2^-24, fp32). xffl's LLaMA is op for op transformers' (embedding, RMSNorm
+in fp32, rotary tables and rotation, SwiGLU, residuals, LM head), and the same kernels on
+the same shapes give the same bits on any CPU, except in the attention core: transformers
+may pass a mask, its own scale or a GQA layout that selects another SDPA path, whose sums
+(q.k over head_dim = 8, the softmax and p.v over <= T = 30 positions) are then ordered
+differently. Per layer that is <= 8 + 2T = 68 summed terms, so over 2 layers the logits
+(their sums S_z = sum|h W| <= 1.0 here; first order, gains of the later layers <= 1)
+differ by <= 2 * 2 * 68 u S_z = 1.6e-5: atol 4e-5, rtol 0. Real mismatches are far
+larger: a wrong rope_theta moves the logits by ~1e-3, a wrong rms_norm_eps by ~7e-3.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +32,7 @@ def test_transformers_loads_our_checkpoint(tmp_path: Path,
     ours = load_model(tmp_path / "ours").eval()
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=4e-5, rtol=0)
 
 
 def test_we_load_a_transformers_checkpoint(tmp_path: Path) -> None:
@@ -34,4 +45,4 @@ def test_we_load_a_transformers_checkpoint(tmp_path: Path) -> None:
     ours = load_model(tmp_path / "theirs").eval()
     ids = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=4e-5, rtol=0)

@@ -99,14 +99,27 @@ def test_two_rank_ddp_round_equals_one_process_on_the_global_batch(
     sampler is a pure function of seed, round and rank). 7 sequences over 2 ranks leave 3
     per rank per epoch, so batches of 2 straddle epochs and one sequence is left out.
 
-    Tolerance. DDP's all-reduced gradient and the one process's full-batch gradient sum the
-    same 2 x 2 x 16 = 64 per-token terms in different orders: they differ by at most
-    64 * 2^-24 * max|g| < 4e-6 (clipped gradients, |g| <= grad_clip = 1). AdamW's step
+    Tolerance (u = 2^-24, fp32). DDP's all-reduced gradient and the one process's
+    full-batch gradient sum the same N = 2 x 2 x 16 = 64 per-token terms (S = sum|term| / N
+    <= 0.36 here) in different orders, and the dot products along each gradient's forward
+    and backward path (C ~ 1200 terms in all; first order, layer gains ~ 1) may be blocked
+    differently for 2 and 4 rows: the gradients differ by dg <= 2 (N + C) u S = 5.4e-5.
+    The gradient norm (1.4-1.8) exceeds grad_clip = 1, so the clip factor c = 1/|g|
+    (<= 0.71) enters too: |g| sums squares of <= 8192 elements (the embeddings), relative
+    error <= 8192 u / 2 per run, and moves by |dg|_2 / |g| <= 2 (N + C) u |S|_2 (<= 3.6)
+    / 1.4: the two factors differ by eps_c <= 8.6e-4 relative. AdamW's step
     lr * m / (sqrt(v) + eps) moves by at most 2 lr / eps per unit of gradient change, so
     with eps = 1 (a momentum-SGD-like AdamW, whose steps cannot flip sign on rounding as
-    they do at eps = 1e-8: up to 2 lr per element) and lr = 0.1 a step differs by < 8e-7
-    and 4 steps by < 4e-6: atol 1e-5. A missing reduction (each rank on its own half)
-    moves the weights by ~2e-2 here.
+    they do at eps = 1e-8: up to 2 lr per element) and lr = 0.1 a step differs by
+    <= 0.2 (c dg + eps_c max|c g|) + 2^-23 (rounding |w| <= 1) <= 4.3e-5 (max|c g| <=
+    0.22): 4 steps by <= 1.4e-4: atol 3e-4. Losses (per-token <= 5.8, logits' sums
+    S_z <= 0.74): logits differ by <= 2 * 600 u S_z = 5.3e-5 (600: the forward path),
+    cross-entropy is 2-Lipschitz in them, the mean of 64 and the ranks' means of 32 differ
+    by <= 2 * 63 u * 5.8, and the weight gap (2-norm <= 0.2 (c |dg|_2 + eps_c * 1) per
+    step) moves a loss by <= |grad| (<= 1.8) times it: <= 1.4e-3 at step 4: abs 3e-3.
+    A missing reduction (each rank on its own half) moves the weights by ~2e-2 and the
+    losses by ~3e-2 here; reporting rank 0's loss alone is off by up to 3e-2 (step 2), a
+    sum instead of the mean by 5.5.
     """
     g0, g0_manifest = global0
     steps, batch, seq_len = 4, 2, 16
@@ -144,13 +157,13 @@ def test_two_rank_ddp_round_equals_one_process_on_the_global_batch(
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.training.grad_clip)
         optimizer.step()
         losses[step] = float(loss.detach())
-    assert manifest.extra["losses"] == pytest.approx(losses.tolist(), abs=1e-5)
-    assert manifest.metrics["loss"] == pytest.approx(float(losses.mean()), abs=1e-5)
+    assert manifest.extra["losses"] == pytest.approx(losses.tolist(), abs=3e-3)
+    assert manifest.metrics["loss"] == pytest.approx(float(losses.mean()), abs=3e-3)
     trained = load_file(out / "model.safetensors")
     reference = export_state_dict(model)
     assert trained.keys() == reference.keys()
     for name in reference:
-        torch.testing.assert_close(trained[name], reference[name], atol=1e-5, rtol=0,
+        torch.testing.assert_close(trained[name], reference[name], atol=3e-4, rtol=0,
                                    msg=f"{name} differs from the 1-process reference")
     initial = load_file(g0 / "model.safetensors")
     assert not torch.equal(initial["lm_head.weight"], trained["lm_head.weight"])

@@ -57,10 +57,9 @@ def test_data_parallel_mode() -> None:
 def _reference() -> dict[str, torch.Tensor]:
     """The unsplit model in one process: logits, gradients, 3 AdamW steps (written out here).
 
-    AdamW's first steps are about lr * g / (|g| + eps): a gradient element near zero whose
-    sign flips with rounding moves by up to 2 lr. With lr 1e-3 and eps 1e-6 the rounding
-    of fp32 sums (~1e-9 here) moves a weight by at most ~1e-6, so 1e-5 still catches any
-    real error (a missing reduction changes updates by ~lr).
+    AdamW's first steps are about lr * g / (|g| + eps): at a small eps a gradient element
+    near zero whose sign flips with rounding moves by up to 2 lr, so the steps use eps = 1
+    (>> |g| <= 0.1), where a step moves by <= 2 lr / eps per unit of gradient change.
     """
     config = build_config(ModelSpec(preset="tiny-test"))
     model = build_model(config, seed=1)
@@ -77,11 +76,11 @@ def _reference() -> dict[str, torch.Tensor]:
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": rest, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-6)
+                            lr=0.1, betas=(0.9, 0.95), eps=1.0)
     # warmup 1 step, then cosine to 0.1 x lr at the last of 3 steps: factors 1, 1, 0.1
     for (x, y), factor in zip(data[1:], (1.0, 1.0, 0.1), strict=True):
         for group in opt.param_groups:
-            group["lr"] = 1e-3 * factor
+            group["lr"] = 0.1 * factor
         opt.zero_grad()
         lm_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -103,6 +102,23 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     ids=["dp1-tp2", "dp2-tp1-ddp", "dp2-tp1-fsdp", "dp2-tp2-fsdp"],
 )
 def test_mesh_matches_the_unsplit_model(tmp_path: Path, tp: int, mode: str, nproc: int) -> None:
+    """Logits, first gradients and weights after 3 steps of a mesh == the unsplit model's.
+
+    Tolerances (u = 2^-24, fp32). tp splits the row-parallel projections' sums and dp the
+    token sums, and GEMMs may be blocked differently for other shapes: every fp32 dot
+    product may be summed in another order. Logits (S_z = sum|h W| <= 0.74) pass through
+    ~600 summed terms (2 layers of length-8..64 projections, attention, norms; first
+    order, layer gains ~ 1): they differ by <= 2 * 600 u S_z = 5.3e-5: 2e-4. A gradient
+    element sums N = 64 tokens' terms (S = sum|term| / N <= 0.12 here) and ~1200 terms
+    along its forward and backward path: <= 2 (64 + 1200) u S = 1.8e-5: atol 5e-5. Steps:
+    the clip factor c = 0.5 / |g| (~0.46, |g| ~ 1.1) differs by eps_c <= 8.7e-4 (|g| sums
+    squares of <= 8192 elements: 8192 u / 2 per run, plus |dg|_2 / |g|); with eps = 1 a
+    step moves by <= 2 lr / eps per unit of gradient change, so step t differs by
+    <= 2 lr_t (c dg + eps_c max|c g|) + 2^-23 (rounding |w| <= 1; max|g| <= 0.094), over
+    lr_t = 0.1, 0.1, 0.01: <= 1.6e-5: atol 4e-5. A missing reduction (a rank's half batch)
+    changes the gradients by up to 6e-2 and the weights by 4e-3; a missing tp all-reduce
+    drops half of each attention and MLP output.
+    """
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(nproc), str(WORKER), str(tp), mode, str(out)]
@@ -116,15 +132,15 @@ def test_mesh_matches_the_unsplit_model(tmp_path: Path, tp: int, mode: str, npro
         r = int(meta["dp_rank"])
         b = GLOBAL // dp
         rows = slice(r * b, (r + 1) * b)
-        # logits of this dp rank's rows: the unsplit model's, within 1e-5 (fp32)
-        assert (got["logits"] - ref["logits"][rows]).abs().max() <= 1e-5
+        # logits of this dp rank's rows: the unsplit model's, within 2e-4 (docstring)
+        assert (got["logits"] - ref["logits"][rows]).abs().max() <= 2e-4
         assert got["logits"].shape == (b, SEQ, 256)
         for key in (k for k in ref if k.startswith("grad.")):
             # dp > 1: each rank's first-backward gradient is its own half-batch gradient
             # until reduced; the reduced one equals the full-batch reference.
-            torch.testing.assert_close(got[key], ref[key], atol=1e-6, rtol=1e-4, msg=key)
+            torch.testing.assert_close(got[key], ref[key], atol=5e-5, rtol=0, msg=key)
         for key in (k for k in ref if k.startswith("weight.")):
-            torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-4, msg=key)
+            torch.testing.assert_close(got[key], ref[key], atol=4e-5, rtol=0, msg=key)
         assert got["losses"].shape == (STEPS,)
     # every rank ends with the same full weights, bit for bit
     first = ranks[0][0]

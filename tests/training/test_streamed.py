@@ -80,6 +80,12 @@ def test_update_fn_adds_the_delta_and_fedavg_gives_the_mean(
         assert torch.equal(one[name], value + torch.tensor(delta_value("alpha", 2, name)))
     aggregate(ups, tmp_path / "global")
     mean = load_file(str(tmp_path / "global" / "model.safetensors"))
+    # Tolerance: each update is w + d rounded once to fp32 (half an ulp), FedAvg's float64
+    # mean of the two (equal weights) is exact up to 2^-53 and rounded once more, and the
+    # expected value is w + shift rounded once: both results lie on the fp32 grid within
+    # 1.5 ulps of w + shift, so they are equal or 1 ulp apart, and |w + d| < 2 (weights
+    # |w| <= 1, 0 < d <= 2e-3) makes 1 ulp <= 2^-23 = spacing(1.0). A lost or doubled
+    # delta (>= 1e-6) or unequal weights would be off by far more.
     for name, value in base.items():
         shift = (delta_value("alpha", 2, name) + delta_value("beta", 2, name)) / 2
         np.testing.assert_allclose(mean[name].numpy(), value.numpy() + shift, rtol=0,
