@@ -51,8 +51,8 @@ SITES = ("alpha", "beta")
 
 
 def write_job(work: Path, info: stack.StackInfo, rounds: int, steps: int,
-              polling: float) -> Path:
-    """The quickstart on the two test clusters (srun -n 2 at each), as the SLURM test runs it."""
+              polling: float, ranks: int = 2) -> Path:
+    """The quickstart on the two test clusters, srun -n RANKS at each (as the SLURM tests)."""
     profiles = work / "site_profiles"
     profiles.mkdir(parents=True, exist_ok=True)
     spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
@@ -62,6 +62,7 @@ def write_job(work: Path, info: stack.StackInfo, rounds: int, steps: int,
         site["profile"] = write_profile(profiles, info.clusters[site["name"]], info)
         site["data"]["path"] = str(work / "data" / site["name"])
         site["slurm"] = {"polling_interval": polling}
+        site["ranks"] = ranks
     job = work / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     return job
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="training steps per round and site")
+    p.add_argument("--ranks", type=int, default=2, help="training ranks per site (srun -n)")
     p.add_argument("--polling-interval", type=float, default=1.0,
                    help="StreamFlow's squeue polling interval (the job spec's slurm override)")
     p.add_argument("--baselines", default="wait,poll", help="wait (sbatch --wait), poll "
@@ -224,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
            "XDG_CONFIG_HOME": str(work / "config")}
     os.environ.update(XFFL_HOME=env["XFFL_HOME"])
     try:
-        job = write_job(work, info, args.rounds, args.steps, args.polling_interval)
-        print(f"{args.rounds} rounds of {args.steps} steps, 2 sites x 2 ranks (srun), "
+        job = write_job(work, info, args.rounds, args.steps, args.polling_interval,
+                        args.ranks)
+        print(f"{args.rounds} rounds of {args.steps} steps, 2 sites x {args.ranks} ranks (srun), "
               f"polling {args.polling_interval:g} s, {os.cpu_count()} CPUs; work dir {work}",
               flush=True)
         t0 = time.perf_counter()
