@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -10,59 +10,62 @@ from rich.table import Table
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
 
+if TYPE_CHECKING:
+    from xffl.jobs.status import RunStatus
+
 
 def _num(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def render_status(data: dict[str, Any]) -> None:
+def render_status(data: RunStatus) -> None:
     """Print a run's status as a header and a rounds x sites table."""
     from xffl.jobs.report import fmt
 
-    console.print(f"run [bold]{data['id']}[/bold]: {data['state']} — "
-                  f"{data['rounds_done']}/{data['rounds_total']} rounds"
-                  + (f" — {data['message']}" if data["message"] else ""))
+    run = data.run
+    console.print(f"run [bold]{run.id}[/bold]: {run.state} — "
+                  f"{run.rounds_done}/{run.rounds_total} rounds"
+                  + (f" — {run.message}" if run.message else ""))
     table = Table("round", "site", "state", "samples", "tokens", "loss", "queue s", "train s",
                   "transfer s", "aggregate s")
-    for rnd in data["rounds"]:
-        for site in rnd["sites"]:
-            tries = site.get("attempts", 1)
-            table.add_row(str(rnd["round"]), site["site"], site["state"] + (
-                f" after {tries} attempts" if tries > 1 else "") + (
-                f" ({site['reason']})" if site["reason"] else ""),
-                _num(site["num_samples"]), _num(site["num_tokens"]),
-                _num(site["loss"], "{:.4f}"), fmt("queue_wait_s", site.get("queue_wait_s")),
-                _num(site["train_seconds"], "{:.1f}"),
-                fmt("transfer_s", site.get("transfer_s")), "")
-        table.add_row(str(rnd["round"]), "[bold]global[/bold]", rnd["state"],
-                      _num(rnd["num_samples"]), "", _num(rnd["loss"], "{:.4f}"), "", "", "",
-                      _num(rnd["aggregate_seconds"], "{:.2f}"), end_section=True)
+    for rnd in data.rounds:
+        number = str(rnd.record.round)
+        for site in rnd.sites:
+            table.add_row(number, site.site, site.state + (
+                f" after {site.attempts} attempts" if site.attempts > 1 else "") + (
+                f" ({site.reason})" if site.reason else ""),
+                _num(site.num_samples), _num(site.num_tokens),
+                _num(site.loss, "{:.4f}"), fmt("queue_wait_s", site.queue_wait_s),
+                _num(site.train_seconds, "{:.1f}"), fmt("transfer_s", site.transfer_s), "")
+        table.add_row(number, "[bold]global[/bold]", rnd.record.state,
+                      _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"), "", "",
+                      "", _num(rnd.record.aggregate_seconds, "{:.2f}"), end_section=True)
     console.print(table)
-    if data.get("slurm"):
+    if data.slurm:
         jobs = Table("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s",
                      title="SLURM jobs")
-        for job in data["slurm"]:
-            state = job["state"] or ("unreachable" if not job["reachable"] else "-")
-            if job["error"]:
-                state += f" ({job['error']})"
-            elif not job["live"] and job["state"] in {"PENDING", "RUNNING", "COMPLETING"}:
+        for job in data.slurm:
+            state = job.state or ("unreachable" if not job.reachable else "-")
+            if job.error:
+                state += f" ({job.error})"
+            elif not job.live and job.state in {"PENDING", "RUNNING", "COMPLETING"}:
                 state += " (last seen)"
-            jobs.add_row(_num(job["round"]), job["site"], job["job_id"] or "-", state,
-                         _num(job["queue_wait_s"], "{:.0f}"), _num(job["run_s"], "{:.0f}"))
+            jobs.add_row(_num(job.round), job.site, job.job_id or "-", state,
+                         _num(job.queue_wait_s, "{:.0f}"), _num(job.run_s, "{:.0f}"))
         console.print(jobs)
-    if data.get("credentials"):
+    if data.credentials:
         creds = Table("site", "login", "next round", title="SSH credentials")
-        for row in data["credentials"]:
-            creds.add_row(row["site"], row["login"],
-                          f"[yellow]waiting: {row['waiting']}[/yellow]" if row["waiting"]
+        for row in data.credentials:
+            creds.add_row(row.site, row.login,
+                          f"[yellow]waiting: {row.waiting}[/yellow]" if row.waiting
                           else "ready")
         console.print(creds)
-    if data["latest_global"]:
-        console.print(f"latest global model: {data['latest_global']}")
-    if data.get("schedule"):
-        console.print(f"schedule: `xffl round` at '{data['schedule']['cron']}', next tick "
-                      f"{data['schedule']['next_tick'].replace('T', ' ')}")
-    console.print(f"run directory: {data['run_dir']}")
+    if data.latest_global:
+        console.print(f"latest global model: {data.latest_global}")
+    if data.schedule:
+        console.print(f"schedule: `xffl round` at '{data.schedule.cron}', next tick "
+                      f"{data.schedule.next_tick.replace('T', ' ')}")
+    console.print(f"run directory: {run.run_dir}")
 
 
 @handle_errors
@@ -82,14 +85,12 @@ def status(
 
     Example: xffl status quickstart-20261122-051000-a3f9
     """
-    from xffl.jobs.slurm_view import slurm_view
     from xffl.jobs.status import run_status
 
     registry = Registry()
     record = resolve_run(registry, run)
-    data = run_status(registry, record)
-    data["slurm"] = slurm_view(registry, record, live=live)
+    data = run_status(registry, record, slurm=True, live=live)
     if as_json:
-        print_json(data)
+        print_json(data.as_json())
     else:
         render_status(data)

@@ -65,7 +65,7 @@ def submit(
                                  spawned=submitted.pid)
     model = latest_global(registry, final)
     if as_json:
-        print_json(run_status(registry, final))
+        print_json(run_status(registry, final, slurm=True, live=False).as_json())
     elif final.state == RunState.COMPLETED:
         console.print(f"[green]run {final.id} completed[/green]: {final.rounds_done} rounds.")
         console.print(f"final global model: {model}")

@@ -227,7 +227,7 @@ def recorded_view(registry: Registry, run: RunRecord) -> list[SlurmJob]:
             for r in registry.slurm_jobs(run.id)]
 
 
-def slurm_view(registry: Registry, run: RunRecord, live: bool = True) -> list[dict[str, Any]]:
+def slurm_view(registry: Registry, run: RunRecord, live: bool = True) -> list[SlurmJob]:
     """SLURM's view of a run: live over SSH while it runs, else the recorded jobs.
 
     Rows from the registry come first; live rows replace those of the same round and site
@@ -240,4 +240,4 @@ def slurm_view(registry: Registry, run: RunRecord, live: bool = True) -> list[di
         current = live_view(registry, run)
         seen = {(j.round, j.site) for j in current}
         recorded = [j for j in recorded if (j.round, j.site) not in seen] + current
-    return [j.as_dict() for j in recorded]
+    return recorded

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
 from xffl.jobs.round_lock import holder
 from xffl.jobs.states import RoundState, RunState
+
+if TYPE_CHECKING:
+    from xffl.jobs.slurm_view import SlurmJob
 
 
 def runner_alive(run: RunRecord) -> bool:
@@ -62,48 +65,130 @@ def run_summary(run: RunRecord) -> dict[str, Any]:
     return data
 
 
-def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[dict[str, Any]]:
-    """The run's rounds as dicts; each site also has queue_wait_s, transfer_s, tokens_per_s.
+@dataclass
+class SiteStatus(SiteRound):
+    """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.report`).
 
     ``queue_wait_s + train_seconds + transfer_s = delivered_seconds`` (the time from the
-    round's start until the site's update was in place; see :mod:`xffl.jobs.report`).
+    round's start until the site's update was in place).
     """
+
+    queue_wait_s: float | None = None
+    transfer_s: float | None = None
+    tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundStatus:
+    """One round as recorded, its sites with their time breakdown."""
+
+    record: RoundRecord
+    sites: list[SiteStatus]
+
+    def as_json(self) -> dict[str, Any]:
+        """The round's fields, ``sites`` as a list of the sites' fields."""
+        return {**asdict(self.record), "sites": [asdict(s) for s in self.sites]}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the run's event log."""
+
+    ts: float
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's cron entry: its expression and next tick (ISO, local time, seconds)."""
+
+    cron: str
+    next_tick: str
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One SSH site's login credential and, when it blocks the next round, why."""
+
+    site: str
+    login: str
+    expires: object = None
+    seconds_left: object = None
+    waiting: str | None = None
+    renew: str | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Everything `xffl status` shows of one run."""
+
+    run: RunRecord
+    runner_alive: bool
+    rounds: list[RoundStatus]
+    latest_global: str | None
+    events: list[Event]
+    schedule: Schedule | None = None
+    credentials: list[Credential] = field(default_factory=list)
+    slurm: list[SlurmJob] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        """The `xffl status --json` object: the run's fields, then the rest by name."""
+        return {**asdict(self.run), "runner_alive": self.runner_alive,
+                "rounds": [r.as_json() for r in self.rounds],
+                "latest_global": self.latest_global,
+                "events": [asdict(e) for e in self.events],
+                "schedule": None if self.schedule is None else asdict(self.schedule),
+                "credentials": [asdict(c) for c in self.credentials],
+                "slurm": [j.as_dict() for j in self.slurm]}
+
+
+def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
+    """The run's rounds; each site also has its queue wait, transfer time and throughput."""
     from xffl.jobs.report import QueueWaits, site_breakdown
 
     waits = QueueWaits.of(registry, run)
     rounds = []
     for rnd in registry.rounds(run.id):
-        data = asdict(rnd)
-        for site, row in zip(rnd.sites, data["sites"], strict=True):
+        sites = []
+        for site in rnd.sites:
             b = site_breakdown(site, waits.get(rnd.round, site.site))
-            row.update(queue_wait_s=b.queue_wait_s, transfer_s=b.transfer_s,
-                       tokens_per_s=b.tokens_per_s)
-        rounds.append(data)
+            sites.append(SiteStatus(**asdict(site), queue_wait_s=b.queue_wait_s,
+                                    transfer_s=b.transfer_s, tokens_per_s=b.tokens_per_s))
+        rounds.append(RoundStatus(record=rnd, sites=sites))
     return rounds
 
 
-def run_status(registry: Registry, run: RunRecord) -> dict[str, Any]:
-    """The run, its rounds with per-site results, events and its latest global model."""
+def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
+               live: bool = True) -> RunStatus:
+    """The run, its rounds with per-site results, events and its latest global model.
+
+    ``slurm``: also SLURM's view of its jobs (``live``: asked over SSH while it runs).
+    """
     run = settle(registry, run)
-    data = run_summary(run)
-    data["rounds"] = rounds_with_breakdown(registry, run)
-    data["latest_global"] = latest_global(registry, run)
-    data["events"] = [
-        {"ts": ts, "kind": kind, "message": msg} for ts, kind, msg in registry.events(run.id)
-    ]
-    data["schedule"] = None
-    data["credentials"] = credential_view(run) if not run.finished else []
+    schedule = None
     if not run.finished:
         from xffl.jobs.schedule import current
 
         entry = current(run.id)
         if entry is not None:
-            data["schedule"] = {"cron": entry.expr,
-                                "next_tick": entry.next_tick().isoformat(timespec="seconds")}
-    return data
+            schedule = Schedule(entry.expr, entry.next_tick().isoformat(timespec="seconds"))
+    jobs: list[SlurmJob] = []
+    if slurm:
+        from xffl.jobs.slurm_view import slurm_view
+
+        jobs = slurm_view(registry, run, live=live)
+    return RunStatus(
+        run=run, runner_alive=runner_alive(run) if not run.finished else False,
+        rounds=rounds_with_breakdown(registry, run),
+        latest_global=latest_global(registry, run),
+        events=[Event(ts, kind, msg) for ts, kind, msg in registry.events(run.id)],
+        schedule=schedule,
+        credentials=credential_view(run) if not run.finished else [],
+        slurm=jobs)
 
 
-def credential_view(run: RunRecord) -> list[dict[str, Any]]:
+def credential_view(run: RunRecord) -> list[Credential]:
     """Each SSH site's login credential now, and why it keeps the next round waiting.
 
     Read locally (certificate files, the ssh-agent): no connection is made. A site whose
@@ -126,13 +211,12 @@ def credential_view(run: RunRecord) -> list[dict[str, Any]]:
         creds = site_credentials(profiles)
         blocked = {b.site: b for b in blockers(spec, profiles)}
     except (OSError, ValueError, XfflError) as exc:
-        return [{"site": "-", "login": "", "expires": None, "seconds_left": None,
-                 "waiting": f"cannot read the run's site profiles: {exc}"}]
+        return [Credential("-", "", waiting=f"cannot read the run's site profiles: {exc}")]
     rows = []
     for site, cred in creds.items():
         info = cred.as_dict()
-        rows.append({"site": site, "login": cred.describe(), "expires": info["expires"],
-                     "seconds_left": info["seconds_left"],
-                     "waiting": blocked[site].reason if site in blocked else None,
-                     "renew": cred.renew})
+        rows.append(Credential(site, cred.describe(), expires=info["expires"],
+                               seconds_left=info["seconds_left"],
+                               waiting=blocked[site].reason if site in blocked else None,
+                               renew=cred.renew))
     return rows

@@ -177,14 +177,19 @@ def test_report_files_and_page(tmp_path: Path) -> None:
 
 def test_status_json_has_the_breakdown(tmp_path: Path) -> None:
     registry, run_id = _run(tmp_path)
-    rounds = run_status(registry, registry.get_run(run_id))["rounds"]
-    beta = rounds[0]["sites"][1]
-    assert (beta["site"], beta["queue_wait_s"], beta["train_seconds"], beta["transfer_s"],
-            beta["delivered_seconds"], beta["tokens_per_s"]) == (
-        "beta", 5.0, 10.0, 15.5, 30.5, 3000.0)
-    alpha = rounds[1]["sites"][0]
-    assert (alpha["queue_wait_s"], alpha["transfer_s"], alpha["delivered_seconds"]) == (
-        0.0, 6.0, 16.0)
+    status = run_status(registry, registry.get_run(run_id))
+    beta = status.rounds[0].sites[1]
+    assert (beta.site, beta.queue_wait_s, beta.train_seconds, beta.transfer_s,
+            beta.delivered_seconds, beta.tokens_per_s) == ("beta", 5.0, 10.0, 15.5, 30.5, 3000.0)
+    alpha = status.rounds[1].sites[0]
+    assert (alpha.queue_wait_s, alpha.transfer_s, alpha.delivered_seconds) == (0.0, 6.0, 16.0)
+    # the JSON object carries the same numbers under the same names, through a JSON round trip
+    shown = json.loads(json.dumps(status.as_json()))
+    assert shown["id"] == run_id and shown["slurm"] == [] and shown["schedule"] is None
+    row = shown["rounds"][0]["sites"][1]
+    assert (row["site"], row["queue_wait_s"], row["transfer_s"], row["tokens_per_s"],
+            row["state"]) == ("beta", 5.0, 15.5, 3000.0, beta.state.value)
+    assert shown["rounds"][0]["round"] == status.rounds[0].record.round
 
 
 def test_run_without_completed_rounds_gets_a_report(tmp_path: Path) -> None:
