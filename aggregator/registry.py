@@ -61,6 +61,12 @@ class Strategy:
     robust: ClassVar[bool] = False
     summary: ClassVar[str] = ""
 
+    @property
+    def steps(self) -> bool:
+        """Whether this averaging strategy takes a step from the previous global (it then
+        needs that global), rather than publishing the weighted mean as it is."""
+        return not self.robust and type(self).step is not Strategy.step
+
     def check(self, params: Params) -> None:
         """Refuse parameter values this strategy cannot work with (InvalidInput)."""
 

@@ -70,7 +70,7 @@ def _open_previous(
     """Open the previous global's model and, when it has one for ``strategy``, its state."""
     name = strategy.name
     if previous is None:
-        if strategy.state:
+        if strategy.state or strategy.steps:
             raise InvalidInput(f"strategy {name} needs the previous global checkpoint.")
         return None, {}, False
     previous = Path(previous)
@@ -141,7 +141,7 @@ def _write(
                     stack_[i] = decode(raw, t.dtype)
                 floating = t.dtype in FLOAT_DTYPES and prev_model is not None
                 x = decode(prev_model.raw(t.name, lo, hi), t.dtype) if floating and (
-                    buffers or clips is not None) and prev_model is not None else None
+                    strategy.steps or clips is not None) and prev_model is not None else None
                 if strategy.robust:
                     result = strategy.combine(p, stack_)
                 else:
@@ -151,7 +151,7 @@ def _write(
                             row = x + clips[i] * (row - x)
                         result += w * row
                     result /= total
-                if buffers and x is not None:
+                if strategy.steps and x is not None:
                     state = {
                         b: (
                             decode(prev_state[b].raw(t.name, lo, hi), "F32")
@@ -193,11 +193,12 @@ def run_strategy(
 ) -> Manifest:
     """Aggregate ``updates`` with strategy ``name`` into a global checkpoint at ``out_dir``.
 
-    ``previous_global_dir`` (the global the round started from) is required by the stateful
-    strategies (those with server state), whose state is read from it and written beside
-    the new global, and by ``clip_norm``. ``params`` overrides the strategy's defaults;
-    ``progress(done, total)`` is called after each tensor; ``max_shard_size`` splits a
-    larger model into Hugging Face shards (server state stays one file per buffer);
+    ``previous_global_dir`` (the global the round started from) is required by the
+    strategies that step from it (server optimizers; those with server state read it from
+    there and write it beside the new global), and by ``clip_norm``. ``params`` overrides
+    the strategy's defaults; ``progress(done, total)`` is called after each tensor;
+    ``max_shard_size`` splits a larger model into Hugging Face shards (server state stays
+    one file per buffer);
     ``clip_norm`` and ``max_weight_share`` bound one site's influence on the averaging
     strategies (:mod:`xffl.aggregator.robust`). Other arguments are those of
     :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
