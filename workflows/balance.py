@@ -31,10 +31,15 @@ def _per_step_seconds(root: Path, rnd: int, site: str) -> float | None:
         metrics = json.loads(manifest.read_text()).get("metrics", {})
     except (OSError, ValueError):
         return None
-    steps, seconds = metrics.get("steps"), metrics.get("train_seconds")
-    if not steps or not seconds or seconds <= 0:
+    # admission refuses non-finite metrics, but this reads a file a site wrote: anything
+    # that is not a positive finite speed is no measurement (never an exception here)
+    try:
+        steps = float(metrics.get("steps"))
+        seconds = float(metrics.get("train_seconds"))
+        per_step = seconds / steps
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError, OverflowError):
         return None
-    return float(seconds) / float(steps)
+    return per_step if steps > 0 and math.isfinite(per_step) and per_step > 0 else None
 
 
 def configured_job(root: Path, site: str) -> TrainJob:
@@ -58,7 +63,8 @@ def balanced_steps(root: Path, rnd: int, sites: list[str]) -> dict[str, int]:
                 or per_step is None:
             continue
         cap = math.floor(planned[site] * job.training.balance_max)
-        out[site] = max(planned[site], min(cap, math.floor(target / per_step)))
+        # min in floats first: a tiny per-step time makes target / per_step inf
+        out[site] = max(planned[site], math.floor(min(float(cap), target / per_step)))
     return out
 
 

@@ -98,3 +98,27 @@ def test_budgets_and_balance_through_real_rounds(tmp_path: Path) -> None:
         assert budget <= expected[site] <= math.floor(budget * 1.5)
         assert json.loads((run_dir / "rounds" / "2" / "jobs" / f"{site}.json").read_text())[
             "training"]["steps"] == expected[site]
+
+
+@pytest.mark.parametrize("metrics", [
+    {"steps": 10.0, "train_seconds": float("nan")},
+    {"steps": 10.0, "train_seconds": float("inf")},
+    {"steps": float("nan"), "train_seconds": 10.0},
+    {"steps": 0.0, "train_seconds": 10.0},
+    {"steps": -10.0, "train_seconds": -10.0},
+    {"steps": "ten", "train_seconds": 10.0},
+    {"steps": [10], "train_seconds": 10.0},
+    {"steps": 10.0, "train_seconds": 1e-300},  # 1e-301 s/step: target / it overflows
+])
+def test_a_site_lying_about_its_speed_gets_no_crash_and_no_more_than_the_cap(
+        tmp_path: Path, metrics: dict[str, object]) -> None:
+    """A manifest's metrics are a site's word: NaN, inf, strings or absurd speeds (as
+    Python's json writes and reads them) leave the site at its budget or at most the cap."""
+    root = _run_dir(tmp_path, {"honest": (10, 40.0), "liar": (10, 10.0)})
+    (root / "rounds" / "1" / "updates" / "liar" / "manifest.json").write_text(
+        json.dumps({"metrics": metrics}))
+    steps = balanced_steps(root, 2, ["honest", "liar"])
+    assert steps["honest"] == 10
+    # no measurement: the liar keeps its 10 steps; an absurd speed: balance_max caps it
+    fast = metrics["train_seconds"] == 1e-300
+    assert steps.get("liar", 10) == (math.floor(10 * TrainingSpec().balance_max) if fast else 10)
