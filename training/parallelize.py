@@ -10,33 +10,34 @@ tensor-parallel parameters into plain attributes after the first forward, so it 
 compose with DTensor parameters). Embeddings, norms and the LM head stay replicated on tp.
 Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group are
 consecutive (on one node, where SLURM and torchrun place consecutive ranks).
+
+``torch.distributed.tensor`` (DTensor, FSDP2, the tensor-parallel styles, distributed
+checkpoint) costs 1.3 s of CPU to import, more than half of every DDP rank's start-up, and a
+DDP run never needs it: it is imported where FSDP2 or tensor parallelism is applied. No
+object can be a DTensor or an FSDP module before that module is loaded, which is what
+:func:`_is_dtensor` and :func:`_is_fsdp` rely on.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from xffl.core.errors import InvalidInput
 from xffl.training.arch import check_tensor_parallel
 from xffl.training.model import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["ParallelModel", "check_tensor_parallel", "data_parallel_mode", "megatron_plan",
            "parallelize"]
@@ -47,8 +48,22 @@ COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
+def _is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (False while torch.distributed.tensor was never imported)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _is_fsdp(m: object) -> bool:
+    """Whether ``m`` was sharded by FSDP2 (False while its module was never imported)."""
+    mod = sys.modules.get("torch.distributed.fsdp")
+    return mod is not None and isinstance(m, mod.FSDPModule)
+
+
 def megatron_plan() -> dict[str, ParallelStyle]:
     """Megatron's plan for one decoder layer, in torch.distributed.tensor.parallel styles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in COLWISE}
     plan.update({name: RowwiseParallel() for name in ROWWISE})
     return plan
@@ -84,18 +99,21 @@ class ParallelModel:
 
     @contextmanager
     def _fsdp_no_sync(self) -> Iterator[None]:
-        assert isinstance(self.module, FSDPModule)
-        self.module.set_requires_gradient_sync(False)
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.module
+        assert isinstance(module, FSDPModule)
+        module.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
+            module.set_requires_gradient_sync(True)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Skip the dp gradient reduction (for all but the last micro-batch of a step)."""
         if isinstance(self.net, DistributedDataParallel):
             return self.net.no_sync()
-        if isinstance(self.module, FSDPModule):
+        if _is_fsdp(self.module):
             return self._fsdp_no_sync()
         return nullcontext()
 
@@ -109,13 +127,13 @@ class ParallelModel:
         groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
         for p in self.module.parameters():
             if p.grad is not None:
-                mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+                mesh = p.grad.device_mesh if _is_dtensor(p.grad) else None  # type: ignore[attr-defined]
                 groups.setdefault(mesh, []).append(p)
         squares: list[Tensor] = []
         for params in groups.values():
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
+            if _is_dtensor(norm):
+                norm = norm.full_tensor()  # type: ignore[attr-defined]
             squares.append(norm.float() ** 2)
         if not squares:
             return torch.zeros(())
@@ -128,7 +146,15 @@ class ParallelModel:
         """Hugging Face-named full fp32 CPU tensors on rank 0 ({} elsewhere); collective."""
         if self.mesh is None:
             state = self.module.state_dict()
+        elif isinstance(self.net, DistributedDataParallel):
+            # DDP keeps a full replica on every rank; rank 0's is the model
+            state = self.module.state_dict() if dist.get_rank() == 0 else {}
         else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
             state = get_model_state_dict(
                 self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
@@ -162,10 +188,14 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS)
     layers = list(model.model.layers) if isinstance(model, LlamaForCausalLM) else []
     if tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
         for layer in layers:
             parallelize_module(layer, mesh["tp"], megatron_plan())
     net: nn.Module
     if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
         for layer in layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
