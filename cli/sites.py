@@ -6,7 +6,6 @@ import sys
 from typing import Annotated
 
 import typer
-import yaml
 from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
@@ -63,6 +62,8 @@ def show(name: NameArg, json_out: JsonOpt = False) -> None:
         print_json(data)
     else:
         # plain stdout: the console would wrap long lines and break the YAML
+        import yaml  # only here: 20 ms of every command's start-up
+
         sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
 
 

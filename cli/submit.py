@@ -12,7 +12,6 @@ from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.states import RunState
-from xffl.jobs.status import latest_global, run_status
 
 
 @handle_errors
@@ -63,6 +62,8 @@ def submit(
 
             final = wait_for_run(registry, run.id, timeout, on_update=update,
                                  spawned=submitted.pid)
+    from xffl.jobs.status import latest_global, run_status
+
     model = latest_global(registry, final)
     if as_json:
         print_json(run_status(registry, final, slurm=True, live=False).as_json())

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xffl.jobs.profiles_json import slurm_site_names
 from xffl.jobs.registry import Registry, RunRecord, SiteRound
 
 REPORT_FILES = ("loss.png", "breakdown.png", "throughput.png", "report.html")
@@ -46,24 +47,13 @@ class QueueWaits:
             if job["queue_wait_s"] is not None:
                 key = (int(job["round"]), str(job["site"]))
                 recorded[key] = recorded.get(key, 0.0) + float(job["queue_wait_s"])
-        return cls(recorded, _slurm_site_names(Path(run.run_dir)))
+        return cls(recorded, slurm_site_names(Path(run.run_dir)))
 
     def get(self, rnd: int, site: str) -> float | None:
         """The site's queue wait in round ``rnd``: 0 without SLURM, None when not known."""
         if (rnd, site) in self.recorded:
             return self.recorded[(rnd, site)]
         return None if site in self.slurm_sites else 0.0
-
-
-def _slurm_site_names(run_dir: Path) -> frozenset[str]:
-    """The sites of a run that submit SLURM jobs (none when the profiles cannot be read)."""
-    from xffl.jobs.slurm_view import load_profiles
-
-    try:
-        profiles = load_profiles(run_dir)
-    except (OSError, ValueError):
-        return frozenset()
-    return frozenset(name for name, p in profiles.items() if p.slurm is not None)
 
 
 @dataclass

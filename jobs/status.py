@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xffl.core.layout import RunLayout
+from xffl.jobs.profiles_json import may_log_in
 from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
 from xffl.jobs.round_lock import holder
 from xffl.jobs.states import RoundState, RunState
@@ -174,7 +176,7 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         if entry is not None:
             schedule = Schedule(entry.expr, entry.next_tick().isoformat(timespec="seconds"))
     jobs: list[SlurmJob] = []
-    if slurm:
+    if slurm and may_log_in(Path(run.run_dir)):
         from xffl.jobs.slurm_view import slurm_view
 
         jobs = slurm_view(registry, run, live=live)
@@ -195,16 +197,15 @@ def credential_view(run: RunRecord) -> list[Credential]:
     credential has expired, or will before a round could end, is ``waiting``, not failed.
     """
     from xffl.core.errors import XfflError
-    from xffl.core.layout import RunLayout
-    from xffl.jobs.slurm_view import load_profiles
-    from xffl.site_profiles.schema import SshConnector
 
     run_dir = Path(run.run_dir)
     try:
-        profiles = load_profiles(run_dir)
-        if not any(isinstance(p.connector, SshConnector) for p in profiles.values()):
+        if not may_log_in(run_dir):
             return []  # no login to check: nothing to read (and no SSH stack to import)
         from xffl.jobs.credential_gate import blockers, site_credentials
+        from xffl.jobs.slurm_view import load_profiles
+
+        profiles = load_profiles(run_dir)
         from xffl.jobs.spec import JobSpec
 
         spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
