@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -33,3 +34,13 @@ def write_json(final: Path, data: Any) -> None:
     """Write ``data`` as indented JSON to ``final`` atomically (parents created)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(final, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def link_files(src: Path, dst: Path, names: list[str]) -> None:
+    """Expose ``src/NAME`` as ``dst/NAME`` for each name, by hard link or else by copy."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        try:
+            os.link(src / name, dst / name)
+        except OSError:
+            shutil.copy2(src / name, dst / name)

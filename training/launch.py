@@ -28,6 +28,7 @@ from typing import Literal, get_args
 
 from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, verify_checkpoint
 from xffl.core.errors import XfflError
+from xffl.core.files import link_files
 from xffl.training import slurm_job
 
 Launcher = Literal["torchrun", "srun", "none"]
@@ -82,15 +83,6 @@ def _describe(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def _link_all(src: Path, dst: Path, names: Sequence[str]) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        try:
-            os.link(src / name, dst / name)
-        except OSError:
-            shutil.copy2(src / name, dst / name)
-
-
 def reuse_kept(keep: Path, rnd: int, model: Path, out_dir: Path) -> bool:
     """Put the update kept for round ``rnd`` from the global ``model`` into ``out_dir``.
 
@@ -107,7 +99,7 @@ def reuse_kept(keep: Path, rnd: int, model: Path, out_dir: Path) -> bool:
     if manifest.round != rnd or manifest.parent != parent:
         return False
     shutil.rmtree(out_dir, ignore_errors=True)
-    _link_all(kept, Path(out_dir), [MANIFEST_FILE, *manifest.files])
+    link_files(kept, Path(out_dir), [MANIFEST_FILE, *manifest.files])
     return True
 
 
@@ -117,7 +109,7 @@ def keep_update(out_dir: Path, keep: Path, rnd: int) -> None:
     keep = Path(keep)
     staging = keep / f".r{rnd}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    _link_all(Path(out_dir), staging, [MANIFEST_FILE, *manifest.files])
+    link_files(Path(out_dir), staging, [MANIFEST_FILE, *manifest.files])
     final = keep / f"r{rnd}"
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from xffl.aggregator.exchange import (
     read_small_file,
 )
 from xffl.aggregator.verify import Bounds, UpdateRejected, check_update
+from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
 from xffl.jobs.states import SiteState
@@ -40,16 +39,6 @@ from xffl.workflows.attempts import read_attempts
 from xffl.workflows.verdict import VERDICT_FILE, Verdict
 
 SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
-
-
-def link_files(src: Path, dst: Path, names: list[str]) -> None:
-    """Expose ``src/NAME`` as ``dst/NAME`` for each name, by hard link or else by copy."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        try:
-            os.link(src / name, dst / name)
-        except OSError:
-            shutil.copy2(src / name, dst / name)
 
 
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,

@@ -26,13 +26,13 @@ from typing import Any
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
+from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.pairs import parse_pairs
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.registry import Registry, RoundRecord
 from xffl.jobs.states import RoundState
-from xffl.workflows.admit_step import link_files
 from xffl.workflows.balance import round_job
 from xffl.workflows.verdict import Verdict, read_verdict
 

@@ -107,6 +107,8 @@ def test_quickstart_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
 def test_failing_site_fails_the_run_with_exit_1(tmp_path: Path, xffl_home: Path) -> None:
     spec = _job(tmp_path, "broken", rounds=1, steps=2)
     spec["sites"][1]["data"] = {"path": str(tmp_path / "no-such-data")}  # no shards, no synthetic
+    for site in spec["sites"]:
+        site["ranks"] = 1  # the failure policy is under test, not DDP
     code, status = _submit_wait(tmp_path, spec)
     assert code == 1, status
     assert status["state"] == "failed"
