@@ -217,9 +217,22 @@ def placeholders(profile: SiteProfile) -> list[str]:
 
 
 def _workdir_script(workdir: str) -> str:
+    """Create the workdir owner-only if missing, prove it writable, print its mode (octal)."""
     probe = f"{workdir.rstrip('/')}/.xffl-write-test"
-    return (f"mkdir -p {shlex.quote(workdir)} && touch {shlex.quote(probe)} "
-            f"&& rm -f {shlex.quote(probe)}")
+    return (f"mkdir -p -m 700 {shlex.quote(workdir)} && touch {shlex.quote(probe)} "
+            f"&& rm -f {shlex.quote(probe)} && stat -c %a {shlex.quote(workdir)}")
+
+
+def _add_private(check: SiteCheck, workdir: str, mode: int | None) -> None:
+    """The row for the workdir's permissions: no one else may write where jobs leave updates."""
+    if mode is None:
+        check.add("workdir private", False, f"{workdir}: its mode could not be read")
+    elif mode & 0o022:
+        check.add("workdir private", False,
+                  f"{workdir} is mode {mode:04o}: other users can replace what xffl's jobs "
+                  f"leave there; run `chmod go-w {shlex.quote(workdir)}` at the site")
+    else:
+        check.add("workdir private", True, f"mode {mode:04o}")
 
 
 def _check_local(check: SiteCheck, profile: SiteProfile, workdir: str) -> None:
@@ -229,13 +242,15 @@ def _check_local(check: SiteCheck, profile: SiteProfile, workdir: str) -> None:
     check.add("xffl importable", proc.returncode == 0,
               python if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [""])[-1])
     try:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
+        Path(workdir).mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = Path(workdir) / ".xffl-write-test"
         probe.touch()
         probe.unlink()
         check.add("workdir writable", True, workdir)
     except OSError as exc:
         check.add("workdir writable", False, f"{workdir}: {exc}")
+        return
+    _add_private(check, workdir, Path(workdir).stat().st_mode & 0o7777)
 
 
 def _workdir(profile: SiteProfile, name: str) -> str:
@@ -296,6 +311,10 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         rc, out, err = run(client, _workdir_script(workdir))
         check.add("workdir writable", rc == 0, workdir if rc == 0 else
                   f"{workdir}: {err.strip() or f'exit {rc}'}")
+        if rc == 0:
+            digits = out.strip().splitlines()[-1:] or [""]
+            _add_private(check, workdir, int(digits[0], 8)
+                         if digits[0] and set(digits[0]) <= set("01234567") else None)
         python = profile.python or "python3"
         rc, out, err = run(client, f"{shlex.quote(python)} -c 'import xffl.training'", 120)
         check.add("xffl importable", rc == 0, python if rc == 0 else

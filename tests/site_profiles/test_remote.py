@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -64,7 +65,22 @@ def test_bundled_profiles_load(name: str) -> None:
 def test_local_profile_checks(xffl_home: Path) -> None:
     result = check_site("local", load_profile_file(bundled_dir() / "local.yaml"))
     assert result.ok, result.rows
-    assert {r[0] for r in result.rows} == {"xffl importable", "workdir writable"}
+    assert {r[0] for r in result.rows} == {"xffl importable", "workdir writable",
+                                           "workdir private"}
+
+
+def test_a_workdir_others_can_write_fails_the_check(xffl_home: Path) -> None:
+    """Another user who can write the workdir could swap what a job leaves there."""
+    profile = load_profile_file(bundled_dir() / "local.yaml")
+    workdir = Path(profile.workdir.replace("{xffl_home}", str(xffl_home))
+                   .replace("{site}", "local"))
+    assert check_site("local", profile).ok
+    assert workdir.stat().st_mode & 0o777 == 0o700  # created owner-only
+    workdir.chmod(0o775)
+    result = check_site("local", profile)
+    assert not result.ok
+    (row,) = [r for r in result.rows if r[0] == "workdir private"]
+    assert row[1] is False and "mode 0775" in row[2] and "chmod go-w" in row[2]
 
 
 def test_placeholders_reported() -> None:
@@ -83,11 +99,22 @@ def test_check_alpha_passes(tmp_path: Path, slurm_stack) -> None:  # type: ignor
     result = check_site("alpha", profile)
     assert result.ok, result.rows
     assert [r[0] for r in result.rows] == [
-        "login", "connect", "slurm commands", "partition", "workdir writable", "xffl importable"]
+        "login", "connect", "slurm commands", "partition", "workdir writable", "workdir private",
+        "xffl importable"]
     client = connect(profile)
     with client:
         rc, out, _ = run(client, "echo $SLURM_CONF", timeout=10)
-    assert rc == 0 and out.strip()
+        assert rc == 0 and out.strip()
+        # a workdir other users can write fails the check, read over SSH
+        workdir = shlex.quote(profile.workdir)
+        rc, _, _ = run(client, f"chmod 0777 {workdir}", timeout=10)
+        assert rc == 0
+        try:
+            result = check_site("alpha", profile)
+        finally:
+            run(client, f"chmod 0700 {workdir}", timeout=10)
+    (row,) = [r for r in result.rows if r[0] == "workdir private"]
+    assert not result.ok and row[1] is False and "mode 0777" in row[2]
 
 
 @pytest.mark.slow
