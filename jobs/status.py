@@ -204,10 +204,9 @@ def credential_view(run: RunRecord) -> list[Credential]:
             return []  # no login to check: nothing to read (and no SSH stack to import)
         from xffl.jobs.credential_gate import blockers, site_credentials
         from xffl.jobs.slurm_view import load_profiles
-
-        profiles = load_profiles(run_dir)
         from xffl.jobs.spec import JobSpec
 
+        profiles = load_profiles(run_dir)
         spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
         creds = site_credentials(profiles)
         blocked = {b.site: b for b in blockers(spec, profiles)}

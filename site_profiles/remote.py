@@ -223,6 +223,11 @@ def _workdir_script(workdir: str) -> str:
             f"&& rm -f {shlex.quote(probe)} && stat -c %a {shlex.quote(workdir)}")
 
 
+def _octal(text: str) -> int | None:
+    """A mode as `stat -c %a` prints it (e.g. "700"), or None for anything else."""
+    return int(text, 8) if text and set(text) <= set("01234567") else None
+
+
 def _add_private(check: SiteCheck, workdir: str, mode: int | None) -> None:
     """The row for the workdir's permissions: no one else may write where jobs leave updates."""
     if mode is None:
@@ -312,9 +317,7 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         check.add("workdir writable", rc == 0, workdir if rc == 0 else
                   f"{workdir}: {err.strip() or f'exit {rc}'}")
         if rc == 0:
-            digits = out.strip().splitlines()[-1:] or [""]
-            _add_private(check, workdir, int(digits[0], 8)
-                         if digits[0] and set(digits[0]) <= set("01234567") else None)
+            _add_private(check, workdir, _octal(out.split()[-1] if out.split() else ""))
         python = profile.python or "python3"
         rc, out, err = run(client, f"{shlex.quote(python)} -c 'import xffl.training'", 120)
         check.add("xffl importable", rc == 0, python if rc == 0 else

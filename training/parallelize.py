@@ -12,10 +12,11 @@ Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group 
 consecutive (on one node, where SLURM and torchrun place consecutive ranks).
 
 ``torch.distributed.tensor`` (DTensor, FSDP2, the tensor-parallel styles, distributed
-checkpoint) costs 1.3 s of CPU to import, more than half of every DDP rank's start-up, and a
-DDP run never needs it: it is imported where FSDP2 or tensor parallelism is applied. No
-object can be a DTensor or an FSDP module before that module is loaded, which is what
-:func:`_is_dtensor` and :func:`_is_fsdp` rely on.
+checkpoint) costs 1.3 s of CPU to import, half of a one-rank site's start-up, and a one-rank
+run never needs it: it is imported where FSDP2, tensor parallelism or a mesh's state dict
+needs it. (With a process group, torch's DDP constructor imports ``torch._dynamo``, which
+loads it anyway.) No object can be a DTensor or an FSDP module before that module is
+loaded, which is what :func:`_is_dtensor` and :func:`_is_fsdp` rely on.
 """
 
 from __future__ import annotations
@@ -146,9 +147,6 @@ class ParallelModel:
         """Hugging Face-named full fp32 CPU tensors on rank 0 ({} elsewhere); collective."""
         if self.mesh is None:
             state = self.module.state_dict()
-        elif isinstance(self.net, DistributedDataParallel):
-            # DDP keeps a full replica on every rank; rank 0's is the model
-            state = self.module.state_dict() if dist.get_rank() == 0 else {}
         else:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
