@@ -74,7 +74,9 @@ def _xffl(env: dict[str, str], *args: str, timeout: float = 1800) -> str:
     proc = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"xffl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        # under --json the run's status (with the reason it failed) is on stdout
+        raise SystemExit(f"xffl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}"
+                         f"{proc.stdout[-3000:]}")
     return proc.stdout
 
 
