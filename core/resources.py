@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import resource
 from pathlib import Path
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which SLURM and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def peak_rss_bytes() -> int:

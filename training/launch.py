@@ -29,7 +29,9 @@ from typing import Literal, get_args
 from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, verify_checkpoint
 from xffl.core.errors import XfflError
 from xffl.core.files import link_files
+from xffl.core.resources import usable_cpus
 from xffl.training import slurm_job
+from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
 
 Launcher = Literal["torchrun", "srun", "none"]
 TRAINER_MODULE = "xffl.training"
@@ -153,8 +155,9 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
     """Start the ranks and judge the outcome (see the module doc)."""
     command = build_command(ranks, launcher, trainer_args, module=module)
     child_env = dict(os.environ if env is None else env)
-    if ranks > 1:
-        child_env.setdefault("OMP_NUM_THREADS", "1")
+    threads = rank_threads(child_env, ranks_per_node(ranks, child_env, launcher), usable_cpus())
+    if threads is not None:
+        child_env[OMP_ENV] = str(threads)
     before = _manifest_fingerprint(out_dir)
     try:
         rc = subprocess.call(command, env=child_env)

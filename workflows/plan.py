@@ -19,7 +19,9 @@ import yaml
 from xffl.core.layout import RunLayout
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import JobSpec, SiteSpec
+from xffl.site_profiles.schema import LocalConnector
 from xffl.training.config import TrainJob, round_steps
+from xffl.training.threads import LOCAL_RANKS_ENV
 from xffl.workflows import cwl
 from xffl.workflows.deployments import (
     COORDINATOR,
@@ -150,6 +152,9 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
     staged = RunLayout(out)
     spec = loaded.spec
     names = [s.name for s in spec.sites]
+    # sites on the coordinator's machine train at once: their ranks share its CPUs
+    local_ranks = sum(s.ranks for s in spec.sites
+                      if isinstance(loaded.site_profile(s.name).connector, LocalConnector))
     for site in spec.sites:
         profile = loaded.site_profile(site.name)
         data_path = site_data_path(profile, site.name, site.data.path)
@@ -162,7 +167,9 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
         _dump(staged.tool(f"train_{site.name}"), cwl.train_tool(
             run_id=run_id, site=site.name, python=site_python(profile),
             launcher=profile.launcher, ranks=site.ranks, data=data_path,
-            keep=kept_updates_dir(profile, site.name, run_id), env=profile.env,
+            keep=kept_updates_dir(profile, site.name, run_id),
+            env={LOCAL_RANKS_ENV: str(local_ranks), **profile.env}
+            if isinstance(profile.connector, LocalConnector) else profile.env,
             slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
         if profile.slurm is not None:
             for path, by_hand in ((staged.batch_script(site.name), True),

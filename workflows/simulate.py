@@ -36,7 +36,7 @@ from xffl.aggregator.strategies import run_strategy
 from xffl.aggregator.verify import check_update
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
-from xffl.core.resources import peak_rss_bytes
+from xffl.core.resources import peak_rss_bytes, usable_cpus
 from xffl.core.sizes import parse_size
 from xffl.jobs.load import LoadedJob
 from xffl.workflows.simulate_sites import (
@@ -71,14 +71,6 @@ class SimulateOptions:
     rounds: int | None = None  # default: the job's rounds
     timeout: float | None = None  # seconds per round; default failure.round_timeout or 1 h
     keep_updates: bool = False  # keep DIR/rounds/<r>/updates/<site> instead of deleting
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def default_dir(name: str) -> Path:
@@ -177,8 +169,8 @@ class Simulation:
         self.root = Path(opts.out).resolve() if opts.out is not None else default_dir(spec.name)
         self.run_id = self.root.name
         self.rounds = opts.rounds or spec.rounds
-        self.workers = min(opts.parallel or cores(), opts.sites)
-        self.threads = max(1, cores() // self.workers)
+        self.workers = min(opts.parallel or usable_cpus(), opts.sites)
+        self.threads = max(1, usable_cpus() // self.workers)
         self.timeout = opts.timeout or spec.failure.round_timeout or DEFAULT_TIMEOUT
         self.max_shard = parse_size(spec.aggregation.max_shard_size)
         self.summary: dict[str, Any] = {

@@ -111,12 +111,12 @@ def run_standalone(job: Path, sim_dir: Path, work: Path, trials: int,
     makes its data, as a simulated site does), trained from ``sim_dir``'s round-0 global
     with every core's torch threads (as a K=1 worker).
     """
-    from xffl.workflows.simulate import cores
+    from xffl.core.resources import usable_cpus
 
     root = work / "standalone"
     proc = subprocess.run(
         [sys.executable, "-c", STANDALONE, str(job), str(sim_dir / "rounds" / "0" / "global"),
-         str(root), str(trials), str(cores())],
+         str(root), str(trials), str(usable_cpus())],
         capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"standalone sites failed ({proc.returncode}):\n{proc.stderr}")

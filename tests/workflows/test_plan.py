@@ -73,6 +73,11 @@ def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> Non
     assert args[args.index("--data") + 1] == str(xffl_home / "sites" / "alpha" / "data" / "alpha")
     keep = args[args.index("--keep") + 1]
     assert keep == str(xffl_home / "sites" / "alpha" / "kept" / "qs-1")  # at the site
+    # both local sites train at once on this machine: their 2 + 2 ranks share its CPUs
+    for site in ("alpha", "beta"):
+        tool = yaml.safe_load((root / "tools" / f"train_{site}.cwl").read_text())
+        assert tool["requirements"]["EnvVarRequirement"]["envDef"] == {
+            "PYTHONUNBUFFERED": "1", "XFFL_LOCAL_RANKS": "4"}
     assert "ToolTimeLimit" not in train["requirements"]  # no failure.round_timeout
 
     inputs = yaml.safe_load(layout.inputs.read_text())
