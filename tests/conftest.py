@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
+
+# Two pytest-xdist workers share the machine's cores, so every torch process of the suite
+# runs one intra-op thread: the launcher's own choice (xffl.training.threads) assumes the
+# machine is the run's alone, and torch's default (a thread per core in every process) makes
+# concurrent processes spin against each other. tests/training/test_threads.py unsets this
+# to test the launcher's choice.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -19,18 +31,66 @@ def xffl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@dataclass(frozen=True)
+class FinishedRun:
+    """A run that ``xffl submit --wait`` completed: its data directory and final status."""
+
+    home: Path
+    status: dict[str, Any]
+
+    @property
+    def run_id(self) -> str:
+        """The run's id."""
+        return str(self.status["id"])
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory."""
+        return Path(self.status["run_dir"])
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FinishedRun]:
+    """The README's quickstart as written, run once per test process under a login shell's
+    umask (022), for the tests that read a finished run (end to end, report, file modes).
+
+    Tests that use it carry ``xdist_group("quickstart")`` (added below): one worker runs it.
+    Each such test points XFFL_HOME at ``home`` and may add files, never change the run.
+    """
+    from typer.testing import CliRunner
+
+    from xffl.cli.app import app
+
+    home = tmp_path_factory.mktemp("quickstart") / "xffl-home"
+    old = os.umask(0o022)
+    try:
+        result = CliRunner().invoke(
+            app, ["submit", str(QUICKSTART), "--wait", "--json", "--timeout", "300"],
+            env={"XFFL_HOME": str(home), "XDG_CONFIG_HOME": str(home.parent / "config")})
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    yield FinishedRun(home, json.loads(result.stdout))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker;
-    tests of the SLURM stack are marked ``stack`` (``-m "not stack"`` leaves them out).
+    the tests of one shared finished run in one worker; tests of the SLURM stack are marked
+    ``stack`` (``-m "not stack"`` leaves them out). Slow tests go first, so that the workers
+    do not end on one long test while the other idles.
 
     Every pytest-xdist worker has its own SLURM stack (tests/stack/fixtures.py).
     """
     for item in items:
+        fixtures = getattr(item, "fixturenames", ())
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group("machine"))
-        if "slurm_stack" in getattr(item, "fixturenames", ()):
+        elif "quickstart_run" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("quickstart"))
+        if "slurm_stack" in fixtures:
             item.add_marker(pytest.mark.stack)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 from tests.stack.fixtures import slurm_stack  # noqa: E402, F401

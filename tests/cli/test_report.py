@@ -8,10 +8,9 @@ from pathlib import Path
 import matplotlib.image
 import PIL.Image
 import pytest
-import yaml
 from typer.testing import CliRunner
 
-from tests.conftest import QUICKSTART
+from tests.conftest import FinishedRun
 from xffl.cli.app import app
 from xffl.jobs.registry import Registry
 from xffl.jobs.report import fmt
@@ -26,18 +25,11 @@ def _decodes(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_report_of_the_quickstart(tmp_path: Path) -> None:
-    """The quickstart, shortened to 2 rounds of 4 steps, then its report and status."""
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="reported", rounds=2)
-    spec["training"]["steps"] = 4
-    for site in spec["sites"]:
-        site["ranks"] = 1  # the report is under test, not DDP
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    submitted = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
-    assert submitted.exit_code == 0, submitted.output
-    run_id = json.loads(submitted.stdout)["id"]
+def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report and status of the quickstart as written (3 rounds, 2 sites)."""
+    monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
+    run_id = quickstart_run.run_id
 
     result = runner.invoke(app, ["report", run_id])
     assert result.exit_code == 0, result.output
@@ -47,7 +39,7 @@ def test_report_of_the_quickstart(tmp_path: Path) -> None:
         _decodes(out / name)
     page = (out / "report.html").read_text()
     rounds = Registry().rounds(run_id)
-    assert [r.round for r in rounds] == [1, 2]
+    assert [r.round for r in rounds] == [1, 2, 3]
     # the loss PNG carries the curves it draws: every site's and the global loss per round
     with PIL.Image.open(out / "loss.png") as png:
         curves = json.loads(png.text["Description"])

@@ -1,4 +1,5 @@
-"""Status, cancel and logs of runs at two SLURM facilities (the real test stack)."""
+"""Status and cancel of a run at two SLURM facilities (the real test stack); `xffl logs` of a
+completed SLURM run is tested on the run of tests/workflows/test_slurm_sites.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
-from xffl.cli import cancel, logs, status, submit
+from xffl.cli import cancel, status, submit
 from xffl.jobs.registry import Registry
 from xffl.jobs.slurm_view import parse_squeue
 
@@ -24,7 +25,6 @@ app = typer.Typer()
 app.command()(submit.submit)
 app.command()(status.status)
 app.command()(cancel.cancel)
-app.command()(logs.logs)
 runner = CliRunner()
 
 
@@ -122,26 +122,3 @@ def _cancel_scenario(slurm_stack, run_id: str, names: dict[str, str]) -> None:  
     # cancelling again: nothing to do, exit 0
     again = runner.invoke(app, ["cancel", run_id])
     assert again.exit_code == 0 and "already cancelled" in again.stdout
-
-
-@pytest.mark.slow
-def test_logs_of_completed_slurm_run(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
-    job = _job(tmp_path, slurm_stack, "logsme", [])
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "120"])
-    assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["id"]
-    assert json.loads(result.stdout)["state"] == "completed"
-
-    result = runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "1", "--json"])
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
-    assert data["source"] == "slurm" and data["round"] == 1
-    records = [json.loads(ln) for ln in data["lines"] if ln.startswith("{")]
-    assert any(r.get("site") == "beta" and "num_samples" in r for r in records), data
-
-    result = runner.invoke(app, ["logs", run_id])
-    assert result.exit_code == 0 and "streamflow.log" in result.stdout
-    result = runner.invoke(app, ["logs", run_id, "--site", "alpha", "--round", "2"])
-    assert result.exit_code == 2

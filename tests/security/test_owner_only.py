@@ -7,17 +7,14 @@ file or folder under XFFL_HOME grants anything to group or others, whatever the 
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
-from tests.conftest import QUICKSTART
+from tests.conftest import FinishedRun
 from xffl.cli.app import app
 
 runner = CliRunner()
@@ -34,20 +31,13 @@ def open_umask() -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_a_run_leaves_nothing_readable_by_others(tmp_path: Path, xffl_home: Path,
+def test_a_run_leaves_nothing_readable_by_others(quickstart_run: FinishedRun,
+                                                 monkeypatch: pytest.MonkeyPatch,
                                                  open_umask: None) -> None:
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="private", rounds=1)
-    spec["training"].update(steps=2, batch_size=2)
-    for site in spec["sites"]:
-        site["ranks"] = 1
-        site["data"]["synthetic_sequences"] = 32
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec))
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
-    assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["id"]
-    assert runner.invoke(app, ["report", run_id]).exit_code == 0
+    """The quickstart ran under umask 022 (tests/conftest.py); its report is written so too."""
+    xffl_home = quickstart_run.home
+    monkeypatch.setenv("XFFL_HOME", str(xffl_home))
+    assert runner.invoke(app, ["report", quickstart_run.run_id]).exit_code == 0
     os.umask(0o022)  # what the commands themselves set must not be what makes this pass
     paths = [xffl_home, *xffl_home.rglob("*")]
     kinds = {"global": False, "update": False, "registry": False, "profiles": False,

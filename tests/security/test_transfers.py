@@ -144,8 +144,10 @@ def test_host_keys_are_checked_with_the_profiles_known_hosts(
     monkeypatch.setenv("HOME", str(home))
     for name in ("upstream", "ours", "wrong"):
         (tmp_path / name).mkdir()
+    # a refused host key is no passing fault: one attempt (StreamFlow's default is 3, 5 s apart)
+    once = {"retries": 1, "retryDelay": 0}
     upstream = {"site-a": {"type": "xffl-local", "config": {}},
-                "site-b": _login_b(slurm_stack, "ssh")}
+                "site-b": _login_b(slurm_stack, "ssh", **once)}
     code, out, run_dir = run_rounds(tmp_path / "upstream", upstream, rounds=1)
     assert final_global(run_dir) == "a@1(w0)"  # b's host key could not be checked: left out
     ours = {"site-a": {"type": "xffl-local", "config": {}},
@@ -157,6 +159,6 @@ def test_host_keys_are_checked_with_the_profiles_known_hosts(
     (tmp_path / "other_hosts").write_text("")
     wrong = {"site-a": {"type": "xffl-local", "config": {}},
              "site-b": _login_b(slurm_stack, "xffl-ssh",
-                                knownHosts=str(tmp_path / "other_hosts"))}
+                                knownHosts=str(tmp_path / "other_hosts"), **once)}
     code, out, run_dir = run_rounds(tmp_path / "wrong", wrong, rounds=1)
     assert final_global(run_dir) == "a@1(w0)"

@@ -12,7 +12,7 @@ import yaml
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, FinishedRun
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
@@ -39,15 +39,17 @@ def _submit_wait(tmp_path: Path, spec: dict) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_quickstart_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
+def test_quickstart_end_to_end(quickstart_run: FinishedRun,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's quickstart job as it is: 3 rounds, 2 sites, 2 DDP ranks each."""
+    xffl_home = quickstart_run.home
+    monkeypatch.setenv("XFFL_HOME", str(xffl_home))
     spec = yaml.safe_load(QUICKSTART.read_text())
     rounds = spec["rounds"]
     samples = {s["name"]: s["data"]["synthetic_sequences"] for s in spec["sites"]}
-    code, status = _submit_wait(tmp_path, spec)
-    assert code == 0, status
+    status = quickstart_run.status
     assert status["state"] == "completed" and status["rounds_done"] == rounds == 3
-    run_dir = Path(status["run_dir"])
+    run_dir = quickstart_run.run_dir
     assert run_dir.parent == xffl_home / "runs"
 
     previous = verify_checkpoint(run_dir / "rounds" / "0" / "global")

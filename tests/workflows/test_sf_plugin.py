@@ -159,7 +159,7 @@ def test_a_site_that_cannot_be_reached_is_left_out_of_every_round(tmp_path: Path
 def test_a_local_job_past_its_time_limit_is_killed(tmp_path: Path) -> None:
     ctl = tmp_path / "ctl"
     ctl.mkdir()
-    (ctl / "sleep-b-r2").write_text("12")  # b's round-2 job would sleep 12 s, then train
+    (ctl / "sleep-b-r2").write_text("6")  # b's round-2 job would sleep 6 s, then train
     started = time.monotonic()
     code, out, run_dir = run_rounds(tmp_path, local_sites(), retries=2, limit=3)
     assert code == 0, out[-3000:]
@@ -169,7 +169,8 @@ def test_a_local_job_past_its_time_limit_is_killed(tmp_path: Path) -> None:
     assert lost is not None and lost["gave_up"] and lost["timed_out"]
     assert lost["attempts"] == 1  # a round timeout is not retried
     assert "xffl: round timeout" in lost["failures"][0]
-    time.sleep(max(0.0, started + 15 - time.monotonic()))  # past when it would have woken
+    # past when it would have woken (its job starts after round 1, so after `started`)
+    time.sleep(max(0.0, started + 9 - time.monotonic()))
     assert not (ctl / "woke-b-r2").exists()  # its process group was killed, not left behind
 
 

@@ -101,6 +101,18 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
             xmax = max(float(np.abs(tensors[s][name]).max()) for s in ups)
             np.testing.assert_allclose(got, expected, rtol=2**-23, atol=16 * 2**-53 * xmax,
                                        err_msg=name)
+    # `xffl logs` of a completed SLURM run: a site's round from its SLURM job, the run's log
+    result = runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["source"] == "slurm" and data["round"] == 1
+    records = [json.loads(ln) for ln in data["lines"] if ln.startswith("{")]
+    assert any(r.get("site") == "beta" and "num_samples" in r for r in records), data
+    result = runner.invoke(app, ["logs", run_id])
+    assert result.exit_code == 0 and "streamflow.log" in result.stdout
+    result = runner.invoke(app, ["logs", run_id, "--site", "alpha", "--round", "4"])
+    assert result.exit_code == 2  # no such round
+
     # provenance: a Workflow Run RO-Crate that names every global and each site's SLURM job
     from rocrate.rocrate import ROCrate
 
