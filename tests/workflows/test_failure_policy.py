@@ -73,6 +73,10 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     assert r1["state"] == "failed" and sites["alpha"]["state"] == "completed"
     assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 2
     assert "attempt 1:" in sites["beta"]["reason"] and "attempt 2:" in sites["beta"]["reason"]
+    # the reason is the trainer's own sentence, as StreamFlow reported the step's failure
+    assert f"{BETA_DATA}: no meta.json; is this a token-shard directory?" in (
+        sites["beta"]["reason"])
+    assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()
 
     _prepare_beta(xffl_home)
     result = runner.invoke(app, ["resume", status["id"], "--json"])
