@@ -7,8 +7,23 @@ cd "$(dirname "$0")/.."
 bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 .venv/bin/ruff check .
-bash scripts/typecheck.sh
+# mypy (one core, ~20 s) runs beside the suite's start-up (collection, two SLURM stacks
+# coming up); it prints its verdict when done and the script fails if it found anything
+mkdir -p build
+(bash scripts/typecheck.sh > build/typecheck.log 2>&1; rc=$?; cat build/typecheck.log
+ exit $rc) &
+typecheck=$!
 # two workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py);
 # XFFL_TEST_WORKERS=0 runs everything in this process
-exec .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-2}" \
+set +e
+.venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-2}" \
   --dist loadgroup "$@"
+tests=$?
+wait "$typecheck"
+types=$?
+set -e
+if [ "$types" -ne 0 ]; then
+  echo "scripts/test.sh: mypy found problems (its output is above)" >&2
+  exit 1
+fi
+exit "$tests"
