@@ -16,6 +16,10 @@ from typing import Any
 from xffl.core.errors import InvalidInput
 from xffl.training.config import ModelSpec
 
+# The version of the seeded initialisation (model.LlamaForCausalLM.init_weights): cached
+# initial models (xffl.workflows.init_cache) are keyed by it. Bump it whenever that code changes.
+INIT_VERSION = 1
+
 
 @dataclass
 class LlamaConfig:

@@ -201,7 +201,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init: N(0, initializer_range) for linears/embeddings, ones for norms."""
+        """Deterministic init: N(0, initializer_range) for linears/embeddings, ones for norms.
+
+        Initial models are cached by the version of this code: bump arch.INIT_VERSION when
+        it changes.
+        """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = self.config.initializer_range
         for name, param in sorted(self.named_parameters(), key=lambda kv: kv[0]):

@@ -22,7 +22,7 @@ from xffl.jobs.spec import JobSpec, SiteSpec
 from xffl.site_profiles.schema import LocalConnector
 from xffl.training.config import TrainJob, round_steps
 from xffl.training.threads import LOCAL_RANKS_ENV
-from xffl.workflows import cwl
+from xffl.workflows import cwl, init_cache
 from xffl.workflows.deployments import (
     COORDINATOR,
     FAILURE_MANAGER,
@@ -195,13 +195,22 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
 
 
 def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str) -> None:
-    """Write the round-0 global checkpoint (the seeded initial model) unless it exists."""
+    """Write the round-0 global checkpoint (the seeded initial model) unless it exists.
+
+    A seeded model comes from the cache of initial models when an earlier run built it
+    (:mod:`xffl.workflows.init_cache`), else it is built and cached.
+    """
     from xffl.aggregator.exchange import MANIFEST_FILE
     from xffl.core.sizes import parse_size
 
     if (layout.initial_model / MANIFEST_FILE).is_file():
         return
+    shard_bytes = parse_size(spec.aggregation.max_shard_size)
+    key = init_cache.init_key(spec.model, spec.training.seed, shard_bytes)
+    if key is not None and init_cache.reuse(key, layout.initial_model, run_id):
+        return
     from xffl.training.trainer import init_global  # torch is heavy: import only when needed
 
-    init_global(run_id, spec.model, spec.training.seed, layout.initial_model,
-                parse_size(spec.aggregation.max_shard_size))
+    init_global(run_id, spec.model, spec.training.seed, layout.initial_model, shard_bytes)
+    if key is not None:
+        init_cache.store(key, layout.initial_model)
