@@ -22,6 +22,7 @@ from pathlib import Path
 from xffl.aggregator.exchange import (
     MANIFEST_FILE,
     finalize_manifest,
+    read_manifest,
     staged_dir,
     verify_checkpoint,
 )
@@ -77,7 +78,7 @@ def store(key: str, model_dir: Path) -> bool:
     """Keep the initial model in ``model_dir`` as the cache entry ``key``; False if it could
     not be written (a cache is an optimisation: the run goes on without it)."""
     try:
-        manifest = verify_checkpoint(Path(model_dir))
+        manifest = read_manifest(Path(model_dir))  # just written, with its checksums
         private_dir(cache_root() / "init")
         with staged_dir(cache_root() / "init" / key) as tmp:
             link_files(Path(model_dir), tmp, [*sorted(manifest.files), MANIFEST_FILE])

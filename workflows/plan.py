@@ -153,8 +153,9 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
     spec = loaded.spec
     names = [s.name for s in spec.sites]
     # sites on the coordinator's machine train at once: their ranks share its CPUs
-    local_ranks = sum(s.ranks for s in spec.sites
-                      if isinstance(loaded.site_profile(s.name).connector, LocalConnector))
+    local = {s.name for s in spec.sites
+             if isinstance(loaded.site_profile(s.name).connector, LocalConnector)}
+    local_ranks = sum(s.ranks for s in spec.sites if s.name in local)
     for site in spec.sites:
         profile = loaded.site_profile(site.name)
         data_path = site_data_path(profile, site.name, site.data.path)
@@ -168,8 +169,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
             run_id=run_id, site=site.name, python=site_python(profile),
             launcher=profile.launcher, ranks=site.ranks, data=data_path,
             keep=kept_updates_dir(profile, site.name, run_id),
-            env={LOCAL_RANKS_ENV: str(local_ranks), **profile.env}
-            if isinstance(profile.connector, LocalConnector) else profile.env,
+            env={LOCAL_RANKS_ENV: str(local_ranks), **profile.env} if site.name in local
+            else profile.env,
             slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
         if profile.slurm is not None:
             for path, by_hand in ((staged.batch_script(site.name), True),
