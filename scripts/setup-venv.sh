@@ -22,16 +22,23 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'im
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # uv resolves and installs in parallel: the same packages as pip, in a third of the time
-# (80 s -> 28 s here). It compiles the bytecode as pip does (an environment that sets
-# PYTHONDONTWRITEBYTECODE would otherwise recompile torch in every process). The local
-# wheel folders pip is configured with (find-links: where a CPU build of torch may lie) are
-# passed on, since uv reads no pip configuration.
+# (80 s -> 28 s here). The local wheel folders pip is configured with (find-links: where a
+# CPU build of torch may lie) are passed on, since uv reads no pip configuration.
 .venv/bin/python -m pip install -q "uv>=0.5,<1"
 links=()
 for d in $(.venv/bin/python -m pip config list 2>/dev/null \
            | sed -n "s/^.*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u); do
   links+=(--find-links "$d")
 done
-.venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode "${links[@]}" \
-  "torch==2.13.0" -e '.[test]'
+.venv/bin/uv pip install -q --python .venv/bin/python "${links[@]}" "torch==2.13.0" -e '.[test]'
+# Bytecode for what xffl's processes import (torch with its compiler stack, which
+# torch.optim loads; StreamFlow; cwltool: ~3,700 modules), written once by importing them,
+# in two processes side by side (11 s here). Compiling the whole venv instead (13,600
+# modules) took 25 s on both cores. Without it, an environment that sets
+# PYTHONDONTWRITEBYTECODE would compile torch again in every process.
+warm() { env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "$1"; }
+warm 'import torch, torch._dynamo, torch.distributed.run, torch.distributed.fsdp, torch.distributed.tensor.parallel, xffl.training.__main__' &
+torch_side=$!
+warm 'import streamflow.main, cwltool.main, xffl.cli.app, xffl.workflows.supervisor'
+wait "$torch_side"
 echo "$want" > "$stamp"

@@ -4,6 +4,9 @@
 # included). The test fixtures start the two-cluster SLURM + sshd stack themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the suite's processes write the bytecode of what they import, once (setup-venv.sh writes
+# it for torch, StreamFlow and cwltool; the rest would be compiled again in every process)
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 .venv/bin/ruff check .
