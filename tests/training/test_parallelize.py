@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ from xffl.training.parallelize import (
 )
 
 WORKER = Path(__file__).with_name("tp_worker.py")
+# one torchrun per world size, running its meshes in turn (tp_worker.py): a torch start-up
+# per rank, not per rank and mesh
+LAUNCHES = {2: ("2:auto", "1:ddp", "1:fsdp"), 4: ("2:fsdp",)}
 
 
 def test_megatron_plan() -> None:
@@ -95,13 +99,35 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
 
 
+@pytest.fixture(scope="module")
+def mesh_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """``launch(nproc)``: the folder of the torchrun of LAUNCHES[nproc], run on first use."""
+    done: dict[int, Path] = {}
+
+    def launch(nproc: int) -> Path:
+        if nproc not in done:
+            out = tmp_path_factory.mktemp(f"meshes-{nproc}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
+                   "1", "--nproc-per-node", str(nproc), str(WORKER), str(out),
+                   *LAUNCHES[nproc]]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                                  check=False)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[nproc] = out
+        return done[nproc]
+
+    return launch
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("meshes")  # one worker runs each torchrun once
 @pytest.mark.parametrize(
     ("tp", "mode", "nproc"),
     [(2, "auto", 2), (1, "ddp", 2), (1, "fsdp", 2), (2, "fsdp", 4)],
     ids=["dp1-tp2", "dp2-tp1-ddp", "dp2-tp1-fsdp", "dp2-tp2-fsdp"],
 )
-def test_mesh_matches_the_unsplit_model(tmp_path: Path, tp: int, mode: str, nproc: int) -> None:
+def test_mesh_matches_the_unsplit_model(tp: int, mode: str, nproc: int,
+                                        mesh_outputs: Callable[[int], Path]) -> None:
     """Logits, first gradients and weights after 3 steps of a mesh == the unsplit model's.
 
     Tolerances (u = 2^-24, fp32). tp splits the row-parallel projections' sums and dp the
@@ -119,16 +145,13 @@ def test_mesh_matches_the_unsplit_model(tmp_path: Path, tp: int, mode: str, npro
     changes the gradients by up to 6e-2 and the weights by 4e-3; a missing tp all-reduce
     drops half of each attention and MLP output.
     """
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), str(WORKER), str(tp), mode, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = mesh_outputs(nproc) / f"{tp}-{mode}"
+    assert f"{tp}:{mode}" in LAUNCHES[nproc]
     ref = _reference()
     ranks = [_load(out / f"rank{k}.safetensors") for k in range(nproc)]
     dp = nproc // tp
     for got, meta in ranks:
-        assert (int(meta["dp"]), int(meta["tp"])) == (dp, tp)
+        assert (int(meta["dp"]), int(meta["tp"]), meta["mode"]) == (dp, tp, mode)
         r = int(meta["dp_rank"])
         b = GLOBAL // dp
         rows = slice(r * b, (r + 1) * b)

@@ -1,10 +1,13 @@
 """Per-rank worker for the (dp, tp) exactness tests: run under torchrun, writes what it saw.
 
-Usage: ``torchrun --nproc-per-node N tp_worker.py TP MODE OUT``. Builds the tiny-test model
-(seed 1), parallelizes it with tensor_parallel TP and data parallel MODE, then on a fixed
-global batch of GLOBAL sequences (dp rank r takes its GLOBAL/dp consecutive rows) records
-the logits, the gradients of the first backward (gathered to full tensors) and, after 3
-optimizer steps of xffl's own loop, the full weights: ``OUT/rank<k>.safetensors`` per rank.
+Usage: ``torchrun --nproc-per-node N tp_worker.py OUT TP:MODE [TP:MODE ...]``. For each
+TP:MODE in turn, in the same process group: builds the tiny-test model (seed 1),
+parallelizes it with tensor_parallel TP and data parallel MODE over a new mesh of all N
+ranks, then on a fixed global batch of GLOBAL sequences (dp rank r takes its GLOBAL/dp
+consecutive rows) records the logits, the gradients of the first backward (gathered to
+full tensors) and, after 3 optimizer steps of xffl's own loop, the full weights:
+``OUT/TP-MODE/rank<k>.safetensors`` per rank. Several meshes in one launch save a torch
+start-up per rank and mesh; each mesh starts from a fresh model, optimizer and groups.
 """
 
 from __future__ import annotations
@@ -43,9 +46,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().contiguous()
 
 
-def main(tp: int, mode: str, out: Path) -> None:
-    """Run the checks on this rank and write OUT/rank<k>.safetensors."""
-    dist.init_process_group("gloo")
+def run_mesh(tp: int, mode: str, out: Path) -> None:
+    """Run the checks of one (TP, MODE) mesh on this rank and write OUT/rank<k>.safetensors."""
     config = build_config(ModelSpec(preset="tiny-test"))
     pm = parallelize(build_model(config, seed=1), tp, torch.device("cpu"), mode)
     r, dp = pm.dp_rank, pm.dp_size
@@ -73,9 +75,18 @@ def main(tp: int, mode: str, out: Path) -> None:
         record.update({f"state.{k}": v.clone() for k, v in state.items()})
     out.mkdir(parents=True, exist_ok=True)
     save_file(record, str(out / f"rank{dist.get_rank()}.safetensors"),
-              metadata={"dp_rank": str(r), "dp": str(dp), "tp": str(pm.tp_size)})
+              metadata={"dp_rank": str(r), "dp": str(dp), "tp": str(pm.tp_size),
+                        "mode": mode})
+
+
+def main(out: Path, meshes: list[str]) -> None:
+    """Run every ``TP:MODE`` mesh in turn in one gloo process group."""
+    dist.init_process_group("gloo")
+    for mesh in meshes:
+        tp, mode = mesh.split(":")
+        run_mesh(int(tp), mode, out / f"{tp}-{mode}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
+    main(Path(sys.argv[1]), sys.argv[2:])

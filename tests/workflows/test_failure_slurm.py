@@ -101,26 +101,34 @@ def test_controller_outage_quorum_and_resume(tmp_path: Path,
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     assert stack_mod.stop_slurmctld(slurm_stack.dir, "beta")
     try:
-        # quorum of one: the round completes on alpha, beta's failure is on record (rounds
-        # that go on without a site, round after round: tests/workflows/test_sf_plugin.py)
+        # both runs at once (each sbatch at beta waits out its timeout against the stopped
+        # controller): a run that needs both sites, as its own process, beside a quorum of one
+        job2 = _job(tmp_path, slurm_stack, "outage2", rounds=1, steps=4)
         job = _job(tmp_path, slurm_stack, "outage1", rounds=1, steps=4, min_sites=1)
-        result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+        both = subprocess.Popen([str(Path(sys.executable).parent / "xffl"), "submit",
+                                 str(job2), "--wait", "--json"], env=dict(os.environ),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # quorum of one: the round completes on alpha, beta's failure is on record
+            # (rounds that go on without a site, round after round:
+            # tests/workflows/test_sf_plugin.py)
+            result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+            out2, err2 = both.communicate(timeout=300)
+        finally:
+            both.kill()
         assert result.exit_code == 0, result.output
         status = json.loads(result.stdout)
         assert status["state"] == "completed" and status["rounds_done"] == 1
-        for rnd in (1,):
-            sites = _sites(status, rnd)
-            assert sites["alpha"]["state"] == "completed"
-            assert sites["beta"]["state"] == "failed" and sites["beta"]["reason"]
-            glob = verify_checkpoint(Path(status["run_dir"]) / "rounds" / str(rnd) / "global")
-            assert set(glob.extra["sites"]) == {"alpha"}
+        sites = _sites(status, 1)
+        assert sites["alpha"]["state"] == "completed"
+        assert sites["beta"]["state"] == "failed" and sites["beta"]["reason"]
+        glob = verify_checkpoint(Path(status["run_dir"]) / "rounds" / "1" / "global")
+        assert set(glob.extra["sites"]) == {"alpha"}
 
         # both sites needed: the run stops with the reason (a resumed run that goes on to
         # later rounds: tests/workflows/test_failure_policy.py)
-        job = _job(tmp_path, slurm_stack, "outage2", rounds=1, steps=4)
-        result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
-        assert result.exit_code == 1
-        failed = json.loads(result.stdout)
+        assert both.returncode == 1, err2[-3000:]
+        failed = json.loads(out2)
         assert failed["state"] == "failed" and failed["rounds_done"] == 0
         assert "1 valid update(s), the job needs 2 (failure.min_sites)" in failed["message"]
         assert "beta: attempt 1: Error submitting job /rounds/train_beta/0.0 to Slurm: sbatch: " \

@@ -49,17 +49,28 @@ def test_cwltool_streamflow_and_submit_give_the_same_model(tmp_path: Path,
     _render(job, by_cwltool)
     _render(job, by_streamflow)
     assert not (by_cwltool / "run.json").exists()  # no registry: the plan stands alone
-    done = subprocess.run([str(BIN / "cwltool"), "--enable-ext", "--outdir", "out", "main.cwl",
-                           "inputs.yml"], cwd=by_cwltool, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["next_round"] == 3
-    done = subprocess.run([str(BIN / "streamflow"), "run", "streamflow.yml", "--outdir", "out"],
-                          cwd=by_streamflow, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    # the three runs go side by side (each in its own folders; the shared synthetic corpora
+    # are written atomically): they are independent, and one after another they would leave
+    # a core idle while each runner waits for its steps
+    commands = {"cwltool": ([str(BIN / "cwltool"), "--enable-ext", "--outdir", "out",
+                             "main.cwl", "inputs.yml"], by_cwltool),
+                "streamflow": ([str(BIN / "streamflow"), "run", "streamflow.yml", "--outdir",
+                                "out"], by_streamflow)}
+    runs = {}
+    try:
+        for name, (cmd, cwd) in commands.items():  # output to files: a full pipe would block
+            with (tmp_path / f"{name}.out").open("w") as out, \
+                    (tmp_path / f"{name}.err").open("w") as err:
+                runs[name] = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err)
+        result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout",
+                                     "300"])
+        codes = {name: proc.wait(timeout=300) for name, proc in runs.items()}
+    finally:
+        for proc in runs.values():
+            proc.kill()
+    for name, code in codes.items():
+        assert code == 0, (name, (tmp_path / f"{name}.err").read_text()[-3000:])
+    assert json.loads((tmp_path / "cwltool.out").read_text())["next_round"] == 3
     assert result.exit_code == 0, result.output
     run_dir = Path(json.loads(result.stdout)["run_dir"])
     # the cyclic workflow submit ran is the one render wrote (tools name the run's paths)
