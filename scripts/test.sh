@@ -16,10 +16,11 @@ mkdir -p build
 (bash scripts/typecheck.sh > build/typecheck.log 2>&1; rc=$?; cat build/typecheck.log
  exit $rc) &
 typecheck=$!
-# two workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py);
-# XFFL_TEST_WORKERS=0 runs everything in this process
+# three workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py): the
+# third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
+# timeout (2 workers: 8:18 here, 3: 8:10); XFFL_TEST_WORKERS=0 runs everything in this process
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-2}" \
+.venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" \
   --dist loadgroup "$@"
 tests=$?
 wait "$typecheck"

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 
-# Two pytest-xdist workers share the machine's cores, so every torch process of the suite
+# The pytest-xdist workers share the machine's cores, so every torch process of the suite
 # runs one intra-op thread: the launcher's own choice (xffl.training.threads) assumes the
 # machine is the run's alone, and torch's default (a thread per core in every process) makes
 # concurrent processes spin against each other. tests/training/test_threads.py unsets this
