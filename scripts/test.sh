@@ -10,11 +10,11 @@ unset PYTHONDONTWRITEBYTECODE
 bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 .venv/bin/ruff check .
-# mypy (one core, ~20 s) runs beside the suite's start-up (collection, two SLURM stacks
+# mypy (one core, ~20 s) runs beside the suite's start-up (collection, the workers' SLURM stacks
 # coming up); it prints its verdict when done and the script fails if it found anything
 mkdir -p build
-(bash scripts/typecheck.sh > build/typecheck.log 2>&1; rc=$?; cat build/typecheck.log
- exit $rc) &
+(rc=0; bash scripts/typecheck.sh > build/typecheck.log 2>&1 || rc=$?  # (set -e holds here)
+ cat build/typecheck.log; exit "$rc") &
 typecheck=$!
 # three workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py): the
 # third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
