@@ -14,7 +14,17 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
   profile's ``known_hosts`` (``knownHosts``) is used when it has one, as for xffl's own
   connections.
 
-``tests/security/test_transfers.py`` shows each upstream behaviour beside this one.
+And one thing it does that breaks on an ordinary login node: what the account's login shell
+prints before the command (a ``.bashrc`` that loads modules, two ``pyenv rehash`` racing:
+``rm: cannot remove '.../shims/tmp.X'``) is read as the command's output. The hardware probe
+(``_get_available_location``, stderr merged into stdout) then fails the deployment with
+"Impossible to retrieve available hardware", and the persistent shell hands that text to its
+first command (``sbatch --parsable``'s job id included). Here the probe reads only what follows
+a marker, with the probe's own stderr discarded, and a new shell is read up to a first marker
+before it is used.
+
+``tests/security/test_transfers.py`` shows each upstream behaviour beside this one; the login
+shell's, ``tests/workflows/test_sf_ssh.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ from collections.abc import MutableMapping, MutableSequence
 from typing import Any
 
 import asyncssh
-from streamflow.core.deployment import ExecutionLocation
+from streamflow.core.deployment import ExecutionLocation, Shell
 from streamflow.core.exception import WorkflowExecutionException
+from streamflow.core.scheduling import Hardware, Storage
 from streamflow.deployment import aiotarstream
+from streamflow.deployment.connector.base import FS_TYPES_TO_SKIP
 from streamflow.deployment.connector.ssh import (
     SSHConfig,
     SSHConnector,
@@ -43,6 +55,11 @@ from streamflow.log_handler import logger
 
 MAX_COPY_BYTES = 4 << 40  # 4 TiB: far above a checkpoint, far below a full disk's worth
 _OWNER_ONLY = "700"
+# upstream's hardware probe (cores, memory in KiB, then "mount type KiB" per file system)
+_PROBE = ("nproc && free | grep Mem | awk '{print $2}' && df -aT | tail -n +2 | "
+          "awk 'NF == 1 {device = $1; getline; $0 = device $0} {print $7, $2, $5}'")
+_MARK = "XFFL_OUTPUT_FOLLOWS"
+SHELL_START_TIMEOUT_S = 60  # for a login shell to get through its start-up files
 
 
 class UnsafeArchive(WorkflowExecutionException):
@@ -149,6 +166,46 @@ class XfflSshConnector(SSHConnector):
             },
             "unevaluatedProperties": False,
         })
+
+    async def _get_available_location(self, location: str) -> Hardware:
+        """Upstream's hardware probe, read from a marker on: login-shell noise is not hardware."""
+        if location not in self.hardware:
+            async with self._get_ssh_client_process(
+                    location=location, command=f"echo {_MARK} && {_PROBE}",
+                    stderr=asyncio.subprocess.DEVNULL) as proc:
+                result = await proc.wait()
+            out = str(result.stdout)
+            if result.returncode != 0 or _MARK not in out:
+                raise WorkflowExecutionException(
+                    f"Impossible to retrieve available hardware for location "
+                    f"{self.deployment_name}: the probe exited {result.returncode}")
+            cores, memory, *mounts = out.split(_MARK, 1)[1].strip().split("\n")
+            try:
+                hardware = Hardware(float(cores), float(memory))
+            except ValueError:
+                raise WorkflowExecutionException(
+                    f"Impossible to retrieve available hardware for location "
+                    f"{self.deployment_name}: {cores!r} is not a number of cores") from None
+            for line in mounts:
+                mount_point, fs_type, size = ([*line.split(" "), "", ""])[:3]
+                if (mount_point == posixpath.sep or fs_type not in FS_TYPES_TO_SKIP) \
+                        and size.isdigit():
+                    hardware.storage[mount_point] = Storage(mount_point=mount_point,
+                                                            size=float(size) / 2**10)
+            self.hardware[location] = hardware
+        return self.hardware[location]
+
+    async def _create_shell(self, command: MutableSequence[str],
+                            location: ExecutionLocation) -> Shell:
+        """Upstream's persistent shell, with what the login shell printed first read away."""
+        shell: Shell = await super()._create_shell(command, location)
+        try:
+            await shell.execute(["echo", _MARK], capture_output=True,
+                                timeout=SHELL_START_TIMEOUT_S)
+        except BaseException:
+            await shell.close()
+            raise
+        return shell
 
     async def copy_remote_to_local(self, src: str, dst: str, location: ExecutionLocation,
                                    read_only: bool = False) -> None:
