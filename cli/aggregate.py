@@ -83,6 +83,10 @@ def aggregate(
     max_bytes = parse_size(max_shard_size)
     if weighting not in WEIGHTINGS:
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
+    for update in updates:
+        if not update.is_dir():
+            raise InvalidInput(f"update {update}: no such directory; give the update "
+                               "checkpoint directories the sites sent back.")
     if output.exists() and not force:
         raise InvalidInput(f"-o {output}: it exists; choose a new path, or --force to replace "
                            "it.")

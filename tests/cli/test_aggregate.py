@@ -87,6 +87,11 @@ def test_bad_input_exit_codes(tmp_path: Path) -> None:
     assert no_prev.exit_code == 2 and "previous global" in no_prev.stderr
     wrong_round = runner.invoke(app, ["aggregate", "-o", out, "--round", "2", str(ups[0])])
     assert wrong_round.exit_code == 1 and "0 update(s) accepted" in wrong_round.stderr
+    # a path that is no directory is the user's typo, not a failed run
+    missing = runner.invoke(app, ["aggregate", "-o", out, str(ups[0]), str(tmp_path / "nope")])
+    assert missing.exit_code == 2, missing.output
+    assert missing.stderr == f"error: update {tmp_path / 'nope'}: no such directory; give the " \
+        "update checkpoint directories the sites sent back.\n"
     assert not (tmp_path / "g1").exists()
 
 
