@@ -57,27 +57,41 @@ def step_runs(log: Path, site: str) -> list[dict[str, str]]:
     return runs
 
 
-def local_step_lines(log: Path, site: str, job: str, rnd: int) -> list[str]:
-    """The lines of streamflow.log about one execution of a site's train step."""
+def local_step_lines(log: Path, site: str, job: str, rnd: int, directory: str) -> list[str]:
+    """The lines of streamflow.log about one execution of a site's train step.
+
+    A job name is not unique in the log: ``xffl round`` (a cron tick) and ``xffl resume``
+    append one workflow per invocation, each naming its first round's job ``.../0.0``. An
+    execution is its ``EXECUTING`` line (job name and its own directory) up to the next
+    execution of the same name; within it, the job's lines and the trainer's report.
+    """
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
     out: list[str] = []
-    inside = False
+    inside = started = False
     this_job = re.compile(re.escape(job) + r"(?![0-9.])")
     for line in lines:
-        if _STAMP.match(line):
-            inside = False
-            if this_job.search(line):
+        if not _STAMP.match(line):
+            if inside:
                 out.append(line)
-                inside = True
-                continue
-            try:
-                payload = json.loads(line.split(None, 3)[3])
-            except (IndexError, ValueError):
-                continue
-            if isinstance(payload, dict) and payload.get("site") == site \
-                    and payload.get("round") == rnd:
-                out.append(line)
-        elif inside:
+            continue
+        inside = False
+        e = _EXEC.search(line)
+        if e and e["job"] == job:
+            if started and e["dir"] != directory:
+                break  # the next execution of this job name
+            started = started or e["dir"] == directory
+        if not started:
+            continue
+        if this_job.search(line):
+            out.append(line)
+            inside = True
+            continue
+        try:
+            payload = json.loads(line.split(None, 3)[3])
+        except (IndexError, ValueError):
+            continue
+        if isinstance(payload, dict) and payload.get("site") == site \
+                and payload.get("round") == rnd:
             out.append(line)
     return out
 
@@ -138,7 +152,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
         out = slurm_step_output(run, site, execution["dir"], index + 1)
     else:
         source = "streamflow.log"
-        out = local_step_lines(sf_log, site, execution["job"], index + 1)
+        out = local_step_lines(sf_log, site, execution["job"], index + 1, execution["dir"])
     return {"run": run.id, "site": site, "round": index + 1,
             "attempt": int(execution["attempt"]), "source": source,
             "directory": execution["dir"], "lines": out[-lines:]}
@@ -160,6 +174,9 @@ def logs(
 
     Example: xffl logs last --site alpha --round 1
     """
+    if rnd is not None and site is None:
+        raise InvalidInput("--round picks a round of one site's training job; add --site SITE "
+                           "(`xffl status` lists the sites).")
     registry = Registry()
     data = collect(resolve_run(registry, run), site, rnd, lines)
     if as_json:

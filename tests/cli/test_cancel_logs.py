@@ -32,7 +32,14 @@ SF_LOG = (_execution("alpha", "/rounds/train_alpha/0.0", 1, "/tmp/x/d56b")
           + '2026-11-22 06:24:13,078 INFO     {"site": "beta", "round": 1, "num_samples": 512}\n'
           + '2026-11-22 06:24:13,154 INFO     {"site": "alpha", "round": 1, "num_samples": 768}\n'
           + _execution("beta", "/rounds/train_beta/0.1", 2, "/tmp/x/a0a0")
-          + '2026-11-22 06:24:30,000 INFO     {"site": "beta", "round": 2, "num_samples": 512}\n')
+          + '2026-11-22 06:24:30,000 INFO     {"site": "beta", "round": 2, "num_samples": 512}\n'
+          + "2026-11-22 06:24:31,000 INFO     COMPLETED Job /rounds/train_beta/0.1\n")
+# `xffl round` (one round per cron tick) appends one workflow per tick: each names the first
+# round's job .../0.0, so the job name alone does not tell round 3 from round 1
+TICK = (_execution("beta", "/rounds/train_beta/0.0", 3, "/tmp/x/c3c3")
+        + "2026-11-22 07:00:09,000 INFO     COPYING from /tmp/x/c3c3/update to /run/rounds/3\n"
+        + '2026-11-22 07:00:10,000 INFO     {"site": "beta", "round": 3, "num_samples": 512}\n'
+        + "2026-11-22 07:00:11,000 INFO     COMPLETED Job /rounds/train_beta/0.0\n")
 
 
 def _closed_port() -> int:
@@ -106,3 +113,24 @@ def test_logs_of_local_sites(tmp_path: Path) -> None:
     assert latest["round"] == 2 and latest["directory"] == "/tmp/x/a0a0"
     assert runner.invoke(app, ["logs", run_id, "--site", "gamma"]).exit_code == 2
     assert runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "3"]).exit_code == 2
+    alone = runner.invoke(app, ["logs", run_id, "--round", "1"])  # --round of no site
+    assert alone.exit_code == 2 and "add --site" in alone.stderr
+
+
+def test_logs_of_a_round_run_by_a_later_tick(tmp_path: Path) -> None:
+    registry, run_id = _run(tmp_path, slurm_alpha=False)
+    run_dir = Path(registry.get_run(run_id).run_dir)
+    with open(run_dir / "streamflow.log", "a") as log:
+        log.write(TICK)
+    one = json.loads(runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "1",
+                                         "--json"]).stdout)
+    assert one["directory"] == "/tmp/x/92d7"
+    text = "\n".join(one["lines"])
+    assert "c3c3" not in text and "07:00" not in text and '"round": 3' not in text
+    three = json.loads(runner.invoke(app, ["logs", run_id, "--site", "beta", "--round", "3",
+                                           "--json"]).stdout)
+    assert three["round"] == 3 and three["directory"] == "/tmp/x/c3c3"
+    # its EXECUTING entry, the trainer's report and its completion (COPYING names no job)
+    assert [line[:19] for line in three["lines"] if line[:4] == "2026"] == [
+        "2026-11-22 06:23:58", "2026-11-22 07:00:10", "2026-11-22 07:00:11"]
+    assert "92d7" not in "\n".join(three["lines"])
