@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from xffl.cli import (
     aggregate,
@@ -23,23 +24,50 @@ from xffl.cli import (
     status,
     submit,
     validate,
+    watch,
 )
 from xffl.cli.common import state
 from xffl.core.paths import private_files
 
+
+class XfflGroup(TyperGroup):
+    """The root command group: ``--debug`` is taken anywhere before ``--``, as users type it."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's vendored Context
+        """Move every ``--debug`` that follows a subcommand in front of it."""
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:
+            args = ["--debug", *(a for a in args[:end] if a != "--debug"), *args[end:]]
+        rest: list[str] = super().parse_args(ctx, args)
+        return rest
+
+
 app = typer.Typer(
     name="xffl",
+    cls=XfflGroup,
     help="Cross-facility federated learning: train one model across HPC facilities whose "
     "data never leaves them.",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 
 
+def _version(value: bool) -> None:
+    """Print xffl's version and leave (``--version``)."""
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"xffl {version('xffl')}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors (anywhere "
+                                        "on the command line).")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print xffl's version and exit.")] = False,
 ) -> None:
     """Cross-facility federated learning orchestrator."""
     state.debug = debug
@@ -48,6 +76,7 @@ def _root(
 
 app.command()(submit.submit)
 app.command()(status.status)
+app.command()(watch.watch)
 app.command()(runs.runs)
 app.command()(render.render)
 app.command()(validate.validate)

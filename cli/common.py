@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -16,8 +17,19 @@ from rich.text import Text
 from xffl.core.errors import ExitCode, XfflError
 from xffl.jobs.registry import Registry, RunRecord
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+
+class _Console(Console):
+    """A rich Console for which a reader that stopped early (``xffl status | head``) is fine."""
+
+    def on_broken_pipe(self) -> None:
+        """Stop writing and exit 0 (rich's default exits 1, as if the command had failed)."""
+        self.quiet = True
+        quiet_stdout()
+        raise SystemExit(int(ExitCode.OK))
+
+
+console = _Console(highlight=False)
+err_console = _Console(stderr=True, highlight=False)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
@@ -41,6 +53,9 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except BrokenPipeError:  # the reader stopped early (`| head`): what it read was right
+            quiet_stdout()
+            raise typer.Exit(int(ExitCode.OK)) from None
         except XfflError as exc:
             if state.debug:
                 traceback.print_exc()
@@ -61,6 +76,13 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(int(ExitCode.INTERNAL)) from None
 
     return wrapper
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and the flush at exit must not fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def error_text(line: str) -> Text:

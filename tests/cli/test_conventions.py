@@ -1,0 +1,72 @@
+"""What people expect of any command-line program: --version, -h, --debug anywhere, pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.cli.app import app
+
+runner = CliRunner()
+XFFL = str(Path(sys.executable).parent / "xffl")
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"xffl {version('xffl')}\n"
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["status", "-h"], ["sites", "list", "-h"]])
+def test_dash_h_is_help(argv: list[str]) -> None:
+    result = runner.invoke(app, argv)
+    long = runner.invoke(app, [*argv[:-1], "--help"])
+    assert result.exit_code == 0 and "Usage:" in result.stdout
+    assert result.stdout == long.stdout
+
+
+def test_shell_completion_is_offered() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert "--install-completion" in result.stdout and "--show-completion" in result.stdout
+
+
+def test_debug_after_the_subcommand(xffl_home: Path) -> None:
+    """``--debug`` works where users put it: after the command, as before it."""
+    quiet = runner.invoke(app, ["status", "nope"])
+    assert quiet.exit_code == 2 and "Traceback" not in quiet.stderr
+    for argv in (["--debug", "status", "nope"], ["status", "nope", "--debug"],
+                 ["status", "--debug", "nope"]):
+        loud = runner.invoke(app, argv)
+        assert loud.exit_code == 2, argv
+        assert "Traceback (most recent call last)" in loud.stderr, argv
+        assert "error: there are no runs yet" in loud.stderr or "no run 'nope'" in loud.stderr
+    # after `--`, --debug is an argument, not the option
+    assert runner.invoke(app, ["status", "--", "--debug"]).exit_code == 2
+
+
+@pytest.mark.parametrize("argv", [["status", "last"], ["status", "last", "--json"], ["runs"],
+                                  ["sites", "list"]])
+def test_a_reader_that_stops_early_is_no_failure(xffl_home: Path, argv: list[str]) -> None:
+    """``xffl status | head -1``: the reader closed the pipe; the command exits 0, silently."""
+    assert runner.invoke(app, ["submit", str(QUICKSTART), "--no-start"]).exit_code == 0
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte: every write is EPIPE
+    with os.fdopen(write, "wb") as out:
+        done = subprocess.run([XFFL, *argv], stdout=out, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env=os.environ)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_the_pipe_reader_gets_the_output(xffl_home: Path) -> None:
+    """The same command into a reader that stays: the whole output (no exit on a short pipe)."""
+    assert runner.invoke(app, ["submit", str(QUICKSTART), "--no-start"]).exit_code == 0
+    done = subprocess.run([XFFL, "status", "last", "--json"], capture_output=True, text=True,
+                          timeout=120, env=os.environ, check=True)
+    assert json.loads(done.stdout)["state"] == "waiting"
