@@ -1,0 +1,89 @@
+"""`xffl watch`: follow a run until it ends, as `xffl submit --wait` does, from any shell."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.core.errors import ExitCode
+from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.states import RunState
+
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", min=0, help="Stop following after this many seconds (exit 4; the run goes "
+    "on).")]
+
+
+def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool = False,
+           spawned: int | None = None) -> RunRecord:
+    """Wait for ``run`` to end: a progress bar on a terminal, one line per change in a pipe."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from xffl.jobs.follow import wait_for_run
+
+    if as_json:
+        return wait_for_run(registry, run.id, timeout, spawned=spawned)
+    if not console.is_terminal:  # a log file or a pipe: plain lines, flushed as they come
+        seen: list[tuple[str, int]] = []
+
+        def line(r: RunRecord) -> None:
+            if not seen or seen[-1] != (r.state, r.rounds_done):
+                seen.append((r.state, r.rounds_done))
+                console.print(f"{r.id} {r.state} {r.rounds_done}/{r.rounds_total} rounds",
+                              soft_wrap=True)
+                console.file.flush()
+
+        return wait_for_run(registry, run.id, timeout, on_update=line, spawned=spawned)
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} rounds"), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task(run.state, total=run.rounds_total)
+
+        def update(r: RunRecord) -> None:
+            label = r.state if r.finished else f"{r.state}: round {r.rounds_done + 1}"
+            progress.update(task, completed=r.rounds_done, description=label)
+
+        return wait_for_run(registry, run.id, timeout, on_update=update, spawned=spawned)
+
+
+def outcome(registry: Registry, final: RunRecord, as_json: bool) -> None:
+    """Print how the run ended (its status under --json); exit 1 unless it completed."""
+    from xffl.jobs.status import latest_global, run_status
+
+    if as_json:
+        print_json(run_status(registry, final, slurm=True, live=False).as_json())
+    elif final.state == RunState.COMPLETED:
+        console.print(f"[green]run {final.id} completed[/green]: {final.rounds_done} rounds.")
+        console.print(f"final global model: {latest_global(registry, final)}", soft_wrap=True)
+        console.print(f"next: `xffl status {final.id}` shows every round and site.",
+                      soft_wrap=True)
+    else:
+        console.print(f"[red]run {final.id} {final.state}[/red]: {final.message}",
+                      soft_wrap=True)
+        console.print(f"next: `xffl status {final.id}`, and the logs in {final.run_dir}.",
+                      soft_wrap=True)
+    if final.state != RunState.COMPLETED:
+        raise typer.Exit(int(ExitCode.RUN_FAILED))
+
+
+@handle_errors
+def watch(
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    timeout: TimeoutOpt = 86400.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Follow a run until it ends: a progress bar on a terminal, one line per round in a pipe.
+
+    Exit 0 when it completed, 1 when it failed or was cancelled, 4 after --timeout (Ctrl-C
+    stops following, not the run).
+
+    Example: xffl watch last
+    """
+    registry = Registry()
+    record = resolve_run(registry, run)
+    if not as_json:
+        console.print(f"following run [bold]{record.id}[/bold] (Ctrl-C stops following, not "
+                      "the run)", soft_wrap=True)
+    outcome(registry, follow(registry, record, timeout, as_json=as_json), as_json)

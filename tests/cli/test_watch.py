@@ -1,0 +1,75 @@
+"""`xffl watch`: re-attach to a run; its exit codes (0, 1, 4, 130) through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.cli.app import app
+from xffl.jobs.registry import Registry
+
+runner = CliRunner()
+XFFL = str(Path(sys.executable).parent / "xffl")
+
+
+def _waiting_run() -> str:
+    """A registered run left to cron (`--no-start`): nothing runs, it waits for a tick."""
+    result = runner.invoke(app, ["submit", str(QUICKSTART), "--no-start", "--json"])
+    assert result.exit_code == 0, result.output
+    run_id: str = json.loads(result.stdout)["run"]
+    return run_id
+
+
+def test_watch_gives_up_after_its_timeout_and_the_run_goes_on(xffl_home: Path) -> None:
+    run_id = _waiting_run()
+    result = runner.invoke(app, ["watch", "last", "--timeout", "0.3"])
+    assert result.exit_code == 4, result.output
+    # not a terminal: plain lines, one per change of state or rounds
+    assert result.stdout.splitlines() == [
+        f"following run {run_id} (Ctrl-C stops following, not the run)",
+        f"{run_id} waiting 0/3 rounds"]
+    assert f"run {run_id} still waiting after 0 s" in result.stderr
+    assert Registry().get_run(run_id).state == "waiting"
+
+
+def test_watch_a_run_that_ended(xffl_home: Path) -> None:
+    run_id = _waiting_run()
+    assert runner.invoke(app, ["cancel", run_id]).exit_code == 0
+    result = runner.invoke(app, ["watch", run_id[:12]])
+    assert result.exit_code == 1, result.output
+    assert f"run {run_id} cancelled" in result.stdout
+    as_json = runner.invoke(app, ["watch", run_id, "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["state"] == "cancelled"
+
+
+def test_submit_refuses_wait_without_start(xffl_home: Path) -> None:
+    result = runner.invoke(app, ["submit", str(QUICKSTART), "--no-start", "--wait"])
+    assert result.exit_code == 2 and "xffl watch RUN" in result.stderr
+    assert Registry().list_runs() == []  # nothing registered
+
+
+def test_ctrl_c_stops_following_not_the_run(xffl_home: Path) -> None:
+    run_id = _waiting_run()
+    proc = subprocess.Popen([XFFL, "watch", run_id], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        lines = []
+        while not any(line.startswith(run_id) for line in lines):  # it is following
+            assert time.monotonic() < deadline, lines
+            lines.append(proc.stdout.readline())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "interrupted\n"
+    assert Registry().get_run(run_id).state == "waiting"
