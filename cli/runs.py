@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-from rich.table import Column, Table
-
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.tables import Rows
 from xffl.jobs.registry import Registry
 
 
@@ -30,9 +29,9 @@ def runs(as_json: JsonOpt = False) -> None:
     if not records:
         console.print("no runs yet; try `xffl submit jobs/quickstart.yaml --wait`.")
         return
-    table = Table("state", "rounds", "sites", "created", "message")
-    table.columns.insert(0, Column("run", no_wrap=True))
+    table = Rows(("run", "state", "rounds", "sites", "created", "message"),
+                 text=("sites", "message"))
     for r in records:
-        table.add_row(r.id, r.state, f"{r.rounds_done}/{r.rounds_total}", ", ".join(r.sites),
+        table.add(r.id, r.state, f"{r.rounds_done}/{r.rounds_total}", ", ".join(r.sites),
                       _when(r.created), r.message)
-    console.print(table)
+    table.print()

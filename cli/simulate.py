@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
+from xffl.cli.tables import Rows
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -18,15 +18,14 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def render_summary(summary: dict[str, Any]) -> None:
     """A rounds table and where the results are."""
-    table = Table(title=f"simulation {summary['run_id']}: {summary['sites']} virtual sites, "
-                        f"{summary['parallel']} at a time")
-    for col in ("round", "sites", "seconds", "mean site loss", "global loss", "peak RSS MiB"):
-        table.add_column(col, justify="right")
+    table = Rows(("round", "sites", "seconds", "mean site loss", "global loss", "peak RSS MiB"),
+                 title=f"simulation {summary['run_id']}: {summary['sites']} virtual sites, "
+                       f"{summary['parallel']} at a time")
     for r in summary["rounds"]:
-        table.add_row(str(r["round"]), str(r["sites"]), _fmt(r["seconds"], 2),
+        table.add(str(r["round"]), str(r["sites"]), _fmt(r["seconds"], 2),
                       _fmt(r["mean_loss"]), _fmt(r["global_loss"]),
                       f"{r['peak_rss_bytes'] / 2**20:.0f}")
-    console.print(table)
+    table.print()
     console.print(f"final global model: {summary['final_global']}", soft_wrap=True)
     console.print(f"numbers: {Path(summary['dir']) / 'simulate.json'}", soft_wrap=True)
 

@@ -6,9 +6,9 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, handle_errors, print_json
+from xffl.cli.tables import Rows
 from xffl.core.errors import ExitCode
 
 app = typer.Typer(help="List, show and check site profiles.", no_args_is_help=True)
@@ -41,11 +41,12 @@ def list_sites(json_out: JsonOpt = False) -> None:
     if json_out:
         print_json(rows)
         return
-    table = Table("name", "connector", "host", "scheduler", "partition", "source")
+    table = Rows(("name", "connector", "host", "scheduler", "partition", "source"),
+                 text=("host", "source"))
     for r in rows:
-        table.add_row(*(r[k] for k in ("name", "connector", "host", "scheduler", "partition",
+        table.add(*(r[k] for k in ("name", "connector", "host", "scheduler", "partition",
                                        "source")))
-    console.print(table)
+    table.print()
 
 
 @app.command("show")
@@ -84,10 +85,10 @@ def check(name: NameArg, json_out: JsonOpt = False) -> None:
     if json_out:
         print_json(result.as_dict())
     else:
-        table = Table("check", "ok", "detail", title=f"site {name}")
+        table = Rows(("check", "ok", "detail"), title=f"site {name}", text=("detail",))
         for row, ok, detail in result.rows:
-            table.add_row(row, "[green]yes[/green]" if ok else "[red]NO[/red]", detail)
-        console.print(table)
+            table.add(row, "[green]yes[/green]" if ok else "[red]NO[/red]", detail)
+        table.print()
     if not result.connected:
         raise typer.Exit(int(ExitCode.CONNECTION))
     if not result.ok:

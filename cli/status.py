@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.tables import Rows
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
@@ -25,47 +25,48 @@ def render_status(data: RunStatus) -> None:
     run = data.run
     console.print(f"run [bold]{run.id}[/bold]: {run.state} — "
                   f"{run.rounds_done}/{run.rounds_total} rounds"
-                  + (f" — {run.message}" if run.message else ""))
-    table = Table("round", "site", "state", "samples", "tokens", "loss", "queue s", "train s",
-                  "transfer s", "aggregate s")
+                  + (f" — {run.message}" if run.message else ""), soft_wrap=True)
+    table = Rows(("round", "site", "state", "samples", "tokens", "loss", "queue s", "train s",
+                  "xfer s", "agg s"), text=("state",))
     for rnd in data.rounds:
         number = str(rnd.record.round)
         for site in rnd.sites:
-            table.add_row(number, site.site, site.state + (
+            table.add(number, site.site, site.state + (
                 f" after {site.attempts} attempts" if site.attempts > 1 else "") + (
                 f" ({site.reason})" if site.reason else ""),
                 _num(site.num_samples), _num(site.num_tokens),
                 _num(site.loss, "{:.4f}"), fmt("queue_wait_s", site.queue_wait_s),
                 _num(site.train_seconds, "{:.1f}"), fmt("transfer_s", site.transfer_s), "")
-        table.add_row(number, "[bold]global[/bold]", rnd.record.state,
+        table.add(number, "[bold]global[/bold]", rnd.record.state,
                       _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"), "", "",
                       "", _num(rnd.record.aggregate_seconds, "{:.2f}"), end_section=True)
-    console.print(table)
+    table.print()
     if data.slurm:
-        jobs = Table("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s",
-                     title="SLURM jobs")
+        jobs = Rows(("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s"),
+                    title="SLURM jobs", text=("SLURM state",))
         for job in data.slurm:
             state = job.state or ("unreachable" if not job.reachable else "-")
             if job.error:
                 state += f" ({job.error})"
             elif not job.live and job.state in {"PENDING", "RUNNING", "COMPLETING"}:
                 state += " (last seen)"
-            jobs.add_row(_num(job.round), job.site, job.job_id or "-", state,
+            jobs.add(_num(job.round), job.site, job.job_id or "-", state,
                          _num(job.queue_wait_s, "{:.0f}"), _num(job.run_s, "{:.0f}"))
-        console.print(jobs)
+        jobs.print()
     if data.credentials:
-        creds = Table("site", "login", "next round", title="SSH credentials")
+        creds = Rows(("site", "login", "next round"), title="SSH credentials",
+                     text=("login", "next round"))
         for row in data.credentials:
-            creds.add_row(row.site, row.login,
+            creds.add(row.site, row.login,
                           f"[yellow]waiting: {row.waiting}[/yellow]" if row.waiting
                           else "ready")
-        console.print(creds)
+        creds.print()
     if data.latest_global:
-        console.print(f"latest global model: {data.latest_global}")
+        console.print(f"latest global model: {data.latest_global}", soft_wrap=True)
     if data.schedule:
         console.print(f"schedule: `xffl round` at '{data.schedule.cron}', next tick "
-                      f"{data.schedule.next_tick.replace('T', ' ')}")
-    console.print(f"run directory: {run.run_dir}")
+                      f"{data.schedule.next_tick.replace('T', ' ')}", soft_wrap=True)
+    console.print(f"run directory: {run.run_dir}", soft_wrap=True)
 
 
 @handle_errors

@@ -78,10 +78,11 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
             # the same float64 division of the same numbers (JSON round-trips floats
             # exactly): bitwise equal
             assert site["tokens_per_s"] == site["num_tokens"] / site["train_seconds"]
-    # the table has the breakdown's columns (their titles wrap or shorten with the width)
+    # the table has the breakdown's columns (not a terminal: tab-separated, cli/tables.py)
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
-    assert "queue" in table.stdout and "tran" in table.stdout, table.stdout
+    assert "round\tsite\tstate\tsamples\ttokens\tloss\tqueue s\ttrain s\txfer s\tagg s\n" \
+        in table.stdout, table.stdout
 
 
 def test_report_of_an_unknown_run_exits_2() -> None:

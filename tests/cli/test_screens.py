@@ -1,0 +1,82 @@
+"""Screens at 80 columns and in pipes: nothing cut, one record per line (`cli/tables.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from xffl.jobs.registry import Registry, RoundRecord, SiteRound
+
+XFFL = str(Path(sys.executable).parent / "xffl")
+RUN = "a-rather-long-experiment-name-20261125-101010-beef"
+# values a cut would shorten: the state, a 9-digit token count, 6 decimals of loss, the id
+SITES = [SiteRound(site="leonardo-boost", state="completed", num_samples=1_234_567,
+                   num_tokens=987_654_321, loss=3.354575, train_seconds=5123.4),
+         SiteRound(site="karolina", state="failed", reason="round timeout after 7200 s: "
+                   "SLURM job 4242 scancelled", attempts=2)]
+
+
+@pytest.fixture
+def finished_run(xffl_home: Path, tmp_path: Path) -> str:
+    registry = Registry()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    registry.create_run(RUN, "a-rather-long-experiment-name", tmp_path / "job.yaml", run_dir, 1,
+                        [s.site for s in SITES])
+    registry.start_round(RUN, 1, [s.site for s in SITES])
+    registry.finish_round(RUN, RoundRecord(round=1, state="completed", started=time.time(),
+                                           ended=time.time(), aggregate_seconds=12.25,
+                                           num_samples=1_234_567, loss=3.354575, sites=SITES))
+    registry.set_state(RUN, "completed", "1 rounds completed on a quorum of one site")
+    return RUN
+
+
+def _xffl(*argv: str, terminal: bool) -> list[str]:
+    env = {**os.environ, "COLUMNS": "80", "TERM": "xterm"}
+    env.pop("NO_COLOR", None)
+    if terminal:
+        env["FORCE_COLOR"] = "1"  # rich draws for a terminal, 80 columns wide
+    else:
+        env.pop("FORCE_COLOR", None)
+    done = subprocess.run([XFFL, *argv], capture_output=True, text=True, timeout=120, env=env,
+                          check=True)
+    return done.stdout.splitlines()
+
+
+@pytest.mark.parametrize("argv", [("status", "last", "--no-live"), ("runs",), ("sites", "list")])
+def test_a_pipe_gets_one_plain_record_per_line(finished_run: str, argv: tuple[str, ...]) -> None:
+    lines = _xffl(*argv, terminal=False)
+    text = "\n".join(lines)
+    assert "…" not in text and "\x1b" not in text and "━" not in text and "─" not in text
+    rows = [line.split("\t") for line in lines if "\t" in line]
+    assert rows and len({len(r) for r in rows}) == 1  # a header and rows of the same width
+    if argv[0] == "status":
+        assert rows[0][:3] == ["round", "site", "state"]
+        by_site = {r[1]: r for r in rows[1:]}
+        assert by_site["leonardo-boost"][:6] == ["1", "leonardo-boost", "completed", "1234567",
+                                                 "987654321", "3.3546"]
+        assert by_site["karolina"][:3] == ["1", "karolina", "failed after 2 attempts (round "
+                                           "timeout after 7200 s: SLURM job 4242 scancelled)"]
+        assert by_site["global"][:6] == ["1", "global", "completed", "1234567", "-", "3.3546"]
+    if argv[0] == "runs":
+        assert rows[1][:3] == [RUN, "completed", "1/1"]
+    if argv[0] == "sites":
+        names = [r[0] for r in rows[1:]]
+        assert "local" in names and all(r[-1].endswith(".yaml") for r in rows[1:])
+
+
+@pytest.mark.parametrize("argv", [("status", "last", "--no-live"), ("runs",)])
+def test_a_terminal_of_80_columns_cuts_nothing(finished_run: str, argv: tuple[str, ...]) -> None:
+    import re
+
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in _xffl(*argv, terminal=True)]
+    text = "\n".join(lines)
+    assert "…" not in text  # boxes that fit, else plain rows (the terminal wraps them)
+    for whole in (RUN, "completed", "987654321", "1234567", "3.3546") if argv[0] == "status" \
+            else (RUN, "completed"):
+        assert whole in text, (whole, text)
