@@ -45,10 +45,15 @@ R = TypeVar("R")
 
 
 def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn XfflError into one line on stderr and its exit code; no traceback unless --debug."""
+    """Turn XfflError into one line on stderr and its exit code; no traceback unless --debug.
+
+    Under ``--json`` stdout also gets the error as JSON, ``{"error": {"code", "kind",
+    "message", "lines"}}``, so that a script reading stdout always reads JSON.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        as_json = bool(kwargs.get("as_json") or kwargs.get("json_out"))
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
@@ -61,21 +66,34 @@ def handle_errors(fn: Callable[P, R]) -> Callable[P, R]:
                 traceback.print_exc()
             for line in exc.lines:
                 err_console.print(error_text(line), soft_wrap=True)
+            if as_json:
+                error_json(exc.exit_code, exc.message, exc.lines)
             raise typer.Exit(int(exc.exit_code)) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
-            raise typer.Exit(130) from None
+            if as_json:
+                error_json(ExitCode.INTERRUPTED, "interrupted")
+            raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
         except Exception as exc:
             if state.debug:
                 traceback.print_exc()
+            message = (f"internal error: {type(exc).__name__}: {exc} (run again with --debug "
+                       "for the traceback, and please report it)")
             err_console.print(
-                Text.assemble(("internal error:", "red"), f" {type(exc).__name__}: {exc} "
-                              "(run again with --debug for the traceback, and please report it)"),
+                Text.assemble(("internal error:", "red"), message.removeprefix("internal error:")),
                 soft_wrap=True,
             )
+            if as_json:
+                error_json(ExitCode.INTERNAL, message)
             raise typer.Exit(int(ExitCode.INTERNAL)) from None
 
     return wrapper
+
+
+def error_json(code: ExitCode, message: str, lines: list[str] | None = None) -> None:
+    """The error envelope on stdout, for a command run with ``--json``."""
+    print_json({"error": {"code": int(code), "kind": code.name.lower(), "message": message,
+                          "lines": lines or [message]}})
 
 
 def quiet_stdout() -> None:

@@ -14,6 +14,7 @@ class ExitCode(IntEnum):
     CONNECTION = 3
     TIMEOUT = 4
     INTERNAL = 5
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
 
 class XfflError(Exception):

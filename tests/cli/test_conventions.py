@@ -70,3 +70,18 @@ def test_the_pipe_reader_gets_the_output(xffl_home: Path) -> None:
     done = subprocess.run([XFFL, "status", "last", "--json"], capture_output=True, text=True,
                           timeout=120, env=os.environ, check=True)
     assert json.loads(done.stdout)["state"] == "waiting"
+
+
+@pytest.mark.parametrize(("argv", "code", "kind"), [
+    (["status", "--json"], 2, "invalid_input"),  # no runs yet
+    (["logs", "nope", "--json"], 2, "invalid_input"),
+    (["sites", "show", "nowhere", "--json"], 2, "invalid_input"),
+])
+def test_errors_under_json_are_json_on_stdout(xffl_home: Path, argv: list[str], code: int,
+                                              kind: str) -> None:
+    """A script that reads stdout reads JSON, error or not; people still read stderr."""
+    result = runner.invoke(app, argv)
+    assert result.exit_code == code, result.output
+    error = json.loads(result.stdout)["error"]
+    assert (error["code"], error["kind"]) == (code, kind)
+    assert error["lines"][0] == error["message"] and error["message"] in result.stderr
