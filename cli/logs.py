@@ -131,7 +131,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
     root = Path(run.run_dir)
     sf_log = RunLayout(root).streamflow_log
     if site is None:
-        return {"run": run.id, "runner_log": tail(RunLayout(root).supervisor_log, lines),
+        return {"run_id": run.id, "runner_log": tail(RunLayout(root).supervisor_log, lines),
                 "streamflow_log": tail(sf_log, lines)}
     if site not in run.sites:
         raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
@@ -153,7 +153,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
     else:
         source = "streamflow.log"
         out = local_step_lines(sf_log, site, execution["job"], index + 1, execution["dir"])
-    return {"run": run.id, "site": site, "round": index + 1,
+    return {"run_id": run.id, "site": site, "round": index + 1,
             "attempt": int(execution["attempt"]), "source": source,
             "directory": execution["dir"], "lines": out[-lines:]}
 

@@ -38,6 +38,6 @@ def provenance(
         raise InvalidInput(f"-o {target}: the crate is a zip file; name it *.crate.zip.")
     path = write_crate(registry, record, target)
     if as_json:
-        print_json({"run": record.id, "crate": str(path)})
+        print_json({"run_id": record.id, "crate": str(path)})
     else:
         console.print(f"RO-Crate of run {record.id} written to {path}", soft_wrap=True)

@@ -29,7 +29,7 @@ def resume(
     record = resolve_run(registry, run)
     pid = resume_run(registry, record)
     if as_json:
-        print_json({"run": record.id, "runner_pid": pid, "next_round": record.rounds_done + 1})
+        print_json({"run_id": record.id, "runner_pid": pid, "next_round": record.rounds_done + 1})
     else:
         console.print(f"run {record.id} resumed from round {record.rounds_done + 1} (runner pid "
                       f"{pid}); follow it with `xffl status {record.id}`.")

@@ -42,7 +42,7 @@ def round_(
         message = f"run {record.id}: {final.state}: {final.message}"
     final = registry.get_run(record.id)
     if as_json:
-        print_json({"run": final.id, "state": final.state, "rounds_done": final.rounds_done,
+        print_json({"run_id": final.id, "state": final.state, "rounds_done": final.rounds_done,
                     "message": final.message})
     else:
         console.print(message, soft_wrap=True)

@@ -38,7 +38,7 @@ def schedule(
         registry.event(record.id, "schedule", "cron entry removed" if removed
                        else "no cron entry to remove")
         if as_json:
-            print_json({"run": record.id, "removed": removed})
+            print_json({"run_id": record.id, "removed": removed})
         else:
             console.print(f"cron entry of {record.id} removed" if removed
                           else f"run {record.id} had no cron entry")
@@ -48,7 +48,7 @@ def schedule(
     registry.event(record.id, "schedule", f"cron entry installed: {entry.expr}")
     tick = entry.next_tick()
     if as_json:
-        print_json({"run": record.id, "cron": entry.expr, "command": entry.command,
+        print_json({"run_id": record.id, "cron": entry.expr, "command": entry.command,
                     "next_tick": tick.isoformat(timespec="seconds")})
     else:
         console.print(f"run {record.id}: `xffl round` at '{entry.expr}' (next tick "

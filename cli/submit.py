@@ -40,7 +40,7 @@ def submit(
     registry = Registry()
     if not wait:
         if as_json:
-            print_json({"run": run.id, "run_dir": run.run_dir, "state": run.state})
+            print_json({"run_id": run.id, "run_dir": run.run_dir, "state": run.state})
         else:
             console.print(f"submitted run [bold]{run.id}[/bold]; " + (
                 f"runner pid {submitted.pid}; follow it with `xffl watch {run.id}`."

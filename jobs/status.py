@@ -60,9 +60,15 @@ def latest_global(registry: Registry, run: RunRecord) -> str | None:
     return done[-1].global_path if done else None
 
 
+def run_fields(run: RunRecord) -> dict[str, Any]:
+    """A run's recorded fields as every command's JSON names them: its id is ``run_id``."""
+    data = asdict(run)
+    return {"run_id": data.pop("id"), **data}
+
+
 def run_summary(run: RunRecord) -> dict[str, Any]:
     """One run as a plain dict (the `xffl runs` row)."""
-    data = asdict(run)
+    data = run_fields(run)
     data["runner_alive"] = runner_alive(run) if not run.finished else False
     return data
 
@@ -136,7 +142,7 @@ class RunStatus:
 
     def as_json(self) -> dict[str, Any]:
         """The `xffl status --json` object: the run's fields, then the rest by name."""
-        return {**asdict(self.run), "runner_alive": self.runner_alive,
+        return {**run_fields(self.run), "runner_alive": self.runner_alive,
                 "rounds": [r.as_json() for r in self.rounds],
                 "latest_global": self.latest_global,
                 "events": [asdict(e) for e in self.events],

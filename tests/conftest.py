@@ -52,7 +52,7 @@ class FinishedRun:
     @property
     def run_id(self) -> str:
         """The run's id."""
-        return str(self.status["id"])
+        return str(self.status["run_id"])
 
     @property
     def run_dir(self) -> Path:

@@ -135,7 +135,7 @@ def run(gib: float, rounds: int, workdir: Path, timeout: float) -> dict[str, Any
     status = json.loads(proc.stdout)
     registry = Registry(workdir / "home" / "registry.db")
     per_round = [r["ended"] - r["started"] for r in status["rounds"]]
-    peaks = [float(m.group(1)) for _, kind, msg in registry.events(status["id"])
+    peaks = [float(m.group(1)) for _, kind, msg in registry.events(status["run_id"])
              if kind == "resources" and (m := re.search(r"peak RSS (\d+) MiB", msg))]
     final = Path(status["run_dir"]) / "rounds" / str(rounds) / "global"
     exact, worst = check_final(w0, final, rounds)

@@ -108,12 +108,12 @@ def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     run_dir = Path(status["run_dir"])
     registry = Registry(Path(env["XFFL_HOME"]) / "registry.db")
     rows = []
-    submitted = registry.events(status["id"])[0][0]
-    first = registry.rounds(status["id"])[0].started
+    submitted = registry.events(status["run_id"])[0][0]
+    first = registry.rounds(status["run_id"])[0].started
     assert first is not None
     print(f"xffl: {first - submitted:.2f} s from submit to round 1 (supervisor start, initial "
           "model, StreamFlow set-up: once per run, not per round)", flush=True)
-    for rnd in registry.rounds(status["id"]):
+    for rnd in registry.rounds(status["run_id"]):
         assert rnd.started is not None and rnd.ended is not None
         updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in SITES}
         rows.append(_round_row(rnd.ended - rnd.started, updates,

@@ -24,7 +24,7 @@ def _waiting_run() -> str:
     """A registered run left to cron (`--no-start`): nothing runs, it waits for a tick."""
     result = runner.invoke(app, ["submit", str(QUICKSTART), "--no-start", "--json"])
     assert result.exit_code == 0, result.output
-    run_id: str = json.loads(result.stdout)["run"]
+    run_id: str = json.loads(result.stdout)["run_id"]
     return run_id
 
 

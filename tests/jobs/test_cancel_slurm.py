@@ -72,7 +72,7 @@ def test_status_then_cancel_running_slurm_run(tmp_path: Path, slurm_stack,  # ty
     job = _job(tmp_path, slurm_stack, "cancelme", ["sleep 300"])
     result = runner.invoke(app, ["submit", str(job), "--json"])
     assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["run"]
+    run_id = json.loads(result.stdout)["run_id"]
     names = {c: f"xffl-{run_id}-{c}-r1" for c in ("alpha", "beta")}
     try:
         _cancel_scenario(slurm_stack, run_id, names)

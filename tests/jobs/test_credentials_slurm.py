@@ -127,7 +127,7 @@ def test_certificate_and_agent_with_jump_host_end_to_end(
         assert result.exit_code == 0, result.output
         status = json.loads(result.stdout)
         assert status["state"] == "completed" and status["rounds_done"] == 1
-        run_id = status["id"]
+        run_id = status["run_id"]
         streamflow = yaml.safe_load((Path(status["run_dir"]) / "streamflow.yml").read_text())
         login_beta = streamflow["deployments"]["login-beta"]["config"]
         assert "sshKey" not in login_beta  # asyncssh used the agent
@@ -186,7 +186,7 @@ def test_cron_round_waits_for_renewed_certificate(
     job = _job(tmp_path, "crontick", {"alpha": alpha, "beta": beta}, rounds=2)
     result = runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
     assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["run"]
+    run_id = json.loads(result.stdout)["run_id"]
 
     sign(slurm_stack, key, "-3h:-1h")  # the certificate ran out before the tick
     result = runner.invoke(app, ["round", run_id])

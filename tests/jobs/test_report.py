@@ -185,7 +185,7 @@ def test_status_json_has_the_breakdown(tmp_path: Path) -> None:
     assert (alpha.queue_wait_s, alpha.transfer_s, alpha.delivered_seconds) == (0.0, 6.0, 16.0)
     # the JSON object carries the same numbers under the same names, through a JSON round trip
     shown = json.loads(json.dumps(status.as_json()))
-    assert shown["id"] == run_id and shown["slurm"] == [] and shown["schedule"] is None
+    assert shown["run_id"] == run_id and shown["slurm"] == [] and shown["schedule"] is None
     row = shown["rounds"][0]["sites"][1]
     assert (row["site"], row["queue_wait_s"], row["transfer_s"], row["tokens_per_s"],
             row["state"]) == ("beta", 5.0, 15.5, 3000.0, beta.state.value)

@@ -35,7 +35,7 @@ def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Pa
     job.write_text(yaml.safe_dump(spec))
     submitted = json.loads(runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
                            .stdout)
-    run_id = submitted["run"]
+    run_id = submitted["run_id"]
     result = runner.invoke(app, ["schedule", run_id, "--cron", "*/5 * * * *", "--json"])
     assert result.exit_code == 0, result.output
     shown = json.loads(result.stdout)
@@ -66,7 +66,7 @@ def test_bad_cron_expression_exit_2(tmp_path: Path, xffl_home: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec))
     run_id = json.loads(runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
-                        .stdout)["run"]
+                        .stdout)["run_id"]
     result = runner.invoke(app, ["schedule", run_id, "--cron", "61 * * * *"])
     assert result.exit_code == 2
     assert "cron expression '61 * * * *': the minute field '61' is not valid" in result.stderr

@@ -42,8 +42,8 @@ def _run(tmp_path: Path, state: str = "running") -> tuple[Registry, str, Path]:
     assert submitted.exit_code == 0, submitted.output
     data = json.loads(submitted.stdout)
     registry = Registry()
-    registry.set_state(data["run"], state, "set by the test")
-    return registry, data["run"], Path(data["run_dir"])
+    registry.set_state(data["run_id"], state, "set by the test")
+    return registry, data["run_id"], Path(data["run_dir"])
 
 
 @contextmanager
@@ -92,7 +92,7 @@ def test_a_run_that_no_process_runs_is_not_shown_running(tmp_path: Path) -> None
     shown = json.loads(runner.invoke(app, ["status", run_id, "--json"]).stdout)
     assert shown["state"] == "failed" and shown["message"] == orphan_message(run_id)
     listed = json.loads(runner.invoke(app, ["runs", "--json"]).stdout)
-    assert [r["state"] for r in listed if r["id"] == run_id] == ["failed"]
+    assert [r["state"] for r in listed if r["run_id"] == run_id] == ["failed"]
     # cron runs (waiting) and submitted runs have no supervisor and are left as they are
     registry.set_state(run_id, "waiting", "between ticks")
     assert settle(registry, registry.get_run(run_id)).state == "waiting"

@@ -75,7 +75,7 @@ def test_quickstart_end_to_end(quickstart_run: FinishedRun,
     assert mean[-1] < mean[0] - 1.0, mean
 
     # the registry's view, through the CLI
-    shown = runner.invoke(app, ["status", status["id"], "--json"])
+    shown = runner.invoke(app, ["status", status["run_id"], "--json"])
     assert shown.exit_code == 0
     shown_rounds = json.loads(shown.stdout)["rounds"]
     assert [r["round"] for r in shown_rounds] == [1, 2, 3]
@@ -84,5 +84,5 @@ def test_quickstart_end_to_end(quickstart_run: FinishedRun,
         by_site = {s["site"]: s for s in r["sites"]}
         assert {k: v["num_samples"] for k, v in by_site.items()} == samples
         assert all(s["loss"] is not None and s["loss"] > 0 for s in by_site.values())
-    table = runner.invoke(app, ["status", status["id"]], env={"COLUMNS": "200"})
+    table = runner.invoke(app, ["status", status["run_id"]], env={"COLUMNS": "200"})
     assert "completed" in table.stdout and "global" in table.stdout

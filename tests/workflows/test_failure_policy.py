@@ -79,17 +79,17 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()
 
     _prepare_beta(xffl_home)
-    result = runner.invoke(app, ["resume", status["id"], "--json"])
+    result = runner.invoke(app, ["resume", status["run_id"], "--json"])
     assert result.exit_code == 0, result.output
-    final = wait_for_run(Registry(), status["id"], 300)
+    final = wait_for_run(Registry(), status["run_id"], 300)
     assert final.state == "completed" and final.rounds_done == 2, final.message
     # alpha's round-1 update came back again, the same bytes, without training again
-    first, again = admitted(_status(status["id"]), 1, "alpha")
+    first, again = admitted(_status(status["run_id"]), 1, "alpha")
     assert first == again and reused(status["run_dir"], 1)
     run_dir = Path(status["run_dir"])
     g1 = verify_checkpoint(run_dir / "rounds" / "1" / "global")
     assert set(g1.extra["sites"]) == {"alpha", "beta"}
-    again = runner.invoke(app, ["resume", status["id"]])
+    again = runner.invoke(app, ["resume", status["run_id"]])
     assert again.exit_code == 2 and "nothing to resume" in again.stderr
 
 

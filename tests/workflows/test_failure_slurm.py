@@ -74,7 +74,7 @@ def test_scancelled_job_is_retried(tmp_path: Path, slurm_stack,  # type: ignore[
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = runner.invoke(app, ["submit", str(job), "--json"])
     assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["run"]
+    run_id = json.loads(result.stdout)["run_id"]
     name = f"xffl-{run_id}-beta-r1"
     deadline = time.monotonic() + 120
     while True:  # wait until beta's job runs its script, then cancel it as an operator would
@@ -137,12 +137,12 @@ def test_controller_outage_quorum_and_resume(tmp_path: Path,
     finally:
         stack_mod.start_slurmctld(slurm_stack.dir, "beta")
 
-    result = runner.invoke(app, ["resume", failed["id"]])
+    result = runner.invoke(app, ["resume", failed["run_id"]])
     assert result.exit_code == 0, result.output
-    final = wait_for_run(Registry(), failed["id"], 300)
+    final = wait_for_run(Registry(), failed["run_id"], 300)
     assert final.state == "completed" and final.rounds_done == 1, final.message
     # alpha's round-1 job ran again but handed back the update it had trained: same bytes
-    first, again = admitted(_status(failed["id"]), 1, "alpha")
+    first, again = admitted(_status(failed["run_id"]), 1, "alpha")
     assert first == again and reused(failed["run_dir"], 1)
     for rnd in (1,):
         glob = verify_checkpoint(Path(failed["run_dir"]) / "rounds" / str(rnd) / "global")
@@ -166,21 +166,21 @@ def test_cron_ticks_and_a_killed_coordinator_give_the_same_bytes(
     assert result.exit_code == 0, result.output
     submitted = json.loads(result.stdout)
     assert submitted["state"] == "waiting"
-    cmd = [str(Path(sys.executable).parent / "xffl"), "round", submitted["run"]]
+    cmd = [str(Path(sys.executable).parent / "xffl"), "round", submitted["run_id"]]
     procs = [subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("in flight" in o for o in outs) == 1, outs
-    status = _status(submitted["run"])
+    status = _status(submitted["run_id"])
     assert status["rounds_done"] == 1 and status["state"] == "waiting"
     assert [r["round"] for r in status["rounds"]] == [1]
     names = [r["Name"] for c in ("alpha", "beta") for r in slurm_stack.jobcomp_records(c)
-             if r.get("Name", "").startswith(f"xffl-{submitted['run']}-")]
-    assert sorted(names) == [f"xffl-{submitted['run']}-{c}-r1" for c in ("alpha", "beta")]
+             if r.get("Name", "").startswith(f"xffl-{submitted['run_id']}-")]
+    assert sorted(names) == [f"xffl-{submitted['run_id']}-{c}-r1" for c in ("alpha", "beta")]
     # the next tick runs round 2 and completes the run; a tick after that does nothing
     subprocess.run(cmd, env=dict(os.environ), check=True, capture_output=True, timeout=300)
-    assert _status(submitted["run"])["state"] == "completed"
+    assert _status(submitted["run_id"])["state"] == "completed"
     last = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True,
                           timeout=60)
     assert last.returncode == 0 and "is completed: no round to run" in last.stdout
@@ -196,11 +196,11 @@ def test_cron_ticks_and_a_killed_coordinator_give_the_same_bytes(
     assert "its supervisor ended without recording an outcome" in killed["message"]
     run_dir = Path(killed["run_dir"])
     assert (run_dir / "rounds" / "1" / "global").is_dir() and killed["rounds_done"] == 0
-    result = runner.invoke(app, ["resume", killed["id"]])
+    result = runner.invoke(app, ["resume", killed["run_id"]])
     assert result.exit_code == 0, result.output
-    final = wait_for_run(Registry(), killed["id"], 300)
+    final = wait_for_run(Registry(), killed["run_id"], 300)
     assert final.state == "completed", final.message
-    resumed = _status(killed["id"])
+    resumed = _status(killed["run_id"])
     for site in ("alpha", "beta"):  # both sites handed back their round-1 updates
         first, again = admitted(resumed, 1, site)
         assert first == again

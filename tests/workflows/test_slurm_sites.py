@@ -46,7 +46,7 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "400"])
     assert result.exit_code == 0, result.output
     status = json.loads(result.stdout)
-    run_id, run_dir = status["id"], Path(status["run_dir"])
+    run_id, run_dir = status["run_id"], Path(status["run_dir"])
     assert status["state"] == "completed"
     rounds = (1, 2, 3)
 
