@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, handle_errors, print_json
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.cli.tables import Rows
 from xffl.core.errors import ExitCode
 
@@ -47,6 +47,38 @@ def list_sites(json_out: JsonOpt = False) -> None:
         table.add(*(r[k] for k in ("name", "connector", "host", "scheduler", "partition",
                                        "source")))
     table.print()
+
+
+@app.command("init")
+@handle_errors
+def init(
+    name: Annotated[str, typer.Argument(help="A bundled template (`xffl sites list`).")],
+    force: Annotated[bool, typer.Option("--force", help="Replace the copy if it exists.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Copy a bundled profile template, comments included, to your profiles to fill in.
+
+    Example: xffl sites init leonardo
+    """
+    from xffl.core.errors import InvalidInput
+    from xffl.site_profiles.lookup import bundled_dir, installed_dirs
+
+    template = bundled_dir() / f"{name}.yaml"
+    if not template.is_file():
+        known = ", ".join(sorted(p.stem for p in bundled_dir().glob("*.yaml")))
+        raise InvalidInput(f"no bundled profile template {name!r}; the templates: {known}.")
+    target = installed_dirs()[0] / f"{name}.yaml"
+    if target.exists() and not force:
+        raise InvalidInput(f"{target} exists; edit it, or --force to replace it with the "
+                           "template.")
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    target.write_text(template.read_text())
+    target.chmod(0o600)
+    if json_out:
+        print_json({"profile": name, "path": str(target)})
+    else:
+        console.print(f"wrote {target}: fill in every YOUR_... value, then `xffl sites check "
+                      f"{name}`.", soft_wrap=True)
 
 
 @app.command("show")

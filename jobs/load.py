@@ -11,7 +11,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
 from xffl.jobs.spec import JobSpec
-from xffl.site_profiles.lookup import find_profile
+from xffl.site_profiles.lookup import find_profile, unfilled
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.arch import (
     PRESETS,
@@ -47,9 +47,12 @@ def _check_profiles(doc: YamlDoc, path: Path) -> tuple[dict[str, SiteProfile], l
         line = doc.line_of(("sites", i, "profile"))
         where = f"{path}:{line}: job spec field sites[{i}].profile"
         try:
-            profiles[str(site.get("name"))] = find_profile(site["profile"], path.parent, where)
+            profile = find_profile(site["profile"], path.parent, where)
         except InvalidInput as exc:
             errors.extend(exc.lines)
+            continue
+        profiles[str(site.get("name"))] = profile
+        errors.extend(unfilled(site["profile"], profile, path.parent, where))
     return profiles, errors
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from xffl.core.errors import InvalidInput
 from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.validation import validate_doc
 from xffl.core.yamlio import load_yaml
-from xffl.site_profiles.schema import SiteProfile
+from xffl.site_profiles.schema import SiteProfile, SshConnector
+
+PLACEHOLDER = "YOUR_"  # what the bundled templates hold where the user's values go
 
 
 def bundled_dir() -> Path:
@@ -83,3 +86,44 @@ def find_profile(name: str, job_dir: Path | None = None, referrer: str = "") -> 
             f"profile {shadowed[0]}; a job's folder cannot replace an installed profile: "
             f"rename the file and its name field (e.g. {name}-job).")
     return load_profile_file(chosen)
+
+
+def placeholders(profile: SiteProfile) -> list[str]:
+    """Fields still holding a ``YOUR_...`` placeholder."""
+    found = []
+    conn = profile.connector
+    if isinstance(conn, SshConnector):
+        for key in ("host", "user", "key_file", "certificate", "renew"):
+            if PLACEHOLDER in str(getattr(conn, key) or ""):
+                found.append(key)
+    if profile.slurm is not None and PLACEHOLDER in str(profile.slurm.account or ""):
+        found.append("account")
+    if PLACEHOLDER in (profile.python or ""):
+        found.append("python")
+    if PLACEHOLDER in profile.workdir:
+        found.append("workdir")
+    return found
+
+
+def unfilled(name: str, profile: SiteProfile, job_dir: Path | None = None,
+             referrer: str = "") -> list[str]:
+    """One error per field of ``name``'s profile still holding a template's ``YOUR_...`` value,
+    at its line in the file it came from, with the fix."""
+    missing = placeholders(profile)
+    if not missing:
+        return []
+    path = available(job_dir)[name]
+    lines = path.read_text().splitlines()
+    prefix = f"{referrer}: " if referrer else ""
+    bundled = path.parent.resolve() == bundled_dir().resolve()
+    fix = (f"copy the template with `xffl sites init {name}` and fill it in there" if bundled
+           else "fill it in")
+    errors = []
+    for key in missing:
+        line = next((n for n, text in enumerate(lines, 1)
+                     if re.match(rf"\s*{key}\s*:", text) and PLACEHOLDER in text.split("#")[0]),
+                    None)
+        where = f"{path}:{line}" if line else str(path)
+        errors.append(f"{prefix}{where}: site profile field {key}: still the template's "
+                      f"{PLACEHOLDER}... placeholder; {fix}.")
+    return errors

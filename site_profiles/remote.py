@@ -15,10 +15,10 @@ import paramiko
 from xffl.core.errors import ConnectionFailed, XfflError
 from xffl.site_profiles.credentials import SiteCredential, renew_advice, site_credential
 from xffl.site_profiles.login import Login, known_hosts_path, resolve
+from xffl.site_profiles.lookup import placeholders
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 CONNECT_TIMEOUT = 15.0
-PLACEHOLDER = "YOUR_"
 
 
 class _Client(paramiko.SSHClient):
@@ -197,23 +197,6 @@ class SiteCheck:
         return {"site": self.site, "ok": self.ok, "connected": self.connected,
                 "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
                 "credential": self.credential.as_dict() if self.credential else None}
-
-
-def placeholders(profile: SiteProfile) -> list[str]:
-    """Fields still holding a ``YOUR_...`` placeholder."""
-    found = []
-    conn = profile.connector
-    if isinstance(conn, SshConnector):
-        for key in ("host", "user", "key_file", "certificate", "renew"):
-            if PLACEHOLDER in str(getattr(conn, key) or ""):
-                found.append(key)
-    if profile.slurm is not None and PLACEHOLDER in str(profile.slurm.account or ""):
-        found.append("account")
-    if PLACEHOLDER in (profile.python or ""):
-        found.append("python")
-    if PLACEHOLDER in profile.workdir:
-        found.append("workdir")
-    return found
 
 
 def _workdir_script(workdir: str) -> str:

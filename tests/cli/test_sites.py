@@ -118,3 +118,48 @@ def test_unknown_host_exit_3(tmp_path: Path, slurm_stack,  # type: ignore[no-unt
     result = runner.invoke(app, ["sites", "check", "test-alpha"])
     assert result.exit_code == 3, result.output
     assert "known_hosts" in result.output
+
+
+def test_a_template_left_unfilled_is_refused_where_it_is(tmp_path: Path,
+                                                         xffl_home: Path) -> None:
+    """A job on the bundled leonardo template: validate names each YOUR_ line and the fix;
+    `sites init` copies the template (comments kept) and validate then points at the copy."""
+    from xffl.cli.validate import validate
+    from xffl.site_profiles.lookup import bundled_dir, installed_dirs
+
+    full = typer.Typer()
+    full.add_typer(sites.app, name="sites")
+    full.command("validate")(validate)
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["sites"][0]["profile"] = "leonardo"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+    def errors() -> list[str]:
+        result = runner.invoke(full, ["validate", str(job)])
+        assert result.exit_code == 2, result.output
+        return [line.split(": job spec field sites[0].profile: ", 1)[1]
+                for line in result.stderr.splitlines() if "site profile field" in line]
+
+    template = bundled_dir() / "leonardo.yaml"
+    fields = {"user": 21, "renew": 26, "account": 29, "python": 41, "workdir": 42}
+    assert errors() == [f"{template}:{n}: site profile field {k}: still the template's YOUR_... "
+                        "placeholder; copy the template with `xffl sites init leonardo` and "
+                        "fill it in there." for k, n in fields.items()]
+    made = runner.invoke(full, ["sites", "init", "leonardo"])
+    assert made.exit_code == 0, made.output
+    copy = installed_dirs()[0] / "leonardo.yaml"
+    assert copy.read_text() == template.read_text()  # the renewal steps' comments included
+    assert (copy.stat().st_mode & 0o777) == 0o600
+    assert runner.invoke(full, ["sites", "init", "leonardo"]).exit_code == 2  # no overwrite
+    assert [e.split(":", 2)[:2] for e in errors()] == [[str(copy), str(n)]
+                                                       for n in fields.values()]
+    assert all(e.endswith("still the template's YOUR_... placeholder; fill it in.")
+               for e in errors())
+    filled = copy.read_text().replace("YOUR_USERNAME", "ada").replace("YOUR_ACCOUNT", "p_1") \
+        .replace("YOUR_EMAIL", "ada@example.org").replace("YOUR_VENV", "venv") \
+        .replace("YOUR_SCRATCH", "scratch")
+    copy.write_text(filled)
+    from xffl.jobs.load import load_job
+
+    assert load_job(job).profiles["alpha"].connector.user == "ada"  # filled in: it loads
