@@ -11,6 +11,7 @@ from xffl.cli import (
     aggregate,
     cancel,
     data,
+    init,
     logs,
     provenance,
     render,
@@ -74,6 +75,7 @@ def _root(
     private_files()  # everything a command writes is owner-only
 
 
+app.command()(init.init)
 app.command()(submit.submit)
 app.command()(status.status)
 app.command()(watch.watch)

@@ -13,7 +13,7 @@ from xffl.jobs.registry import Registry
 
 @handle_errors
 def report(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
     out: Annotated[Path | None, typer.Option(
         "-o", "--out", help="Folder to write into (default: <run_dir>/report).")] = None,
     as_json: JsonOpt = False,

@@ -27,7 +27,8 @@ def runs(as_json: JsonOpt = False) -> None:
         print_json([run_summary(r) for r in records])
         return
     if not records:
-        console.print("no runs yet; try `xffl submit jobs/quickstart.yaml --wait`.")
+        console.print("no runs yet; try `xffl init demo && xffl submit demo/job.yaml --wait`.",
+                      soft_wrap=True)
         return
     table = Rows(("run", "state", "rounds", "sites", "created", "message"),
                  text=("sites", "message"))

@@ -11,7 +11,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
 from xffl.jobs.spec import JobSpec
-from xffl.site_profiles.lookup import find_profile, unfilled
+from xffl.site_profiles.lookup import PLACEHOLDER, find_profile, unfilled
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.arch import (
     PRESETS,
@@ -54,6 +54,14 @@ def _check_profiles(doc: YamlDoc, path: Path) -> tuple[dict[str, SiteProfile], l
         profiles[str(site.get("name"))] = profile
         errors.extend(unfilled(site["profile"], profile, path.parent, where))
     return profiles, errors
+
+
+def _check_placeholders(path: Path) -> list[str]:
+    """A template's ``YOUR_...`` value left in the job spec (outside comments), line by line."""
+    return [f"{path}:{n}: job spec: {text.split('#')[0].strip()!r} still holds a template's "
+            f"{PLACEHOLDER}... placeholder; fill it in."
+            for n, text in enumerate(path.read_text().splitlines(), 1)
+            if PLACEHOLDER in text.split("#")[0]]
 
 
 def _at(doc: YamlDoc, path: Path, loc: Loc) -> str:
@@ -139,6 +147,7 @@ def load_job(path: Path) -> LoadedJob:
         spec = validate_doc(doc, JobSpec, "job spec")
     except InvalidInput as exc:
         errors.extend(exc.lines)
+    errors.extend(_check_placeholders(path))
     profiles, profile_errors = _check_profiles(doc, path)
     errors.extend(profile_errors)
     if spec is not None:

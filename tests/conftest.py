@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,28 +63,65 @@ class FinishedRun:
         return Path(self.status["run_dir"])
 
 
+def wheel_venv(where: Path) -> Path:
+    """A virtual environment with xffl installed by pip from the wheel of this tree, as on a
+    login node: no clone on its path, xffl's data files (bundled profiles, the quickstart,
+    templates) only as the wheel ships them. Its dependencies are this venv's, seen through
+    one .pth line holding a plain path (the .pth files found there, the editable install's
+    among them, are not read), so nothing is downloaded."""
+    dist = where / "dist"
+    build = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    for argv in (
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+             "-w", str(dist), str(REPO)],
+            [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip",
+             str(where / "venv")]):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=build)
+        assert done.returncode == 0, done.stderr
+    venv = where / "venv"
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (venv / "lib" / version / "site-packages" / "xffl-test-deps.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                           "install", "-q", "--no-deps", "--no-index",
+                           *map(str, dist.glob("xffl-*.whl"))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return venv
+
+
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FinishedRun]:
-    """The README's quickstart as written, run once per test process under a login shell's
-    umask (022), for the tests that read a finished run (end to end, report, file modes).
+    """The README's quickstart as a new user runs it from the wheel, outside any clone:
+    `xffl init demo && xffl submit demo/job.yaml --wait && xffl status && xffl report`, under
+    a login shell's umask (022), for the tests that read a finished run (end to end, report,
+    file modes).
 
     Tests that use it carry ``xdist_group("quickstart")`` (added below): one worker runs it.
     Each such test points XFFL_HOME at ``home`` and may add files, never change the run.
     """
-    from typer.testing import CliRunner
-
-    from xffl.cli.app import app
-
-    home = tmp_path_factory.mktemp("quickstart") / "xffl-home"
+    where = tmp_path_factory.mktemp("quickstart")
+    home = where / "xffl-home"
+    xffl = str(wheel_venv(where) / "bin" / "xffl")
+    env = {**os.environ, "XFFL_HOME": str(home), "XDG_CONFIG_HOME": str(where / "config")}
+    done: dict[str, subprocess.CompletedProcess[str]] = {}
     old = os.umask(0o022)
     try:
-        result = CliRunner().invoke(
-            app, ["submit", str(QUICKSTART), "--wait", "--json", "--timeout", "300"],
-            env={"XFFL_HOME": str(home), "XDG_CONFIG_HOME": str(home.parent / "config")})
+        for step, argv in (("init", ["init", "demo"]),
+                           ("submit", ["submit", "demo/job.yaml", "--wait", "--json",
+                                       "--timeout", "300"]),
+                           ("status", ["status"]), ("report", ["report", "-o", "report"])):
+            done[step] = subprocess.run([xffl, *argv], cwd=where, env=env, capture_output=True,
+                                        text=True, timeout=400)
+            assert done[step].returncode == 0, (step, done[step].stdout, done[step].stderr)
     finally:
         os.umask(old)
-    assert result.exit_code == 0, result.output
-    yield FinishedRun(home, json.loads(result.stdout))
+    assert (where / "demo" / "job.yaml").read_text() == QUICKSTART.read_text()
+    status = json.loads(done["submit"].stdout)
+    assert status["state"] == "completed"
+    assert f"run {status['run_id']}: completed" in done["status"].stdout
+    assert (where / "report" / "report.html").is_file()
+    yield FinishedRun(home, status)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

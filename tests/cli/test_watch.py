@@ -58,8 +58,11 @@ def test_submit_refuses_wait_without_start(xffl_home: Path) -> None:
 
 def test_ctrl_c_stops_following_not_the_run(xffl_home: Path) -> None:
     run_id = _waiting_run()
+    # as from an interactive shell: SIGINT at its default (a pytest-xdist worker ignores it,
+    # and a child inherits that; Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([XFFL, "watch", run_id], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=os.environ)
+                            stderr=subprocess.PIPE, text=True, env=os.environ,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 60

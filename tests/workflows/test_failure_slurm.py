@@ -234,7 +234,7 @@ def test_round_timeout_scancels_a_site_and_the_round_goes_on(
     glob = verify_checkpoint(Path(status["run_dir"]) / "rounds" / "1" / "global")
     assert set(glob.extra["sites"]) == {"alpha"}
     # SLURM's record: beta's round-1 job was cancelled, not left to run
-    name = f"xffl-{status['id']}-beta-r1"
+    name = f"xffl-{status['run_id']}-beta-r1"
     deadline = time.monotonic() + 30
     while not [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]:
         assert time.monotonic() < deadline, "no record of beta's job"

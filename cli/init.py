@@ -1,0 +1,61 @@
+"""`xffl init`: a starter job (and the profile templates it names) in a folder, comments kept."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.core.errors import InvalidInput
+
+# template -> (the job spec shipped in xffl.jobs, the bundled profiles it names)
+TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "quickstart": ("quickstart.yaml", ()),
+    "two-facilities": ("llama2-7b-two-facilities.yaml", ("leonardo", "karolina")),
+}
+
+
+@handle_errors
+def init(
+    folder: Annotated[Path, typer.Argument(help="Folder to write job.yaml into.")] = Path("."),
+    template: Annotated[Literal["quickstart", "two-facilities"], typer.Option(
+        "--template", "-t", help="quickstart: two sites on this machine; two-facilities: "
+        "LLaMA-2 7B on Leonardo and Karolina (the xFFL paper's setting).")] = "quickstart",
+    force: Annotated[bool, typer.Option("--force", help="Replace FOLDER/job.yaml if it "
+                                        "exists.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a starter job spec into FOLDER (and copy the profile templates it needs).
+
+    Example: xffl init demo && xffl submit demo/job.yaml --wait
+    """
+    from xffl.site_profiles.lookup import bundled_dir, installed_dirs
+
+    spec_file, profiles = TEMPLATES[template]
+    job = folder / "job.yaml"
+    if job.exists() and not force:
+        raise InvalidInput(f"{job} exists; choose another folder, or --force to replace it.")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    job.write_text((resources.files("xffl.jobs") / spec_file).read_text())
+    written, kept = [str(job)], []
+    for name in profiles:  # the user's own profiles folder: a job's folder cannot shadow them
+        target = installed_dirs()[0] / f"{name}.yaml"
+        if target.exists():
+            kept.append(str(target))
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        target.write_text((bundled_dir() / f"{name}.yaml").read_text())
+        written.append(str(target))
+    if as_json:
+        print_json({"template": template, "job": str(job), "written": written, "kept": kept})
+        return
+    for path in written:
+        console.print(f"wrote {path}", soft_wrap=True)
+    for path in kept:
+        console.print(f"kept  {path} (yours already)", soft_wrap=True)
+    step = ("fill in every YOUR_... value (`xffl validate` lists those left), then "
+            if profiles else "")
+    console.print(f"next: {step}`xffl submit {job} --wait`", soft_wrap=True)
