@@ -51,6 +51,7 @@ class FinishedRun:
 
     home: Path
     status: dict[str, Any]
+    report: dict[str, Any]  # what `xffl report --json -o DIR` printed (DIR outside the run)
 
     @property
     def run_id(self) -> str:
@@ -110,7 +111,8 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Finishe
         for step, argv in (("init", ["init", "demo"]),
                            ("submit", ["submit", "demo/job.yaml", "--wait", "--json",
                                        "--timeout", "300"]),
-                           ("status", ["status"]), ("report", ["report", "-o", "report"])):
+                           ("status", ["status"]),
+                           ("report", ["report", "--json", "-o", "report"])):
             done[step] = subprocess.run([xffl, *argv], cwd=where, env=env, capture_output=True,
                                         text=True, timeout=400)
             assert done[step].returncode == 0, (step, done[step].stdout, done[step].stderr)
@@ -120,8 +122,7 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Finishe
     status = json.loads(done["submit"].stdout)
     assert status["state"] == "completed"
     assert f"run {status['run_id']}: completed" in done["status"].stdout
-    assert (where / "report" / "report.html").is_file()
-    yield FinishedRun(home, status)
+    yield FinishedRun(home, status, json.loads(done["report"].stdout))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
