@@ -30,7 +30,8 @@ def validate(
         validate_cwl(layout.main)
     if as_json:
         print_json({"valid": True, "job": str(loaded.path), "rounds": loaded.spec.rounds,
-                    "sites": {s.name: s.profile for s in loaded.spec.sites}})
+                    "sites": [{"site": s.name, "profile": s.profile}
+                              for s in loaded.spec.sites]})
         return
     sites = ", ".join(f"{s.name} ({s.profile})" for s in loaded.spec.sites)
     console.print(f"[green]valid[/green]: {loaded.path} — {loaded.spec.rounds} rounds, "

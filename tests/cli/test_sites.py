@@ -10,6 +10,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.site_profiles.test_remote import (
     other_host_known_hosts,
@@ -51,7 +52,7 @@ def test_show() -> None:
 def test_check_local() -> None:
     result = runner.invoke(app, ["sites", "check", "local", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["ok"] is True
+    assert check("sites-check", json.loads(result.stdout))["ok"] is True
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.jobs.schedule import current
@@ -38,7 +39,7 @@ def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Pa
     run_id = submitted["run_id"]
     result = runner.invoke(app, ["schedule", run_id, "--cron", "*/5 * * * *", "--json"])
     assert result.exit_code == 0, result.output
-    shown = json.loads(result.stdout)
+    shown = check("schedule", json.loads(result.stdout))
     try:
         lines = [ln for ln in _crontab().splitlines() if f"# xffl:{run_id}" in ln]
         assert len(lines) == 1 and lines[0].startswith("*/5 * * * * ")

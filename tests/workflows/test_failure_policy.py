@@ -15,6 +15,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.workflows.runs import admitted, reused
 from xffl.aggregator.exchange import verify_checkpoint
@@ -81,6 +82,7 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     _prepare_beta(xffl_home)
     result = runner.invoke(app, ["resume", status["run_id"], "--json"])
     assert result.exit_code == 0, result.output
+    check("resume", json.loads(result.stdout))
     final = wait_for_run(Registry(), status["run_id"], 300)
     assert final.state == "completed" and final.rounds_done == 2, final.message
     # alpha's round-1 update came back again, the same bytes, without training again

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.stack import stack as stack_mod
 from tests.stack.profiles import write_profile
@@ -179,7 +180,10 @@ def test_cron_ticks_and_a_killed_coordinator_give_the_same_bytes(
              if r.get("Name", "").startswith(f"xffl-{submitted['run_id']}-")]
     assert sorted(names) == [f"xffl-{submitted['run_id']}-{c}-r1" for c in ("alpha", "beta")]
     # the next tick runs round 2 and completes the run; a tick after that does nothing
-    subprocess.run(cmd, env=dict(os.environ), check=True, capture_output=True, timeout=300)
+    second = subprocess.run([*cmd, "--json"], env=dict(os.environ), check=True,
+                            capture_output=True, text=True, timeout=300)
+    ran = check("round", json.loads(second.stdout))
+    assert (ran["state"], ran["rounds_done"]) == ("completed", 2)
     assert _status(submitted["run_id"])["state"] == "completed"
     last = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True,
                           timeout=60)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.aggregator.fedavg import aggregate
@@ -56,7 +57,7 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path) -> N
                                  "2", "--rounds", "2", "-o", str(out), "--keep-updates",
                                  "--json"])
     assert result.exit_code == 0, result.output + result.stderr
-    summary = json.loads(result.stdout)
+    summary = check("simulate", json.loads(result.stdout))
     assert summary == json.loads((out / "simulate.json").read_text())
     assert summary["state"] == "completed" and summary["sites"] == 5
     assert summary["parallel"] == 2 and summary["threads_per_worker"] >= 1

@@ -14,6 +14,7 @@ import yaml
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
 from xffl.aggregator.exchange import verify_checkpoint
@@ -45,7 +46,7 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
 
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "400"])
     assert result.exit_code == 0, result.output
-    status = json.loads(result.stdout)
+    status = check("status", json.loads(result.stdout))  # with its SLURM jobs
     run_id, run_dir = status["run_id"], Path(status["run_dir"])
     assert status["state"] == "completed"
     rounds = (1, 2, 3)
@@ -119,6 +120,7 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     crate_file = tmp_path / "run.crate.zip"
     made = runner.invoke(app, ["provenance", run_id, "-o", str(crate_file), "--json"])
     assert made.exit_code == 0, made.output
+    check("provenance", json.loads(made.stdout))
     crate = ROCrate(str(crate_file))
     registry_rounds = {r.round: r for r in Registry().rounds(run_id)}
     for rnd in rounds:
