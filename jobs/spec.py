@@ -35,9 +35,12 @@ class AggregationSpec(_Strict):
     defaults, e.g. ``{eta: 0.01}`` for fedadam.
     """
 
-    strategy: str = "fedavg"
-    weighting: Literal["samples", "tokens", "uniform"] = "samples"
-    params: dict[str, float] = Field(default_factory=dict)
+    strategy: str = Field(default="fedavg", description="a registered strategy (`xffl "
+                          "aggregate --help` lists them)")
+    weighting: Literal["samples", "tokens", "uniform"] = Field(
+        default="samples", description="what each site's update weighs in the average")
+    params: dict[str, float] = Field(default_factory=dict,
+                                     description="the strategy's parameters, e.g. {eta: 0.01}")
     max_shard_size: str | int = Field(
         default=DEFAULT_MAX_SHARD_SIZE,
         description="largest global model file, e.g. 5GB, 500MB or 2GiB: a bigger model is "
@@ -106,8 +109,8 @@ class SiteBudget(_Strict):
     that it does not hold every round back. ``time`` sets the site's ``time_budget``.
     """
 
-    steps: int | None = Field(default=None, ge=1)
-    tokens: int | None = Field(default=None, ge=1)
+    steps: int | None = Field(default=None, ge=1, description="optimizer steps per round")
+    tokens: int | None = Field(default=None, ge=1, description="tokens per round (sets steps)")
     time: float | None = Field(default=None, gt=0, description="seconds of training")
 
     @model_validator(mode="after")
@@ -133,10 +136,10 @@ class SiteBudget(_Strict):
 class SiteSpec(_Strict):
     """One facility taking part in the job."""
 
-    name: str
-    profile: str
+    name: str = Field(description="the site's name in this job (letters, digits, - and _)")
+    profile: str = Field(description="the site profile it runs with (NAME.yaml)")
     ranks: int = Field(default=1, ge=1, le=4096, description="training processes at the site")
-    data: DataSpec
+    data: DataSpec = Field(description="its private data, at the site")
     slurm: SlurmOverride | None = Field(
         default=None, description="this site's overrides of its profile's slurm section "
         "(partition, account, qos, time, nodes, ...); only for SLURM profiles")
@@ -164,9 +167,12 @@ class FailurePolicy(_Strict):
     sites still running then count as failed (their jobs are cancelled).
     """
 
-    retries: int = Field(default=0, ge=0, le=100)
-    min_sites: int | None = Field(default=None, ge=1)
-    round_timeout: float | None = Field(default=None, gt=0)
+    retries: int = Field(default=0, ge=0, le=100,
+                         description="runs of a failed site's job again in the same round")
+    min_sites: int | None = Field(default=None, ge=1, description="valid updates a round "
+                                 "needs to aggregate (null: every site)")
+    round_timeout: float | None = Field(default=None, gt=0, description="seconds a round's "
+                                        "training may take, queue waits included")
     retry_delay: float = Field(default=0.0, ge=0, le=86_400,
                                description="seconds to wait before a retry")
 
@@ -174,13 +180,16 @@ class FailurePolicy(_Strict):
 class JobSpec(_Strict):
     """A federated training job: model, local training, aggregation, rounds, sites."""
 
-    name: str
-    rounds: int = Field(ge=1, le=100_000)
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
-    aggregation: AggregationSpec = Field(default_factory=AggregationSpec)
-    failure: FailurePolicy = Field(default_factory=FailurePolicy)
-    sites: list[SiteSpec] = Field(min_length=1)
+    name: str = Field(description="prefix of the run ids (letters, digits, - and _)")
+    rounds: int = Field(ge=1, le=100_000, description="federated rounds")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="what is trained")
+    training: TrainingSpec = Field(default_factory=TrainingSpec,
+                                   description="the local training at every site")
+    aggregation: AggregationSpec = Field(default_factory=AggregationSpec,
+                                         description="how the updates are combined")
+    failure: FailurePolicy = Field(default_factory=FailurePolicy,
+                                   description="retries, quorum and round deadline")
+    sites: list[SiteSpec] = Field(min_length=1, description="the facilities taking part")
 
     _name = field_validator("name")(check_name)
 

@@ -16,6 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
+# what a new user types (README, docs/getting-started.md), plus the flags a test reads by
+QUICKSTART_COMMANDS = [["init", "demo"],
+                       ["submit", "demo/job.yaml", "--wait", "--json", "--timeout", "300"],
+                       ["status"], ["report", "--json", "-o", "report"]]
 
 # The pytest-xdist workers share the machine's cores, so every torch process of the suite
 # runs one intra-op thread: the launcher's own choice (xffl.training.threads) assumes the
@@ -108,11 +112,8 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Finishe
     done: dict[str, subprocess.CompletedProcess[str]] = {}
     old = os.umask(0o022)
     try:
-        for step, argv in (("init", ["init", "demo"]),
-                           ("submit", ["submit", "demo/job.yaml", "--wait", "--json",
-                                       "--timeout", "300"]),
-                           ("status", ["status"]),
-                           ("report", ["report", "--json", "-o", "report"])):
+        for argv in QUICKSTART_COMMANDS:
+            step = argv[0]
             done[step] = subprocess.run([xffl, *argv], cwd=where, env=env, capture_output=True,
                                         text=True, timeout=400)
             assert done[step].returncode == 0, (step, done[step].stdout, done[step].stderr)

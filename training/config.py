@@ -33,9 +33,12 @@ class ModelSpec(_Strict):
     the user's own from that config instead of xffl's LLaMA (see xffl.training.entry).
     """
 
-    preset: str = "tiny"
-    overrides: dict[str, int | float | bool] = Field(default_factory=dict)
-    init: str | None = None
+    preset: str = Field(default="tiny", description="bundled model: tiny, tiny-test, llama2-7b")
+    overrides: dict[str, int | float | bool] = Field(
+        default_factory=dict,
+        description="LlamaConfig fields replacing the preset's (hidden_size, ...)")
+    init: str | None = Field(default=None, description="Hugging Face checkpoint folder of round 0 "
+                             "(null: seeded weights)")
     entry_point: str | None = Field(
         default=None, description="package.module:function building the model from the config")
 
@@ -68,21 +71,27 @@ class TrainingSpec(_Strict):
                                description="seconds kept before the SLURM time limit")
     batch_size: int = Field(default=8, ge=1, description="sequences per micro-batch per dp rank")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
-    seq_len: int = Field(default=64, ge=8, le=1 << 16)
-    lr: float = Field(default=3e-3, gt=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    weight_decay: float = Field(default=0.0, ge=0)
+    seq_len: int = Field(default=64, ge=8, le=1 << 16, description="tokens per sequence")
+    lr: float = Field(default=3e-3, gt=0, description="peak learning rate (AdamW)")
+    schedule: Literal["constant", "cosine"] = Field(
+        default="constant", description="learning rate over the whole job (rounds x steps)")
+    warmup_steps: int = Field(default=0, ge=0, description="linear warm-up steps of the schedule")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1,
+                                description="cosine: the last learning rate over lr")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
-    grad_clip: float = Field(default=1.0, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0,
+                             description="gradient norm clipping (0: none)")
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term weight")
-    tensor_parallel: int = Field(default=1, ge=1, le=1024)
-    data_parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    tensor_parallel: int = Field(default=1, ge=1, le=1024, description="ranks splitting "
+                                 "every layer Megatron-style; divides ranks and heads")
+    data_parallel: Literal["auto", "ddp", "fsdp"] = Field(
+        default="auto", description="across the dp groups; auto: FSDP2 when tp > 1, else DDP")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast on GPUs, fp32 on CPUs")
-    activation_checkpointing: bool = False
-    seed: int = Field(default=0, ge=0)
+    activation_checkpointing: bool = Field(
+        default=False, description="recompute each layer's activations in the backward pass")
+    seed: int = Field(default=0, ge=0, description="seeds round 0's weights and the samplers")
     balance: Literal["none", "throughput"] = Field(
         default="none", description="throughput: from round 2, faster sites get more steps so "
         "that every site trains about as long as the slowest needs for its budget")
@@ -113,9 +122,11 @@ class DataSpec(_Strict):
     ``synthetic`` set, the shards are generated deterministically there on first use.
     """
 
-    path: str
-    synthetic: Literal["alpha", "beta", "gamma", "delta"] | None = None
-    synthetic_sequences: int = Field(default=512, ge=1)
+    path: str = Field(description="token shards at the site (absolute, or under its workdir)")
+    synthetic: Literal["alpha", "beta", "gamma", "delta"] | None = Field(
+        default=None, description="generate this synthetic language at path on first use")
+    synthetic_sequences: int = Field(default=512, ge=1,
+                                     description="sequences of the synthetic corpus")
     max_samples: int | None = Field(
         default=None, ge=1, description="the most samples this site may report (its "
         "dataset's size): sites are weighed by their samples, so this bounds what a site's "
