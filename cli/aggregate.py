@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 @handle_errors
 def aggregate(
     updates: Annotated[list[Path], typer.Argument(help="Update checkpoint directories.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Global checkpoint to write.")],
+    output: Annotated[Path, typer.Option("-o", "--output", "--out",
+                                         help="Global checkpoint to write.")],
     strategy: Annotated[
         str, typer.Option("--strategy", help=f"One of {', '.join(strategy_names())}.")
     ] = "fedavg",

@@ -17,7 +17,8 @@ app = typer.Typer(help="Prepare a site's training data (run it at the site).",
 @handle_errors
 def prepare(
     texts: Annotated[list[Path], typer.Argument(help="Text files, tokenized in this order.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Token-shard directory to create.")],
+    out: Annotated[Path, typer.Option("-o", "--output", "--out",
+                                      help="Token-shard directory to create.")],
     tokenizer: Annotated[Path | None, typer.Option(
         help="A Hugging Face tokenizer.json (default: byte-level, 256 tokens).")] = None,
     eos: Annotated[str | None, typer.Option(

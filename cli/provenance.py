@@ -16,7 +16,8 @@ from xffl.jobs.registry import Registry
 def provenance(
     run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
     out: Annotated[Path | None, typer.Option(
-        "-o", "--out", help="The crate to write (default: <run>.crate.zip here).")] = None,
+        "-o", "--output", "--out",
+        help="The crate to write (default: <run>.crate.zip here).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a Workflow Run RO-Crate (zip) of RUN: every StreamFlow execution of its plan,

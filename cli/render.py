@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -15,10 +16,13 @@ from xffl.jobs.registry import new_run_id
 @handle_errors
 def render(
     job: Annotated[Path, typer.Argument(help="The job spec (YAML).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Folder to write the plan into.")],
+    out: Annotated[Path, typer.Option("-o", "--output", "--out",
+                                      help="Folder to write the plan into.")],
     init_model: Annotated[
         bool, typer.Option(help="Also write the seeded initial model (rounds/0/global).")
     ] = True,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace a non-empty OUT folder (its files are deleted first).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Write the plan of JOB into a folder: the same files `xffl submit` runs.
@@ -35,7 +39,10 @@ def render(
 
     loaded = load_job(job)
     if out.exists() and any(out.iterdir()):
-        raise InvalidInput(f"{out}: folder is not empty; choose a new or empty folder for -o.")
+        if not force:
+            raise InvalidInput(f"{out}: folder is not empty; choose a new or empty folder for "
+                               "-o, or --force to replace it.")
+        shutil.rmtree(out)
     run_id = new_run_id(f"render-{loaded.spec.name}")
     layout = write_plan(loaded, run_id, out)
     layout.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")

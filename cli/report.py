@@ -15,7 +15,8 @@ from xffl.jobs.registry import Registry
 def report(
     run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
     out: Annotated[Path | None, typer.Option(
-        "-o", "--out", help="Folder to write into (default: <run_dir>/report).")] = None,
+        "-o", "--output", "--out",
+        help="Folder to write into (default: <run_dir>/report).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write report.html and PNG plots of a run: loss, round-time breakdown, throughput.

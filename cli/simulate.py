@@ -38,7 +38,7 @@ def simulate(
         "--parallel", help="Sites trained at a time K (worker processes; default: one per "
         "core).")] = None,
     output: Annotated[Path | None, typer.Option(
-        "-o", "--output", help="Folder for the results (default: "
+        "-o", "--output", "--out", help="Folder for the results (default: "
         "$XFFL_HOME/simulations/<job name>-<timestamp>).")] = None,
     rounds: Annotated[int | None, typer.Option(
         "--rounds", help="Rounds to run (default: the job's).")] = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -60,7 +61,29 @@ def test_render_writes_plan(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert (out / "main.cwl").is_file() and (out / "streamflow.yml").is_file()
     again = runner.invoke(app, ["render", str(QUICKSTART), "-o", str(out)])
-    assert again.exit_code == 2 and "not empty" in again.stderr
+    assert again.exit_code == 2 and "not empty" in again.stderr and "--force" in again.stderr
+    (out / "stale.txt").write_text("from an earlier plan")
+    first = json.loads(result.stdout)["run_id"]
+    forced = runner.invoke(app, ["render", str(QUICKSTART), "--output", str(out), "--force",
+                                 "--no-init-model", "--json"])
+    assert forced.exit_code == 0, forced.output
+    assert not (out / "stale.txt").exists() and (out / "main.cwl").is_file()
+    assert json.loads(forced.stdout)["run_id"] != first  # a new plan, not a merge
+
+
+def test_every_output_option_is_spelled_the_same() -> None:
+    """-o, --output (and the older --out) wherever a command writes somewhere chosen."""
+    import typer.main
+
+    from xffl.cli.app import app as full
+
+    def leaves(cmd: object) -> list[object]:
+        sub = getattr(cmd, "commands", None)
+        return [leaf for c in sub.values() for leaf in leaves(c)] if sub else [cmd]
+
+    outs = [p.opts for c in leaves(typer.main.get_command(full)) for p in c.params
+            if "-o" in p.opts]
+    assert len(outs) == 6 and all(sorted(o) == ["--out", "--output", "-o"] for o in outs)
 
 
 def test_every_command_help_has_an_example() -> None:
