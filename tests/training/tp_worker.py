@@ -85,6 +85,10 @@ def main(out: Path, meshes: list[str]) -> None:
     for mesh in meshes:
         tp, mode = mesh.split(":")
         run_mesh(int(tp), mode, out / f"{tp}-{mode}")
+    # every rank leaves together: a rank that tears gloo down while rank 0 (which also
+    # gathers and writes the full state) is still talking to it aborted rank 0 once, with
+    # "terminate called without an active exception", under a fully loaded machine
+    dist.barrier()
     dist.destroy_process_group()
 
 
