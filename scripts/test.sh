@@ -16,10 +16,11 @@ mkdir -p build
 (rc=0; bash scripts/typecheck.sh > build/typecheck.log 2>&1 || rc=$?  # (set -e holds here)
  cat build/typecheck.log; exit "$rc") &
 typecheck=$!
-# the docs site, strict: a broken link or anchor, or a page out of the nav, fails it (not
-# --quiet: it hides the warnings that strict mode counts)
-.venv/bin/mkdocs build --strict --clean -d build/site > build/mkdocs.log 2>&1 || {
-  cat build/mkdocs.log; echo "scripts/test.sh: the docs site does not build" >&2; exit 1; }
+# the docs site, strict (a broken link or anchor, or a page out of the nav, fails it; not
+# --quiet, which hides the warnings strict mode counts), also beside the start-up
+(rc=0; .venv/bin/mkdocs build --strict --clean -d build/site > build/mkdocs.log 2>&1 || rc=$?
+ [ "$rc" -eq 0 ] || cat build/mkdocs.log; exit "$rc") &
+docs=$!
 # three workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py): the
 # third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
 # timeout (2 workers: 8:18 here, 3: 8:10); XFFL_TEST_WORKERS=0 runs everything in this process
@@ -29,9 +30,15 @@ set +e
 tests=$?
 wait "$typecheck"
 types=$?
+wait "$docs"
+site=$?
 set -e
 if [ "$types" -ne 0 ]; then
   echo "scripts/test.sh: mypy found problems (its output is above)" >&2
+  exit 1
+fi
+if [ "$site" -ne 0 ]; then
+  echo "scripts/test.sh: the docs site does not build (mkdocs' output is above)" >&2
   exit 1
 fi
 exit "$tests"

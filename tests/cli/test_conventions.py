@@ -85,3 +85,21 @@ def test_errors_under_json_are_json_on_stdout(xffl_home: Path, argv: list[str], 
     error = json.loads(result.stdout)["error"]
     assert (error["code"], error["kind"]) == (code, kind)
     assert error["lines"][0] == error["message"] and error["message"] in result.stderr
+
+
+def test_an_internal_error_is_exit_5_with_one_line(xffl_home: Path) -> None:
+    """A state xffl cannot read (its registry overwritten by something else) is exit 5: one
+    line naming the failure and --debug, no traceback, the error object under --json."""
+    from xffl.core.paths import registry_path
+
+    registry_path().parent.mkdir(parents=True, exist_ok=True)
+    registry_path().write_bytes(b"not a SQLite database, " * 100)
+    plain = subprocess.run([XFFL, "runs"], capture_output=True, text=True, timeout=120,
+                           env=os.environ)
+    assert plain.returncode == 5, plain.stderr
+    assert plain.stderr.startswith("internal error: DatabaseError: file is not a database")
+    assert "--debug" in plain.stderr and "Traceback" not in plain.stderr
+    assert len(plain.stderr.strip().splitlines()) == 1
+    as_json = runner.invoke(app, ["runs", "--json"])
+    assert as_json.exit_code == 5
+    assert json.loads(as_json.stdout)["error"]["kind"] == "internal"
