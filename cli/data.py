@@ -35,7 +35,8 @@ def prepare(
     meta = run_prepare(texts, out, tokenizer=tokenizer, eos=eos, force=force)
     summary = {"out": str(out), "num_tokens": meta["num_tokens"],
                "vocab_size": meta["vocab_size"], "dtype": meta["dtype"],
-               "files": len(meta["sources"])}
+               "inputs": len(meta["sources"]),
+               "files": sorted(str(f) for f in out.iterdir() if f.is_file())}
     if json_out:
         print_json(summary)
     else:

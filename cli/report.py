@@ -35,7 +35,8 @@ def report(
     record = resolve_run(registry, run)
     data, files = write_report(registry, record, out)
     if as_json:
-        print_json({**data.as_dict(), "files": {k: str(v) for k, v in files.items()}})
+        print_json({**data.as_dict(), "html": str(files["html"]),
+                    "files": [str(v) for v in files.values()]})
         return
     done = sum(1 for r in data.rounds if r.state == "completed")
     console.print(f"report of run [bold]{data.run_id}[/bold] ({data.state}, {done} completed "

@@ -49,7 +49,7 @@ def schedule(
     tick = entry.next_tick()
     if as_json:
         print_json({"run_id": record.id, "cron": entry.expr, "command": entry.command,
-                    "next_tick": tick.isoformat(timespec="seconds")})
+                    "next_tick": tick.astimezone().isoformat(timespec="seconds")})
     else:
         console.print(f"run {record.id}: `xffl round` at '{entry.expr}' (next tick "
                       f"{tick:%Y-%m-%d %H:%M}); output in {record.run_dir}/cron.log",

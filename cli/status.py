@@ -65,7 +65,7 @@ def render_status(data: RunStatus) -> None:
         console.print(f"latest global model: {data.latest_global}", soft_wrap=True)
     if data.schedule:
         console.print(f"schedule: `xffl round` at '{data.schedule.cron}', next tick "
-                      f"{data.schedule.next_tick.replace('T', ' ')}", soft_wrap=True)
+                      f"{data.schedule.next_tick.replace('T', ' ')[:16]}", soft_wrap=True)
     console.print(f"run directory: {run.run_dir}", soft_wrap=True)
 
 

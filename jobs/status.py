@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +61,28 @@ def latest_global(registry: Registry, run: RunRecord) -> str | None:
     return done[-1].global_path if done else None
 
 
+# JSON's one vocabulary: durations in seconds end in ``_s``, times are ISO-8601 with offset
+_DURATIONS = {"train_seconds": "train_s", "delivered_seconds": "delivered_s",
+              "aggregate_seconds": "aggregate_s"}
+_TIMES = frozenset({"created", "updated", "started", "ended", "ts"})
+
+
+def iso_time(ts: float | None) -> str | None:
+    """An epoch time as JSON shows every time: ISO-8601, local, with its UTC offset."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="milliseconds")
+
+
+def json_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """Recorded fields under JSON's names: ``*_s`` durations, ISO-8601 times (``ts``: ``time``)."""
+    return {("time" if k == "ts" else _DURATIONS.get(k, k)): iso_time(v) if k in _TIMES else v
+            for k, v in data.items()}
+
+
 def run_fields(run: RunRecord) -> dict[str, Any]:
     """A run's recorded fields as every command's JSON names them: its id is ``run_id``."""
-    data = asdict(run)
+    data = json_fields(asdict(run))
     return {"run_id": data.pop("id"), **data}
 
 
@@ -94,8 +114,12 @@ class RoundStatus:
     sites: list[SiteStatus]
 
     def as_json(self) -> dict[str, Any]:
-        """The round's fields, ``sites`` as a list of the sites' fields."""
-        return {**asdict(self.record), "sites": [asdict(s) for s in self.sites]}
+        """The round's fields (its wall time too), ``sites`` as a list of the sites' fields."""
+        rec = self.record
+        wall = rec.ended - rec.started if rec.ended is not None and rec.started is not None \
+            else None
+        data = json_fields({k: v for k, v in asdict(rec).items() if k != "sites"})
+        return {**data, "wall_s": wall, "sites": [json_fields(asdict(s)) for s in self.sites]}
 
 
 @dataclass(frozen=True)
@@ -145,7 +169,7 @@ class RunStatus:
         return {**run_fields(self.run), "runner_alive": self.runner_alive,
                 "rounds": [r.as_json() for r in self.rounds],
                 "latest_global": self.latest_global,
-                "events": [asdict(e) for e in self.events],
+                "events": [json_fields(asdict(e)) for e in self.events],
                 "schedule": None if self.schedule is None else asdict(self.schedule),
                 "credentials": [asdict(c) for c in self.credentials],
                 "slurm": [j.as_dict() for j in self.slurm]}
@@ -180,7 +204,8 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
 
         entry = current(run.id)
         if entry is not None:
-            schedule = Schedule(entry.expr, entry.next_tick().isoformat(timespec="seconds"))
+            schedule = Schedule(entry.expr, entry.next_tick().astimezone()
+                                .isoformat(timespec="seconds"))
     jobs: list[SlurmJob] = []
     if slurm and may_log_in(Path(run.run_dir)):
         from xffl.jobs.slurm_view import slurm_view

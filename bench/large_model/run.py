@@ -134,7 +134,7 @@ def run(gib: float, rounds: int, workdir: Path, timeout: float) -> dict[str, Any
                          f"{proc.stderr[-3000:]}")
     status = json.loads(proc.stdout)
     registry = Registry(workdir / "home" / "registry.db")
-    per_round = [r["ended"] - r["started"] for r in status["rounds"]]
+    per_round = [r["wall_s"] for r in status["rounds"]]
     peaks = [float(m.group(1)) for _, kind, msg in registry.events(status["run_id"])
              if kind == "resources" and (m := re.search(r"peak RSS (\d+) MiB", msg))]
     final = Path(status["run_dir"]) / "rounds" / str(rounds) / "global"
@@ -144,7 +144,7 @@ def run(gib: float, rounds: int, workdir: Path, timeout: float) -> dict[str, Any
         "model_bytes": size, "model_gib": size / 2**30,
         "parameters": size // 4, "layers": config.num_hidden_layers,
         "write_w0_s": write_s, "rounds": rounds, "run_wall_s": wall,
-        "round_s": per_round, "aggregate_s": [r["aggregate_seconds"] for r in status["rounds"]],
+        "round_s": per_round, "aggregate_s": [r["aggregate_s"] for r in status["rounds"]],
         "coordinator_peak_rss_gib": peak / 2**30, "peak_over_model": peak / size,
         "final_matches_formula": exact, "worst_error_ulps": worst, "state": status["state"],
     }

@@ -19,8 +19,11 @@ def test_prepare_bytes_json(tmp_path: Path) -> None:
     result = runner.invoke(app, ["data", "prepare", str(src), "-o", str(tmp_path / "d"),
                                  "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"out": str(tmp_path / "d"), "num_tokens": 22,
-                                         "vocab_size": 256, "dtype": "uint16", "files": 1}
+    out = tmp_path / "d"
+    assert json.loads(result.stdout) == {
+        "out": str(out), "num_tokens": 22, "vocab_size": 256, "dtype": "uint16", "inputs": 1,
+        "files": sorted(str(f) for f in out.iterdir())}
+    assert {Path(f).name for f in json.loads(result.stdout)["files"]} >= {"meta.json"}
     assert bytes(load_tokens(tmp_path / "d").astype("uint8")) == b"hello federated world\n"
 
 

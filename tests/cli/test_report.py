@@ -33,8 +33,10 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
 
     # `xffl report --json -o DIR`, run by the fixture as the README's quickstart does
     numbers = quickstart_run.report
-    out = Path(numbers["files"]["html"]).parent
-    assert numbers["files"]["html"] == str(out / "report.html")
+    out = Path(numbers["html"]).parent
+    assert numbers["html"] == str(out / "report.html")
+    assert sorted(numbers["files"]) == sorted(str(out / n) for n in (
+        "report.html", "loss.png", "breakdown.png", "throughput.png"))
     for name in ("loss.png", "breakdown.png", "throughput.png"):
         _decodes(out / name)
     page = (out / "report.html").read_text()
@@ -61,18 +63,18 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     assert status.exit_code == 0, status.output
     for rnd in json.loads(status.stdout)["rounds"]:
         for site in rnd["sites"]:
-            parts = (site["queue_wait_s"], site["train_seconds"], site["transfer_s"])
+            parts = (site["queue_wait_s"], site["train_s"], site["transfer_s"])
             assert all(v is not None and v >= 0 for v in parts), site
             assert site["queue_wait_s"] == 0.0  # local sites: no SLURM queue
-            assert site["delivered_seconds"] > site["train_seconds"] > 0
+            assert site["delivered_s"] > site["train_s"] > 0
             # transfer = delivered - queue (0.0) - train and the sum back are two float64
             # roundings of values <= delivered: <= 2 * 2^-53 * delivered apart; 2x that
             # (dropping the training or the transfer time, each > 0 s, breaks it)
-            assert abs(sum(parts) - site["delivered_seconds"]) <= \
-                4 * 2**-53 * site["delivered_seconds"], site
+            assert abs(sum(parts) - site["delivered_s"]) <= \
+                4 * 2**-53 * site["delivered_s"], site
             # the same float64 division of the same numbers (JSON round-trips floats
             # exactly): bitwise equal
-            assert site["tokens_per_s"] == site["num_tokens"] / site["train_seconds"]
+            assert site["tokens_per_s"] == site["num_tokens"] / site["train_s"]
     # the table has the breakdown's columns (not a terminal: tab-separated, cli/tables.py)
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
