@@ -49,7 +49,9 @@ app = typer.Typer(
     help="Cross-facility federated learning: train one model across HPC facilities whose "
     "data never leaves them.",
     no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    # every option also reads XFFL_<COMMAND>_<OPTION> (XFFL_SUBMIT_TIMEOUT=600,
+    # XFFL_STATUS_LIVE=0), --json XFFL_JSON and --debug XFFL_DEBUG; the command line wins
+    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "XFFL"},
     pretty_exceptions_enable=False,
 )
 
@@ -65,8 +67,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors (anywhere "
-                                        "on the command line).")] = False,
+    debug: Annotated[bool, typer.Option(
+        "--debug", envvar="XFFL_DEBUG",
+        help="Show tracebacks on errors (anywhere on the command line).")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print xffl's version and exit.")] = False,
 ) -> None:

@@ -31,7 +31,8 @@ class _Console(Console):
 console = _Console(highlight=False)
 err_console = _Console(stderr=True, highlight=False)
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
+                                       help="Print machine-readable JSON.")]
 
 
 class _State:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
+from xffl.jobs.registry import Registry
 
 runner = CliRunner()
 XFFL = str(Path(sys.executable).parent / "xffl")
@@ -103,3 +104,21 @@ def test_an_internal_error_is_exit_5_with_one_line(xffl_home: Path) -> None:
     as_json = runner.invoke(app, ["runs", "--json"])
     assert as_json.exit_code == 5
     assert json.loads(as_json.stdout)["error"]["kind"] == "internal"
+
+
+def test_options_from_the_environment(xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """XFFL_JSON, XFFL_DEBUG and XFFL_<COMMAND>_<OPTION> set options; the command line wins."""
+    run_id = json.loads(runner.invoke(app, ["submit", str(QUICKSTART), "--no-start",
+                                            "--json"]).stdout)["run_id"]
+    monkeypatch.setenv("XFFL_JSON", "1")
+    assert json.loads(runner.invoke(app, ["status"]).stdout)["run_id"] == run_id
+    monkeypatch.setenv("XFFL_WATCH_TIMEOUT", "0.2")
+    assert runner.invoke(app, ["watch"]).exit_code == 4  # a waiting run: the timeout ends it
+    assert runner.invoke(app, ["watch", "--timeout", "0"]).exit_code == 4
+    monkeypatch.setenv("XFFL_DEBUG", "1")
+    loud = runner.invoke(app, ["status", "nope"])
+    assert loud.exit_code == 2 and "Traceback" in loud.stderr
+    assert json.loads(loud.stdout)["error"]["kind"] == "invalid_input"  # XFFL_JSON
+    monkeypatch.setenv("XFFL_SUBMIT_TIMEOUT", "-1")  # checked as the option is
+    assert runner.invoke(app, ["submit", str(QUICKSTART), "--wait"]).exit_code == 2
+    assert Registry().list_runs()[0].id == run_id  # nothing submitted
