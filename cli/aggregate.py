@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 @handle_errors
 def aggregate(
-    updates: Annotated[list[Path], typer.Argument(help="Update checkpoint directories.")],
+    updates: Annotated[list[Path], typer.Argument(
+        metavar="UPDATE...", help="Update checkpoint directories.")],
     output: Annotated[Path, typer.Option("-o", "--output", "--out",
                                          help="Global checkpoint to write.")],
     strategy: Annotated[

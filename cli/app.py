@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -53,6 +54,9 @@ app = typer.Typer(
     # XFFL_STATUS_LIVE=0), --json XFFL_JSON and --debug XFFL_DEBUG; the command line wins
     context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "XFFL"},
     pretty_exceptions_enable=False,
+    # help: rich panels on a terminal (docstrings as Markdown paragraphs, so their line
+    # breaks do not survive as ragged lines); plain click help, unpadded, into a pipe or file
+    rich_markup_mode="markdown" if sys.stdout.isatty() else None,
 )
 
 

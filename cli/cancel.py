@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+    resolve_run,
+)
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry
 
 
 @handle_errors
 def cancel(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    run: RunArg,
     as_json: JsonOpt = False,
 ) -> None:
     """Cancel a run: stop its runner, scancel its job at every SLURM site and check with

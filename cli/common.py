@@ -31,6 +31,8 @@ class _Console(Console):
 console = _Console(highlight=False)
 err_console = _Console(stderr=True, highlight=False)
 
+RunArg = Annotated[str, typer.Argument(metavar="RUN",
+                                       help="Run id, an unambiguous prefix, or 'last'.")]
 JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
                                        help="Print machine-readable JSON.")]
 

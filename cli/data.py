@@ -16,7 +16,8 @@ app = typer.Typer(help="Prepare a site's training data (run it at the site).",
 @app.command("prepare")
 @handle_errors
 def prepare(
-    texts: Annotated[list[Path], typer.Argument(help="Text files, tokenized in this order.")],
+    texts: Annotated[list[Path], typer.Argument(
+        metavar="TEXT...", help="Text files, tokenized in this order.")],
     out: Annotated[Path, typer.Option("-o", "--output", "--out",
                                       help="Token-shard directory to create.")],
     tokenizer: Annotated[Path | None, typer.Option(

@@ -20,7 +20,8 @@ TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 @handle_errors
 def init(
-    folder: Annotated[Path, typer.Argument(help="Folder to write job.yaml into.")] = Path("."),
+    folder: Annotated[Path, typer.Argument(
+        metavar="DIR", help="Folder to write job.yaml into.")] = Path("."),
     template: Annotated[Literal["quickstart", "two-facilities"], typer.Option(
         "--template", "-t", help="quickstart: two sites on this machine; two-facilities: "
         "LLaMA-2 7B on Leonardo and Karolina (the xFFL paper's setting).")] = "quickstart",

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry import Registry, RunRecord
@@ -160,7 +160,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
 
 @handle_errors
 def logs(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    run: RunArg = "last",
     site: Annotated[str | None, typer.Option("--site", help="Show this site's training job "
                                              "output.")] = None,
     rnd: Annotated[int | None, typer.Option("--round", min=1, help="Round (default: the "

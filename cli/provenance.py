@@ -7,14 +7,14 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
 
 
 @handle_errors
 def provenance(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    run: RunArg = "last",
     out: Annotated[Path | None, typer.Option(
         "-o", "--output", "--out",
         help="The crate to write (default: <run>.crate.zip here).")] = None,

@@ -15,7 +15,7 @@ from xffl.jobs.registry import new_run_id
 
 @handle_errors
 def render(
-    job: Annotated[Path, typer.Argument(help="The job spec (YAML).")],
+    job: Annotated[Path, typer.Argument(metavar="JOB", help="The job spec (YAML).")],
     out: Annotated[Path, typer.Option("-o", "--output", "--out",
                                       help="Folder to write the plan into.")],
     init_model: Annotated[

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.jobs.registry import Registry
 
 
 @handle_errors
 def resume(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    run: RunArg,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a runner that continues RUN from the round after its last completed one.

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry
 
 
 @handle_errors
 def round_(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    run: RunArg,
     as_json: JsonOpt = False,
 ) -> None:
     """Run the next round of RUN in this process, then return.

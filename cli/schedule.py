@@ -6,14 +6,14 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
 
 
 @handle_errors
 def schedule(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")],
+    run: RunArg,
     expr: Annotated[str | None, typer.Option(
         "--cron", help="Five-field cron expression, e.g. '*/30 * * * *'.")] = None,
     remove: Annotated[bool, typer.Option("--remove", help="Uninstall the entry.")] = False,

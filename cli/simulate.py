@@ -32,7 +32,8 @@ def render_summary(summary: dict[str, Any]) -> None:
 
 @handle_errors
 def simulate(
-    job: Annotated[Path, typer.Argument(help="The job spec (YAML), as for `xffl submit`.")],
+    job: Annotated[Path, typer.Argument(
+        metavar="JOB", help="The job spec (YAML), as for `xffl submit`.")],
     sites: Annotated[int, typer.Option("--sites", help="Number of virtual sites N.")],
     parallel: Annotated[int | None, typer.Option(
         "--parallel", help="Sites trained at a time K (worker processes; default: one per "

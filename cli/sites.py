@@ -13,7 +13,8 @@ from xffl.core.errors import ExitCode
 
 app = typer.Typer(help="List, show and check site profiles.", no_args_is_help=True)
 
-NameArg = Annotated[str, typer.Argument(help="Profile name (file NAME.yaml).")]
+NameArg = Annotated[str, typer.Argument(
+        metavar="NAME", help="Profile name (file NAME.yaml).")]
 
 
 @app.command("list")
@@ -52,7 +53,8 @@ def list_sites(json_out: JsonOpt = False) -> None:
 @app.command("init")
 @handle_errors
 def init(
-    name: Annotated[str, typer.Argument(help="A bundled template (`xffl sites list`).")],
+    name: Annotated[str, typer.Argument(
+        metavar="NAME", help="A bundled template (`xffl sites list`).")],
     force: Annotated[bool, typer.Option("--force", help="Replace the copy if it exists.")] = False,
     json_out: JsonOpt = False,
 ) -> None:

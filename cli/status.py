@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.cli.tables import Rows
 from xffl.jobs.registry import Registry
 
@@ -71,7 +71,7 @@ def render_status(data: RunStatus) -> None:
 
 @handle_errors
 def status(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    run: RunArg = "last",
     as_json: JsonOpt = False,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Ask SLURM over SSH about a "
                                        "running run's jobs.")] = True,

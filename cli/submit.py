@@ -15,7 +15,7 @@ from xffl.jobs.registry import Registry
 
 @handle_errors
 def submit(
-    job: Annotated[Path, typer.Argument(help="The job spec (YAML).")],
+    job: Annotated[Path, typer.Argument(metavar="JOB", help="The job spec (YAML).")],
     wait: Annotated[bool, typer.Option("--wait", help="Follow the run until it ends.")] = False,
     name: Annotated[
         str | None, typer.Option(help="Prefix of the run id (default: the job name).")

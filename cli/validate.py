@@ -13,7 +13,7 @@ from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 
 @handle_errors
 def validate(
-    job: Annotated[Path, typer.Argument(help="The job spec (YAML).")],
+    job: Annotated[Path, typer.Argument(metavar="JOB", help="The job spec (YAML).")],
     as_json: JsonOpt = False,
 ) -> None:
     """Check JOB and its site profiles, compile the plan in a temp folder, validate it with cwltool.

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry, RunRecord
 from xffl.jobs.states import RunState
@@ -70,7 +70,7 @@ def outcome(registry: Registry, final: RunRecord, as_json: bool) -> None:
 
 @handle_errors
 def watch(
-    run: Annotated[str, typer.Argument(help="Run id, an unambiguous prefix, or 'last'.")] = "last",
+    run: RunArg = "last",
     timeout: TimeoutOpt = 86400.0,
     as_json: JsonOpt = False,
 ) -> None:

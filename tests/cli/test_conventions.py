@@ -122,3 +122,17 @@ def test_options_from_the_environment(xffl_home: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("XFFL_SUBMIT_TIMEOUT", "-1")  # checked as the option is
     assert runner.invoke(app, ["submit", str(QUICKSTART), "--wait"]).exit_code == 2
     assert Registry().list_runs()[0].id == run_id  # nothing submitted
+
+
+@pytest.mark.parametrize("command", ["status", "simulate", "aggregate"])
+def test_help_in_a_pipe_is_plain_text(command: str) -> None:
+    """No panels, no padding, paragraphs re-wrapped (docstring line breaks left no stray
+    `+` or `1` lines), and arguments named as the docs name them."""
+    done = subprocess.run([XFFL, command, "--help"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "80"}, check=True)
+    lines = done.stdout.splitlines()
+    assert all(line == line.rstrip() and len(line) <= 80 for line in lines)
+    assert not any(ch in done.stdout for ch in "╭│╰")
+    assert not [line for line in lines if line.strip() in {"+", "1"}]
+    usage = {"status": "[RUN]", "simulate": "JOB", "aggregate": "UPDATE..."}[command]
+    assert lines[0].startswith(f"Usage: xffl {command} [OPTIONS]") and usage in lines[0]
