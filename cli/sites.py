@@ -86,20 +86,19 @@ def init(
 @app.command("show")
 @handle_errors
 def show(name: NameArg, json_out: JsonOpt = False) -> None:
-    """Print one site profile as YAML (or JSON).
+    """Print one site profile: its file as written, comments included (--json: every field,
+    defaults filled in).
 
     Example: xffl sites show leonardo
     """
-    from xffl.site_profiles.lookup import find_profile
+    from xffl.site_profiles.lookup import available, find_profile
 
-    data = find_profile(name).model_dump(mode="json")
+    profile = find_profile(name)  # validated first: an unknown or broken one is exit 2
     if json_out:
-        print_json(data)
-    else:
-        # plain stdout: the console would wrap long lines and break the YAML
-        import yaml  # only here: 20 ms of every command's start-up
-
-        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
+        print_json(profile.model_dump(mode="json"))
+    else:  # plain stdout: the console would wrap long lines and break the YAML
+        path = available()[name]
+        sys.stdout.write(f"# {path}\n{path.read_text()}")
 
 
 @app.command("check")

@@ -43,6 +43,11 @@ def test_show() -> None:
     assert result.exit_code == 0, result.output
     shown = yaml.safe_load(result.stdout)["connector"]
     assert shown["host"] == "login.leonardo.cineca.it" and "cineca-hpc" in shown["renew"]
+    from xffl.site_profiles.lookup import bundled_dir
+
+    template = bundled_dir() / "leonardo.yaml"  # as written: the renewal steps' comments too
+    assert result.stdout == f"# {template}\n{template.read_text()}"
+    assert "# or put it in your ssh-agent with `step ssh login" in result.stdout
     as_json = runner.invoke(app, ["sites", "show", "lumi", "--json"])
     assert json.loads(as_json.stdout)["slurm"]["partition"] == "standard-g"
     missing = runner.invoke(app, ["sites", "show", "leonard"])
