@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer._click.types import ParamType
 
 from xffl.aggregator.registry import WEIGHTINGS
 from xffl.aggregator.registry import get as get_strategy
@@ -22,6 +23,22 @@ if TYPE_CHECKING:
     from xffl.aggregator.exchange import Manifest
 
 
+class StrategyName(ParamType):  # Typer 0.28 vendors click (typer._click)
+    """A strategy's name, its choices read from the registry when help is drawn (a strategy
+    registered after this module was imported is one of them); unknown names are refused
+    by :func:`aggregate`, with the known ones."""
+
+    name = "strategy"
+
+    def get_metavar(self, param: Any, ctx: Any) -> str:
+        """``[fedavg|fedavgm|...]``, as the registry holds them now."""
+        return "[" + "|".join(strategy_names()) + "]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        """The name as given (checked against the registry when the command runs)."""
+        return str(value)
+
+
 @handle_errors
 def aggregate(
     updates: Annotated[list[Path], typer.Argument(
@@ -29,7 +46,8 @@ def aggregate(
     output: Annotated[Path, typer.Option("-o", "--output", "--out",
                                          help="Global checkpoint to write.")],
     strategy: Annotated[
-        str, typer.Option("--strategy", help=f"One of {', '.join(strategy_names())}.")
+        str, typer.Option("--strategy", click_type=StrategyName(),
+                          help="A registered strategy (the choices above).")
     ] = "fedavg",
     previous: Annotated[
         Path | None,

@@ -20,8 +20,8 @@ prints before the command (a ``.bashrc`` that loads modules, two ``pyenv rehash`
 (``_get_available_location``, stderr merged into stdout) then fails the deployment with
 "Impossible to retrieve available hardware", and the persistent shell hands that text to its
 first command (``sbatch --parsable``'s job id included). Here the probe reads only what follows
-a marker, with the probe's own stderr discarded, and a new shell is read up to a first marker
-before it is used.
+a marker, with the probe's own stderr discarded; a new shell's own stderr is discarded and
+its stdout read up to a first marker before it is used.
 
 ``tests/security/test_transfers.py`` shows each upstream behaviour beside this one; the login
 shell's, ``tests/workflows/test_sf_ssh.py``.
@@ -48,6 +48,7 @@ from streamflow.deployment.connector.ssh import (
     SSHConfig,
     SSHConnector,
     SSHContext,
+    SSHShell,
     get_param_from_file,
     parse_hostname,
 )
@@ -197,8 +198,17 @@ class XfflSshConnector(SSHConnector):
 
     async def _create_shell(self, command: MutableSequence[str],
                             location: ExecutionLocation) -> Shell:
-        """Upstream's persistent shell, with what the login shell printed first read away."""
-        shell: Shell = await super()._create_shell(command, location)
+        """Upstream's persistent shell, less what the login shell prints before it.
+
+        The shell's own stderr is dropped: only the login's start-up files write there (every
+        command the shell runs has ``2>&1``), and sshd may forward it after a command's
+        output. What they print on stdout comes first, in order, and is read away here.
+        """
+        context = self._get_ssh_context_factory(location).get(
+            command=" ".join(command), environment=location.environment,
+            stderr=asyncio.subprocess.DEVNULL, encoding=None)
+        shell: Shell = SSHShell(command=command, buffer_size=self.transferBufferSize,
+                                process=await context.__aenter__(), context=context)
         try:
             await shell.execute(["echo", _MARK], capture_output=True,
                                 timeout=SHELL_START_TIMEOUT_S)
