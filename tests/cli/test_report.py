@@ -10,6 +10,7 @@ import PIL.Image
 import pytest
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import FinishedRun
 from xffl.cli.app import app
 from xffl.jobs.registry import Registry
@@ -32,7 +33,7 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     run_id = quickstart_run.run_id
 
     # `xffl report --json -o DIR`, run by the fixture as the README's quickstart does
-    numbers = quickstart_run.report
+    numbers = check("report", quickstart_run.report)
     out = Path(numbers["html"]).parent
     assert numbers["html"] == str(out / "report.html")
     assert sorted(numbers["files"]) == sorted(str(out / n) for n in (

@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 
@@ -15,9 +16,11 @@ runner = CliRunner()
 
 
 def test_validate_quickstart_ok() -> None:
-    result = runner.invoke(app, ["validate", str(QUICKSTART)])
+    result = runner.invoke(app, ["validate", str(QUICKSTART), "--json"])
     assert result.exit_code == 0, result.output
-    assert "valid" in result.output and "cwltool" in result.output
+    assert check("validate", json.loads(result.stdout)) == {
+        "valid": True, "job": str(QUICKSTART.resolve()), "rounds": 3,
+        "sites": [{"site": "alpha", "profile": "local"}, {"site": "beta", "profile": "local"}]}
 
 
 def test_validate_three_errors_exit_2_one_line_each(tmp_path: Path, xffl_home: Path) -> None:
