@@ -34,16 +34,14 @@ def _publish(out: Path, render: Callable[[Path], list[str]]) -> list[Path]:
         names = render(tmp)
         for name in names:
             with (tmp / name).open("rb") as f:
+                os.fchmod(f.fileno(), 0o600)  # owner-only whatever the caller's umask
                 os.fsync(f.fileno())
-        if fresh:
-            mask = os.umask(0)  # mkdtemp makes it 0700: give it the mode mkdir would
-            os.umask(mask)
-            tmp.chmod(0o777 & ~mask)
+        if fresh:  # mkdtemp made it 0700, owner-only as the report stays
             try:
                 os.rename(tmp, out)
                 tmp = out
             except OSError:  # created meanwhile: fall back to moving the files one by one
-                out.mkdir(parents=True, exist_ok=True)
+                out.mkdir(mode=0o700, parents=True, exist_ok=True)
                 fresh = False
         if not fresh:
             for name in names:

@@ -207,6 +207,24 @@ def test_run_without_completed_rounds_gets_a_report(tmp_path: Path) -> None:
     assert '<td class="text">running</td><td>-</td><td>-</td><td>-</td>' in page
 
 
+def test_a_report_written_by_the_library_is_owner_only(tmp_path: Path) -> None:
+    """Called without the CLI (whose umask is 077), under umask 022: still 0700 / 0600."""
+    import os
+    import stat
+
+    registry = Registry()
+    registry.create_run("lib-1", "lib", tmp_path / "j.yaml", tmp_path / "run", 1, ["alpha"])
+    old = os.umask(0o022)
+    try:
+        _, files = write_report(registry, registry.get_run("lib-1"), tmp_path / "rep")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "rep").stat().st_mode) == 0o700
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files.values()}
+    assert modes == dict.fromkeys(("loss.png", "breakdown.png", "throughput.png",
+                                   "report.html"), 0o600)
+
+
 def test_failed_rendering_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     registry, run_id = _run(tmp_path)
     run = registry.get_run(run_id)

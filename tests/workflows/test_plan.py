@@ -157,6 +157,7 @@ def test_site_slurm_overrides_reach_both_batch_scripts(tmp_path: Path) -> None:
     assert "--slurm-job-name xffl-qs-4-alpha-r\"$ROUND\"" in script
     assert "--partition=batch" not in script and "acct1" not in script  # overridden
     assert not layout.batch_script("beta").exists()  # beta runs locally
+    assert layout.batch_script("alpha").stat().st_mode & 0o777 == 0o700  # its owner's alone
     # the hand-run script names paths at the facility (relative to where it is submitted),
     # never the folder it was rendered into
     assert str(layout.root) not in script
