@@ -33,7 +33,7 @@ def init(
 
     Example: xffl init demo && xffl submit demo/job.yaml --wait
     """
-    from xffl.site_profiles.lookup import bundled_dir, installed_dirs
+    from xffl.site_profiles.lookup import install_template, installed_dirs
 
     spec_file, profiles = TEMPLATES[template]
     job = folder / "job.yaml"
@@ -43,13 +43,11 @@ def init(
     job.write_text((resources.files("xffl.jobs") / spec_file).read_text())
     written, kept = [str(job)], []
     for name in profiles:  # the user's own profiles folder: a job's folder cannot shadow them
-        target = installed_dirs()[0] / f"{name}.yaml"
-        if target.exists():
-            kept.append(str(target))
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        target.write_text((bundled_dir() / f"{name}.yaml").read_text())
-        written.append(str(target))
+        mine = installed_dirs()[0] / f"{name}.yaml"
+        if mine.exists():
+            kept.append(str(mine))
+        else:
+            written.append(str(install_template(name)))
     if as_json:
         print_json({"template": template, "job": str(job), "written": written, "kept": kept})
         return

@@ -62,20 +62,9 @@ def init(
 
     Example: xffl sites init leonardo
     """
-    from xffl.core.errors import InvalidInput
-    from xffl.site_profiles.lookup import bundled_dir, installed_dirs
+    from xffl.site_profiles.lookup import install_template
 
-    template = bundled_dir() / f"{name}.yaml"
-    if not template.is_file():
-        known = ", ".join(sorted(p.stem for p in bundled_dir().glob("*.yaml")))
-        raise InvalidInput(f"no bundled profile template {name!r}; the templates: {known}.")
-    target = installed_dirs()[0] / f"{name}.yaml"
-    if target.exists() and not force:
-        raise InvalidInput(f"{target} exists; edit it, or --force to replace it with the "
-                           "template.")
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    target.write_text(template.read_text())
-    target.chmod(0o600)
+    target = install_template(name, replace=force)
     if json_out:
         print_json({"profile": name, "path": str(target)})
     else:

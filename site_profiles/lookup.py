@@ -28,6 +28,26 @@ def installed_dirs() -> list[Path]:
     return [config_home / "xffl" / "site_profiles", bundled_dir()]
 
 
+def install_template(name: str, *, replace: bool = False) -> Path:
+    """Copy the bundled template ``name``, comments included, into the user's profiles folder
+    (``installed_dirs()[0]``, 0700), owner-only; its path.
+
+    An unknown template, or a copy already there without ``replace``, is an InvalidInput.
+    """
+    template = bundled_dir() / f"{name}.yaml"
+    if not template.is_file():
+        known = ", ".join(sorted(p.stem for p in bundled_dir().glob("*.yaml")))
+        raise InvalidInput(f"no bundled profile template {name!r}; the templates: {known}.")
+    target = installed_dirs()[0] / f"{name}.yaml"
+    if target.exists() and not replace:
+        raise InvalidInput(f"{target} exists; edit it, or --force to replace it with the "
+                           "template.")
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    target.write_text(template.read_text())
+    target.chmod(0o600)
+    return target
+
+
 def search_path(job_dir: Path | None = None) -> list[Path]:
     """Folders searched for ``NAME.yaml``, first match wins."""
     dirs = []
