@@ -2,7 +2,7 @@
 
 The reference is generated, never edited: every field, its type, default and description
 come from ``xffl.jobs.spec.JobSpec`` and the models it holds. ``scripts/test.sh`` builds the
-docs site from it; ``tests/scripts/test_docs_reference.py`` fails when it is stale.
+docs site from it; ``tests/scripts/test_docs.py`` fails when it is stale.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "reference" / "job-spec.md"
 
@@ -74,8 +73,6 @@ def render() -> str:
                 "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             default = _default(field)
-            if default is PydanticUndefined:
-                default = "required"
             text = field.description or (
                 f"as the profile's `slurm.{name}`" if model.__name__ == "SlurmOverride" else "")
             out.append(f"| `{field.alias or name}` | {_type(field.annotation)} | {default} | "
