@@ -32,7 +32,11 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, state TEXT NOT NULL,
     num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
     reason TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
-    delivered_seconds REAL, PRIMARY KEY (run_id, round, site)
+    delivered_seconds REAL, startup_seconds REAL, PRIMARY KEY (run_id, round, site)
+);
+CREATE TABLE IF NOT EXISTS transfers (
+    run_id TEXT NOT NULL, site TEXT NOT NULL, direction TEXT NOT NULL,
+    started REAL NOT NULL, ended REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS slurm_jobs (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
@@ -87,6 +91,19 @@ class SiteRound:
     attempts: int = 1
     # seconds from the round's start until the site's update was in place on the coordinator
     delivered_seconds: float | None = None
+    # seconds from the site's launcher start to its first training step (imports, process
+    # group, loading the global model and the data)
+    startup_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy StreamFlow made between the coordinator and a site (epoch times)."""
+
+    site: str
+    direction: str  # "in" (to the site) or "out" (back to the coordinator)
+    started: float
+    ended: float
 
 
 @dataclass
@@ -164,7 +181,8 @@ class Registry:
         """Remove every trace of a run (used when submission fails half-way)."""
         with self._db() as db:
             for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
-                               ("events", "run_id"), ("slurm_jobs", "run_id")):
+                               ("events", "run_id"), ("slurm_jobs", "run_id"),
+                               ("transfers", "run_id")):
                 db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))
 
     def get_run(self, run_id: str) -> RunRecord:
@@ -251,10 +269,11 @@ class Registry:
                     delivered = row[0] if row is not None else None
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
-                    " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
+                    " startup_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
-                     s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered),
+                     s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
+                     s.startup_seconds),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -278,7 +297,8 @@ class Registry:
                 SiteRound(site=s["site"], state=SiteState(s["state"]), num_samples=s["num_samples"],
                           num_tokens=s["num_tokens"], loss=s["loss"],
                           train_seconds=s["train_seconds"], reason=s["reason"],
-                          attempts=s["attempts"], delivered_seconds=s["delivered_seconds"])
+                          attempts=s["attempts"], delivered_seconds=s["delivered_seconds"],
+                          startup_seconds=s["startup_seconds"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],
@@ -338,6 +358,22 @@ class Registry:
             ).fetchall()
         return [dict(r) for r in rows]
 
+    def record_transfer(self, run_id: str, site: str, direction: str, started: float,
+                        ended: float) -> None:
+        """Store one StreamFlow transfer between the coordinator and ``site`` (``in``: to the
+        site, ``out``: back from it), as epoch times on the coordinator."""
+        with self._db() as db:
+            db.execute("INSERT INTO transfers (run_id, site, direction, started, ended)"
+                       " VALUES (?, ?, ?, ?, ?)", (run_id, site, direction, started, ended))
+
+    def transfers(self, run_id: str) -> list[Transfer]:
+        """Every recorded transfer of a run, in the order they started."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT site, direction, started, ended FROM transfers WHERE run_id = ?"
+                " ORDER BY started", (run_id,)).fetchall()
+        return [Transfer(r["site"], r["direction"], r["started"], r["ended"]) for r in rows]
+
     def events(self, run_id: str) -> list[tuple[float, str, str]]:
         """The run's event log: (time, kind, message)."""
         with self._db() as db:
@@ -364,8 +400,9 @@ def _migrate(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(site_rounds)")}
     if "attempts" not in columns:
         conn.execute("ALTER TABLE site_rounds ADD COLUMN attempts INTEGER NOT NULL DEFAULT 1")
-    if "delivered_seconds" not in columns:
-        conn.execute("ALTER TABLE site_rounds ADD COLUMN delivered_seconds REAL")
+    for column in ("delivered_seconds", "startup_seconds"):
+        if column not in columns:
+            conn.execute(f"ALTER TABLE site_rounds ADD COLUMN {column} REAL")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(slurm_jobs)")}
     for column in ("name", "nodes"):
         if column not in columns:

@@ -1,12 +1,20 @@
 """The numbers of `xffl report` and `xffl status`: loss, round-time breakdown and throughput.
 
 Every figure comes from the run registry. A site's round is broken down as
-``queue wait + training + transfer/orchestration = delivered``: the queue wait is SLURM's
-(summed over the site's jobs of the round, retries included; 0 at a site without SLURM), the
-training is the trainer's own loop time, and the delivery time is when the site's update was
-in place on the coordinator, counted from the round's start; what is left is moving models
-in and out, starting the job and the processes, and StreamFlow's orchestration. The round's
-aggregation follows. The report itself (PNG plots and one HTML page) is drawn by
+``queue wait + start-up + training + transfer + other = delivered``:
+
+- the queue wait is SLURM's (summed over the site's jobs of the round, retries included; 0 at
+  a site without SLURM);
+- start-up is the site's own measure from its launcher's start to the first training step
+  (processes, imports, the process group, loading the global model and the data);
+- training is the trainer's own loop time;
+- transfer is what StreamFlow's copies between the coordinator and the site took (timed by
+  :mod:`xffl.workflows.sf_transfers`; copies overlapping in time count once);
+- delivered is when the site's update was in place on the coordinator, counted from the
+  round's start; ``other`` is what is left: StreamFlow's scheduling and polling, submitting
+  the job, the batch script's own set-up, checking the update.
+
+The round's aggregation follows. The report itself (PNG plots and one HTML page) is drawn by
 :mod:`xffl.jobs.report_render` and written atomically by
 :func:`xffl.jobs.report_write.write_report`.
 """
@@ -18,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from xffl.jobs.profiles_json import slurm_site_names
-from xffl.jobs.registry import Registry, RunRecord, SiteRound
+from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound, Transfer
 
 REPORT_FILES = ("loss.png", "breakdown.png", "throughput.png", "report.html")
 # how the table (HTML and `xffl status`) prints each number; "-" when it is not known
 FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "train_s": "{:.1f}",
-           "queue_wait_s": "{:.1f}", "transfer_s": "{:.1f}", "aggregate_s": "{:.2f}",
-           "tokens_per_s": "{:.0f}", "delivered_s": "{:.1f}"}
+           "queue_wait_s": "{:.1f}", "startup_s": "{:.1f}", "transfer_s": "{:.1f}",
+           "other_s": "{:.1f}", "aggregate_s": "{:.2f}", "tokens_per_s": "{:.0f}",
+           "delivered_s": "{:.1f}"}
 
 
 def fmt(key: str, value: float | int | None) -> str:
@@ -56,32 +65,86 @@ class QueueWaits:
         return None if site in self.slurm_sites else 0.0
 
 
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The time covered by the union of ``(start, end)`` spans (overlaps count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+@dataclass
+class TransferTimes:
+    """The recorded transfers of a run, attributed to the round during which each started."""
+
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = field(default_factory=dict)
+    timed: bool = False  # whether the run recorded any transfer at all
+
+    @classmethod
+    def of(cls, transfers: list[Transfer], rounds: list[RoundRecord]) -> TransferTimes:
+        """Rounds run one after the other: round r owns what started before round r+1."""
+        starts = sorted((r.started, r.round) for r in rounds if r.started is not None)
+        spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for t in transfers:
+            owner = None
+            for started, rnd in starts:
+                if started <= t.started:
+                    owner = rnd
+            if owner is not None:
+                spans.setdefault((owner, t.site), []).append((t.started, t.ended))
+        return cls(spans, bool(transfers))
+
+    def get(self, rnd: int, site: str) -> float | None:
+        """Seconds of transfer of ``site`` in round ``rnd``; None when the run timed none."""
+        if not self.timed:
+            return None
+        return busy_seconds(self.spans.get((rnd, site), []))
+
+
 @dataclass
 class Breakdown:
     """Where one site's round went, in seconds, and its training throughput."""
 
     queue_wait_s: float | None = None
+    startup_s: float | None = None
     train_s: float | None = None
     transfer_s: float | None = None
+    other_s: float | None = None
     delivered_s: float | None = None
     tokens_per_s: float | None = None
 
 
-def site_breakdown(site: SiteRound, queue_wait_s: float | None) -> Breakdown:
-    """Split the site's delivery time into queue wait, training and transfer/orchestration.
+def site_breakdown(site: SiteRound, queue_wait_s: float | None,
+                   transfer_s: float | None = None) -> Breakdown:
+    """Split the site's delivery time into queue wait, start-up, training, transfer and other.
 
-    The transfer part is what the delivery time leaves (never below 0); it is None unless the
-    delivery time, the queue wait and the training time are all known.
+    ``other`` is what the delivery time leaves (never below 0), None when the delivery time
+    is not known; a part that was not measured (a run that recorded no transfers, a site whose
+    queue wait SLURM no longer knows) stays None and its time is in ``other``.
     """
-    train, delivered = site.train_seconds, site.delivered_seconds
-    transfer = None
-    if train is not None and delivered is not None and queue_wait_s is not None:
-        transfer = max(0.0, delivered - queue_wait_s - train)
+    train, delivered, startup = site.train_seconds, site.delivered_seconds, site.startup_seconds
+    parts = (queue_wait_s, startup, train, transfer_s)
+    other = None
+    if delivered is not None:
+        other = max(0.0, delivered - sum(p for p in parts if p is not None))
     rate = None
     if site.num_tokens is not None and train:
         rate = site.num_tokens / train
-    return Breakdown(queue_wait_s=queue_wait_s, train_s=train, transfer_s=transfer,
-                     delivered_s=delivered, tokens_per_s=rate)
+    return Breakdown(queue_wait_s=queue_wait_s, startup_s=startup, train_s=train,
+                     transfer_s=transfer_s, other_s=other, delivered_s=delivered,
+                     tokens_per_s=rate)
+
+
+def breakdowns(registry: Registry, run: RunRecord,
+               rounds: list[RoundRecord]) -> dict[tuple[int, str], Breakdown]:
+    """Every site's breakdown in every round of ``rounds``, by (round, site)."""
+    waits = QueueWaits.of(registry, run)
+    transfers = TransferTimes.of(registry.transfers(run.id), rounds)
+    return {(r.round, s.site): site_breakdown(s, waits.get(r.round, s.site),
+                                              transfers.get(r.round, s.site))
+            for r in rounds for s in r.sites}
 
 
 @dataclass
@@ -96,8 +159,10 @@ class SiteRow:
     attempts: int
     reason: str
     queue_wait_s: float | None
+    startup_s: float | None
     train_s: float | None
     transfer_s: float | None
+    other_s: float | None
     delivered_s: float | None
     tokens_per_s: float | None
 
@@ -143,17 +208,16 @@ class ReportData:
 
 def assemble(registry: Registry, run: RunRecord) -> ReportData:
     """Read the run's rounds, sites and SLURM jobs from the registry into the report's rows."""
-    waits = QueueWaits.of(registry, run)
+    records = registry.rounds(run.id)
+    parts = breakdowns(registry, run, records)
     rounds = []
-    for rnd in registry.rounds(run.id):
+    for rnd in records:
         rows = []
         for s in rnd.sites:
-            b = site_breakdown(s, waits.get(rnd.round, s.site))
+            b = parts[(rnd.round, s.site)]
             rows.append(SiteRow(site=s.site, state=s.state, num_samples=s.num_samples,
                                 num_tokens=s.num_tokens, loss=s.loss, attempts=s.attempts,
-                                reason=s.reason, queue_wait_s=b.queue_wait_s, train_s=b.train_s,
-                                transfer_s=b.transfer_s, delivered_s=b.delivered_s,
-                                tokens_per_s=b.tokens_per_s))
+                                reason=s.reason, **asdict(b)))
         wall = (rnd.ended - rnd.started
                 if rnd.ended is not None and rnd.started is not None else None)
         rounds.append(RoundRow(round=rnd.round, state=rnd.state, num_samples=rnd.num_samples,

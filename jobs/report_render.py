@@ -21,8 +21,10 @@ from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt
 
 # the parts of a site's round, bottom to top, with their colours
 SEGMENTS = (("queue_wait_s", "queue wait (SLURM)", "#9e9e9e"),
+            ("startup_s", "start-up", "#9467bd"),
             ("train_s", "training", "#1f77b4"),
-            ("transfer_s", "transfer + orchestration", "#ff7f0e"),
+            ("transfer_s", "transfer", "#ff7f0e"),
+            ("other_s", "other (scheduling, polling, checks)", "#bcbd22"),
             ("aggregate_s", "aggregation", "#2ca02c"))
 NO_DATA = "no completed round yet"
 DPI = 100
@@ -103,11 +105,12 @@ def _bars(data: ReportData) -> list[tuple[RoundRow, SiteRow]]:
     order = {site: i for i, site in enumerate(data.site_names())}
     return [(r, s) for r in data.rounds
             for s in sorted(r.sites, key=lambda s: order.get(s.site, len(order)))
-            if s.delivered_s is not None and s.transfer_s is not None]
+            if s.delivered_s is not None]
 
 
 def plot_breakdown(data: ReportData, path: Path) -> None:
-    """Stacked bars per site and round: queue wait, training, transfer, aggregation."""
+    """Stacked bars per site and round: queue wait, start-up, training, transfer, other and
+    the round's aggregation."""
     bars = _bars(data)
     fig, ax = _figure(width=max(7.5, min(30.0, 0.45 * len(bars) + 3)))
     if not bars:
@@ -148,7 +151,7 @@ def plot_throughput(data: ReportData, path: Path) -> None:
 
 
 COLUMNS = ("round", "site", "state", "samples", "tokens", "loss", "train s", "queue wait s",
-           "transfer s", "aggregate s", "tokens/s")
+           "start-up s", "transfer s", "other s", "aggregate s", "tokens/s")
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 80em; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
@@ -177,7 +180,8 @@ def _site_row(rnd: RoundRow, s: SiteRow) -> str:
     state = s.state + (f" after {s.attempts} attempts" if s.attempts > 1 else "")
     values = [str(rnd.round), s.site, state, fmt("num_samples", s.num_samples),
               fmt("num_tokens", s.num_tokens), fmt("loss", s.loss), fmt("train_s", s.train_s),
-              fmt("queue_wait_s", s.queue_wait_s), fmt("transfer_s", s.transfer_s), "",
+              fmt("queue_wait_s", s.queue_wait_s), fmt("startup_s", s.startup_s),
+              fmt("transfer_s", s.transfer_s), fmt("other_s", s.other_s), "",
               fmt("tokens_per_s", s.tokens_per_s)]
     reason = f'<div class="reason">{html.escape(s.reason)}</div>' if s.reason else ""
     return _row(values, reason)
@@ -189,8 +193,8 @@ def table_html(data: ReportData) -> str:
     for rnd in data.rounds:
         rows += [_site_row(rnd, s) for s in rnd.sites]
         values = [str(rnd.round), "global", rnd.state, fmt("num_samples", rnd.num_samples),
-                  "", fmt("loss", rnd.loss), "", "", "", fmt("aggregate_s", rnd.aggregate_s),
-                  ""]
+                  "", fmt("loss", rnd.loss), "", "", "", "", "",
+                  fmt("aggregate_s", rnd.aggregate_s), ""]
         rows.append(_row(values, css="global"))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "\n".join(rows) or f'<tr><td colspan="{len(COLUMNS)}">{NO_DATA}</td></tr>'

@@ -63,7 +63,7 @@ def latest_global(registry: Registry, run: RunRecord) -> str | None:
 
 # JSON's one vocabulary: durations in seconds end in ``_s``, times are ISO-8601 with offset
 _DURATIONS = {"train_seconds": "train_s", "delivered_seconds": "delivered_s",
-              "aggregate_seconds": "aggregate_s"}
+              "startup_seconds": "startup_s", "aggregate_seconds": "aggregate_s"}
 _TIMES = frozenset({"created", "updated", "started", "ended", "ts"})
 
 
@@ -97,12 +97,13 @@ def run_summary(run: RunRecord) -> dict[str, Any]:
 class SiteStatus(SiteRound):
     """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.report`).
 
-    ``queue_wait_s + train_seconds + transfer_s = delivered_seconds`` (the time from the
-    round's start until the site's update was in place).
+    ``queue_wait_s + startup_seconds + train_seconds + transfer_s + other_s =
+    delivered_seconds`` (the time from the round's start until the site's update was in place).
     """
 
     queue_wait_s: float | None = None
     transfer_s: float | None = None
+    other_s: float | None = None
     tokens_per_s: float | None = None
 
 
@@ -177,16 +178,18 @@ class RunStatus:
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
     """The run's rounds; each site also has its queue wait, transfer time and throughput."""
-    from xffl.jobs.report import QueueWaits, site_breakdown
+    from xffl.jobs.report import breakdowns
 
-    waits = QueueWaits.of(registry, run)
+    records = registry.rounds(run.id)
+    parts = breakdowns(registry, run, records)
     rounds = []
-    for rnd in registry.rounds(run.id):
+    for rnd in records:
         sites = []
         for site in rnd.sites:
-            b = site_breakdown(site, waits.get(rnd.round, site.site))
+            b = parts[(rnd.round, site.site)]
             sites.append(SiteStatus(**asdict(site), queue_wait_s=b.queue_wait_s,
-                                    transfer_s=b.transfer_s, tokens_per_s=b.tokens_per_s))
+                                    transfer_s=b.transfer_s, other_s=b.other_s,
+                                    tokens_per_s=b.tokens_per_s))
         rounds.append(RoundStatus(record=rnd, sites=sites))
     return rounds
 

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, get_args
@@ -34,6 +35,8 @@ from xffl.training import slurm_job
 from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
 
 Launcher = Literal["torchrun", "srun", "none"]
+# the epoch time the launcher started, handed to the ranks: they report their start-up time
+LAUNCHED_AT_ENV = "XFFL_LAUNCHED_AT"
 TRAINER_MODULE = "xffl.training"
 
 
@@ -129,6 +132,7 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
     beside the checkpoint at the end (:mod:`xffl.training.slurm_job`). With ``keep``, a round
     already trained from the same global model is handed back, not trained again.
     """
+    launched_at = time.time()
     job = slurm_job.start(slurm_job_name, env)
     rnd, model = _arg(trainer_args, "--round"), _arg(trainer_args, "--model")
     if keep is not None and rnd is not None and model is not None and rnd.isdigit() \
@@ -138,7 +142,9 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
               file=sys.stderr, flush=True)
         rc = 0
     else:
-        rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module, env=env)
+        rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module,
+                        env={**(os.environ if env is None else env),
+                             LAUNCHED_AT_ENV: repr(launched_at)})
         if rc == 0 and keep is not None and rnd is not None and rnd.isdigit():
             try:
                 keep_update(out_dir, keep, int(rnd))

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +35,7 @@ from xffl.training import distributed as xdist
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards
 from xffl.training.entry import build
+from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
 from xffl.training.model import (
     LlamaConfig,
@@ -177,6 +179,15 @@ def _round_deadline(spec: TrainingSpec) -> float | None:
     return min(ends) if ends else None
 
 
+def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
+    """Seconds since the launcher started this job's ranks (None outside the launcher)."""
+    try:
+        launched_at = float(env[LAUNCHED_AT_ENV])
+    except (KeyError, ValueError):
+        return None
+    return max(0.0, now - launched_at) if math.isfinite(launched_at) else None
+
+
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 out_dir: Path) -> Manifest:
     """Train the global model in ``model_dir`` on this site's data; rank 0 writes the update.
@@ -221,6 +232,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     deadline = _on_main(lambda: _round_deadline(spec), json.dumps, json.loads)
 
     xdist.barrier()
+    startup = startup_seconds(os.environ, time.time())
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                        deadline=deadline, check_deadline=deadline is not None, prox=prox)
     losses = result.losses
@@ -245,6 +257,8 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         "steps": float(done),
         "lr_last": float(scheduler.get_last_lr()[0]),
     }
+    if startup is not None:
+        metrics["startup_seconds"] = startup
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,

@@ -77,6 +77,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     return Verdict(site=site, round=rnd, state=SiteState.COMPLETED, attempts=attempts,
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
                    loss=metrics.get("loss"), train_seconds=metrics.get("train_seconds"),
+                   startup_seconds=metrics.get("startup_seconds"),
                    delivered_at=arrived, digest=manifest.digest()), manifest
 
 

@@ -25,6 +25,7 @@ from xffl.site_profiles.schema import LocalConnector, SiteProfile, SlurmSpec
 
 # the names xffl's StreamFlow plugin registers (xffl.workflows.sf_plugin)
 FAILURE_MANAGER = "xffl"
+DATA_MANAGER = "xffl"
 SLURM_CONNECTOR = "xffl-slurm"
 LOCAL_CONNECTOR = "xffl-local"
 SSH_CONNECTOR = "xffl-ssh"

@@ -25,6 +25,7 @@ from xffl.training.threads import LOCAL_RANKS_ENV
 from xffl.workflows import cwl, init_cache
 from xffl.workflows.deployments import (
     COORDINATOR,
+    DATA_MANAGER,
     FAILURE_MANAGER,
     batch_script,
     kept_updates_dir,
@@ -90,9 +91,11 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
     bindings: list[dict[str, Any]] = [
         {"step": cwl.step_path(step), "target": {"deployment": COORDINATOR}}
         for step in [*(cwl.admit_step(s.name) for s in loaded.spec.sites), "aggregate"]]
+    owners: dict[str, str] = {}  # deployment -> site, for the transfer clock
     for site in loaded.spec.sites:
         deps, target = site_deployments(site.name, loaded.site_profile(site.name), out, final)
         deployments.update(deps)
+        owners.update(dict.fromkeys(deps, site.name))
         bindings.append({"step": cwl.step_path(cwl.train_step(site.name)), "target": target})
     return {
         "version": "v1.0",
@@ -103,6 +106,7 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
         },
         "deployments": deployments,
         "failureManager": failure_manager(loaded.spec, final),
+        "dataManager": {"type": DATA_MANAGER, "config": {"run_dir": str(final), "sites": owners}},
         "database": {"type": "default", "config": {"connection": str(layout.streamflow_db)}},
     }
 

@@ -1,6 +1,7 @@
-"""xffl's StreamFlow plugin: the site failure manager, the connectors for facilities (deadlines
-kept, transfers from untrusted sites extracted safely), the directory-listing adapter and the
-translation adapter (each tool file parsed once).
+"""xffl's StreamFlow plugin: the site failure manager, the data manager that times transfers,
+the connectors for facilities (deadlines kept, transfers from untrusted sites extracted
+safely), the directory-listing adapter and the translation adapter (each tool file parsed
+once).
 
 Loaded by StreamFlow through the entry point ``unito.streamflow.plugin`` (pyproject.toml), so
 ``streamflow run streamflow.yml`` in a plan directory finds the same extensions as
@@ -12,6 +13,7 @@ from __future__ import annotations
 from streamflow.ext.plugin import StreamFlowPlugin
 
 from xffl.workflows.deployments import (
+    DATA_MANAGER,
     FAILURE_MANAGER,
     LOCAL_CONNECTOR,
     SLURM_CONNECTOR,
@@ -21,6 +23,7 @@ from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
 from xffl.workflows.sf_failure import SiteFailureManager
 from xffl.workflows.sf_listing import install as install_listing_fix
 from xffl.workflows.sf_ssh import XfflSshConnector
+from xffl.workflows.sf_transfers import TransferClock
 from xffl.workflows.sf_translate import install as install_translation_fix
 
 
@@ -32,6 +35,7 @@ class XfflPlugin(StreamFlowPlugin):
         install_listing_fix()
         install_translation_fix()
         self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
+        self.register_data_manager(DATA_MANAGER, TransferClock)
         self.register_connector(SLURM_CONNECTOR, XfflSlurmConnector)
         self.register_connector(LOCAL_CONNECTOR, XfflLocalConnector)
         self.register_connector(SSH_CONNECTOR, XfflSshConnector)

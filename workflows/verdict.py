@@ -31,6 +31,7 @@ class Verdict:
     num_tokens: int | None = None
     loss: float | None = None
     train_seconds: float | None = None
+    startup_seconds: float | None = None
     delivered_at: float | None = None  # epoch time the update was on the coordinator
     digest: str | None = None  # the admitted update's manifest digest
 
@@ -44,7 +45,7 @@ class Verdict:
         return SiteRound(site=self.site, state=self.state, num_samples=self.num_samples,
                          num_tokens=self.num_tokens, loss=self.loss,
                          train_seconds=self.train_seconds, reason=self.reason,
-                         attempts=self.attempts)
+                         attempts=self.attempts, startup_seconds=self.startup_seconds)
 
     def write(self, path: Path) -> None:
         """Store as JSON."""

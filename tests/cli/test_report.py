@@ -64,23 +64,29 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     assert status.exit_code == 0, status.output
     for rnd in json.loads(status.stdout)["rounds"]:
         for site in rnd["sites"]:
-            parts = (site["queue_wait_s"], site["train_s"], site["transfer_s"])
+            parts = (site["queue_wait_s"], site["startup_s"], site["train_s"],
+                     site["transfer_s"], site["other_s"])
             assert all(v is not None and v >= 0 for v in parts), site
             assert site["queue_wait_s"] == 0.0  # local sites: no SLURM queue
-            assert site["delivered_s"] > site["train_s"] > 0
-            # transfer = delivered - queue (0.0) - train and the sum back are two float64
-            # roundings of values <= delivered: <= 2 * 2^-53 * delivered apart; 2x that
-            # (dropping the training or the transfer time, each > 0 s, breaks it)
+            assert site["delivered_s"] > site["train_s"] > 0 and site["startup_s"] > 0
+            # the parts are disjoint spans inside the delivery time, so other (delivered minus
+            # four parts, 4 float64 roundings) is never clamped; adding the five back rounds 4
+            # more times; every partial sum is <= delivered, so each rounding is at most
+            # 2^-53 * delivered: 8 in all, bound 16 * 2^-53 * delivered (leaving out any
+            # part, each > 0 s but the queue wait, breaks it)
             assert abs(sum(parts) - site["delivered_s"]) <= \
-                4 * 2**-53 * site["delivered_s"], site
+                16 * 2**-53 * site["delivered_s"], site
             # the same float64 division of the same numbers (JSON round-trips floats
             # exactly): bitwise equal
             assert site["tokens_per_s"] == site["num_tokens"] / site["train_s"]
     # the table has the breakdown's columns (not a terminal: tab-separated, cli/tables.py)
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
-    assert "round\tsite\tstate\tsamples\ttokens\tloss\tqueue s\ttrain s\txfer s\tagg s\n" \
-        in table.stdout, table.stdout
+    assert ("round\tsite\tstate\tsamples\ttokens\tloss\tqueue s\tstart s\ttrain s\txfer s\t"
+            "other s\tagg s\n") in table.stdout, table.stdout
+    # StreamFlow brought every round's global to each site and its update back, timed
+    moved = {(t.site, t.direction) for t in Registry().transfers(run_id)}
+    assert moved == {(s, d) for s in ("alpha", "beta") for d in ("in", "out")}
 
 
 def test_report_of_an_unknown_run_exits_2() -> None:

@@ -12,8 +12,8 @@ import PIL.Image
 import pytest
 
 from xffl.jobs import report_render
-from xffl.jobs.registry import Registry, RoundRecord, SiteRound
-from xffl.jobs.report import assemble, fmt, site_breakdown
+from xffl.jobs.registry import Registry, RoundRecord, SiteRound, Transfer
+from xffl.jobs.report import TransferTimes, assemble, busy_seconds, fmt, site_breakdown
 from xffl.jobs.report_write import write_report
 from xffl.jobs.status import run_status
 
@@ -39,51 +39,70 @@ def _deliver(registry: Registry, run_id: str, rnd: int, site: str, seconds: floa
 
 
 def _run(tmp_path: Path) -> tuple[Registry, str]:
-    """Two completed rounds with known numbers, and a third where beta failed."""
+    """Two completed rounds with known numbers, and a third where beta failed.
+
+    The rounds start at t = 1000, 2000 and 3000 s; each site's transfers are recorded at
+    known times after them.
+    """
     registry = Registry()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     _profiles(run_dir)
     run_id = "rep-20261122-000000-abcd"
     registry.create_run(run_id, "rep", tmp_path / "job.yaml", run_dir, 3, ["alpha", "beta"])
-    rounds = {  # round: (alpha: loss, train s, delivered s), (beta: ...), global loss, agg s
-        1: ((2.5, 12.5, 21.0), (3.125, 10.0, 30.5), 2.75, 0.75),
-        2: ((2.0625, 10.0, 16.0), (2.875, 8.0, 19.0), 2.25, 0.5),
+    rounds = {  # round: (alpha: loss, train s, delivered s, start-up s), (beta: ...),
+        #          global loss, agg s
+        1: ((2.5, 12.5, 21.0, 2.0), (3.125, 10.0, 30.5, 3.0), 2.75, 0.75),
+        2: ((2.0625, 10.0, 16.0, 1.5), (2.875, 8.0, 19.0, None), 2.25, 0.5),
     }
-    for rnd, ((a_loss, a_train, a_del), (b_loss, b_train, b_del), loss, agg) in rounds.items():
+    for rnd, (alpha, beta, loss, agg) in rounds.items():
+        (a_loss, a_train, a_del, a_up), (b_loss, b_train, b_del, b_up) = alpha, beta
         registry.start_round(run_id, rnd, ["alpha", "beta"])
         _deliver(registry, run_id, rnd, "alpha", a_del)
         _deliver(registry, run_id, rnd, "beta", b_del)
         registry.finish_round(run_id, RoundRecord(
-            round=rnd, state="completed", ended=None, aggregate_seconds=agg,
-            num_samples=1280, loss=loss, sites=[
-                SiteRound("alpha", "completed", 768, 50000, a_loss, a_train),
-                SiteRound("beta", "completed", 512, 30000, b_loss, b_train, attempts=2)]))
+            round=rnd, state="completed", started=1000.0 * rnd, ended=None,
+            aggregate_seconds=agg, num_samples=1280, loss=loss, sites=[
+                SiteRound("alpha", "completed", 768, 50000, a_loss, a_train, startup_seconds=a_up),
+                SiteRound("beta", "completed", 512, 30000, b_loss, b_train, attempts=2,
+                          startup_seconds=b_up)]))
     # beta's SLURM jobs: round 1 was tried twice (3 s + 2 s in the queue), round 2 once
     registry.record_slurm_job(run_id, 1, "beta", "101", "FAILED", 3.0, 1.0)
     registry.record_slurm_job(run_id, 1, "beta", "102", "COMPLETED", 2.0, 20.0)
     registry.record_slurm_job(run_id, 2, "beta", "103", "COMPLETED", 4.0, 12.0)
     registry.start_round(run_id, 3, ["alpha", "beta"])
     _deliver(registry, run_id, 3, "alpha", 9.0)
-    registry.finish_round(run_id, RoundRecord(round=3, state="failed", sites=[
-        SiteRound("alpha", "completed", 768, 50000, 1.75, 8.0),
+    registry.finish_round(run_id, RoundRecord(round=3, state="failed", started=3000.0, sites=[
+        SiteRound("alpha", "completed", 768, 50000, 1.75, 8.0, startup_seconds=1.0),
         SiteRound("beta", "failed", reason=HOSTILE)]))
+    for site, direction, started, ended in TRANSFERS:
+        registry.record_transfer(run_id, site, direction, started, ended)
     registry.set_state(run_id, "failed", HOSTILE)
     return registry, run_id
+
+
+# (site, direction, started, ended): alpha 1 + 1 s in round 1; beta's two inbound copies in
+# round 1 overlap (1000-1003 and 1001-1004: 4 s, not 6) and its update took 1.5 s; round 2:
+# alpha 0.5 s, beta nothing; round 3: alpha 1 s
+TRANSFERS = [("alpha", "in", 1000.5, 1001.5), ("beta", "in", 1000.0, 1003.0),
+             ("beta", "in", 1001.0, 1004.0), ("alpha", "out", 1019.0, 1020.0),
+             ("beta", "out", 1028.0, 1029.5), ("alpha", "in", 2000.0, 2000.5),
+             ("alpha", "in", 3000.0, 3001.0)]
 
 
 def test_breakdown_numbers(tmp_path: Path) -> None:
     registry, run_id = _run(tmp_path)
     data = assemble(registry, registry.get_run(run_id))
-    got = {(r.round, s.site): (s.queue_wait_s, s.train_s, s.transfer_s, s.delivered_s,
-                               s.tokens_per_s) for r in data.rounds for s in r.sites}
-    assert got == {
-        (1, "alpha"): (0.0, 12.5, 8.5, 21.0, 4000.0),       # 21 - 0 - 12.5; 50000 / 12.5
-        (1, "beta"): (5.0, 10.0, 15.5, 30.5, 3000.0),       # 30.5 - (3 + 2) - 10
-        (2, "alpha"): (0.0, 10.0, 6.0, 16.0, 5000.0),
-        (2, "beta"): (4.0, 8.0, 7.0, 19.0, 3750.0),
-        (3, "alpha"): (0.0, 8.0, 1.0, 9.0, 6250.0),
-        (3, "beta"): (None, None, None, None, None),        # SLURM, no job recorded, failed
+    got = {(r.round, s.site): (s.queue_wait_s, s.startup_s, s.train_s, s.transfer_s, s.other_s,
+                               s.delivered_s, s.tokens_per_s)
+           for r in data.rounds for s in r.sites}
+    assert got == {  # every number a sum of binary fractions: exact
+        (1, "alpha"): (0.0, 2.0, 12.5, 2.0, 4.5, 21.0, 4000.0),    # 21 - 2 - 12.5 - 2
+        (1, "beta"): (5.0, 3.0, 10.0, 5.5, 7.0, 30.5, 3000.0),     # 30.5 - (3+2) - 3 - 10 - 5.5
+        (2, "alpha"): (0.0, 1.5, 10.0, 0.5, 4.0, 16.0, 5000.0),
+        (2, "beta"): (4.0, None, 8.0, 0.0, 7.0, 19.0, 3750.0),     # start-up not measured
+        (3, "alpha"): (0.0, 1.0, 8.0, 1.0, 0.0, 9.0, 6250.0),      # parts > delivered: 0
+        (3, "beta"): (None, None, None, 0.0, None, None, None),    # SLURM, failed, no job
     }
     assert [(r.round, r.state, r.loss, r.aggregate_s) for r in data.rounds] == [
         (1, "completed", 2.75, 0.75), (2, "completed", 2.25, 0.5), (3, "failed", None, None)]
@@ -91,14 +110,39 @@ def test_breakdown_numbers(tmp_path: Path) -> None:
 
 
 def test_breakdown_edge_cases() -> None:
-    late = SiteRound("a", "completed", num_tokens=100, train_seconds=8.0, delivered_seconds=9.0)
-    b = site_breakdown(late, queue_wait_s=2.0)  # the clocks disagree: transfer never < 0
-    assert (b.transfer_s, b.tokens_per_s) == (0.0, 12.5)
-    assert site_breakdown(late, None).transfer_s is None  # queue wait unknown
+    late = SiteRound("a", "completed", num_tokens=100, train_seconds=8.0, delivered_seconds=9.0,
+                     startup_seconds=0.5)
+    b = site_breakdown(late, queue_wait_s=2.0, transfer_s=0.25)  # clocks disagree: other >= 0
+    assert (b.other_s, b.tokens_per_s) == (0.0, 12.5)
+    # a part not measured (queue wait unknown, no transfers timed) stays None, its time in other
+    b = site_breakdown(late, None)
+    assert (b.queue_wait_s, b.transfer_s, b.other_s) == (None, None, 0.5)
+    assert site_breakdown(SiteRound("a", "completed"), 0.0, 1.0).other_s is None  # not delivered
     assert site_breakdown(SiteRound("a", "completed", num_tokens=5, train_seconds=0.0),
                           0.0).tokens_per_s is None
     assert (fmt("loss", None), fmt("loss", 2.0625), fmt("aggregate_s", 0.5),
             fmt("tokens_per_s", 3749.6)) == ("-", "2.0625", "0.50", "3750")
+
+
+def test_busy_seconds_counts_overlaps_once() -> None:
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 1.0), (2.0, 3.5)]) == 2.5        # apart
+    assert busy_seconds([(1.0, 4.0), (0.0, 3.0)]) == 4.0        # overlapping, out of order
+    assert busy_seconds([(0.0, 10.0), (2.0, 3.0)]) == 10.0      # one inside another
+    assert busy_seconds([(0.0, 1.0), (1.0, 2.0)]) == 2.0        # touching
+
+
+def test_transfers_belong_to_the_round_they_started_in() -> None:
+    rounds = [RoundRecord(round=r, state="completed", started=s)
+              for r, s in ((2, 20.0), (1, 10.0), (3, None))]
+    times = TransferTimes.of([Transfer("a", "in", 5.0, 6.0),      # before round 1: nobody's
+                              Transfer("a", "in", 10.0, 11.0),    # at round 1's start
+                              Transfer("a", "out", 19.0, 21.0),   # ends in round 2: round 1's
+                              Transfer("a", "in", 20.5, 21.0),
+                              Transfer("b", "out", 30.0, 31.0)], rounds)  # round 3 not started
+    assert (times.get(1, "a"), times.get(2, "a"), times.get(2, "b"), times.get(1, "b")) == \
+        (3.0, 0.5, 1.0, 0.0)
+    assert TransferTimes.of([], rounds).get(1, "a") is None  # a run that timed no transfer
 
 
 def test_delivery_time_survives_rerun_and_clears_on_failure(tmp_path: Path) -> None:
@@ -129,7 +173,9 @@ def test_old_registry_is_migrated(tmp_path: Path, xffl_home: Path) -> None:
     registry.create_run("old", "old", tmp_path / "j.yaml", tmp_path, 1, ["a"])
     registry.finish_round("old", RoundRecord(round=1, state="completed", sites=[]))
     (site,) = registry.rounds("old")[0].sites
-    assert (site.train_seconds, site.delivered_seconds, site.attempts) == (4.0, None, 1)
+    assert (site.train_seconds, site.delivered_seconds, site.startup_seconds,
+            site.attempts) == (4.0, None, None, 1)
+    assert registry.transfers("old") == []
 
 
 def _valid_png(path: Path) -> tuple[int, int]:
@@ -157,16 +203,16 @@ def test_report_files_and_page(tmp_path: Path) -> None:
             "global": [[1.0, 2.75], [2.0, 2.25]]}
     page = files["html"].read_text()
     # every row as the table prints it: round, site, state, samples, tokens, loss, train s,
-    # queue wait s, transfer s, aggregate s, tokens/s
+    # queue wait s, start-up s, transfer s, other s, aggregate s, tokens/s
     assert ('<td class="text">1</td><td class="text">alpha</td><td class="text">completed</td>'
-            "<td>768</td><td>50000</td><td>2.5000</td><td>12.5</td><td>0.0</td><td>8.5</td>"
-            "<td></td><td>4000</td>") in page
+            "<td>768</td><td>50000</td><td>2.5000</td><td>12.5</td><td>0.0</td><td>2.0</td>"
+            "<td>2.0</td><td>4.5</td><td></td><td>4000</td>") in page
     assert ('<td class="text">beta</td><td class="text">completed after 2 attempts</td>'
-            "<td>512</td><td>30000</td><td>3.1250</td><td>10.0</td><td>5.0</td><td>15.5</td>"
-            "<td></td><td>3000</td>") in page
+            "<td>512</td><td>30000</td><td>3.1250</td><td>10.0</td><td>5.0</td><td>3.0</td>"
+            "<td>5.5</td><td>7.0</td><td></td><td>3000</td>") in page
     assert ('<tr class="global"><td class="text">2</td><td class="text">global</td>'
             '<td class="text">completed</td><td>1280</td><td></td><td>2.2500</td><td></td>'
-            "<td></td><td></td><td>0.50</td><td></td></tr>") in page
+            "<td></td><td></td><td></td><td></td><td>0.50</td><td></td></tr>") in page
     assert "<td>2.0625</td>" in page and "<td>2.8750</td>" in page and "<td>3750</td>" in page
     # the hostile reason and run message are shown, escaped, never as markup
     assert HOSTILE not in page and "<script>" not in page
@@ -179,16 +225,18 @@ def test_status_json_has_the_breakdown(tmp_path: Path) -> None:
     registry, run_id = _run(tmp_path)
     status = run_status(registry, registry.get_run(run_id))
     beta = status.rounds[0].sites[1]
-    assert (beta.site, beta.queue_wait_s, beta.train_seconds, beta.transfer_s,
-            beta.delivered_seconds, beta.tokens_per_s) == ("beta", 5.0, 10.0, 15.5, 30.5, 3000.0)
+    assert (beta.site, beta.queue_wait_s, beta.startup_seconds, beta.train_seconds,
+            beta.transfer_s, beta.other_s, beta.delivered_seconds, beta.tokens_per_s) == (
+        "beta", 5.0, 3.0, 10.0, 5.5, 7.0, 30.5, 3000.0)
     alpha = status.rounds[1].sites[0]
-    assert (alpha.queue_wait_s, alpha.transfer_s, alpha.delivered_seconds) == (0.0, 6.0, 16.0)
+    assert (alpha.queue_wait_s, alpha.transfer_s, alpha.delivered_seconds) == (0.0, 0.5, 16.0)
     # the JSON object carries the same numbers under the same names, through a JSON round trip
     shown = json.loads(json.dumps(status.as_json()))
     assert shown["run_id"] == run_id and shown["slurm"] == [] and shown["schedule"] is None
     row = shown["rounds"][0]["sites"][1]
-    assert (row["site"], row["queue_wait_s"], row["transfer_s"], row["tokens_per_s"],
-            row["state"]) == ("beta", 5.0, 15.5, 3000.0, beta.state.value)
+    assert (row["site"], row["queue_wait_s"], row["startup_s"], row["transfer_s"],
+            row["other_s"], row["tokens_per_s"], row["state"]) == (
+        "beta", 5.0, 3.0, 5.5, 7.0, 3000.0, beta.state.value)
     assert shown["rounds"][0]["round"] == status.rounds[0].record.round
 
 

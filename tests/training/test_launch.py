@@ -183,3 +183,14 @@ def test_launch_module_entry_reports_failure(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     assert "run_id" in proc.stderr and "training failed" in proc.stderr
+
+
+def test_startup_seconds_from_the_launcher_time() -> None:
+    from xffl.training.launch import LAUNCHED_AT_ENV
+    from xffl.training.trainer import startup_seconds
+
+    assert startup_seconds({LAUNCHED_AT_ENV: repr(100.25)}, 102.75) == 2.5
+    assert startup_seconds({LAUNCHED_AT_ENV: "200.0"}, 150.0) == 0.0  # clocks: never < 0
+    for bad in ({}, {LAUNCHED_AT_ENV: "soon"}, {LAUNCHED_AT_ENV: "nan"},
+                {LAUNCHED_AT_ENV: "inf"}):
+        assert startup_seconds(bad, 1.0) is None

@@ -21,9 +21,12 @@ from typing import Any
 import pytest
 import yaml
 
+from xffl.jobs.registry import Registry
+
 FIXTURES = Path(__file__).with_name("sf_fixtures")
 STREAMFLOW = Path(sys.executable).with_name("streamflow")
 SITES = {"a": ["/rounds/train_a"], "b": ["/rounds/train_b"]}
+RUN_ID = "fixture-20261125-000000-abcd"
 
 
 def _free_port() -> int:
@@ -35,11 +38,12 @@ def _free_port() -> int:
 def run_rounds(tmp_path: Path, deployments: dict[str, Any], *, retries: int = 0,
                min_sites: int = 1, limit: int = 0, rounds: int = 3,
                failure_manager: bool = True, services: dict[str, str] | None = None,
-               start: bool = True) -> tuple[int, str, Path]:
+               start: bool = True, registry: Registry | None = None) -> tuple[int, str, Path]:
     """``streamflow run`` the fixture for ``rounds`` rounds: (exit code, output, run dir).
 
     ``services`` binds a site's step to a service of its deployment; without ``start`` the
-    files are written and nothing runs.
+    files are written and nothing runs. With ``registry``, the run is registered there as
+    ``RUN_ID`` and xffl's data manager times the sites' transfers into it.
     """
     ctl = tmp_path / "ctl"
     ctl.mkdir(exist_ok=True)
@@ -62,6 +66,12 @@ def run_rounds(tmp_path: Path, deployments: dict[str, Any], *, retries: int = 0,
         "deployments": deployments,
         "database": {"type": "default", "config": {"connection": str(tmp_path / "sf.db")}},
     }
+    if registry is not None:
+        registry.create_run(RUN_ID, "fixture", tmp_path / "job.yaml", tmp_path, rounds, ["a", "b"])
+        (tmp_path / "run.json").write_text(json.dumps({"run_id": RUN_ID,
+                                                       "registry": str(registry.path)}))
+        config["dataManager"] = {"type": "xffl", "config": {
+            "run_dir": str(tmp_path), "sites": {"site-a": "a", "site-b": "b"}}}
     if failure_manager:
         config["failureManager"] = {"enabled": True, "type": "xffl", "config": {
             "retries": retries, "retry_delay": 0, "run_dir": str(tmp_path), "sites": SITES}}
@@ -104,8 +114,18 @@ def test_a_failed_job_is_retried_and_a_lost_site_is_left_out(tmp_path: Path) -> 
     ctl.mkdir()
     (ctl / "fail-a-r2").write_text("1")  # a's round-2 job fails once: the retry trains it
     (ctl / "fail-b-r3").write_text("9")  # b fails round 3 for good: the round goes on
-    code, out, run_dir = run_rounds(tmp_path, local_sites(), retries=1)
+    registry = Registry(tmp_path / "registry.db")
+    started = time.time()
+    code, out, run_dir = run_rounds(tmp_path, local_sites(), retries=1, registry=registry)
     assert code == 0, out[-3000:]
+    # xffl's data manager timed every copy between the coordinator and a site, and nothing
+    # else: the model and the tool to each site every round (a's retry reuses them), each
+    # update back (b's round 3 never came back)
+    moved = registry.transfers(RUN_ID)
+    assert all(started <= t.started <= t.ended <= time.time() for t in moved)
+    counts = {(s, d): sum(t.site == s and t.direction == d for t in moved)
+              for s in ("a", "b") for d in ("in", "out")}
+    assert counts == {("a", "in"): 6, ("a", "out"): 3, ("b", "in"): 6, ("b", "out"): 2}, moved
     r1 = "a@1(w0)+b@1(w0)"
     r2 = f"a@2({r1})+b@2({r1})"
     assert final_global(run_dir) == f"a@3({r2})"  # round 3 holds a alone

@@ -86,6 +86,16 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     assert {(j["round"], j["site"]): j["job_id"] for j in json.loads(shown.stdout)["slurm"]} \
         == job_ids
 
+    # the time breakdown: every part measured; StreamFlow's copies over SSH were timed both
+    # ways each round, so the transfer part of every site round is > 0
+    moved = Registry().transfers(run_id)
+    for site in ("alpha", "beta"):
+        assert {t.direction for t in moved if t.site == site} == {"in", "out"}
+    for rnd in json.loads(shown.stdout)["rounds"]:
+        for row in rnd["sites"]:
+            assert row["queue_wait_s"] is not None and row["startup_s"] > 0, row
+            assert row["transfer_s"] > 0 and row["other_s"] >= 0, row
+
     # the globals are the sample-weighted averages of the updates that came back over SSH
     for rnd in rounds:
         round_dir = run_dir / "rounds" / str(rnd)
