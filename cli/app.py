@@ -14,6 +14,7 @@ from xffl.cli import (
     data,
     init,
     logs,
+    profiles,
     provenance,
     render,
     report,
@@ -22,7 +23,6 @@ from xffl.cli import (
     runs,
     schedule,
     simulate,
-    sites,
     status,
     submit,
     validate,
@@ -98,7 +98,9 @@ app.command()(schedule.schedule)
 app.command()(report.report)
 app.command()(provenance.provenance)
 app.command()(simulate.simulate)
-app.add_typer(sites.app, name="sites")
+app.add_typer(profiles.app, name="profiles")
+# the name of xffl <= 0.1 for the same commands, kept for scripts; hidden from the help
+app.add_typer(profiles.app, name="sites", hidden=True, deprecated=True)
 app.add_typer(data.app, name="data")
 
 

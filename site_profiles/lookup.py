@@ -136,7 +136,7 @@ def unfilled(name: str, profile: SiteProfile, job_dir: Path | None = None,
     lines = path.read_text().splitlines()
     prefix = f"{referrer}: " if referrer else ""
     bundled = path.parent.resolve() == bundled_dir().resolve()
-    fix = (f"copy the template with `xffl sites init {name}` and fill it in there" if bundled
+    fix = (f"copy the template with `xffl profiles init {name}` and fill it in there" if bundled
            else "fill it in")
     errors = []
     for key in missing:

@@ -58,7 +58,7 @@ def main() -> int:
             "xffl status last": [xffl, "status", "last"],
             "xffl runs": [xffl, "runs"],
             "xffl logs last": [xffl, "logs", "last"],
-            "xffl sites list": [xffl, "sites", "list"],
+            "xffl profiles list": [xffl, "sites", "list"],
             "xffl validate quickstart": [xffl, "validate", job],
             "import xffl.cli.app": [python, "-c", "import xffl.cli.app"],
         }

@@ -17,6 +17,6 @@ def test_every_timed_command_runs() -> None:
     result = json.loads(done.stdout)
     names = [row["command"] for row in result["rows"]]
     assert {"xffl --help", "xffl status last", "xffl runs", "xffl logs last",
-            "xffl sites list", "xffl validate quickstart"} <= set(names)
+            "xffl profiles list", "xffl validate quickstart"} <= set(names)
     assert all(row["median_s"] > 0 for row in result["rows"])
     assert set(result["within_target"]) == {"xffl --help", "xffl status last"}

@@ -25,7 +25,7 @@ def test_version() -> None:
     assert result.exit_code == 0 and result.stdout == f"xffl {version('xffl')}\n"
 
 
-@pytest.mark.parametrize("argv", [["-h"], ["status", "-h"], ["sites", "list", "-h"]])
+@pytest.mark.parametrize("argv", [["-h"], ["status", "-h"], ["profiles", "list", "-h"]])
 def test_dash_h_is_help(argv: list[str]) -> None:
     result = runner.invoke(app, argv)
     long = runner.invoke(app, [*argv[:-1], "--help"])
@@ -53,7 +53,7 @@ def test_debug_after_the_subcommand(xffl_home: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["status", "last"], ["status", "last", "--json"], ["runs"],
-                                  ["sites", "list"]])
+                                  ["profiles", "list"]])
 def test_a_reader_that_stops_early_is_no_failure(xffl_home: Path, argv: list[str]) -> None:
     """``xffl status | head -1``: the reader closed the pipe; the command exits 0, silently."""
     assert runner.invoke(app, ["submit", str(QUICKSTART), "--no-start"]).exit_code == 0
@@ -76,7 +76,7 @@ def test_the_pipe_reader_gets_the_output(xffl_home: Path) -> None:
 @pytest.mark.parametrize(("argv", "code", "kind"), [
     (["status", "--json"], 2, "invalid_input"),  # no runs yet
     (["logs", "nope", "--json"], 2, "invalid_input"),
-    (["sites", "show", "nowhere", "--json"], 2, "invalid_input"),
+    (["profiles", "show", "nowhere", "--json"], 2, "invalid_input"),
 ])
 def test_errors_under_json_are_json_on_stdout(xffl_home: Path, argv: list[str], code: int,
                                               kind: str) -> None:

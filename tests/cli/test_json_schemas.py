@@ -32,9 +32,9 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("logs",): "logs", ("cancel",): "cancel", ("resume",): "resume", ("round",): "round",
     ("schedule",): "schedule", ("provenance",): "provenance", ("validate",): "validate",
     ("render",): "render", ("init",): "init", ("report",): "report",
-    ("aggregate",): "aggregate", ("simulate",): "simulate", ("sites", "list"): "sites-list",
-    ("sites", "show"): "sites-show", ("sites", "check"): "sites-check",
-    ("sites", "init"): "sites-init", ("data", "prepare"): "data-prepare",
+    ("aggregate",): "aggregate", ("simulate",): "simulate", ("profiles", "list"): "profiles-list",
+    ("profiles", "show"): "profiles-show", ("profiles", "check"): "profiles-check",
+    ("profiles", "init"): "profiles-init", ("data", "prepare"): "data-prepare",
 }
 
 
@@ -44,7 +44,8 @@ def _leaves(command: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
         return {path: command}
     out: dict[tuple[str, ...], Any] = {}
     for name, child in sub.items():
-        out.update(_leaves(child, (*path, name)))
+        if not getattr(child, "hidden", False):  # `xffl sites`: profiles' old, hidden name
+            out.update(_leaves(child, (*path, name)))
     return out
 
 
@@ -86,9 +87,9 @@ def test_the_outputs_of_a_waiting_run(xffl_home: Path, tmp_path: Path) -> None:
 
 def test_the_outputs_about_profiles_data_and_checkpoints(xffl_home: Path,
                                                          tmp_path: Path) -> None:
-    check("sites-list", _json(["sites", "list", "--json"]))
-    check("sites-show", _json(["sites", "show", "local", "--json"]))
-    check("sites-init", _json(["sites", "init", "lumi", "--json"]))
+    check("profiles-list", _json(["profiles", "list", "--json"]))
+    check("profiles-show", _json(["profiles", "show", "local", "--json"]))
+    check("profiles-init", _json(["profiles", "init", "lumi", "--json"]))
     text = tmp_path / "corpus.txt"
     text.write_text("the data never leaves the site\n" * 50)
     check("data-prepare", _json(["data", "prepare", str(text), "-o", str(tmp_path / "tok"),
@@ -103,8 +104,8 @@ def test_the_outputs_about_profiles_data_and_checkpoints(xffl_home: Path,
     ["cancel", "nope"], ["resume", "nope"], ["round", "nope"], ["provenance", "nope"],
     ["schedule", "nope", "--remove"], ["validate", "missing.yaml"], ["submit", "missing.yaml"],
     ["render", "missing.yaml", "-o", "plan"], ["simulate", "missing.yaml", "--sites", "2"],
-    ["aggregate", "-o", "g", "nowhere"], ["sites", "show", "nowhere"],
-    ["sites", "check", "nowhere"], ["sites", "init", "nowhere"],
+    ["aggregate", "-o", "g", "nowhere"], ["profiles", "show", "nowhere"],
+    ["profiles", "check", "nowhere"], ["profiles", "init", "nowhere"],
     ["data", "prepare", "missing.txt", "-o", "tok"]],
     ids=lambda argv: "-".join(a for a in argv if not a.endswith((".yaml", ".txt"))))
 def test_an_error_under_json_is_the_error_object(xffl_home: Path, tmp_path: Path,

@@ -48,7 +48,7 @@ def _xffl(*argv: str, terminal: bool) -> list[str]:
     return done.stdout.splitlines()
 
 
-@pytest.mark.parametrize("argv", [("status", "last", "--no-live"), ("runs",), ("sites", "list")])
+@pytest.mark.parametrize("argv", [("status", "last", "--no-live"), ("runs",), ("profiles", "list")])
 def test_a_pipe_gets_one_plain_record_per_line(finished_run: str, argv: tuple[str, ...]) -> None:
     lines = _xffl(*argv, terminal=False)
     text = "\n".join(lines)

@@ -77,12 +77,12 @@ def certs(tmp_path: Path, slurm_stack: Any,
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     folder = tmp_path / "site_profiles"
     folder.mkdir()
-    monkeypatch.chdir(tmp_path)  # `xffl sites check NAME` finds ./site_profiles/NAME.yaml
+    monkeypatch.chdir(tmp_path)  # `xffl profiles check NAME` finds ./site_profiles/NAME.yaml
     yield {"profiles": folder, "key": new_key(tmp_path / "keys", "leo")}
 
 
 def _check(name: str) -> tuple[int, dict[str, Any]]:
-    result = runner.invoke(app, ["sites", "check", name, "--json"])
+    result = runner.invoke(app, ["profiles", "check", name, "--json"])
     return result.exit_code, json.loads(result.stdout)
 
 

@@ -119,7 +119,7 @@ def test_sites_check_through_a_host_alias(tmp_path: Path, slurm_stack: Any,
         "name": "aliased", "connector": {"type": "ssh", "host": "xffl-alpha"},
         "slurm": {"partition": slurm_stack.clusters["alpha"].partition},
         "python": sys.executable, "workdir": slurm_stack.clusters["alpha"].work_dir}))
-    result = runner.invoke(app, ["sites", "check", "aliased", "--json"])
+    result = runner.invoke(app, ["profiles", "check", "aliased", "--json"])
     assert result.exit_code == 0, result.output
     checks = {c["check"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["connect"]["detail"].startswith(

@@ -896,7 +896,7 @@ def up(
     for c in info.clusters.values():
         for sub in (c.state_dir, c.spool_dir, c.work_dir):
             Path(sub).mkdir(parents=True, exist_ok=True)
-        Path(c.work_dir).chmod(0o700)  # as `xffl sites check` wants a facility's workdir
+        Path(c.work_dir).chmod(0o700)  # as `xffl profiles check` wants a facility's workdir
         if _write_if_changed(Path(c.slurm_conf), _slurm_conf(info, c)):
             _stop(c.slurmd_pid_file, "slurmd", 15)
             _stop(c.slurmctld_pid_file, "slurmctld", 15)

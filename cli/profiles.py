@@ -1,4 +1,4 @@
-"""`xffl sites`: list, show and check the site profiles."""
+"""`xffl profiles`: list, show and check the site profiles."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.cli.tables import Rows
 from xffl.core.errors import ExitCode
 
-app = typer.Typer(help="List, show and check site profiles.", no_args_is_help=True)
+app = typer.Typer(help="List, show, copy (init) and check site profiles.", no_args_is_help=True)
 
 NameArg = Annotated[str, typer.Argument(
         metavar="NAME", help="Profile name (file NAME.yaml).")]
@@ -19,10 +19,10 @@ NameArg = Annotated[str, typer.Argument(
 
 @app.command("list")
 @handle_errors
-def list_sites(json_out: JsonOpt = False) -> None:
+def list_profiles(json_out: JsonOpt = False) -> None:
     """List the site profiles xffl can find, with where each one comes from.
 
-    Example: xffl sites list
+    Example: xffl profiles list
     """
     from xffl.site_profiles.lookup import available, load_profile_file
     from xffl.site_profiles.schema import SshConnector
@@ -54,13 +54,13 @@ def list_sites(json_out: JsonOpt = False) -> None:
 @handle_errors
 def init(
     name: Annotated[str, typer.Argument(
-        metavar="NAME", help="A bundled template (`xffl sites list`).")],
+        metavar="NAME", help="A bundled template (`xffl profiles list`).")],
     force: Annotated[bool, typer.Option("--force", help="Replace the copy if it exists.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Copy a bundled profile template, comments included, to your profiles to fill in.
 
-    Example: xffl sites init leonardo
+    Example: xffl profiles init leonardo
     """
     from xffl.site_profiles.lookup import install_template
 
@@ -68,7 +68,7 @@ def init(
     if json_out:
         print_json({"profile": name, "path": str(target)})
     else:
-        console.print(f"wrote {target}: fill in every YOUR_... value, then `xffl sites check "
+        console.print(f"wrote {target}: fill in every YOUR_... value, then `xffl profiles check "
                       f"{name}`.", soft_wrap=True)
 
 
@@ -78,7 +78,7 @@ def show(name: NameArg, json_out: JsonOpt = False) -> None:
     """Print one site profile: its file as written, comments included (--json: every field,
     defaults filled in).
 
-    Example: xffl sites show leonardo
+    Example: xffl profiles show leonardo
     """
     from xffl.site_profiles.lookup import available, find_profile
 
@@ -98,7 +98,7 @@ def check(name: NameArg, json_out: JsonOpt = False) -> None:
     Exit 0 when every check passes, 3 when the connection, login or host key fails, 1 when
     connected but a check failed.
 
-    Example: xffl sites check leonardo
+    Example: xffl profiles check leonardo
     """
     from xffl.site_profiles.lookup import find_profile
     from xffl.site_profiles.remote import check_site

@@ -1,4 +1,4 @@
-"""`xffl sites` and `xffl submit`'s preflight, through a local Typer app, on the real stack."""
+"""`xffl profiles` and `xffl submit`'s preflight, through a local Typer app, on the real stack."""
 
 from __future__ import annotations
 
@@ -17,29 +17,29 @@ from tests.site_profiles.test_remote import (
     write_profile,
     wrong_known_hosts,
 )
-from xffl.cli import sites
+from xffl.cli import profiles
 from xffl.cli.submit import submit
 
 app = typer.Typer()
-app.add_typer(sites.app, name="sites")
+app.add_typer(profiles.app, name="profiles")
 app.command("submit")(submit)
 runner = CliRunner()
 
 
 def test_list_json() -> None:
-    result = runner.invoke(app, ["sites", "list", "--json"])
+    result = runner.invoke(app, ["profiles", "list", "--json"])
     assert result.exit_code == 0, result.output
     rows = {r["name"]: r for r in json.loads(result.stdout)}
     assert {"local", "leonardo", "karolina", "lumi"} <= set(rows)
     assert rows["leonardo"]["host"] == "login.leonardo.cineca.it:22"
     assert rows["leonardo"]["partition"] == "boost_usr_prod"
     assert rows["local"]["connector"] == "local"
-    plain = runner.invoke(app, ["sites", "list"])
+    plain = runner.invoke(app, ["profiles", "list"])
     assert plain.exit_code == 0 and "karolina" in plain.stdout
 
 
 def test_show() -> None:
-    result = runner.invoke(app, ["sites", "show", "leonardo"])
+    result = runner.invoke(app, ["profiles", "show", "leonardo"])
     assert result.exit_code == 0, result.output
     shown = yaml.safe_load(result.stdout)["connector"]
     assert shown["host"] == "login.leonardo.cineca.it" and "cineca-hpc" in shown["renew"]
@@ -48,16 +48,16 @@ def test_show() -> None:
     template = bundled_dir() / "leonardo.yaml"  # as written: the renewal steps' comments too
     assert result.stdout == f"# {template}\n{template.read_text()}"
     assert "# or put it in your ssh-agent with `step ssh login" in result.stdout
-    as_json = runner.invoke(app, ["sites", "show", "lumi", "--json"])
+    as_json = runner.invoke(app, ["profiles", "show", "lumi", "--json"])
     assert json.loads(as_json.stdout)["slurm"]["partition"] == "standard-g"
-    missing = runner.invoke(app, ["sites", "show", "leonard"])
+    missing = runner.invoke(app, ["profiles", "show", "leonard"])
     assert missing.exit_code == 2 and "leonardo" in missing.output
 
 
 def test_check_local() -> None:
-    result = runner.invoke(app, ["sites", "check", "local", "--json"])
+    result = runner.invoke(app, ["profiles", "check", "local", "--json"])
     assert result.exit_code == 0, result.output
-    assert check("sites-check", json.loads(result.stdout))["ok"] is True
+    assert check("profiles-check", json.loads(result.stdout))["ok"] is True
 
 
 @pytest.mark.slow
@@ -65,10 +65,10 @@ def test_check_alpha(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def
                      monkeypatch: pytest.MonkeyPatch) -> None:
     write_profile(tmp_path / "site_profiles", slurm_stack)
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["sites", "check", "test-alpha"])
+    result = runner.invoke(app, ["profiles", "check", "test-alpha"])
     assert result.exit_code == 0, result.output
     assert "NO" not in result.stdout
-    as_json = runner.invoke(app, ["sites", "check", "test-alpha", "--json"])
+    as_json = runner.invoke(app, ["profiles", "check", "test-alpha", "--json"])
     data = json.loads(as_json.stdout)
     assert data["ok"] and [c["check"] for c in data["checks"]] == [
         "login", "connect", "slurm commands", "partition", "workdir writable", "workdir private",
@@ -87,7 +87,7 @@ def test_check_partition_missing(tmp_path: Path, slurm_stack,  # type: ignore[no
     doc["slurm"]["partition"] = "nosuchpartition"
     path.write_text(yaml.safe_dump(doc))
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["sites", "check", "test-alpha", "--json"])
+    result = runner.invoke(app, ["profiles", "check", "test-alpha", "--json"])
     assert result.exit_code == 1, result.output
     failed = [c["check"] for c in json.loads(result.stdout)["checks"] if not c["ok"]]
     assert failed == ["partition"]
@@ -99,7 +99,7 @@ def test_changed_host_key_exit_3(tmp_path: Path, slurm_stack,  # type: ignore[no
     kh = wrong_known_hosts(tmp_path / "kh", slurm_stack.clusters["alpha"].ssh_port)
     write_profile(tmp_path / "site_profiles", slurm_stack, known_hosts=kh)
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["sites", "check", "test-alpha"])
+    result = runner.invoke(app, ["profiles", "check", "test-alpha"])
     assert result.exit_code == 3, result.output
     assert "host key" in result.output
 
@@ -121,7 +121,7 @@ def test_unknown_host_exit_3(tmp_path: Path, slurm_stack,  # type: ignore[no-unt
     kh = other_host_known_hosts(tmp_path / "kh")
     write_profile(tmp_path / "site_profiles", slurm_stack, known_hosts=kh)
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["sites", "check", "test-alpha"])
+    result = runner.invoke(app, ["profiles", "check", "test-alpha"])
     assert result.exit_code == 3, result.output
     assert "known_hosts" in result.output
 
@@ -129,12 +129,12 @@ def test_unknown_host_exit_3(tmp_path: Path, slurm_stack,  # type: ignore[no-unt
 def test_a_template_left_unfilled_is_refused_where_it_is(tmp_path: Path,
                                                          xffl_home: Path) -> None:
     """A job on the bundled leonardo template: validate names each YOUR_ line and the fix;
-    `sites init` copies the template (comments kept) and validate then points at the copy."""
+    `profiles init` copies the template (comments kept) and validate then points at the copy."""
     from xffl.cli.validate import validate
     from xffl.site_profiles.lookup import bundled_dir, installed_dirs
 
     full = typer.Typer()
-    full.add_typer(sites.app, name="sites")
+    full.add_typer(profiles.app, name="profiles")
     full.command("validate")(validate)
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec["sites"][0]["profile"] = "leonardo"
@@ -150,14 +150,14 @@ def test_a_template_left_unfilled_is_refused_where_it_is(tmp_path: Path,
     template = bundled_dir() / "leonardo.yaml"
     fields = {"user": 21, "renew": 26, "account": 29, "python": 41, "workdir": 42}
     assert errors() == [f"{template}:{n}: site profile field {k}: still the template's YOUR_... "
-                        "placeholder; copy the template with `xffl sites init leonardo` and "
+                        "placeholder; copy the template with `xffl profiles init leonardo` and "
                         "fill it in there." for k, n in fields.items()]
-    made = runner.invoke(full, ["sites", "init", "leonardo"])
+    made = runner.invoke(full, ["profiles", "init", "leonardo"])
     assert made.exit_code == 0, made.output
     copy = installed_dirs()[0] / "leonardo.yaml"
     assert copy.read_text() == template.read_text()  # the renewal steps' comments included
     assert (copy.stat().st_mode & 0o777) == 0o600
-    assert runner.invoke(full, ["sites", "init", "leonardo"]).exit_code == 2  # no overwrite
+    assert runner.invoke(full, ["profiles", "init", "leonardo"]).exit_code == 2  # no overwrite
     assert [e.split(":", 2)[:2] for e in errors()] == [[str(copy), str(n)]
                                                        for n in fields.values()]
     assert all(e.endswith("still the template's YOUR_... placeholder; fill it in.")
@@ -169,3 +169,18 @@ def test_a_template_left_unfilled_is_refused_where_it_is(tmp_path: Path,
     from xffl.jobs.load import load_job
 
     assert load_job(job).profiles["alpha"].connector.user == "ada"  # filled in: it loads
+
+
+def test_sites_is_the_hidden_old_name_of_profiles() -> None:
+    """Scripts written for `xffl sites ...` keep working; the help shows `profiles` only."""
+    from xffl.cli.app import app as full
+
+    new = runner.invoke(full, ["profiles", "list", "--json"])
+    old = runner.invoke(full, ["sites", "list", "--json"])
+    assert new.exit_code == old.exit_code == 0, old.output
+    assert json.loads(old.stdout) == json.loads(new.stdout)
+    assert "deprecated" in old.stderr.lower()
+    commands = [line.split()[0] for line in
+                runner.invoke(full, ["--help"], env={"COLUMNS": "200"}).stdout.splitlines()
+                if line.startswith("  ") and line.strip()]
+    assert "profiles" in commands and "sites" not in commands
