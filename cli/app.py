@@ -28,7 +28,7 @@ from xffl.cli import (
     validate,
     watch,
 )
-from xffl.cli.common import state
+from xffl.cli.common import XfflCommand, state
 from xffl.core.paths import private_files
 
 
@@ -82,22 +82,22 @@ def _root(
     private_files()  # everything a command writes is owner-only
 
 
-app.command()(init.init)
-app.command()(submit.submit)
-app.command()(status.status)
-app.command()(watch.watch)
-app.command()(runs.runs)
-app.command()(render.render)
-app.command()(validate.validate)
-app.command()(aggregate.aggregate)
-app.command()(cancel.cancel)
-app.command()(logs.logs)
-app.command()(resume.resume)
-app.command(name="round")(round.round_)
-app.command()(schedule.schedule)
-app.command()(report.report)
-app.command()(provenance.provenance)
-app.command()(simulate.simulate)
+app.command(cls=XfflCommand)(init.init)
+app.command(cls=XfflCommand)(submit.submit)
+app.command(cls=XfflCommand)(status.status)
+app.command(cls=XfflCommand)(watch.watch)
+app.command(cls=XfflCommand)(runs.runs)
+app.command(cls=XfflCommand)(render.render)
+app.command(cls=XfflCommand)(validate.validate)
+app.command(cls=XfflCommand)(aggregate.aggregate)
+app.command(cls=XfflCommand)(cancel.cancel)
+app.command(cls=XfflCommand)(logs.logs)
+app.command(cls=XfflCommand)(resume.resume)
+app.command(name="round", cls=XfflCommand)(round.round_)
+app.command(cls=XfflCommand)(schedule.schedule)
+app.command(cls=XfflCommand)(report.report)
+app.command(cls=XfflCommand)(provenance.provenance)
+app.command(cls=XfflCommand)(simulate.simulate)
 app.add_typer(profiles.app, name="profiles")
 # the name of xffl <= 0.1 for the same commands, kept for scripts; hidden from the help
 app.add_typer(profiles.app, name="sites", hidden=True, deprecated=True)

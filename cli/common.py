@@ -13,6 +13,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 from rich.text import Text
+from typer.core import TyperCommand
 
 from xffl.core.errors import ExitCode, XfflError
 from xffl.jobs.registry import Registry, RunRecord
@@ -35,6 +36,16 @@ RunArg = Annotated[str, typer.Argument(metavar="RUN",
                                        help="Run id, an unambiguous prefix, or 'last'.")]
 JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
                                        help="Print machine-readable JSON.")]
+
+
+class XfflCommand(TyperCommand):
+    """A command whose usage line reads as click and man pages write it: ``JOB``, not
+    Typer 0.28's ``{JOB}`` (braces read as a choice); optional ones stay ``[RUN]``."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:  # typer's vendored Context
+        """The usage line's pieces, required arguments without braces."""
+        pieces: list[str] = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
 
 
 class _State:

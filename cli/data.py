@@ -7,13 +7,13 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, XfflCommand, console, handle_errors, print_json
 
 app = typer.Typer(help="Prepare a site's training data (run it at the site).",
                   no_args_is_help=True)
 
 
-@app.command("prepare")
+@app.command("prepare", cls=XfflCommand)
 @handle_errors
 def prepare(
     texts: Annotated[list[Path], typer.Argument(

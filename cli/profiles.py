@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, XfflCommand, console, handle_errors, print_json
 from xffl.cli.tables import Rows
 from xffl.core.errors import ExitCode
 
@@ -17,7 +17,7 @@ NameArg = Annotated[str, typer.Argument(
         metavar="NAME", help="Profile name (file NAME.yaml).")]
 
 
-@app.command("list")
+@app.command("list", cls=XfflCommand)
 @handle_errors
 def list_profiles(json_out: JsonOpt = False) -> None:
     """List the site profiles xffl can find, with where each one comes from.
@@ -50,7 +50,7 @@ def list_profiles(json_out: JsonOpt = False) -> None:
     table.print()
 
 
-@app.command("init")
+@app.command("init", cls=XfflCommand)
 @handle_errors
 def init(
     name: Annotated[str, typer.Argument(
@@ -72,7 +72,7 @@ def init(
                       f"{name}`.", soft_wrap=True)
 
 
-@app.command("show")
+@app.command("show", cls=XfflCommand)
 @handle_errors
 def show(name: NameArg, json_out: JsonOpt = False) -> None:
     """Print one site profile: its file as written, comments included (--json: every field,
@@ -90,7 +90,7 @@ def show(name: NameArg, json_out: JsonOpt = False) -> None:
         sys.stdout.write(f"# {path}\n{path.read_text()}")
 
 
-@app.command("check")
+@app.command("check", cls=XfflCommand)
 @handle_errors
 def check(name: NameArg, json_out: JsonOpt = False) -> None:
     """Check a site: SSH login (host key verified), SLURM, partition, workdir, remote xffl.

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -135,4 +136,21 @@ def test_help_in_a_pipe_is_plain_text(command: str) -> None:
     assert not any(ch in done.stdout for ch in "╭│╰")
     assert not [line for line in lines if line.strip() in {"+", "1"}]
     usage = {"status": "[RUN]", "simulate": "JOB", "aggregate": "UPDATE..."}[command]
-    assert lines[0].startswith(f"Usage: xffl {command} [OPTIONS]") and usage in lines[0]
+    assert lines[0] == f"Usage: xffl {command} [OPTIONS] {usage}"  # JOB, not Typer's {JOB}
+
+
+def test_no_usage_line_has_braces() -> None:
+    """Every command of the tree names its arguments as click and man pages do."""
+    import typer
+
+    def leaves(cmd: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+        sub = getattr(cmd, "commands", None)
+        return [x for name, c in (sub or {}).items() for x in leaves(c, (*path, name))] \
+            if sub else [(path, cmd)]
+
+    found = leaves(typer.main.get_command(app), ())
+    assert len(found) >= 20
+    for path, _cmd in found:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        usage = result.stdout.splitlines()[0]
+        assert usage.startswith(f"Usage: xffl {' '.join(path)} ") and "{" not in usage, usage
