@@ -36,7 +36,7 @@ CREATE TABLE IF NOT EXISTS site_rounds (
 );
 CREATE TABLE IF NOT EXISTS transfers (
     run_id TEXT NOT NULL, site TEXT NOT NULL, direction TEXT NOT NULL,
-    started REAL NOT NULL, ended REAL NOT NULL
+    started REAL NOT NULL, ended REAL NOT NULL, bytes INTEGER
 );
 CREATE TABLE IF NOT EXISTS slurm_jobs (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
@@ -104,6 +104,7 @@ class Transfer:
     direction: str  # "in" (to the site) or "out" (back to the coordinator)
     started: float
     ended: float
+    bytes: int | None = None  # the files' bytes, as they lie on the coordinator
 
 
 @dataclass
@@ -359,20 +360,22 @@ class Registry:
         return [dict(r) for r in rows]
 
     def record_transfer(self, run_id: str, site: str, direction: str, started: float,
-                        ended: float) -> None:
+                        ended: float, nbytes: int | None = None) -> None:
         """Store one StreamFlow transfer between the coordinator and ``site`` (``in``: to the
-        site, ``out``: back from it), as epoch times on the coordinator."""
+        site, ``out``: back from it): epoch times on the coordinator and the bytes moved."""
         with self._db() as db:
-            db.execute("INSERT INTO transfers (run_id, site, direction, started, ended)"
-                       " VALUES (?, ?, ?, ?, ?)", (run_id, site, direction, started, ended))
+            db.execute("INSERT INTO transfers (run_id, site, direction, started, ended, bytes)"
+                       " VALUES (?, ?, ?, ?, ?, ?)",
+                       (run_id, site, direction, started, ended, nbytes))
 
     def transfers(self, run_id: str) -> list[Transfer]:
         """Every recorded transfer of a run, in the order they started."""
         with self._db() as db:
             rows = db.execute(
-                "SELECT site, direction, started, ended FROM transfers WHERE run_id = ?"
+                "SELECT site, direction, started, ended, bytes FROM transfers WHERE run_id = ?"
                 " ORDER BY started", (run_id,)).fetchall()
-        return [Transfer(r["site"], r["direction"], r["started"], r["ended"]) for r in rows]
+        return [Transfer(r["site"], r["direction"], r["started"], r["ended"], r["bytes"])
+                for r in rows]
 
     def events(self, run_id: str) -> list[tuple[float, str, str]]:
         """The run's event log: (time, kind, message)."""
@@ -403,6 +406,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
     for column in ("delivered_seconds", "startup_seconds"):
         if column not in columns:
             conn.execute(f"ALTER TABLE site_rounds ADD COLUMN {column} REAL")
+    if "bytes" not in {row[1] for row in conn.execute("PRAGMA table_info(transfers)")}:
+        conn.execute("ALTER TABLE transfers ADD COLUMN bytes INTEGER")
     columns = {row[1] for row in conn.execute("PRAGMA table_info(slurm_jobs)")}
     for column in ("name", "nodes"):
         if column not in columns:

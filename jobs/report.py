@@ -41,6 +41,11 @@ def fmt(key: str, value: float | int | None) -> str:
     return "-" if value is None else FORMATS[key].format(value)
 
 
+def megabytes(value: int | None) -> str:
+    """Bytes as the tables print them: MB (10^6 bytes) with 2 decimals, ``-`` unknown."""
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
 @dataclass
 class QueueWaits:
     """SLURM's queue wait of each site's round, as recorded in the registry."""
@@ -80,6 +85,7 @@ class TransferTimes:
     """The recorded transfers of a run, attributed to the round during which each started."""
 
     spans: dict[tuple[int, str], list[tuple[float, float]]] = field(default_factory=dict)
+    moved: dict[tuple[int, str, str], int] = field(default_factory=dict)  # bytes by direction
     timed: bool = False  # whether the run recorded any transfer at all
 
     @classmethod
@@ -87,6 +93,7 @@ class TransferTimes:
         """Rounds run one after the other: round r owns what started before round r+1."""
         starts = sorted((r.started, r.round) for r in rounds if r.started is not None)
         spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        moved: dict[tuple[int, str, str], int] = {}
         for t in transfers:
             owner = None
             for started, rnd in starts:
@@ -94,13 +101,20 @@ class TransferTimes:
                     owner = rnd
             if owner is not None:
                 spans.setdefault((owner, t.site), []).append((t.started, t.ended))
-        return cls(spans, bool(transfers))
+                key = (owner, t.site, t.direction)
+                moved[key] = moved.get(key, 0) + (t.bytes or 0)
+        return cls(spans, moved, bool(transfers))
 
     def get(self, rnd: int, site: str) -> float | None:
         """Seconds of transfer of ``site`` in round ``rnd``; None when the run timed none."""
         if not self.timed:
             return None
         return busy_seconds(self.spans.get((rnd, site), []))
+
+    def bytes(self, rnd: int, site: str, direction: str) -> int | None:
+        """Bytes moved to (``in``) or from (``out``) ``site`` in round ``rnd``; None when the
+        run timed no transfer."""
+        return self.moved.get((rnd, site, direction), 0) if self.timed else None
 
 
 @dataclass
@@ -114,6 +128,8 @@ class Breakdown:
     other_s: float | None = None
     delivered_s: float | None = None
     tokens_per_s: float | None = None
+    received_bytes: int | None = None  # what the site was sent this round
+    sent_bytes: int | None = None  # what came back from it
 
 
 def site_breakdown(site: SiteRound, queue_wait_s: float | None,
@@ -142,9 +158,14 @@ def breakdowns(registry: Registry, run: RunRecord,
     """Every site's breakdown in every round of ``rounds``, by (round, site)."""
     waits = QueueWaits.of(registry, run)
     transfers = TransferTimes.of(registry.transfers(run.id), rounds)
-    return {(r.round, s.site): site_breakdown(s, waits.get(r.round, s.site),
-                                              transfers.get(r.round, s.site))
-            for r in rounds for s in r.sites}
+    parts = {}
+    for r in rounds:
+        for s in r.sites:
+            b = site_breakdown(s, waits.get(r.round, s.site), transfers.get(r.round, s.site))
+            b.received_bytes = transfers.bytes(r.round, s.site, "in")
+            b.sent_bytes = transfers.bytes(r.round, s.site, "out")
+            parts[(r.round, s.site)] = b
+    return parts
 
 
 @dataclass
@@ -165,6 +186,8 @@ class SiteRow:
     other_s: float | None
     delivered_s: float | None
     tokens_per_s: float | None
+    received_bytes: int | None
+    sent_bytes: int | None
 
 
 @dataclass

@@ -17,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt
+from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt, megabytes
 
 # the parts of a site's round, bottom to top, with their colours
 SEGMENTS = (("queue_wait_s", "queue wait (SLURM)", "#9e9e9e"),
@@ -151,7 +151,8 @@ def plot_throughput(data: ReportData, path: Path) -> None:
 
 
 COLUMNS = ("round", "site", "state", "samples", "tokens", "loss", "train s", "queue wait s",
-           "start-up s", "transfer s", "other s", "aggregate s", "tokens/s")
+           "start-up s", "transfer s", "other s", "aggregate s", "tokens/s", "MB in",
+           "MB out")
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 80em; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
@@ -182,7 +183,8 @@ def _site_row(rnd: RoundRow, s: SiteRow) -> str:
               fmt("num_tokens", s.num_tokens), fmt("loss", s.loss), fmt("train_s", s.train_s),
               fmt("queue_wait_s", s.queue_wait_s), fmt("startup_s", s.startup_s),
               fmt("transfer_s", s.transfer_s), fmt("other_s", s.other_s), "",
-              fmt("tokens_per_s", s.tokens_per_s)]
+              fmt("tokens_per_s", s.tokens_per_s), megabytes(s.received_bytes),
+              megabytes(s.sent_bytes)]
     reason = f'<div class="reason">{html.escape(s.reason)}</div>' if s.reason else ""
     return _row(values, reason)
 
@@ -194,7 +196,7 @@ def table_html(data: ReportData) -> str:
         rows += [_site_row(rnd, s) for s in rnd.sites]
         values = [str(rnd.round), "global", rnd.state, fmt("num_samples", rnd.num_samples),
                   "", fmt("loss", rnd.loss), "", "", "", "", "",
-                  fmt("aggregate_s", rnd.aggregate_s), ""]
+                  fmt("aggregate_s", rnd.aggregate_s), "", "", ""]
         rows.append(_row(values, css="global"))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "\n".join(rows) or f'<tr><td colspan="{len(COLUMNS)}">{NO_DATA}</td></tr>'

@@ -105,6 +105,8 @@ class SiteStatus(SiteRound):
     transfer_s: float | None = None
     other_s: float | None = None
     tokens_per_s: float | None = None
+    received_bytes: int | None = None
+    sent_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatu
             b = parts[(rnd.round, site.site)]
             sites.append(SiteStatus(**asdict(site), queue_wait_s=b.queue_wait_s,
                                     transfer_s=b.transfer_s, other_s=b.other_s,
-                                    tokens_per_s=b.tokens_per_s))
+                                    tokens_per_s=b.tokens_per_s,
+                                    received_bytes=b.received_bytes, sent_bytes=b.sent_bytes))
         rounds.append(RoundStatus(record=rnd, sites=sites))
     return rounds
 

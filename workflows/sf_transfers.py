@@ -6,12 +6,16 @@ This subclass measures each such call on the coordinator's clock and, in a regis
 stores it in the run registry (:meth:`xffl.jobs.registry.Registry.record_transfer`). The
 report attributes a transfer to the round during which it started (rounds run one after the
 other) and shows the transfer time apart from the queue wait, the start-up and the training.
-Copies inside one deployment (the coordinator's hard links) are not timed.
+Each transfer's size is that of its files on the coordinator's side (the source of what
+goes to a site, the destination of what comes back): the bytes on the wire, less the tar
+framing. Copies inside one deployment (the coordinator's hard links) are not timed.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import MutableSequence
 from importlib.resources import files
@@ -23,6 +27,28 @@ from streamflow.data.manager import DefaultDataManager
 from streamflow.log_handler import logger
 
 from xffl.core.layout import RunLayout, registration
+
+
+def tree_bytes(path: Path) -> int | None:
+    """The bytes of the regular files at ``path``, a file or a folder; None when nothing is
+    there. ``path`` itself may be a link (StreamFlow links what a local site hands back
+    instead of copying it); links inside are not followed."""
+    try:
+        top = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(top.st_mode):
+        return top.st_size if stat.S_ISREG(top.st_mode) else 0
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                info = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    return total
 
 
 class TransferClock(DefaultDataManager):
@@ -59,9 +85,12 @@ class TransferClock(DefaultDataManager):
         await super().transfer_data(src_location, src_path, dst_locations, dst_path, writable)
         which = self.direction(src_location, dst_locations)
         if which is not None:
-            self.record(*which, started, time.time())
+            site, direction = which
+            here = src_path if direction == "in" else dst_path  # the coordinator's side
+            self.record(site, direction, started, time.time(), tree_bytes(Path(here)))
 
-    def record(self, site: str, direction: str, started: float, ended: float) -> None:
+    def record(self, site: str, direction: str, started: float, ended: float,
+               nbytes: int | None = None) -> None:
         """Store one transfer in the run's registry (nothing for an unregistered plan)."""
         reg = registration(self.layout) if self.layout is not None else None
         if reg is None:
@@ -69,6 +98,7 @@ class TransferClock(DefaultDataManager):
         from xffl.jobs.registry import Registry
 
         try:
-            Registry(reg.registry).record_transfer(reg.run_id, site, direction, started, ended)
+            Registry(reg.registry).record_transfer(reg.run_id, site, direction, started, ended,
+                                                   nbytes)
         except (OSError, sqlite3.Error) as exc:  # timing is never worth failing a round
             logger.warning(f"xffl: could not record a transfer of site {site}: {exc}")

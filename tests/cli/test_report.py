@@ -83,10 +83,20 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
     assert ("round\tsite\tstate\tsamples\ttokens\tloss\tqueue s\tstart s\ttrain s\txfer s\t"
-            "other s\tagg s\n") in table.stdout, table.stdout
+            "other s\tagg s\tMB in/out\n") in table.stdout, table.stdout
     # StreamFlow brought every round's global to each site and its update back, timed
     moved = {(t.site, t.direction) for t in Registry().transfers(run_id)}
     assert moved == {(s, d) for s in ("alpha", "beta") for d in ("in", "out")}
+    # and sized: what came back is the update the coordinator keeps, file for file; what
+    # went out is the round's global model and the site's job file (its jobs/<site>.json)
+    run_dir = Path(quickstart_run.status["run_dir"])
+    for rnd in json.loads(status.stdout)["rounds"]:
+        for site in rnd["sites"]:
+            update = run_dir / "rounds" / str(rnd["round"]) / "updates" / site["site"]
+            assert site["sent_bytes"] == sum(f.stat().st_size for f in update.iterdir())
+            parent = run_dir / "rounds" / str(rnd["round"] - 1) / "global"
+            model = sum(f.stat().st_size for f in parent.iterdir())
+            assert model < site["received_bytes"] < model + 4096, site
 
 
 def test_report_of_an_unknown_run_exits_2() -> None:

@@ -75,19 +75,19 @@ def _run(tmp_path: Path) -> tuple[Registry, str]:
     registry.finish_round(run_id, RoundRecord(round=3, state="failed", started=3000.0, sites=[
         SiteRound("alpha", "completed", 768, 50000, 1.75, 8.0, startup_seconds=1.0),
         SiteRound("beta", "failed", reason=HOSTILE)]))
-    for site, direction, started, ended in TRANSFERS:
-        registry.record_transfer(run_id, site, direction, started, ended)
+    for site, direction, started, ended, nbytes in TRANSFERS:
+        registry.record_transfer(run_id, site, direction, started, ended, nbytes)
     registry.set_state(run_id, "failed", HOSTILE)
     return registry, run_id
 
 
-# (site, direction, started, ended): alpha 1 + 1 s in round 1; beta's two inbound copies in
-# round 1 overlap (1000-1003 and 1001-1004: 4 s, not 6) and its update took 1.5 s; round 2:
-# alpha 0.5 s, beta nothing; round 3: alpha 1 s
-TRANSFERS = [("alpha", "in", 1000.5, 1001.5), ("beta", "in", 1000.0, 1003.0),
-             ("beta", "in", 1001.0, 1004.0), ("alpha", "out", 1019.0, 1020.0),
-             ("beta", "out", 1028.0, 1029.5), ("alpha", "in", 2000.0, 2000.5),
-             ("alpha", "in", 3000.0, 3001.0)]
+# (site, direction, started, ended, bytes): alpha 1 + 1 s in round 1; beta's two inbound
+# copies in round 1 overlap (1000-1003 and 1001-1004: 4 s, not 6) and its update took 1.5 s;
+# round 2: alpha 0.5 s, beta nothing; round 3: alpha 1 s (its size not known)
+TRANSFERS = [("alpha", "in", 1000.5, 1001.5, 500), ("beta", "in", 1000.0, 1003.0, 700),
+             ("beta", "in", 1001.0, 1004.0, 20), ("alpha", "out", 1019.0, 1020.0, 3000),
+             ("beta", "out", 1028.0, 1029.5, 4000), ("alpha", "in", 2000.0, 2000.5, 600),
+             ("alpha", "in", 3000.0, 3001.0, None)]
 
 
 def test_breakdown_numbers(tmp_path: Path) -> None:
@@ -107,6 +107,11 @@ def test_breakdown_numbers(tmp_path: Path) -> None:
     assert [(r.round, r.state, r.loss, r.aggregate_s) for r in data.rounds] == [
         (1, "completed", 2.75, 0.75), (2, "completed", 2.25, 0.5), (3, "failed", None, None)]
     assert data.rounds[0].sites[1].attempts == 2
+    moved = {(r.round, s.site): (s.received_bytes, s.sent_bytes)
+             for r in data.rounds for s in r.sites}
+    assert moved == {(1, "alpha"): (500, 3000), (1, "beta"): (720, 4000),  # both copies in
+                     (2, "alpha"): (600, 0), (2, "beta"): (0, 0),
+                     (3, "alpha"): (0, 0), (3, "beta"): (0, 0)}
 
 
 def test_breakdown_edge_cases() -> None:
@@ -143,6 +148,12 @@ def test_transfers_belong_to_the_round_they_started_in() -> None:
     assert (times.get(1, "a"), times.get(2, "a"), times.get(2, "b"), times.get(1, "b")) == \
         (3.0, 0.5, 1.0, 0.0)
     assert TransferTimes.of([], rounds).get(1, "a") is None  # a run that timed no transfer
+    sized = TransferTimes.of([Transfer("a", "in", 10.0, 11.0, 7),
+                              Transfer("a", "in", 12.0, 13.0, 5),
+                              Transfer("a", "out", 14.0, 15.0, 11)], rounds)
+    assert (sized.bytes(1, "a", "in"), sized.bytes(1, "a", "out"), sized.bytes(2, "a", "in")) \
+        == (12, 11, 0)
+    assert TransferTimes.of([], rounds).bytes(1, "a", "in") is None
 
 
 def test_delivery_time_survives_rerun_and_clears_on_failure(tmp_path: Path) -> None:
@@ -203,16 +214,17 @@ def test_report_files_and_page(tmp_path: Path) -> None:
             "global": [[1.0, 2.75], [2.0, 2.25]]}
     page = files["html"].read_text()
     # every row as the table prints it: round, site, state, samples, tokens, loss, train s,
-    # queue wait s, start-up s, transfer s, other s, aggregate s, tokens/s
+    # queue wait s, start-up s, transfer s, other s, aggregate s, tokens/s, MB in, MB out
     assert ('<td class="text">1</td><td class="text">alpha</td><td class="text">completed</td>'
             "<td>768</td><td>50000</td><td>2.5000</td><td>12.5</td><td>0.0</td><td>2.0</td>"
-            "<td>2.0</td><td>4.5</td><td></td><td>4000</td>") in page
+            "<td>2.0</td><td>4.5</td><td></td><td>4000</td><td>0.00</td><td>0.00</td>") in page
     assert ('<td class="text">beta</td><td class="text">completed after 2 attempts</td>'
             "<td>512</td><td>30000</td><td>3.1250</td><td>10.0</td><td>5.0</td><td>3.0</td>"
             "<td>5.5</td><td>7.0</td><td></td><td>3000</td>") in page
     assert ('<tr class="global"><td class="text">2</td><td class="text">global</td>'
             '<td class="text">completed</td><td>1280</td><td></td><td>2.2500</td><td></td>'
-            "<td></td><td></td><td></td><td></td><td>0.50</td><td></td></tr>") in page
+            "<td></td><td></td><td></td><td></td><td>0.50</td><td></td><td></td><td></td></tr>"
+            ) in page
     assert "<td>2.0625</td>" in page and "<td>2.8750</td>" in page and "<td>3750</td>" in page
     # the hostile reason and run message are shown, escaped, never as markup
     assert HOSTILE not in page and "<script>" not in page

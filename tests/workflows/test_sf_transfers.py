@@ -50,3 +50,19 @@ def test_a_registry_that_cannot_be_written_never_fails_the_transfer(tmp_path: Pa
     clock.layout = RunLayout(tmp_path)
     clock.record("beta", "out", 1.0, 2.0)  # logged as a warning, not raised
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-dir", "run.json"]
+
+
+def test_tree_bytes_counts_regular_files_only(tmp_path: Path) -> None:
+    from xffl.workflows.sf_transfers import tree_bytes
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a").write_bytes(b"x" * 300)
+    (tmp_path / "d" / "sub" / "b").write_bytes(b"y" * 45)
+    (tmp_path / "big").write_bytes(b"z" * 10_000)
+    (tmp_path / "d" / "link").symlink_to(tmp_path / "big")  # a link inside is not followed
+    assert tree_bytes(tmp_path / "d") == 345
+    assert tree_bytes(tmp_path / "d" / "a") == 300
+    # the path itself may be a link: a local site's update, handed back by reference
+    (tmp_path / "handed").symlink_to(tmp_path / "d")
+    assert tree_bytes(tmp_path / "handed") == 345
+    assert tree_bytes(tmp_path / "nowhere") is None

@@ -95,6 +95,9 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
         for row in rnd["sites"]:
             assert row["queue_wait_s"] is not None and row["startup_s"] > 0, row
             assert row["transfer_s"] > 0 and row["other_s"] >= 0, row
+            # the bytes that came back over SSH: the update as the coordinator keeps it
+            update = run_dir / "rounds" / str(rnd["round"]) / "updates" / row["site"]
+            assert row["sent_bytes"] == sum(f.stat().st_size for f in update.iterdir()), row
 
     # the globals are the sample-weighted averages of the updates that came back over SSH
     for rnd in rounds:

@@ -1,0 +1,142 @@
+"""Benchmark: the bytes one site receives and sends per round, by what the round exchanges.
+
+Computed from a model preset's shapes (no training), per site and round, one way:
+
+- ``fp32 weights``: every parameter in float32 (what xffl exchanges today, both ways);
+- ``bf16 delta``: every parameter's change from the parent global, in bfloat16;
+- ``LoRA r=R attention``: LoRA adapters (A: r x in, B: out x r, float32) on q, k, v and o;
+- ``LoRA r=R all linear``: the same on q, k, v, o, gate, up and down.
+
+Each is printed with its ratio to fp32 weights and to the bf16 full model (the baseline both
+ratios use is computed in the same invocation). Tensor bytes only: the safetensors header,
+manifest.json and config.json add a few KiB per checkpoint.
+
+Measured: a run of the quickstart's job (``--run RUN`` reads an existing one; by default it is
+submitted into a temporary XFFL_HOME and waited for), where the registry has the bytes
+StreamFlow moved to and from each site in each round; printed per site and round, with the
+tiny preset's computed fp32 tensor bytes beside them.
+
+    python bench/exchange_bytes/run.py                      # llama2-7b shapes + quickstart
+    python bench/exchange_bytes/run.py --no-run --json      # computed only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+
+
+def linear_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection of one decoder layer of a LLaMA config."""
+    h, i, kv = config.hidden_size, config.intermediate_size, \
+        config.num_key_value_heads * config.head_dim
+    return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def lora_parameters(config: Any, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters of LoRA rank ``rank`` on ``targets`` in every layer: r x (in + out)."""
+    shapes = linear_shapes(config)
+    return config.num_hidden_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def computed(preset: str, rank: int) -> dict[str, Any]:
+    """Bytes per site per round, one way, of each exchange for the preset's shapes."""
+    from xffl.training.arch import PRESETS
+
+    config = PRESETS[preset]
+    n = config.num_parameters()
+    rows = {"fp32 weights": 4 * n, "bf16 delta": 2 * n,
+            f"LoRA r={rank} attention": 4 * lora_parameters(config, rank, ATTENTION),
+            f"LoRA r={rank} all linear": 4 * lora_parameters(config, rank, ALL_LINEAR)}
+    fp32, bf16 = rows["fp32 weights"], 2 * n
+    return {"preset": preset, "parameters": n, "rank": rank, "bf16_full_bytes": bf16,
+            "rows": [{"exchange": k, "bytes": v, "vs_fp32": v / fp32, "vs_bf16_full": v / bf16}
+                     for k, v in rows.items()]}
+
+
+def measured(run_id: str, home: Path | None = None) -> dict[str, Any]:
+    """What the registry (XFFL_HOME's, or ``home``'s) recorded for ``run_id``: bytes in and
+    out per site and round."""
+    if home is not None:
+        os.environ["XFFL_HOME"] = str(home)
+    from xffl.jobs.registry import Registry
+    from xffl.jobs.report import assemble
+    from xffl.training.arch import PRESETS
+
+    registry = Registry()
+    data = assemble(registry, registry.get_run(run_id))
+    rows = [{"round": r.round, "site": s.site, "received_bytes": s.received_bytes,
+             "sent_bytes": s.sent_bytes} for r in data.rounds for s in r.sites]
+    tiny = 4 * PRESETS["tiny"].num_parameters()
+    sent = [r["sent_bytes"] for r in rows if r["sent_bytes"]]
+    return {"run_id": run_id, "rows": rows, "tiny_fp32_tensor_bytes": tiny,
+            "median_sent_bytes": statistics.median(sent) if sent else None,
+            "sent_vs_tensors": statistics.median(sent) / tiny if sent else None}
+
+
+def quickstart(home: Path) -> str:
+    """Submit the quickstart into ``home`` and wait; its run id."""
+    env = {**os.environ, "XFFL_HOME": str(home)}
+    xffl = str(Path(sys.executable).with_name("xffl"))
+    done = subprocess.run([xffl, "submit", str(REPO / "jobs" / "quickstart.yaml"), "--wait",
+                           "--json"], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the quickstart failed ({done.returncode}): {done.stderr[-800:]}")
+    return str(json.loads(done.stdout)["run_id"])
+
+
+def render(result: dict[str, Any]) -> str:
+    """The tables as text."""
+    c = result["computed"]
+    lines = [f"{c['preset']} ({c['parameters']:,} parameters), per site per round, one way:",
+             f"{'exchange':<26}{'bytes':>16}{'vs fp32':>10}{'vs bf16 full':>14}"]
+    for row in c["rows"]:
+        lines.append(f"{row['exchange']:<26}{row['bytes']:>16,}{row['vs_fp32']:>10.4f}"
+                     f"{row['vs_bf16_full']:>14.4%}")
+    m = result.get("measured")
+    if m:
+        lines += ["", f"measured, run {m['run_id']} (fp32 weights; tiny preset: "
+                  f"{m['tiny_fp32_tensor_bytes']:,} tensor bytes):",
+                  f"{'round':<7}{'site':<10}{'received':>12}{'sent':>12}"]
+        for row in m["rows"]:
+            lines.append(f"{row['round']:<7}{row['site']:<10}{row['received_bytes'] or 0:>12,}"
+                         f"{row['sent_bytes'] or 0:>12,}")
+        if m["sent_vs_tensors"] is not None:
+            lines.append(f"median sent / computed tensor bytes: {m['sent_vs_tensors']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the computed table and, unless --no-run, the measured one."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama2-7b")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--run", help="an existing run (in XFFL_HOME) instead of a new one")
+    parser.add_argument("--no-run", action="store_true", help="computed numbers only")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"computed": computed(args.preset, args.rank)}
+    if args.run:
+        result["measured"] = measured(args.run)
+    elif not args.no_run:
+        with tempfile.TemporaryDirectory(prefix="xffl-bytes-") as tmp:
+            result["measured"] = measured(quickstart(Path(tmp)), Path(tmp))
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
