@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xffl.aggregator.safetensors_io import SafetensorsReader
-from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, ModelReader, open_model
+from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, TensorReader, open_model
 from xffl.core.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -102,7 +102,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def index_of(reader: ModelReader | SafetensorsReader) -> list[TensorInfo]:
+def index_of(reader: TensorReader | SafetensorsReader) -> list[TensorInfo]:
     """The tensor index (sorted by name) of an open model or safetensors file."""
     return [
         TensorInfo(name=e.name, dtype=e.dtype, shape=list(e.shape))

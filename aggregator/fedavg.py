@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from xffl.aggregator.decode import Decoding
 from xffl.aggregator.dtypes import encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
@@ -195,6 +196,7 @@ def aggregate(
     metadata: Mapping[str, str] | None = None,
     extra: Mapping[str, Any] | None = None,
     max_shard_size: int | str | None = None,
+    decoding: Decoding | None = None,
 ) -> Manifest:
     """Write the weighted FedAvg of ``updates`` as a global checkpoint at ``out_dir``.
 
@@ -203,6 +205,7 @@ def aggregate(
     ``parent_digest`` default to the value all updates share; an update that disagrees
     with them raises CheckpointError. A model of more than ``max_shard_size`` (bytes or a
     string such as "5GB"; None: never) is written as Hugging Face shards with an index json.
+    ``decoding``: the updates are encoded (deltas, narrower dtypes) against that global.
     The output appears atomically; on failure
     ``out_dir`` keeps its previous content. Inputs are not verified here: run
     :func:`xffl.aggregator.verify.select_updates` first.
@@ -210,7 +213,7 @@ def aggregate(
     if not updates:
         raise InvalidInput("no updates to aggregate.")
     max_bytes = parse_size(max_shard_size)
-    ups = open_updates(updates)
+    ups = open_updates(updates, decoding)
     try:
         prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
         st_meta = {"format": "pt", **(metadata or {})}

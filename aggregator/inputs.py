@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.aggregator.decode import DecodedReader, Decoding
 from xffl.aggregator.exchange import CONFIG_FILE, Manifest, TensorInfo, index_of, read_manifest
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
-from xffl.aggregator.shards import ModelReader, open_model
+from xffl.aggregator.shards import TensorReader, open_model
 from xffl.aggregator.verify import canonical_key, layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 
@@ -31,12 +32,16 @@ class Update:
     site: str
     digest: str
     position: int  # index in the caller's list
-    reader: ModelReader
+    reader: TensorReader
     weight: float = 0.0
 
 
-def open_updates(paths: Sequence[Path]) -> list[Update]:
-    """Read manifests, open model files, sort canonically; close everything on failure."""
+def open_updates(paths: Sequence[Path], decoding: Decoding | None = None) -> list[Update]:
+    """Read manifests, open model files, sort canonically; close everything on failure.
+
+    With ``decoding``, each update is read as the weights it encodes (a delta added to the
+    reference global, or a narrower dtype widened to the global's).
+    """
     opened: list[Update] = []
     try:
         for pos, raw in enumerate(paths):
@@ -44,9 +49,17 @@ def open_updates(paths: Sequence[Path]) -> list[Update]:
             manifest = read_manifest(path)
             site, digest = canonical_key(path, manifest)
             try:
-                reader = open_model(path)
+                model = open_model(path)
             except (CheckpointError, OSError) as exc:
                 raise CheckpointError(f"update from site '{site}' ({path}): {exc}") from exc
+            reader: TensorReader = model
+            if decoding is not None:
+                try:
+                    reference = open_model(decoding.reference)
+                except BaseException:
+                    model.close()
+                    raise
+                reader = DecodedReader(model, reference, delta=decoding.delta)
             opened.append(Update(path, manifest, site, digest, pos, reader))
     except BaseException:
         for u in opened:

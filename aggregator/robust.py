@@ -25,7 +25,7 @@ import numpy as np
 
 from xffl.aggregator.dtypes import FLOAT_DTYPES, decode
 from xffl.aggregator.exchange import TensorInfo
-from xffl.aggregator.shards import ModelReader
+from xffl.aggregator.shards import TensorReader
 from xffl.core.errors import InvalidInput
 
 _SLICE = 1 << 22  # elements per slice of a norm pass
@@ -63,7 +63,8 @@ def cap_shares(weights: Sequence[float], cap: float) -> list[float]:
     return [s * total for s in shares]
 
 
-def delta_norm(update: ModelReader, previous: ModelReader, layout: Sequence[TensorInfo]) -> float:
+def delta_norm(update: TensorReader, previous: TensorReader,
+               layout: Sequence[TensorInfo]) -> float:
     """The L2 norm of ``update - previous`` over every floating-point tensor (float64)."""
     acc = 0.0
     for t in layout:

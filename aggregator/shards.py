@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from xffl.aggregator.safetensors_io import (
     Array,
@@ -82,6 +82,25 @@ def read_index(path: Path) -> dict[str, str]:
         if not plain or not file.endswith(".safetensors") or file in (MODEL_FILE, INDEX_FILE):
             raise bad(f"tensor {name!r} maps to {file!r}, not a shard file name")
     return dict(weight_map)
+
+
+class TensorReader(Protocol):
+    """What a strategy reads an update through: a :class:`ModelReader`, or a
+    :class:`xffl.aggregator.decode.DecodedReader` over one."""
+
+    entries: dict[str, TensorEntry]
+
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> Array:
+        """Flat storage elements ``[start, stop)`` of a tensor."""
+
+    def read_into(self, name: str, start: int, out: Array) -> Array:
+        """Copy flat storage elements ``[start, start + out.size)`` of a tensor into ``out``."""
+
+    def prefetch(self, name: str, start: int, stop: int) -> None:
+        """Start reading elements ``[start, stop)`` ahead of use."""
+
+    def close(self) -> None:
+        """Release the files."""
 
 
 class ModelReader:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from xffl.aggregator.decode import Decoding
 from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
@@ -190,6 +191,7 @@ def run_strategy(
     max_shard_size: int | str | None = None,
     clip_norm: float | None = None,
     max_weight_share: float | None = None,
+    decoding: Decoding | None = None,
 ) -> Manifest:
     """Aggregate ``updates`` with strategy ``name`` into a global checkpoint at ``out_dir``.
 
@@ -200,7 +202,8 @@ def run_strategy(
     ``max_shard_size`` splits a larger model into Hugging Face shards (server state stays
     one file per buffer);
     ``clip_norm`` and ``max_weight_share`` bound one site's influence on the averaging
-    strategies (:mod:`xffl.aggregator.robust`). Other arguments are those of
+    strategies (:mod:`xffl.aggregator.robust`); ``decoding`` reads encoded updates (deltas,
+    narrower dtypes) as the weights they stand for. Other arguments are those of
     :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
     verified here: run :func:`xffl.aggregator.verify.select_updates` first.
     """
@@ -222,6 +225,7 @@ def run_strategy(
             metadata=metadata,
             extra={"params": p},
             max_shard_size=max_shard_size,
+            decoding=decoding,
         )
         if progress is not None:
             progress(len(manifest.tensors), len(manifest.tensors))
@@ -229,7 +233,7 @@ def run_strategy(
     if not updates:
         raise InvalidInput("no updates to aggregate.")
     max_bytes = parse_size(max_shard_size)
-    ups = open_updates(updates)
+    ups = open_updates(updates, decoding)
     try:
         prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
         layout, sites = prep.layout, prep.sites

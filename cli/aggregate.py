@@ -18,6 +18,7 @@ from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_
 from xffl.core.errors import InvalidInput, RunFailed
 from xffl.core.pairs import parse_pairs
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from xffl.training.config import ExchangeSpec
 
 if TYPE_CHECKING:
     from xffl.aggregator.exchange import Manifest
@@ -89,6 +90,11 @@ def aggregate(
     max_weight_share: Annotated[float | None, typer.Option(
         "--max-weight-share", help="No update's share of the weights above this, in (0, 1] "
         "(averaging strategies).")] = None,
+    exchange: Annotated[str, typer.Option(
+        "--exchange", metavar="UPDATE/DTYPE",
+        help="What the updates hold: weights/fp32 (default), weights/bf16, delta/bf16, ... "
+        "(the job's exchange.update/exchange.dtype); anything but weights/fp32 needs "
+        "--previous, the global the round started from.")] = "weights/fp32",
     force: Annotated[bool, typer.Option(
         "--force", help="Replace OUT if it exists.")] = False,
     as_json: JsonOpt = False,
@@ -113,9 +119,10 @@ def aggregate(
     if previous is not None and parent_digest is not None:
         raise InvalidInput("--previous names the parent already; give --parent-digest only "
                            "without it.")
+    encoding = _exchange(exchange, previous)
     report = _aggregate(updates, output, strategy, previous, parent_digest,
                         weights or weighting, params, round, run_id, min_updates,
-                        not no_finite_check, max_bytes, clip_norm, max_weight_share)
+                        not no_finite_check, max_bytes, clip_norm, max_weight_share, encoding)
     if as_json:
         print_json(report)
         return
@@ -134,22 +141,43 @@ def aggregate(
     )
 
 
+def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
+    """``--exchange`` as a spec (exit 2 when it names none, or lacks --previous)."""
+    from pydantic import ValidationError
+
+    try:
+        spec = ExchangeSpec.parse(label)
+    except ValidationError:
+        raise InvalidInput(f"--exchange {label!r}: give UPDATE/DTYPE with UPDATE weights or "
+                           "delta and DTYPE fp32, bf16 or fp16 (e.g. delta/bf16).") from None
+    if not spec.plain and previous is None:
+        raise InvalidInput(f"--exchange {label}: decoding these updates needs the global the "
+                           "round started from; give it with --previous DIR.")
+    return spec
+
+
 def _aggregate(updates: list[Path], output: Path, strategy: str, previous: Path | None,
                parent_digest: str | None, weighting: Any, params: dict[str, float],
                round: int | None, run_id: str | None, min_updates: int, check_finite: bool,
                max_bytes: int | None, clip_norm: float | None,
-               max_weight_share: float | None) -> dict[str, Any]:
+               max_weight_share: float | None,
+               exchange: ExchangeSpec | None = None) -> dict[str, Any]:
     """Select the updates, aggregate the accepted ones; what happened, as a report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from xffl.aggregator.decode import Decoding, encoded_index
     from xffl.aggregator.exchange import read_manifest
     from xffl.aggregator.strategies import run_strategy
     from xffl.aggregator.verify import select_updates
 
     reference = None
+    decoding = None
     if previous is not None:
         manifest = read_manifest(previous)
         parent_digest, reference = manifest.digest(), manifest.tensors
+        if exchange is not None and not exchange.plain:
+            reference = encoded_index(reference, exchange.safetensors_dtype)
+            decoding = Decoding(previous, delta=exchange.update == "delta")
     accepted, rejected = select_updates(
         updates, expected_round=round, expected_parent=parent_digest,
         reference_index=reference, expected_run_id=run_id, check_finite=check_finite,
@@ -171,7 +199,7 @@ def _aggregate(updates: list[Path], output: Path, strategy: str, previous: Path 
         result: Manifest = run_strategy(
             strategy, [d for d, _ in accepted], previous, output, weighting=weighting,
             params=params, run_id=run_id, round=round, parent_digest=parent_digest,
-            max_shard_size=max_bytes,
+            max_shard_size=max_bytes, decoding=decoding,
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             clip_norm=clip_norm, max_weight_share=max_weight_share,
         )

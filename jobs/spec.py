@@ -19,7 +19,7 @@ from xffl.aggregator import registry
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
 from xffl.site_profiles.schema import SlurmOverride
-from xffl.training.config import DataSpec, ModelSpec, TrainingSpec
+from xffl.training.config import DataSpec, ExchangeSpec, ModelSpec, TrainingSpec
 
 _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 
@@ -187,6 +187,9 @@ class JobSpec(_Strict):
                                    description="the local training at every site")
     aggregation: AggregationSpec = Field(default_factory=AggregationSpec,
                                          description="how the updates are combined")
+    exchange: ExchangeSpec = Field(default_factory=ExchangeSpec,
+                                   description="what each site sends back: weights or a "
+                                   "delta, and in which dtype")
     failure: FailurePolicy = Field(default_factory=FailurePolicy,
                                    description="retries, quorum and round deadline")
     sites: list[SiteSpec] = Field(min_length=1, description="the facilities taking part")

@@ -145,6 +145,44 @@ class DataSpec(_Strict):
         return check_path_text(value)
 
 
+# the exchange's dtype names and the safetensors dtypes they are written as
+EXCHANGE_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+
+
+class ExchangeSpec(_Strict):
+    """What each site sends back every round.
+
+    ``weights``: its trained weights; ``delta``: their change from the round's global model
+    (``w_site - w_parent``), which the coordinator adds back to the global it already holds.
+    ``dtype``: the floating-point type they travel in (the global model stays in its own).
+    """
+
+    update: Literal["weights", "delta"] = Field(
+        default="weights", description="weights, or delta: the change from the round's global")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="the type the update's tensors travel in")
+
+    @property
+    def plain(self) -> bool:
+        """Whether updates are fp32 weights, as the global model is (nothing to decode)."""
+        return self.update == "weights" and self.dtype == "fp32"
+
+    @property
+    def safetensors_dtype(self) -> str:
+        """The dtype string of the update's tensors in its safetensors header."""
+        return EXCHANGE_DTYPES[self.dtype]
+
+    def label(self) -> str:
+        """``delta/bf16``-style name, as manifests, messages and the plan's tools show it."""
+        return f"{self.update}/{self.dtype}"
+
+    @classmethod
+    def parse(cls, label: str) -> ExchangeSpec:
+        """The spec a :meth:`label` names (ValueError for anything else)."""
+        update, _, dtype = label.partition("/")
+        return cls.model_validate({"update": update, "dtype": dtype})
+
+
 class TrainJob(_Strict):
     """What the trainer receives for one site and round (written to a JSON file by the plan)."""
 
@@ -154,6 +192,7 @@ class TrainJob(_Strict):
     model: ModelSpec
     training: TrainingSpec
     data: DataSpec
+    exchange: ExchangeSpec = Field(default_factory=ExchangeSpec)
 
 
 def round_steps(spec: TrainingSpec, dp_size: int) -> int:

@@ -34,6 +34,7 @@ from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards
+from xffl.training.encode import encode_update
 from xffl.training.entry import build
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
@@ -272,12 +273,13 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                "threads": torch.get_num_threads(), "steps": done,
                "steps_planned": steps, "stopped_early": result.stopped_early,
                "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
-               "seq_len": spec.seq_len,
+               "seq_len": spec.seq_len, "exchange": job.exchange.label(),
                "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
     state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets the tensors
     result_manifest = _on_main(
-        lambda: save_checkpoint(state, config, out_dir, manifest),
+        lambda: save_checkpoint(encode_update(state, model_dir, job.exchange), config, out_dir,
+                                manifest),
         lambda m: m.model_dump_json(),
         Manifest.model_validate_json,
     )

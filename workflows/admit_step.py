@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xffl.aggregator.decode import encoded_index
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -34,6 +35,7 @@ from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
 from xffl.jobs.states import SiteState
+from xffl.training.config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.attempts import read_attempts
 from xffl.workflows.verdict import VERDICT_FILE, Verdict
@@ -42,8 +44,10 @@ SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
 
 
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
-          bounds: Bounds | None = None) -> tuple[Verdict, Manifest | None]:
-    """Judge ``site``'s update of round ``rnd`` against the global ``previous``.
+          bounds: Bounds | None = None,
+          exchange: ExchangeSpec | None = None) -> tuple[Verdict, Manifest | None]:
+    """Judge ``site``'s update of round ``rnd`` against the global ``previous``; with a
+    non-plain ``exchange``, its tensors must be in that encoding's dtype.
 
     Every problem with the update, expected or not, is a rejection of this site's update
     with its reason: one bad update never stops a round that has its quorum.
@@ -59,8 +63,10 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     parent = read_manifest(previous)  # the coordinator's own global model
     config = json.loads(read_small_file(previous / CONFIG_FILE))
     try:
+        reference = parent.tensors if exchange is None or exchange.plain else \
+            encoded_index(parent.tensors, exchange.safetensors_dtype)
         manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
-                                reference_index=parent.tensors, expected_run_id=parent.run_id,
+                                reference_index=reference, expected_run_id=parent.run_id,
                                 expected_config=config,
                                 bounds=bounds or Bounds(side_files=SIDE_FILES))
         if manifest.site != site:
@@ -104,7 +110,7 @@ def run_step(args: argparse.Namespace) -> int:
     bounds = Bounds(max_tokens=args.max_tokens, max_samples=args.max_samples,
                     side_files=SIDE_FILES)
     verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
-                              bounds)
+                              bounds, ExchangeSpec.parse(args.exchange))
     _record(layout, verdict, update)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the most tokens the site's job can have trained on")
     parser.add_argument("--max-samples", type=int, default=None,
                         help="the most samples the site may report")
+    parser.add_argument("--exchange", default="weights/fp32",
+                        help="the job's exchange (update/dtype): what the update must hold")
     return run_step(parser.parse_args(argv))
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
@@ -33,6 +34,7 @@ from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.registry import Registry, RoundRecord
 from xffl.jobs.states import RoundState
+from xffl.training.config import ExchangeSpec
 from xffl.workflows.balance import round_job
 from xffl.workflows.verdict import Verdict, read_verdict
 
@@ -63,6 +65,12 @@ def quorum_message(rnd: int, verdicts: list[Verdict], min_sites: int) -> str:
             f"(failure.min_sites) ({lost or 'no update'})")
 
 
+def decoding_of(label: str, previous: Path) -> Decoding | None:
+    """How the round's updates are read under the job's exchange (None: fp32 weights)."""
+    exchange = ExchangeSpec.parse(label)
+    return None if exchange.plain else Decoding(previous, delta=exchange.update == "delta")
+
+
 def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
                     updates: dict[str, Path], args: argparse.Namespace,
                     registry: tuple[Registry, str] | None) -> Path:
@@ -85,6 +93,7 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
         weighting=args.weighting, params=parse_pairs(args.param), run_id=parent.run_id,
         round=rnd, parent_digest=parent.digest(), max_shard_size=args.max_shard_size,
         clip_norm=args.clip_norm, max_weight_share=args.max_weight_share,
+        decoding=decoding_of(args.exchange, previous),
     )
     seconds = time.perf_counter() - t0
     failpoint(f"aggregated-round-{rnd}")  # the global is on disk, the registry not updated
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-sites", type=int, required=True)
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--max-weight-share", type=float, default=None)
+    parser.add_argument("--exchange", default="weights/fp32", help="the job's update/dtype")
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)

@@ -76,15 +76,16 @@ def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int
     }
 
 
-def admit_tool(run_dir: str) -> dict[str, Any]:
-    """The CommandLineTool that admits (or rejects) one site's update on the coordinator."""
+def admit_tool(run_dir: str, exchange: str = "weights/fp32") -> dict[str, Any]:
+    """The CommandLineTool that admits (or rejects) one site's update on the coordinator;
+    ``exchange`` is the job's (``delta/bf16``): the encoding every update must be in."""
     return {
         "cwlVersion": CWL_VERSION,
         "class": "CommandLineTool",
         "doc": "Check one site's update against the round's global model; output it with a "
         "verdict (accepted, rejected or failed, and why).",
         "baseCommand": [sys.executable, "-m", "xffl.workflows.admit_step"],
-        "arguments": ["--run-dir", run_dir],
+        "arguments": ["--run-dir", run_dir, "--exchange", exchange],
         "inputs": {
             "site": {"type": "string", "inputBinding": {"prefix": "--site"}},
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},

@@ -48,7 +48,8 @@ def aggregate_arguments(spec: JobSpec) -> list[str]:
               if value is not None]
     return ["--strategy", agg.strategy, "--weighting", agg.weighting,
             *(f"--param={k}={v!r}" for k, v in sorted(agg.params.items())),
-            f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum), *bounds]
+            f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum), *bounds,
+            "--exchange", spec.exchange.label()]
 
 
 def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None]:
@@ -165,7 +166,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
         data_path = site_data_path(profile, site.name, site.data.path)
         training = site.budget.apply(spec.training) if site.budget else spec.training
         job = TrainJob(run_id=run_id, site=site.name, rounds=spec.rounds, model=spec.model,
-                       training=training, data=site.data)
+                       training=training, data=site.data, exchange=spec.exchange)
         job_file = staged.job_file(site.name)
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")
@@ -183,7 +184,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                 path.write_text(batch_script(run_id, site.name, profile, site.ranks, data_path,
                                              by_hand=by_hand))
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
-    _dump(staged.tool("admit"), cwl.admit_tool(str(final)))
+    _dump(staged.tool("admit"), cwl.admit_tool(str(final), spec.exchange.label()))
     _dump(staged.tool("aggregate"),
           cwl.aggregate_tool(str(final), names, aggregate_arguments(spec)))
     _dump(staged.round_cwl, cwl.round_workflow(

@@ -11,12 +11,13 @@ Each is printed with its ratio to fp32 weights and to the bf16 full model (the b
 ratios use is computed in the same invocation). Tensor bytes only: the safetensors header,
 manifest.json and config.json add a few KiB per checkpoint.
 
-Measured: a run of the quickstart's job (``--run RUN`` reads an existing one; by default it is
-submitted into a temporary XFFL_HOME and waited for), where the registry has the bytes
-StreamFlow moved to and from each site in each round; printed per site and round, with the
-tiny preset's computed fp32 tensor bytes beside them.
+Measured: runs of the quickstart's job, once per exchange of ``--exchanges`` (default fp32
+weights, then bf16 deltas; each submitted into a temporary XFFL_HOME and waited for), or an
+existing run (``--run RUN``). The registry has the bytes StreamFlow moved to and from each
+site in each round; they are printed per site and round, with the median bytes sent back
+and its ratio to the first run's (the baseline, measured in the same invocation).
 
-    python bench/exchange_bytes/run.py                      # llama2-7b shapes + quickstart
+    python bench/exchange_bytes/run.py                      # llama2-7b shapes + 2 quickstarts
     python bench/exchange_bytes/run.py --no-run --json      # computed only
 """
 
@@ -71,28 +72,41 @@ def measured(run_id: str, home: Path | None = None) -> dict[str, Any]:
     out per site and round."""
     if home is not None:
         os.environ["XFFL_HOME"] = str(home)
+    import yaml
+
     from xffl.jobs.registry import Registry
     from xffl.jobs.report import assemble
     from xffl.training.arch import PRESETS
 
     registry = Registry()
-    data = assemble(registry, registry.get_run(run_id))
+    run = registry.get_run(run_id)
+    data = assemble(registry, run)
+    exchange = (yaml.safe_load((Path(run.run_dir) / "job.yaml").read_text()) or {}).get(
+        "exchange") or {}
     rows = [{"round": r.round, "site": s.site, "received_bytes": s.received_bytes,
              "sent_bytes": s.sent_bytes} for r in data.rounds for s in r.sites]
     tiny = 4 * PRESETS["tiny"].num_parameters()
     sent = [r["sent_bytes"] for r in rows if r["sent_bytes"]]
     return {"run_id": run_id, "rows": rows, "tiny_fp32_tensor_bytes": tiny,
+            "exchange": f"{exchange.get('update', 'weights')}/{exchange.get('dtype', 'fp32')}",
             "median_sent_bytes": statistics.median(sent) if sent else None,
             "sent_vs_tensors": statistics.median(sent) / tiny if sent else None}
 
 
-def quickstart(home: Path) -> str:
-    """Submit the quickstart into ``home`` and wait; its run id."""
+def quickstart(home: Path, exchange: str) -> str:
+    """Submit the quickstart with ``exchange`` (update/dtype) into ``home``; its run id."""
+    import yaml
+
     env = {**os.environ, "XFFL_HOME": str(home)}
+    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    update, _, dtype = exchange.partition("/")
+    spec["exchange"] = {"update": update, "dtype": dtype}
+    job = home / "job.yaml"  # its data folders are made beside it
+    job.parent.mkdir(parents=True, exist_ok=True)
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
     xffl = str(Path(sys.executable).with_name("xffl"))
-    done = subprocess.run([xffl, "submit", str(REPO / "jobs" / "quickstart.yaml"), "--wait",
-                           "--json"], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=900, check=False)
+    done = subprocess.run([xffl, "submit", str(job), "--wait", "--json"], env=env, cwd=home,
+                          capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the quickstart failed ({done.returncode}): {done.stderr[-800:]}")
     return str(json.loads(done.stdout)["run_id"])
@@ -106,16 +120,21 @@ def render(result: dict[str, Any]) -> str:
     for row in c["rows"]:
         lines.append(f"{row['exchange']:<26}{row['bytes']:>16,}{row['vs_fp32']:>10.4f}"
                      f"{row['vs_bf16_full']:>14.4%}")
-    m = result.get("measured")
-    if m:
-        lines += ["", f"measured, run {m['run_id']} (fp32 weights; tiny preset: "
-                  f"{m['tiny_fp32_tensor_bytes']:,} tensor bytes):",
+    runs = result.get("measured") or []
+    for m in runs:
+        lines += ["", f"measured, run {m['run_id']} ({m['exchange']}; tiny preset: "
+                  f"{m['tiny_fp32_tensor_bytes']:,} fp32 tensor bytes):",
                   f"{'round':<7}{'site':<10}{'received':>12}{'sent':>12}"]
         for row in m["rows"]:
             lines.append(f"{row['round']:<7}{row['site']:<10}{row['received_bytes'] or 0:>12,}"
                          f"{row['sent_bytes'] or 0:>12,}")
-        if m["sent_vs_tensors"] is not None:
-            lines.append(f"median sent / computed tensor bytes: {m['sent_vs_tensors']:.4f}")
+        if m["median_sent_bytes"] is not None:
+            lines.append(f"median sent: {m['median_sent_bytes']:,.0f} bytes, "
+                         f"{m['sent_vs_tensors']:.4f} x the fp32 tensor bytes")
+    if len(runs) > 1 and runs[0]["median_sent_bytes"]:
+        for m in runs[1:]:
+            lines.append(f"median sent, {m['exchange']} / {runs[0]['exchange']}: "
+                         f"{m['median_sent_bytes'] / runs[0]['median_sent_bytes']:.4f}")
     return "\n".join(lines)
 
 
@@ -124,16 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama2-7b")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--run", help="an existing run (in XFFL_HOME) instead of a new one")
+    parser.add_argument("--run", help="an existing run (in XFFL_HOME) instead of new ones")
+    parser.add_argument("--exchanges", default="weights/fp32,delta/bf16",
+                        help="the quickstart runs to measure, comma-separated update/dtype")
     parser.add_argument("--no-run", action="store_true", help="computed numbers only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"computed": computed(args.preset, args.rank)}
     if args.run:
-        result["measured"] = measured(args.run)
+        result["measured"] = [measured(args.run)]
     elif not args.no_run:
-        with tempfile.TemporaryDirectory(prefix="xffl-bytes-") as tmp:
-            result["measured"] = measured(quickstart(Path(tmp)), Path(tmp))
+        result["measured"] = []
+        for i, exchange in enumerate(args.exchanges.split(",")):
+            with tempfile.TemporaryDirectory(prefix=f"xffl-bytes-{i}-") as tmp:
+                home = Path(tmp)
+                result["measured"].append(measured(quickstart(home, exchange), home))
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 

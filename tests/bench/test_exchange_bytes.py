@@ -64,7 +64,8 @@ def test_measured_bytes_of_the_quickstart(quickstart_run: FinishedRun,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
     assert _bench().main(["--run", quickstart_run.run_id, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)["measured"]
+    (got,) = json.loads(capsys.readouterr().out)["measured"]
+    assert got["exchange"] == "weights/fp32"
     run_dir = Path(quickstart_run.status["run_dir"])
     assert [(r["round"], r["site"]) for r in got["rows"]] == [
         (n, s) for n in (1, 2, 3) for s in ("alpha", "beta")]

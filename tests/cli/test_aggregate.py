@@ -149,3 +149,28 @@ def test_clip_norm_and_weight_cap_from_the_command_line(tmp_path: Path) -> None:
         np.testing.assert_allclose(r.read("w"), 0.5 / np.sqrt(12.0), rtol=2.0**-23, atol=0)
     bounds = read_manifest(out).extra["bounds"]
     assert bounds["clip_norm"] == 0.5 and bounds["max_weight_share"] == 0.6
+
+
+def test_bf16_deltas_by_hand(tmp_path: Path) -> None:
+    """`--exchange delta/bf16 --previous G`: the updates hold changes from G in bf16."""
+    import torch
+
+    g0 = write_checkpoint(tmp_path / "g0", _t(0.5), kind="global", site=None, round=0)
+    parent = read_manifest(g0).digest()
+    ups = [write_checkpoint(tmp_path / s, {"w": torch.full((4, 3), d, dtype=torch.bfloat16)},
+                            site=s, round=1, parent=parent, num_samples=n)
+           for s, d, n in (("alpha", 0.25, 3), ("beta", -1.0, 1))]
+    out = tmp_path / "g1"
+    base = ["aggregate", "-o", str(out)]
+    result = runner.invoke(app, [*base, "--previous", str(g0), "--exchange", "delta/bf16",
+                                 *map(str, ups)])
+    assert result.exit_code == 0, result.output
+    with SafetensorsReader(out / MODEL_FILE) as r:  # 0.5 + (3 * 0.25 - 1) / 4: exact
+        np.testing.assert_array_equal(r.read("w"), np.full((4, 3), 0.4375, dtype=np.float32))
+    # read as fp32 weights, the same updates are refused: their dtype is not the global's
+    plain = runner.invoke(app, [*base, "--force", "--previous", str(g0), *map(str, ups)])
+    assert plain.exit_code == 1 and "has dtype BF16, the global model has F32" in plain.output
+    for argv, words in ((["--exchange", "delta/bf16"], "give it with --previous DIR"),
+                        (["--previous", str(g0), "--exchange", "delta"], "give UPDATE/DTYPE")):
+        bad = runner.invoke(app, [*base, "--force", *argv, *map(str, ups)])
+        assert bad.exit_code == 2 and words in bad.output, bad.output

@@ -1,0 +1,123 @@
+"""An update as the weights it stands for, whatever the exchange encoded.
+
+A site may send its weights in a narrower dtype (``exchange.dtype: bf16 | fp16``) or only
+their change from the round's global model (``exchange.update: delta``). Every strategy reads
+updates through a reader; :class:`DecodedReader` is one that gives, for each tensor, the
+weights in the global model's dtype: ``global + delta`` (computed in float64, rounded once
+to the global's dtype) or the widened weights. Strategies, clipping and the running FedAvg
+then work unchanged on any exchange.
+
+Which encoding an update is in is the coordinator's own knowledge (the job spec), never the
+update's word; admission has already checked that the update's tensors have the encoding's
+dtype and the global's names and shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from xffl.aggregator.dtypes import decode, encode, storage_dtype
+from xffl.aggregator.exchange import TensorInfo
+from xffl.aggregator.safetensors_io import Array, TensorEntry
+from xffl.aggregator.shards import ModelReader
+
+FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How the coordinator reads a round's updates: against ``reference`` (the global the
+    round started from), which is added back when the updates are deltas."""
+
+    reference: Path
+    delta: bool = False
+
+
+def encoded_index(reference: Sequence[TensorInfo], dtype: str) -> list[TensorInfo]:
+    """The tensor index an encoded update must have: the global's names and shapes, every
+    floating-point tensor in ``dtype`` (a safetensors dtype string)."""
+    return [t.model_copy(update={"dtype": dtype}) if t.dtype in FLOATS else t
+            for t in reference]
+
+
+class DecodedReader:
+    """The reader interface strategies use, over an encoded update and the round's global.
+
+    ``delta``: the update holds ``w - global`` (added back here); otherwise it holds the
+    weights, maybe in a narrower dtype. Tensors that are not floating point (none in xffl's
+    models) are read as they are.
+    """
+
+    def __init__(self, update: ModelReader, reference: ModelReader, *, delta: bool) -> None:
+        """Wrap two open readers; :meth:`close` closes both."""
+        self.update = update
+        self.reference = reference
+        self.delta = delta
+        self.path = update.path
+        self.index_file = update.index_file
+        self.metadata = update.metadata
+        #: the global's entries: its dtype is what every read returns
+        self.entries: dict[str, TensorEntry] = dict(reference.entries)
+
+    @property
+    def files(self) -> list[str]:
+        """The update's files holding tensors."""
+        return self.update.files
+
+    def names(self) -> list[str]:
+        """Tensor names, sorted."""
+        return sorted(self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The global's entry of ``name`` (dtype and shape of what reads return)."""
+        return self.reference.entry(name)
+
+    def read_into(self, name: str, start: int, out: Array) -> Array:
+        """Decoded elements ``[start, start + out.size)`` of ``name`` in the global's dtype."""
+        target = self.reference.entry(name).dtype
+        stored = self.update.entry(name).dtype
+        n = out.shape[0]
+        if target not in FLOATS or (stored == target and not self.delta):
+            return self.update.read_into(name, start, out)
+        raw = self.update.read_into(name, start, np.empty(n, dtype=storage_dtype(stored)))
+        acc = decode(raw, stored)  # float64: exact for every stored float
+        if self.delta:
+            base = self.reference.read_into(name, start, np.empty(n, dtype=storage_dtype(target)))
+            np.add(acc, decode(base, target), out=acc)
+        encode(acc, target, out, np.empty(n, dtype=np.float32))
+        return out
+
+    def raw(self, name: str, start: int = 0, stop: int | None = None) -> Array:
+        """Decoded elements ``[start, stop)`` in the global's storage dtype (a new array)."""
+        entry = self.reference.entry(name)
+        end = entry.numel if stop is None else stop
+        return self.read_into(name, start, np.empty(end - start, dtype=storage_dtype(entry.dtype)))
+
+    def read(self, name: str) -> Array:
+        """One whole tensor, decoded and in its shape (bf16 as float32, as ModelReader.read)."""
+        entry = self.reference.entry(name)
+        flat = self.raw(name)
+        if entry.dtype == "BF16":
+            return decode(flat, "BF16").astype(np.float32).reshape(entry.shape)
+        return flat.reshape(entry.shape)
+
+    def prefetch(self, name: str, start: int, stop: int) -> None:
+        """Start reading ahead in the update and, for a delta, in the global."""
+        self.update.prefetch(name, start, stop)
+        if self.delta:
+            self.reference.prefetch(name, start, stop)
+
+    def close(self) -> None:
+        """Close both readers."""
+        self.update.close()
+        self.reference.close()
+
+    def __enter__(self) -> DecodedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

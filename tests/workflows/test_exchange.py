@@ -1,0 +1,128 @@
+"""Compressed updates on real runs: a bf16-delta job end to end, and the error a bf16 delta
+adds to each round's global, bounded on the quickstart's own trained updates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from tests.aggregator.conftest import write_checkpoint
+from tests.cli.schemas import check
+from tests.conftest import QUICKSTART, FinishedRun
+from xffl.aggregator.decode import Decoding
+from xffl.aggregator.exchange import read_manifest, verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
+from xffl.aggregator.strategies import run_strategy
+from xffl.cli.app import app
+from xffl.training.config import ExchangeSpec
+from xffl.training.encode import encode_update
+
+runner = CliRunner()
+U_BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits), round to nearest
+U_FP32 = 2.0**-24
+
+
+def _widened(path: Path) -> dict[str, np.ndarray]:
+    """A checkpoint's tensors as float64, exactly (bf16 through torch's float32)."""
+    import safetensors.torch
+
+    return {k: v.float().numpy().astype(np.float64)
+            for k, v in safetensors.torch.load_file(str(path / MODEL_FILE)).items()}
+
+
+@pytest.mark.slow
+def test_a_bf16_delta_run_end_to_end(tmp_path: Path, xffl_home: Path) -> None:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="delta", rounds=2, exchange={"update": "delta", "dtype": "bf16"})
+    spec["training"].update(steps=4)
+    for site in spec["sites"]:
+        site["ranks"] = 1
+        site["data"]["path"] = str(tmp_path / "data" / site["name"])
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
+    assert result.exit_code == 0, result.output
+    status = check("status", json.loads(result.stdout))
+    assert status["state"] == "completed"
+    run_dir = Path(status["run_dir"])
+    for rnd in status["rounds"]:
+        r = rnd["round"]
+        parent = run_dir / "rounds" / str(r - 1) / "global"
+        glob = verify_checkpoint(run_dir / "rounds" / str(r) / "global")
+        assert {t.dtype for t in glob.tensors} == {"F32"}  # the global stays fp32
+        ups = {s["site"]: run_dir / "rounds" / str(r) / "updates" / s["site"]
+               for s in rnd["sites"]}
+        total = float(sum(read_manifest(u).num_samples for u in ups.values()))
+        p = _widened(parent)
+        got = load_file(str(run_dir / "rounds" / str(r) / "global" / MODEL_FILE))
+        for name, base in p.items():
+            # what came back is the change in bf16; the global is the parent plus each
+            # change, rounded to fp32, averaged in float64 (site order) and rounded once:
+            # the aggregator's operations in its order, so bitwise equal
+            acc = np.zeros_like(base)
+            for site in sorted(ups):
+                manifest = read_manifest(ups[site])
+                assert {t.dtype for t in manifest.tensors} == {"BF16"}
+                x = (base + _widened(ups[site])[name]).astype(np.float32)
+                acc += x.astype(np.float64) * manifest.num_samples
+            np.testing.assert_array_equal(got[name], (acc / total).astype(np.float32))
+        for site in rnd["sites"]:  # half the model's bytes come back: bf16 against fp32
+            assert site["sent_bytes"] < 0.55 * site["received_bytes"], site
+
+
+def test_bf16_delta_globals_within_the_bound(tmp_path: Path,
+                                            quickstart_run: FinishedRun) -> None:
+    """Each round of the quickstart (fp32 weights) aggregated again from the same trained
+    updates sent as bf16 deltas: every element of the global is within the bound derived
+    below (and in docs/aggregation.md) of the fp32 run's global.
+
+    Two separate runs cannot be compared past round 1: from round 2 on they train from
+    different globals, and training amplifies any difference without a bound.
+    """
+    run_dir = Path(quickstart_run.status["run_dir"])
+    exchange = ExchangeSpec.parse("delta/bf16")
+    worst = 0.0
+    for r in (1, 2, 3):
+        parent = run_dir / "rounds" / str(r - 1) / "global"
+        reference = run_dir / "rounds" / str(r) / "global"
+        sites = sorted(p.name for p in (run_dir / "rounds" / str(r) / "updates").iterdir())
+        encoded = []
+        for site in sites:  # the fp32 update, encoded as the trainer would send it
+            src = run_dir / "rounds" / str(r) / "updates" / site
+            m = read_manifest(src)
+            state = {k: torch.from_numpy(v.astype(np.float32))
+                     for k, v in _widened(src).items()}
+            encoded.append(write_checkpoint(
+                tmp_path / f"r{r}" / site, encode_update(state, parent, exchange), site=site,
+                num_samples=m.num_samples, num_tokens=m.num_tokens, round=r, parent=m.parent,
+                run_id=m.run_id, config=json.loads((src / "config.json").read_text())))
+        out = tmp_path / f"r{r}" / "global"
+        run_strategy("fedavg", encoded, parent, out, decoding=Decoding(parent, delta=True))
+        p, g, g2 = _widened(parent), _widened(reference), _widened(out)
+        total = float(sum(read_manifest(e).num_samples for e in encoded))
+        omega = [read_manifest(e).num_samples / total for e in encoded]
+        deltas = [_widened(e) for e in encoded]
+        for name in p:
+            # Per site i: d_i = fl32(w_i - p) (|err| <= 2^-24 |d_i|), sent as bf16(d_i)
+            # (|err| <= 2^-8 |d_i| <= 2^-8 (1 + 2^-7) |bf16(d_i)|); the coordinator's
+            # x_i = fl32(p + bf16(d_i)) (|err| <= 2^-24 (|p| + |bf16(d_i)|)). Both globals
+            # are float64 means rounded once to fp32 (2^-24 |g| each; the float64 sums add
+            # at most n 2^-53 of the magnitudes, under 2^-40 here). Hence
+            # |g' - g| <= sum_i w_i [(2^-8 (1 + 2^-7) + 2^-23) |bf16(d_i)| + 2^-24 (|p| +
+            # |bf16(d_i)|)] + 2^-24 (|g| + |g'|) + 2^-40 sum_i w_i (|p| + |bf16(d_i)|).
+            mag = sum(o * (np.abs(p[name]) + np.abs(d[name])) for o, d in zip(omega, deltas,
+                                                                               strict=True))
+            bound = sum(o * (U_BF16 * (1 + 2**-7) + 2 * U_FP32) * np.abs(d[name])
+                        for o, d in zip(omega, deltas, strict=True)) \
+                + U_FP32 * mag + U_FP32 * (np.abs(g[name]) + np.abs(g2[name])) + 2**-40 * mag
+            diff = np.abs(g2[name] - g[name])
+            assert (diff <= bound).all(), (r, name, float((diff - bound).max()))
+            worst = max(worst, float(diff.max()))
+    assert worst > 0  # the bf16 rounding does show: the comparison is not vacuous
