@@ -23,9 +23,10 @@ import numpy as np
 from xffl.aggregator.dtypes import decode, encode, storage_dtype
 from xffl.aggregator.exchange import TensorInfo
 from xffl.aggregator.safetensors_io import Array, TensorEntry
-from xffl.aggregator.shards import ModelReader
+from xffl.aggregator.shards import ModelReader, open_model
 
 FLOATS = frozenset({"F32", "F16", "BF16", "F64"})
+_SCAN = 1 << 20  # elements per slice of the overflow scan
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class DecodedReader:
         if self.delta:
             base = self.reference.read_into(name, start, np.empty(n, dtype=storage_dtype(target)))
             np.add(acc, decode(base, target), out=acc)
-        encode(acc, target, out, np.empty(n, dtype=np.float32))
+        with np.errstate(over="ignore"):  # an overflow is inf, which admission looks for
+            encode(acc, target, out, np.empty(n, dtype=np.float32))
         return out
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> Array:
@@ -121,3 +123,22 @@ class DecodedReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def first_overflow(update: Path, reference: Path) -> str | None:
+    """The first tensor whose delta, added to ``reference``, leaves the global's dtype's
+    range (finite values that sum to inf); None when every sum is finite.
+
+    Admission checks the stored values are finite; a hostile site could still send a finite
+    delta that overflows once added to the global, and poison a mean with inf.
+    """
+    with DecodedReader(open_model(update), open_model(reference), delta=True) as reader:
+        for name in reader.names():
+            entry = reader.entry(name)
+            if entry.dtype not in FLOATS:
+                continue
+            for lo in range(0, entry.numel, _SCAN):
+                raw = reader.raw(name, lo, min(entry.numel, lo + _SCAN))
+                if not np.isfinite(decode(raw, entry.dtype)).all():
+                    return name
+    return None

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xffl.aggregator.decode import encoded_index
+from xffl.aggregator.decode import encoded_index, first_overflow
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -72,6 +72,11 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "
                                                f"{manifest.site!r}, not {site!r}")
+        if exchange is not None and exchange.update == "delta":
+            overflow = first_overflow(update, previous)
+            if overflow is not None:
+                raise UpdateRejected(update, site, f"its delta of tensor {overflow!r} added to "
+                                                   "the global model overflows its dtype")
     except UpdateRejected as exc:
         return Verdict(site=site, round=rnd, state=SiteState.REJECTED, reason=exc.reason,
                        attempts=attempts, delivered_at=arrived), None
