@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from xffl.aggregator.decode import DecodedReader, Decoding
 from xffl.aggregator.dtypes import STORAGE_DTYPES, Array, bf16_bits_to_f32, encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
@@ -35,7 +37,7 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS
 from xffl.aggregator.inputs import read_config, same_config
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import ModelReader, open_model
+from xffl.aggregator.shards import TensorReader, open_model
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -77,11 +79,13 @@ class RunningAggregate:
             self._raw[dtype] = np.empty(BLOCK_ELEMENTS, dtype=STORAGE_DTYPES[dtype])
         return self._raw[dtype]
 
-    def add(self, directory: Path, weight: float, manifest: Manifest | None = None) -> None:
+    def add(self, directory: Path, weight: float, manifest: Manifest | None = None,
+            decoding: Decoding | None = None) -> None:
         """Fold the update in ``directory`` with raw ``weight`` into the running sums.
 
         The update must already be verified (:func:`xffl.aggregator.verify.check_update`);
         here only its tensor layout and config.json are checked against the others.
+        ``decoding``: the update is encoded (a delta, a narrower dtype) against that global.
         """
         if self._broken:
             raise CheckpointError(f"the running aggregate is unusable: {self._broken}")
@@ -91,7 +95,10 @@ class RunningAggregate:
         if not math.isfinite(weight) or weight < 0:
             raise InvalidInput(f"weight of site '{label}' is {weight}; weights must be >= 0.")
         self._check_config(directory, label)
-        with open_model(directory) as reader:
+        model = open_model(directory)
+        reader: TensorReader = model if decoding is None else DecodedReader(
+            model, open_model(decoding.reference), delta=decoding.delta)
+        with closing(reader):
             diff = layout_difference(index_of(reader), self.layout)
             if diff:
                 raise CheckpointError(f"update from site '{label}' ({directory}): {diff}.")
@@ -112,7 +119,7 @@ class RunningAggregate:
             self._metric_sum[key] = self._metric_sum.get(key, 0.0) + value
             self._metric_count[key] = self._metric_count.get(key, 0) + 1
 
-    def _fold(self, reader: ModelReader, t: TensorInfo, weight: float) -> None:
+    def _fold(self, reader: TensorReader, t: TensorInfo, weight: float) -> None:
         """acc += weight * x for one tensor, block by block."""
         acc = self.sums[t.name]
         buf = self._block(t.dtype)

@@ -18,10 +18,10 @@ from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_
 from xffl.core.errors import InvalidInput, RunFailed
 from xffl.core.pairs import parse_pairs
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from xffl.training.config import ExchangeSpec
 
 if TYPE_CHECKING:
     from xffl.aggregator.exchange import Manifest
+    from xffl.training.config import ExchangeSpec
 
 
 class StrategyName(ParamType):  # Typer 0.28 vendors click (typer._click)
@@ -144,6 +144,8 @@ def aggregate(
 def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
     """``--exchange`` as a spec (exit 2 when it names none, or lacks --previous)."""
     from pydantic import ValidationError
+
+    from xffl.training.config import ExchangeSpec  # pydantic: only when aggregating
 
     try:
         spec = ExchangeSpec.parse(label)

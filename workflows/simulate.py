@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from xffl.aggregator import registry
+from xffl.aggregator.decode import Decoding, encoded_index
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.inputs import update_weight
 from xffl.aggregator.running import RunningAggregate
@@ -244,6 +245,11 @@ class Simulation:
         n, spec = self.opts.sites, self.loaded.spec
         prev = verify_checkpoint(previous)
         agg = RunningAggregate(prev.tensors)
+        exchange = spec.exchange  # each update is sent back as the job's exchange says
+        reference = prev.tensors if exchange.plain else encoded_index(
+            prev.tensors, exchange.safetensors_dtype)
+        decoding = None if exchange.plain else Decoding(previous,
+                                                        delta=exchange.update == "delta")
         updates = self.root / "rounds" / str(rnd) / "updates"
         deadline = time.monotonic() + self.timeout
         pending: dict[Future[Outcome], tuple[VirtualSite, Path]] = {}
@@ -262,9 +268,10 @@ class Simulation:
                 what = f"round {rnd}, site {site.name}"
                 _raise_outcome(pool.result(fut, f"training {what}"), what)
                 manifest = check_update(out, expected_round=rnd, expected_parent=prev.digest(),
-                                        reference_index=prev.tensors,
+                                        reference_index=reference,
                                         expected_run_id=self.run_id)
-                agg.add(out, update_weight(manifest, spec.aggregation.weighting), manifest)
+                agg.add(out, update_weight(manifest, spec.aggregation.weighting), manifest,
+                        decoding)
                 if not self.opts.keep_updates:
                     shutil.rmtree(out)
                 if "loss" in manifest.metrics:

@@ -103,7 +103,7 @@ def virtual_site(loaded: LoadedJob, index: int, count: int, root: Path, run_id: 
     data_dir = Path(root) / "data" / f"site-{index}"
     training = template.budget.apply(spec.training) if template.budget else spec.training
     job = TrainJob(run_id=run_id, site=name, rounds=rounds, model=spec.model,
-                   training=training, data=DataSpec(path=str(data_dir)))
+                   training=training, data=DataSpec(path=str(data_dir)), exchange=spec.exchange)
     if template.data.synthetic is not None:
         return VirtualSite(index, name, template.name, job, data_dir,
                            language=f"{template.data.synthetic}-{index}",

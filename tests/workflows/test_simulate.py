@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
+from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.aggregator.fedavg import aggregate
 from xffl.aggregator.shards import open_model
@@ -51,9 +52,13 @@ def _one_error_line(result: Any) -> str:
     return lines[0]
 
 
-def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exchange", ["weights/fp32", "delta/bf16"])
+def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
+                                                            exchange: str) -> None:
     out = tmp_path / "sim"
-    result = runner.invoke(app, ["simulate", str(_job(tmp_path)), "--sites", "5", "--parallel",
+    update, dtype = exchange.split("/")
+    job = _job(tmp_path, exchange={"update": update, "dtype": dtype})
+    result = runner.invoke(app, ["simulate", str(job), "--sites", "5", "--parallel",
                                  "2", "--rounds", "2", "-o", str(out), "--keep-updates",
                                  "--json"])
     assert result.exit_code == 0, result.output + result.stderr
@@ -82,7 +87,12 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path) -> N
         # the global manifest's own loss, read back (JSON round-trips floats exactly)
         assert r["global_loss"] == glob.metrics["loss"]
         assert r["peak_rss_bytes"] > 0 and r["seconds"] > 0
-        ref = aggregate(updates, tmp_path / f"ref-{rnd}", weighting="samples")
+        if exchange != "weights/fp32":  # the sites sent bf16 changes from the previous global
+            assert {t.dtype for m in manifests for t in m.tensors} == {"BF16"}
+        decoding = None if exchange == "weights/fp32" else Decoding(
+            out / "rounds" / str(rnd - 1) / "global", delta=True)
+        ref = aggregate(updates, tmp_path / f"ref-{rnd}", weighting="samples",
+                        decoding=decoding)
         assert ref.num_samples == glob.num_samples
         got = _tensors(out / "rounds" / str(rnd) / "global")
         want = _tensors(tmp_path / f"ref-{rnd}")
