@@ -40,6 +40,14 @@ def _submit(tmp_path: Path, spec: dict) -> tuple[int, dict]:
     return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
 
 
+def _widened(directory: Path) -> dict[str, np.ndarray]:
+    """An update's bf16 tensors as float64, exactly (through torch's float32)."""
+    from safetensors.torch import load_file as load_torch
+
+    return {k: v.float().numpy().astype(np.float64)
+            for k, v in load_torch(str(directory / "model.safetensors")).items()}
+
+
 def _tensors(directory: Path) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint, one file or Hugging Face shards (read independently)."""
     index = directory / "model.safetensors.index.json"
@@ -55,9 +63,10 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
                                                             xffl_home: Path) -> None:
     """FedAdam over token-weighted updates into a sharded global, round by round; per-site
-    budgets (alpha 4 steps, beta 2) and, from round 2, throughput balancing within them."""
+    budgets (alpha 4 steps, beta 2) and, from round 2, throughput balancing within them; the
+    updates travel as bf16 deltas (exchange), decoded against each round's global."""
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="wired", rounds=2)
+    spec.update(name="wired", rounds=2, exchange={"update": "delta", "dtype": "bf16"})
     spec["training"].update(steps=4, batch_size=4, balance="throughput", balance_max=1.5)
     spec["aggregation"] = {"strategy": "fedadam", "params": {"eta": ETA},
                            "weighting": "tokens", "max_shard_size": "100KB"}
@@ -68,6 +77,8 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
     code, status = _submit(tmp_path, spec)
     assert code == 0, status
     run_dir = Path(status["run_dir"])
+    for site in (s for r in status["rounds"] for s in r["sites"]):  # half the bytes come back
+        assert site["sent_bytes"] < 0.55 * site["received_bytes"], site
     steps = {(r, s): verify_checkpoint(run_dir / "rounds" / str(r) / "updates" / s)
              .metrics["steps"] for r in (1, 2) for s in budgets}
     assert {s: steps[1, s] for s in budgets} == budgets  # round 1: the budgets as written
@@ -89,13 +100,16 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
         assert (rdir / "global" / "model.safetensors.index.json").is_file()  # sharded
         assert len(glob.files) > 4 and glob.extra["aggregation"] == "fedadam"
         ups = {s: read_manifest(rdir / "updates" / s) for s in ("alpha", "beta")}
+        assert all({t.dtype for t in u.tensors} == {"BF16"} for u in ups.values())  # deltas
         tokens = {s: float(u.num_tokens or 0) for s, u in ups.items()}
         # the steps times the same batch: the weights follow what each site trained
         assert tokens == {s: steps[rnd, s] * 4 * spec["training"]["seq_len"] for s in ups}
         got = _tensors(rdir / "global")
+        deltas = {s: _widened(rdir / "updates" / s) for s in ups}
         new_x = {}
         for name, prev in x.items():
-            mean = sum(tokens[s] * _tensors(rdir / "updates" / s)[name].astype(np.float64)
+            # each site's weights: the global plus its bf16 change, rounded once to fp32
+            mean = sum(tokens[s] * (prev + deltas[s][name]).astype(np.float32).astype(np.float64)
                        for s in ups) / sum(tokens.values())
             d = mean - prev
             m[name] = BETA_1 * m[name] + (1 - BETA_1) * d
