@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from typer.testing import CliRunner
 
 from tests.aggregator.conftest import write_checkpoint
 from tests.conftest import FinishedRun
@@ -19,7 +18,6 @@ from xffl.aggregator.strategies import run_strategy
 from xffl.training.config import ExchangeSpec
 from xffl.training.encode import encode_update
 
-runner = CliRunner()
 U_BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits), round to nearest
 U_FP32 = 2.0**-24
 
