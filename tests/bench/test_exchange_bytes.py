@@ -3,7 +3,6 @@ ones against the run's files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -11,17 +10,12 @@ from types import ModuleType
 import pytest
 from torch import nn
 
+from tests.bench.scripts import load_bench
 from tests.conftest import FinishedRun
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "exchange_bytes" / "run.py"
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_exchange_bytes", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_bench("exchange_bytes")
 
 
 def test_llama2_7b_sizes_and_the_targets(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "large_model" / "run.py"
+from tests.bench.scripts import load_bench
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_large_model", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+def _bench() -> ModuleType:
+    return load_bench("large_model")
 
 
 @pytest.mark.slow

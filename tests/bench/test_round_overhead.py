@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "round_overhead" / "run.py"
+from tests.bench.scripts import load_bench
 
 
 @pytest.mark.slow
 def test_xffl_and_baselines_do_the_same_rounds(slurm_stack,  # type: ignore[no-untyped-def]
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_round_overhead", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("round_overhead")
     # one rank per site and one baseline: the test checks that both sides do the same rounds
     # and that the numbers add up, not the DDP start-up (test_slurm_sites) or both baselines
     assert bench.main(["--rounds", "1", "--steps", "2", "--ranks", "1", "--baselines", "poll",

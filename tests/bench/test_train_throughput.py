@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_throughput" / "run.py"
+from tests.bench.scripts import load_bench
 
 
 def test_plain_and_xffl_loops_agree(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_train_throughput", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("train_throughput")
     code = bench.main(["--steps", "3", "--warmup", "1", "--trials", "1", "--seq", "32",
                        "--batch", "2", "--json"])
     result = json.loads(capsys.readouterr().out)
