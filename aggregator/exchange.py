@@ -26,11 +26,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xffl.aggregator.safetensors_io import SafetensorsReader
-from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, TensorReader, open_model
+from xffl.aggregator.shards import (
+    ADAPTER_FILE,
+    INDEX_FILE,
+    MODEL_FILE,
+    TensorReader,
+    open_model,
+)
+from xffl.aggregator.shards import CONFIG_FILE as CONFIG_FILE  # the model's config.json
 from xffl.core.errors import CheckpointError
 
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read only below this
 _CHUNK = 8 << 20
@@ -223,9 +229,10 @@ def verify_checkpoint(directory: Path) -> Manifest:
         raise CheckpointError(
             f"{directory}: format version {manifest.format_version}, expected {FORMAT_VERSION}."
         )
-    if MODEL_FILE not in manifest.files and INDEX_FILE not in manifest.files:
+    if not {MODEL_FILE, INDEX_FILE, ADAPTER_FILE} & set(manifest.files):
         raise CheckpointError(
-            f"{directory}: the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}."
+            f"{directory}: the manifest lists neither {MODEL_FILE} nor {INDEX_FILE} (nor an "
+            f"adapter's {ADAPTER_FILE})."
         )
     for name, expected in manifest.files.items():
         path = directory / name

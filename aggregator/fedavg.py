@@ -27,7 +27,6 @@ import numpy as np
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.dtypes import encode
 from xffl.aggregator.exchange import (
-    CONFIG_FILE,
     Manifest,
     TensorInfo,
     finalize_manifest,
@@ -47,6 +46,7 @@ from xffl.aggregator.safetensors_io import (
     bf16_bits_to_f32,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
+from xffl.aggregator.shards import MODEL_FILE, output_names
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import parse_size
 
@@ -122,6 +122,7 @@ def _write_average(
     directory: Path,
     metadata: Mapping[str, str],
     max_shard_bytes: int | None = None,
+    single_file: str = MODEL_FILE,
 ) -> dict[str, str]:
     """Stream the weighted average of all tensors into ``directory``; return {file: sha256}.
 
@@ -156,7 +157,8 @@ def _write_average(
     writes: list[Future[None] | None] = [None, None]
     with (
         ShardedWriter(
-            directory, entries, metadata, max_shard_bytes=max_shard_bytes, flush_every=FLUSH_BYTES
+            directory, entries, metadata, max_shard_bytes=max_shard_bytes, flush_every=FLUSH_BYTES,
+            single_file=single_file,
         ) as writer,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="xffl-read") as read_pool,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="xffl-write") as write_pool,
@@ -218,9 +220,10 @@ def aggregate(
         prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
         st_meta = {"format": "pt", **(metadata or {})}
         with staged_dir(Path(out_dir)) as tmp:
-            sums = _write_average(ups, prep.layout, tmp, st_meta, max_bytes)
+            model_file, config_file = output_names(prep.adapter)
+            sums = _write_average(ups, prep.layout, tmp, st_meta, max_bytes, model_file)
             if prep.config is not None:
-                (tmp / CONFIG_FILE).write_bytes(prep.config)
+                (tmp / config_file).write_bytes(prep.config)
             manifest = Manifest(
                 kind="global",
                 run_id=prep.run_id,

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.decode import DecodedReader, Decoding
-from xffl.aggregator.exchange import CONFIG_FILE, Manifest, TensorInfo, index_of, read_manifest
+from xffl.aggregator.exchange import Manifest, TensorInfo, index_of, read_manifest
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
-from xffl.aggregator.shards import TensorReader, open_model
+from xffl.aggregator.shards import TensorReader, config_name, is_adapter, open_model
 from xffl.aggregator.verify import canonical_key, layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 
@@ -135,14 +135,15 @@ def _common_layout(ups: list[Update]) -> list[TensorInfo]:
 
 
 def read_config(directory: Path, site: str) -> tuple[bytes | None, Any]:
-    """An update's config.json as bytes and parsed (None, None when it has none)."""
-    path = directory / CONFIG_FILE
+    """An update's config.json (adapter_config.json for an adapter) as bytes and parsed
+    (None, None when it has none)."""
+    path = directory / config_name(directory)
     data = path.read_bytes() if path.is_file() else None
     try:
         return data, None if data is None else json.loads(data)
     except ValueError as exc:
         raise CheckpointError(
-            f"update from site '{site}' ({directory}): unreadable {CONFIG_FILE}."
+            f"update from site '{site}' ({directory}): unreadable {path.name}."
         ) from exc
 
 
@@ -154,10 +155,14 @@ def same_config(a: tuple[bytes | None, Any], b: tuple[bytes | None, Any]) -> boo
 def _common_config(ups: list[Update]) -> bytes | None:
     """config.json of the first update, after checking that all updates carry the same one."""
     first = read_config(ups[0].path, ups[0].site)
+    name = config_name(ups[0].path)
     for u in ups[1:]:
+        if is_adapter(u.path) != is_adapter(ups[0].path):
+            raise CheckpointError(f"site '{u.site}' and site '{ups[0].site}' sent different "
+                                  "kinds of update (a model and a LoRA adapter).")
         if not same_config(read_config(u.path, u.site), first):
             raise CheckpointError(
-                f"{CONFIG_FILE} of site '{u.site}' differs from that of site '{ups[0].site}'."
+                f"{name} of site '{u.site}' differs from that of site '{ups[0].site}'."
             )
     return first[0]
 
@@ -185,6 +190,7 @@ class Prepared:
     parent: str | None
     layout: list[TensorInfo]  # the tensor index every update shares
     config: bytes | None  # the config.json every update shares, if any
+    adapter: bool  # the updates are LoRA adapters (written with peft's file names)
     sites: dict[str, dict[str, Any]]  # per-site summary for the global's manifest
 
 
@@ -221,7 +227,7 @@ def prepare(
         }
         for u in ups
     }
-    return Prepared(label, run, rnd, parent, layout, config, sites)
+    return Prepared(label, run, rnd, parent, layout, config, is_adapter(ups[0].path), sites)
 
 
 def close_updates(ups: Sequence[Update]) -> None:

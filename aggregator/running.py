@@ -26,7 +26,6 @@ import numpy as np
 from xffl.aggregator.decode import DecodedReader, Decoding
 from xffl.aggregator.dtypes import STORAGE_DTYPES, Array, bf16_bits_to_f32, encode
 from xffl.aggregator.exchange import (
-    CONFIG_FILE,
     Manifest,
     TensorInfo,
     finalize_manifest,
@@ -37,7 +36,13 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS
 from xffl.aggregator.inputs import read_config, same_config
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import TensorReader, open_model
+from xffl.aggregator.shards import (
+    TensorReader,
+    config_name,
+    is_adapter,
+    open_model,
+    output_names,
+)
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -58,6 +63,7 @@ class RunningAggregate:
         self.num_samples = 0
         self.num_tokens = 0
         self.config: bytes | None = None
+        self.adapter = False  # the updates are LoRA adapters
         self._config_value: Any = None
         self._metric_wsum: dict[str, float] = {}
         self._metric_weight: dict[str, float] = {}
@@ -136,11 +142,15 @@ class RunningAggregate:
 
     def _check_config(self, directory: Path, label: str) -> None:
         config = read_config(directory, label)
+        if self.count and is_adapter(directory) != self.adapter:
+            raise CheckpointError(f"site '{label}' sent another kind of update (a model or a "
+                                  "LoRA adapter) than the sites before it.")
+        self.adapter = is_adapter(directory)
         if self.count == 0:
             self.config, self._config_value = config
         elif not same_config(config, (self.config, self._config_value)):
-            raise CheckpointError(f"{CONFIG_FILE} of site '{label}' differs from that of the "
-                                  "updates folded before it.")
+            raise CheckpointError(f"{config_name(directory)} of site '{label}' differs from "
+                                  "that of the updates folded before it.")
 
     def metrics(self) -> dict[str, float]:
         """Weighted mean of each metric over the updates that report it (as fedavg's)."""
@@ -177,8 +187,10 @@ class RunningAggregate:
         out = {d: np.empty(BLOCK_ELEMENTS, dtype=STORAGE_DTYPES[d]) for d in
                {t.dtype for t in self.layout}}
         with staged_dir(Path(out_dir)) as tmp:
+            model_file, config_file = output_names(self.adapter)
             with ShardedWriter(tmp, entries, {"format": "pt", **(metadata or {})},
-                               max_shard_bytes=parse_size(max_shard_size)) as writer:
+                               max_shard_bytes=parse_size(max_shard_size),
+                               single_file=model_file) as writer:
                 for t in self.layout:
                     acc = self.sums[t.name]
                     for lo in range(0, max(1, acc.shape[0]), BLOCK_ELEMENTS):
@@ -189,7 +201,7 @@ class RunningAggregate:
                         encode(block, t.dtype, dst, self._f32[: hi - lo])
                         writer.write_chunk(t.name, dst)
             if self.config is not None:
-                (tmp / CONFIG_FILE).write_bytes(self.config)
+                (tmp / config_file).write_bytes(self.config)
             manifest = Manifest(
                 kind=kind, run_id=run_id, round=round, site=site, parent=parent,
                 num_samples=self.num_samples, num_tokens=self.num_tokens,

@@ -39,8 +39,15 @@ class ShardedWriter:
         *,
         max_shard_bytes: int | None = None,
         flush_every: int = 0,
+        single_file: str = MODEL_FILE,
     ) -> None:
-        """Plan the shards of ``entries`` (model.safetensors alone if one shard suffices)."""
+        """Plan the shards of ``entries`` (model.safetensors alone if one shard suffices).
+
+        ``single_file`` names the one file of an unsharded model; an adapter's
+        (``adapter_model.safetensors``) is never split.
+        """
+        if single_file != MODEL_FILE:
+            max_shard_bytes = None
         self.directory = Path(directory)
         self._entries = [(n, d, tuple(int(x) for x in s)) for n, d, s in entries]
         seen: set[str] = set()
@@ -52,7 +59,7 @@ class ShardedWriter:
         plan = plan_shards(self._nbytes, max_shard_bytes)
         count = len(plan)
         #: the model files, in shard order (``model.safetensors`` when not sharded).
-        self.shard_files = [MODEL_FILE] if count == 1 else [
+        self.shard_files = [single_file] if count == 1 else [
             shard_name(i, count) for i in range(1, count + 1)
         ]
         self._shard_of = {i: k for k, members in enumerate(plan) for i in members}

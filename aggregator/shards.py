@@ -26,6 +26,26 @@ from xffl.core.errors import CheckpointError
 MODEL_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 16 << 20
+# a LoRA adapter is written as peft writes it: one file of adapter tensors, never sharded,
+# beside adapter_config.json instead of config.json
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+CONFIG_FILE = "config.json"
+
+
+def is_adapter(directory: Path) -> bool:
+    """Whether a checkpoint directory holds a LoRA adapter (peft's file names)."""
+    return (Path(directory) / ADAPTER_FILE).is_file()
+
+
+def config_name(directory: Path) -> str:
+    """The config file of a checkpoint: adapter_config.json for an adapter, else config.json."""
+    return ADAPTER_CONFIG_FILE if is_adapter(directory) else CONFIG_FILE
+
+
+def output_names(adapter: bool) -> tuple[str, str]:
+    """(single tensor file, config file) of a checkpoint written as a model or an adapter."""
+    return (ADAPTER_FILE, ADAPTER_CONFIG_FILE) if adapter else (MODEL_FILE, CONFIG_FILE)
 
 
 def shard_name(index: int, count: int) -> str:
@@ -79,7 +99,8 @@ def read_index(path: Path) -> dict[str, str]:
         raise bad("the weight_map lists no tensor")
     for name, file in weight_map.items():
         plain = isinstance(file, str) and Path(file).name == file
-        if not plain or not file.endswith(".safetensors") or file in (MODEL_FILE, INDEX_FILE):
+        if not plain or not file.endswith(".safetensors") or \
+                file in (MODEL_FILE, INDEX_FILE, ADAPTER_FILE):
             raise bad(f"tensor {name!r} maps to {file!r}, not a shard file name")
     return dict(weight_map)
 
@@ -174,11 +195,18 @@ class ModelReader:
 
 
 def open_model(directory: Path) -> ModelReader:
-    """Open the model of a checkpoint directory, single-file or sharded (index checked)."""
+    """Open the model of a checkpoint directory, single-file or sharded (index checked), or
+    the tensors of a LoRA adapter (``adapter_model.safetensors``)."""
     directory = Path(directory)
     single, index = directory / MODEL_FILE, directory / INDEX_FILE
     if single.is_file() and index.is_file():
         raise CheckpointError(f"{directory}: holds both {MODEL_FILE} and {INDEX_FILE}.")
+    if (directory / ADAPTER_FILE).is_file():
+        if single.is_file() or index.is_file():
+            raise CheckpointError(f"{directory}: holds both an adapter ({ADAPTER_FILE}) and a "
+                                  "model.")
+        return ModelReader(directory, {ADAPTER_FILE: SafetensorsReader(directory / ADAPTER_FILE)},
+                           None)
     if single.is_file():
         return ModelReader(directory, {MODEL_FILE: SafetensorsReader(single)}, None)
     if not index.is_file():

@@ -28,7 +28,6 @@ import numpy as np
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
-    CONFIG_FILE,
     Manifest,
     TensorInfo,
     finalize_manifest,
@@ -53,7 +52,7 @@ from xffl.aggregator.safetensors_io import (
     SafetensorsWriter,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import ModelReader, open_model
+from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model, output_names
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -105,6 +104,7 @@ def _write(
     progress: Progress | None,
     max_shard_bytes: int | None = None,
     clips: Sequence[float] | None = None,
+    single_file: str = MODEL_FILE,
 ) -> dict[str, str]:
     """Stream the strategy's output (and new server state) into ``tmp``; return sha256s.
 
@@ -119,7 +119,8 @@ def _write(
     with ExitStack() as stack:
         entries = [(t.name, t.dtype, t.shape) for t in layout]
         model = stack.enter_context(
-            ShardedWriter(tmp, entries, metadata, max_shard_bytes=max_shard_bytes)
+            ShardedWriter(tmp, entries, metadata, max_shard_bytes=max_shard_bytes,
+                          single_file=single_file)
         )
         state_out = {
             b: stack.enter_context(
@@ -271,9 +272,10 @@ def run_strategy(
                     progress,
                     max_bytes,
                     clips,
+                    output_names(prep.adapter)[0],
                 )
                 if prep.config is not None:
-                    (tmp / CONFIG_FILE).write_bytes(prep.config)
+                    (tmp / output_names(prep.adapter)[1]).write_bytes(prep.config)
                 manifest = Manifest(
                     kind="global",
                     run_id=prep.run_id,

@@ -40,7 +40,14 @@ from xffl.aggregator.exchange import (
     sha256_file,
 )
 from xffl.aggregator.safetensors_io import STORAGE_DTYPES, Array, SafetensorsReader
-from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, ModelReader, open_model
+from xffl.aggregator.shards import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    INDEX_FILE,
+    MODEL_FILE,
+    ModelReader,
+    open_model,
+)
 from xffl.core.errors import CheckpointError
 
 _SCAN_BYTES = 16 << 20
@@ -186,16 +193,31 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
                                   "allows")
 
 
-def check_config(directory: Path, expected: Mapping[str, Any]) -> None:
-    """The update's config.json is the global model's (the architecture did not change)."""
+def check_config(directory: Path, expected: Mapping[str, Any], name: str = CONFIG_FILE) -> None:
+    """The update's config.json (``name``) is the global model's (the architecture did not
+    change; for an adapter, adapter_config.json: rank, scaling and targets did not)."""
     try:
-        got = json.loads(read_small_file(directory / CONFIG_FILE))
+        got = json.loads(read_small_file(directory / name))
     except FileNotFoundError as exc:
-        raise CheckpointError(f"no {CONFIG_FILE}") from exc
+        raise CheckpointError(f"no {name}") from exc
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"unreadable {CONFIG_FILE} ({exc})") from exc
+        raise CheckpointError(f"unreadable {name} ({exc})") from exc
     if got != expected:
-        raise CheckpointError(f"{CONFIG_FILE} differs from the global model's")
+        raise CheckpointError(f"{name} differs from the global model's")
+
+
+def first_changed(update_dir: Path, previous_dir: Path, names: Iterable[str]) -> str | None:
+    """The first of ``names`` whose bytes differ between an update and the global (None: all
+    equal); both are already verified, and the update holds the global's tensors."""
+    with open_model(update_dir) as update, open_model(previous_dir) as previous:
+        for name in sorted(names):
+            a, b = update.entries[name], previous.entries[name]
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                return name
+            if not np.array_equal(update.raw(name).view(np.uint8),
+                                  previous.raw(name).view(np.uint8)):
+                return name
+    return None
 
 
 def check_update(
@@ -208,8 +230,12 @@ def check_update(
     check_finite: bool = True,
     expected_config: Mapping[str, Any] | None = None,
     bounds: Bounds | None = None,
+    adapter: bool = False,
 ) -> Manifest:
     """Admit one update or raise UpdateRejected naming its site and the reason.
+
+    ``adapter``: the global is a LoRA adapter, so the update must be one too
+    (``adapter_model.safetensors`` and ``adapter_config.json``, peft's names).
 
     Checks, cheapest first: manifest (size capped, no link), format version, kind "update",
     site, run id, round, parent global digest, the folder's contents (with ``bounds``: only
@@ -244,7 +270,11 @@ def check_update(
             f"trained from global {_short(manifest.parent)}, expected {_short(expected_parent)}"
         )
     files = manifest.files
-    if MODEL_FILE not in files and INDEX_FILE not in files:
+    if adapter and (ADAPTER_FILE not in files or MODEL_FILE in files or INDEX_FILE in files):
+        raise reject(f"a LoRA adapter is expected ({ADAPTER_FILE}, not a whole model)")
+    if not adapter and ADAPTER_FILE in files:
+        raise reject("the job trains the whole model, not a LoRA adapter")
+    if not adapter and MODEL_FILE not in files and INDEX_FILE not in files:
         raise reject(f"the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}")
     for name in files:
         if name in ("", ".", "..", MANIFEST_FILE) or Path(name).name != name:
@@ -254,7 +284,8 @@ def check_update(
             check_contents(directory, manifest, bounds.side_files)
         check_reported(manifest, bounds or Bounds())
         if expected_config is not None:
-            check_config(directory, expected_config)
+            check_config(directory, expected_config,
+                         ADAPTER_CONFIG_FILE if adapter else CONFIG_FILE)
     except CheckpointError as exc:
         raise reject(str(exc).rstrip(".")) from exc
     except OSError as exc:
