@@ -83,6 +83,11 @@ class RunLayout:
         return self.global_dir(0)
 
     @property
+    def base_model(self) -> Path:
+        """A LoRA job's frozen base model, which every site receives once per execution."""
+        return self.round_dir(0) / "base"
+
+    @property
     def streamflow_db(self) -> Path:
         """StreamFlow's database of this run's executions."""
         return self.root / "streamflow" / "sqlite.db"

@@ -19,6 +19,7 @@ from xffl.training.arch import (
     apply_overrides,
     build_config,
     check_tensor_parallel,
+    linear_modules,
 )
 
 
@@ -96,7 +97,38 @@ def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
         config = apply_overrides(base, model.overrides)
     except ValueError as exc:
         return [f"{_at(doc, path, ('model', 'overrides'))}: {exc}; fix the value."]
-    return _check_tensor_parallel(doc, spec, path, config)
+    return [*_check_tensor_parallel(doc, spec, path, config),
+            *_check_lora(doc, spec, path, config)]
+
+
+def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: LlamaConfig) -> list[str]:
+    """LoRA's targets must exist in the model; LoRA options need training.lora."""
+    lora = spec.training.lora
+    if lora is None:
+        if spec.aggregation.lora is not None:
+            return [f"{_at(doc, path, ('aggregation', 'lora'))}: applies to LoRA adapters, "
+                    "but the job trains the whole model; add training.lora or remove "
+                    "aggregation.lora."]
+        return []
+    errors = []
+    if spec.exchange.update == "delta":
+        errors.append(f"{_at(doc, path, ('exchange', 'update'))}: a LoRA job sends its "
+                      "adapter, which is already small; use exchange.update: weights "
+                      "(exchange.dtype: bf16 halves it).")
+    if spec.model.entry_point is None:  # a model of the user's own is checked when built
+        linears = linear_modules(config)
+        for i, target in enumerate(lora.target_modules):
+            if not any(m == target or m.endswith(f".{target}") for m in linears):
+                names = sorted({m.rsplit(".", 1)[-1] for m in linears})
+                errors.append(
+                    f"{_at(doc, path, ('training', 'lora', 'target_modules', i))}: "
+                    f"{target!r} matches no linear layer of the model; its linear layers "
+                    f"are {', '.join(names)}.")
+        if config.tie_word_embeddings and lora.matches("lm_head"):
+            errors.append(f"{_at(doc, path, ('training', 'lora', 'target_modules'))}: "
+                          "lm_head shares its weight with the embeddings in this model "
+                          "(tie_word_embeddings); leave lm_head out of target_modules.")
+    return errors
 
 
 def _check_slurm_overrides(doc: YamlDoc, spec: JobSpec, path: Path,

@@ -55,6 +55,10 @@ class AggregationSpec(_Strict):
     max_weight_share: float | None = Field(
         default=None, gt=0, le=1, description="no site's share of the weights above this "
         "(averaging strategies): a site cannot own the mean by reporting a huge dataset")
+    lora: Literal["separate", "freeze_a"] | None = Field(
+        default=None, description="with training.lora: separate (each of A and B aggregated "
+        "on its own, the default) or freeze_a (A stays at its seeded value everywhere, only B "
+        "is trained and aggregated, so the aggregate of the products B·A is exact)")
 
     @field_validator("strategy")
     @classmethod
@@ -195,6 +199,11 @@ class JobSpec(_Strict):
     sites: list[SiteSpec] = Field(min_length=1, description="the facilities taking part")
 
     _name = field_validator("name")(check_name)
+
+    @property
+    def freeze_a(self) -> bool:
+        """Whether LoRA's A matrices stay at their initial values (aggregation.lora)."""
+        return self.training.lora is not None and self.aggregation.lora == "freeze_a"
 
     @property
     def quorum(self) -> int:

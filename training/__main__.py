@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="token-shard directory (default: the job's data.path, relative "
                         "to the working directory)")
     parser.add_argument("--out", required=True, type=Path, help="update checkpoint directory")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a LoRA job's frozen base model (--model is then the adapter)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="collective timeout in seconds (default $XFFL_DIST_TIMEOUT or 1800)")
     return parser
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             data_dir = args.data if args.data is not None else Path(job.data.path)
             prepare_data(job, data_dir, env.local_rank)
-            manifest = train_round(job, args.round, args.model, data_dir, args.out)
+            manifest = train_round(job, args.round, args.model, data_dir, args.out,
+                                   base_dir=args.base)
         if env.is_main and manifest is not None:
             summary = {"site": job.site, "round": args.round, "out": str(args.out),
                        "digest": manifest.digest(), "num_samples": manifest.num_samples,

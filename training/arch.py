@@ -240,3 +240,13 @@ def check_tensor_parallel(config: LlamaConfig, tp: int, ranks: int | None = None
                 f"tensor_parallel {tp} does not divide the model's {what} ({value}); "
                 "choose a divisor."
             )
+
+
+def linear_modules(config: LlamaConfig) -> list[str]:
+    """The names of every nn.Linear in xffl's LLaMA of ``config`` (what LoRA can target)."""
+    names = [f"model.layers.{i}.{block}.{proj}"
+             for i in range(config.num_hidden_layers)
+             for block, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                  ("mlp", ("gate_proj", "up_proj", "down_proj")))
+             for proj in projs]
+    return [*names, "lm_head"]

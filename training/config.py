@@ -53,6 +53,65 @@ class ModelSpec(_Strict):
         return None if value is None else check_entry_point(value)
 
 
+# the linear layers of xffl's LLaMA a LoRA adapter can target (Hugging Face's names)
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                 "lm_head")
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class LoraSpec(_Strict):
+    """A LoRA adapter (through peft) trained instead of the whole model.
+
+    The base model (``model.init``, or the seeded weights) stays frozen at every site; only
+    the adapter's tensors travel and are aggregated. ``target_modules`` are peft's: a module
+    is adapted when its name is one of them or ends with ``.NAME``.
+    """
+
+    r: int = Field(default=8, description="rank of the update B·A (must be > 0)")
+    alpha: float = Field(default=16.0, description="scaling numerator: B·A is scaled by "
+                         "alpha / r (must be > 0)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter's "
+                           "input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"], min_length=1,
+        description="names of the nn.Linear modules to adapt (q_proj, v_proj, ...)")
+
+    @field_validator("r")
+    @classmethod
+    def _rank(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"r is {value}; the rank of a LoRA adapter must be at least 1 "
+                             "(8 or 16 are usual)")
+        return value
+
+    @field_validator("alpha")
+    @classmethod
+    def _alpha(cls, value: float) -> float:
+        if not value > 0 or not math.isfinite(value):
+            raise ValueError(f"alpha is {value}; it scales the adapter by alpha / r and must be "
+                             "a positive number (often 2 x r)")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _MODULE_RE.match(name):
+                raise ValueError(f"{name!r} is not a module name; write names such as q_proj "
+                                 "or self_attn.q_proj")
+        if len(set(value)) != len(value):
+            raise ValueError("a module is named twice; list each once")
+        return value
+
+    def matches(self, module: str) -> bool:
+        """peft's rule for a list of targets: the name is a target or ends with ``.TARGET``."""
+        return any(module == t or module.endswith(f".{t}") for t in self.target_modules)
+
+    def scaling(self) -> float:
+        """The factor of B·A in the adapted layer (peft's ``lora_alpha / r``)."""
+        return self.alpha / self.r
+
+
 class TrainingSpec(_Strict):
     """The local training loop each site runs every round.
 
@@ -101,6 +160,9 @@ class TrainingSpec(_Strict):
     update_fn: str | None = Field(
         default=None, description="package.module:function (name, array, context) -> array: "
         "a local update computed tensor by tensor instead of SGD (xffl.training.streamed)")
+    lora: LoraSpec | None = Field(
+        default=None, description="train a LoRA adapter (peft) on the frozen model instead "
+        "of the whole model; only the adapter travels")
 
     @field_validator("update_fn")
     @classmethod
@@ -112,6 +174,14 @@ class TrainingSpec(_Strict):
         if self.data_parallel == "ddp" and self.tensor_parallel > 1:
             raise ValueError("data_parallel ddp does not combine with tensor_parallel > 1 in "
                              "torch; use data_parallel: fsdp (or auto)")
+        if self.lora is not None and self.tensor_parallel > 1:
+            raise ValueError("lora does not combine with tensor_parallel > 1 (peft's adapter "
+                             "layers are not split Megatron-style); use tensor_parallel: 1 "
+                             "(an adapter's base model is frozen, so data parallelism fits "
+                             "more of it)")
+        if self.lora is not None and self.update_fn is not None:
+            raise ValueError("lora does not combine with update_fn (a streamed update "
+                             "computes whole tensors); remove one of them")
         return self
 
 
@@ -193,6 +263,8 @@ class TrainJob(_Strict):
     training: TrainingSpec
     data: DataSpec
     exchange: ExchangeSpec = Field(default_factory=ExchangeSpec)
+    freeze_a: bool = Field(default=False, description="LoRA: keep every A at the global's "
+                           "(aggregation.lora: freeze_a)")
 
 
 def round_steps(spec: TrainingSpec, dp_size: int) -> int:

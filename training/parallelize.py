@@ -22,7 +22,7 @@ loaded, which is what :func:`_is_dtensor` and :func:`_is_fsdp` rely on.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -143,8 +143,11 @@ class ParallelModel:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Hugging Face-named full fp32 CPU tensors on rank 0 ({} elsewhere); collective."""
+    def full_state_dict(self, keep: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
+        """Hugging Face-named full fp32 CPU tensors on rank 0 ({} elsewhere); collective.
+
+        ``keep``: only the tensors whose names it accepts are copied (a LoRA adapter's).
+        """
         if self.mesh is None:
             state = self.module.state_dict()
         else:
@@ -157,7 +160,7 @@ class ParallelModel:
                 self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
         out = {name: t.detach().to("cpu", torch.float32).contiguous()
-               for name, t in state.items()}
+               for name, t in state.items() if keep is None or keep(name)}
         if getattr(getattr(self.module, "config", None), "tie_word_embeddings", False):
             out.pop("lm_head.weight", None)
         return out

@@ -29,9 +29,10 @@ from xffl.aggregator.exchange import (
     staged_dir,
     verify_checkpoint,
 )
-from xffl.aggregator.shards import MODEL_FILE, open_model
+from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, MODEL_FILE, open_model
 from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
+from xffl.training import lora
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards
 from xffl.training.encode import encode_update
@@ -190,20 +191,25 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
 
 
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
-                out_dir: Path) -> Manifest:
+                out_dir: Path, base_dir: Path | None = None) -> Manifest:
     """Train the global model in ``model_dir`` on this site's data; rank 0 writes the update.
 
     Works under an initialised process group (a (dp, tp) mesh of its ranks, see
     :mod:`xffl.training.parallelize`) or in a single process. Returns the update's manifest
-    on every rank.
+    on every rank. A LoRA job (``training.lora``) trains the global adapter in ``model_dir``
+    on the frozen model in ``base_dir`` and writes only the adapter.
     """
     spec = job.training
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
     world = xdist.world_size()
     device = _site_device()
+    if spec.lora is not None and base_dir is None:
+        raise InvalidInput("a LoRA job needs its base model: pass --base DIR.")
+    weights_dir = Path(base_dir) if spec.lora is not None and base_dir is not None \
+        else model_dir
 
     parent = _on_main(lambda: verify_checkpoint(model_dir).digest(), str, str)
-    config = read_config(model_dir)
+    config = read_config(weights_dir)
     if spec.seq_len > config.max_position_embeddings:
         raise InvalidInput(
             f"training.seq_len {spec.seq_len} exceeds the model's max_position_embeddings "
@@ -216,12 +222,16 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
             f"{data_dir}: vocabulary of {shards.vocab_size} tokens does not fit the model's "
             f"vocab_size {config.vocab_size}."
         )
-    model = load_model(model_dir, job.model.entry_point).to(device)
+    model = load_model(weights_dir, job.model.entry_point)
     if isinstance(model, LlamaForCausalLM):
         model.model.gradient_checkpointing = spec.activation_checkpointing
     elif spec.activation_checkpointing:
         raise InvalidInput("training.activation_checkpointing needs xffl's LLaMA model; "
                            "a model.entry_point model must checkpoint its own blocks.")
+    if spec.lora is not None:
+        model = lora.wrap(model, spec.lora, job.freeze_a)
+        lora.load_adapter(model, read_weights(model_dir), model_dir)
+    model = model.to(device)
     pm = parallelize(model, spec.tensor_parallel, device, spec.data_parallel)
     torch.manual_seed(rank_seed(spec.seed, round, pm.dp_rank))
     optimizer = make_optimizer(pm.module, spec)
@@ -276,13 +286,22 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                "seq_len": spec.seq_len, "exchange": job.exchange.label(),
                "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
-    state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets the tensors
-    result_manifest = _on_main(
-        lambda: save_checkpoint(encode_update(state, model_dir, job.exchange), config, out_dir,
-                                manifest),
-        lambda m: m.model_dump_json(),
-        Manifest.model_validate_json,
-    )
+    if spec.lora is not None:
+        # collective; only the adapter's tensors are gathered and copied
+        state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
+        adapter_config = (model_dir / ADAPTER_CONFIG_FILE).read_text()
+
+        def save() -> Manifest:
+            return lora.save_adapter(encode_update(state, model_dir, job.exchange),
+                                     adapter_config, out_dir, manifest)
+    else:
+        state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets them
+
+        def save() -> Manifest:
+            return save_checkpoint(encode_update(state, model_dir, job.exchange), config,
+                                   out_dir, manifest)
+    result_manifest = _on_main(save, lambda m: m.model_dump_json(),
+                               Manifest.model_validate_json)
     xdist.barrier()
     return result_manifest
 

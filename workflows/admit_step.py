@@ -22,15 +22,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xffl.aggregator.adapter import frozen_tensors
 from xffl.aggregator.decode import encoded_index, first_overflow
 from xffl.aggregator.exchange import (
-    CONFIG_FILE,
     MANIFEST_FILE,
     Manifest,
     read_manifest,
     read_small_file,
 )
-from xffl.aggregator.verify import Bounds, UpdateRejected, check_update
+from xffl.aggregator.shards import config_name, is_adapter
+from xffl.aggregator.verify import Bounds, UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
@@ -44,10 +45,11 @@ SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
 
 
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
-          bounds: Bounds | None = None,
-          exchange: ExchangeSpec | None = None) -> tuple[Verdict, Manifest | None]:
+          bounds: Bounds | None = None, exchange: ExchangeSpec | None = None,
+          freeze_a: bool = False) -> tuple[Verdict, Manifest | None]:
     """Judge ``site``'s update of round ``rnd`` against the global ``previous``; with a
-    non-plain ``exchange``, its tensors must be in that encoding's dtype.
+    non-plain ``exchange``, its tensors must be in that encoding's dtype; with ``freeze_a``
+    (a LoRA adapter's A matrices are frozen), its A tensors must be the global's, bit for bit.
 
     Every problem with the update, expected or not, is a rejection of this site's update
     with its reason: one bad update never stops a round that has its quorum.
@@ -61,13 +63,14 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                        attempts=attempts), None
     arrived = time.time()
     parent = read_manifest(previous)  # the coordinator's own global model
-    config = json.loads(read_small_file(previous / CONFIG_FILE))
+    adapter = is_adapter(previous)
+    config = json.loads(read_small_file(previous / config_name(previous)))
     try:
         reference = parent.tensors if exchange is None or exchange.plain else \
             encoded_index(parent.tensors, exchange.safetensors_dtype)
         manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
                                 reference_index=reference, expected_run_id=parent.run_id,
-                                expected_config=config,
+                                expected_config=config, adapter=adapter,
                                 bounds=bounds or Bounds(side_files=SIDE_FILES))
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "
@@ -77,6 +80,11 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
             if overflow is not None:
                 raise UpdateRejected(update, site, f"its delta of tensor {overflow!r} added to "
                                                    "the global model overflows its dtype")
+        if freeze_a:
+            changed = first_changed(update, previous, frozen_tensors(parent.tensors))
+            if changed is not None:
+                raise UpdateRejected(update, site, f"it changed {changed!r}, which "
+                                     "aggregation.lora: freeze_a keeps at the global's value")
     except UpdateRejected as exc:
         return Verdict(site=site, round=rnd, state=SiteState.REJECTED, reason=exc.reason,
                        attempts=attempts, delivered_at=arrived), None
@@ -115,7 +123,7 @@ def run_step(args: argparse.Namespace) -> int:
     bounds = Bounds(max_tokens=args.max_tokens, max_samples=args.max_samples,
                     side_files=SIDE_FILES)
     verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
-                              bounds, ExchangeSpec.parse(args.exchange))
+                              bounds, ExchangeSpec.parse(args.exchange), args.freeze_a)
     _record(layout, verdict, update)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:
@@ -145,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the most tokens the site's job can have trained on")
     parser.add_argument("--max-samples", type=int, default=None,
                         help="the most samples the site may report")
+    parser.add_argument("--freeze-a", action="store_true",
+                        help="LoRA: the update's A matrices must be the global's")
     parser.add_argument("--exchange", default="weights/fp32",
                         help="the job's exchange (update/dtype): what the update must hold")
     return run_step(parser.parse_args(argv))

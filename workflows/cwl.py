@@ -45,13 +45,15 @@ def site_steps(site: str) -> list[str]:
 
 def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int, data: str,
                keep: str, env: dict[str, str], slurm: bool,
-               time_limit: float | None) -> dict[str, Any]:
+               time_limit: float | None, lora: bool = False) -> dict[str, Any]:
     """The CommandLineTool that trains one round at ``site`` and outputs ``update/``.
 
     At a SLURM site the launcher gets the round's job name (``--slurm-job-name``): it renames
     the job, which StreamFlow submits under the site's prefix, and records it in
     ``update/slurm_job.json``. ``keep`` is the folder at the site where the launcher keeps
     the site's last update, so a round run again from the same global is not trained again.
+    ``lora``: the tool also takes the frozen base model (``base``), which StreamFlow brings
+    to the site once and links in later rounds; ``model`` is then the global adapter.
     """
     own = ["--ranks", str(ranks), "--launcher", launcher, "--keep", keep]
     if slurm:
@@ -70,22 +72,27 @@ def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int
             *own, "--",
             "--job", "$(inputs.job.path)", "--round", "$(inputs.round)",
             "--model", "$(inputs.model.path)", "--data", data, "--out", "update",
+            *(["--base", "$(inputs.base.path)"] if lora else []),
         ],
-        "inputs": {"round": "int", "model": "Directory", "job": "File"},
+        "inputs": {"round": "int", "model": "Directory", "job": "File",
+                   **({"base": "Directory"} if lora else {})},
         "outputs": {"update": {"type": "Directory", "outputBinding": {"glob": "update"}}},
     }
 
 
-def admit_tool(run_dir: str, exchange: str = "weights/fp32") -> dict[str, Any]:
+def admit_tool(run_dir: str, exchange: str = "weights/fp32",
+               freeze_a: bool = False) -> dict[str, Any]:
     """The CommandLineTool that admits (or rejects) one site's update on the coordinator;
-    ``exchange`` is the job's (``delta/bf16``): the encoding every update must be in."""
+    ``exchange`` is the job's (``delta/bf16``): the encoding every update must be in;
+    ``freeze_a``: a LoRA update's A factors must be the global's."""
     return {
         "cwlVersion": CWL_VERSION,
         "class": "CommandLineTool",
         "doc": "Check one site's update against the round's global model; output it with a "
         "verdict (accepted, rejected or failed, and why).",
         "baseCommand": [sys.executable, "-m", "xffl.workflows.admit_step"],
-        "arguments": ["--run-dir", run_dir, "--exchange", exchange],
+        "arguments": ["--run-dir", run_dir, "--exchange", exchange,
+                      *(["--freeze-a"] if freeze_a else [])],
         "inputs": {
             "site": {"type": "string", "inputBinding": {"prefix": "--site"}},
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
@@ -127,13 +134,14 @@ def aggregate_tool(run_dir: str, sites: list[str], arguments: list[str]) -> dict
     }
 
 
-def round_workflow(sites: list[str],
-                   bounds: dict[str, tuple[int | None, int | None]]) -> dict[str, Any]:
+def round_workflow(sites: list[str], bounds: dict[str, tuple[int | None, int | None]],
+                   lora: bool = False) -> dict[str, Any]:
     """One round: train at every site, admit each update, aggregate.
 
     ``bounds``: each site's (max tokens, max samples) its admission checks the update's
-    report against (None: no bound).
+    report against (None: no bound). ``lora``: the sites also take the frozen ``base``.
     """
+    base = {"base": "base"} if lora else {}
     steps: dict[str, Any] = {}
     for s in sites:
         limits = {name: {"default": value} for name, value
@@ -141,7 +149,7 @@ def round_workflow(sites: list[str],
                   if value is not None}
         steps[train_step(s)] = {
             "run": f"tools/train_{s}.cwl",
-            "in": {"round": "round", "model": "model", "job": f"job_{s}"},
+            "in": {"round": "round", "model": "model", "job": f"job_{s}", **base},
             "out": ["update"],
         }
         steps[admit_step(s)] = {
@@ -164,7 +172,8 @@ def round_workflow(sites: list[str],
         "doc": "One federated round: train at every site, admit each update on the "
         "coordinator, aggregate.",
         "inputs": {"round": "int", "go": "boolean", "max_rounds": "int", "model": "Directory",
-                   **{f"job_{s}": "File" for s in sites}},
+                   **{f"job_{s}": "File" for s in sites},
+                   **({"base": "Directory"} if lora else {})},
         "outputs": {
             "model": {"type": "Directory", "outputSource": "aggregate/model"},
             "next_round": {"type": "int", "outputSource": "aggregate/next_round"},
@@ -176,9 +185,14 @@ def round_workflow(sites: list[str],
     }
 
 
-def main_workflow(sites: list[str]) -> dict[str, Any]:
-    """The cyclic workflow: round.cwl again while the aggregate step says ``go``."""
+def main_workflow(sites: list[str], lora: bool = False) -> dict[str, Any]:
+    """The cyclic workflow: round.cwl again while the aggregate step says ``go``.
+
+    ``lora``: a LoRA job's frozen ``base`` model enters every round unchanged (it is not
+    one of the loop's fed-back values).
+    """
     jobs = {f"job_{s}": f"job_{s}" for s in sites}
+    base = {"base": "base"} if lora else {}
     return {
         "cwlVersion": CWL_VERSION,
         "class": "Workflow",
@@ -187,7 +201,8 @@ def main_workflow(sites: list[str]) -> dict[str, Any]:
         "$namespaces": {"cwltool": LOOP_NS},
         "requirements": {"SubworkflowFeatureRequirement": {}},
         "inputs": {"first_round": "int", "max_rounds": "int", "model": "Directory",
-                   **{f"job_{s}": "File" for s in sites}},
+                   **{f"job_{s}": "File" for s in sites},
+                   **({"base": "Directory"} if lora else {})},
         "outputs": {
             "model": {"type": "Directory", "outputSource": f"{LOOP_STEP}/model"},
             "next_round": {"type": "int", "outputSource": f"{LOOP_STEP}/next_round"},
@@ -196,7 +211,7 @@ def main_workflow(sites: list[str]) -> dict[str, Any]:
             LOOP_STEP: {
                 "run": "round.cwl",
                 "in": {"round": "first_round", "go": {"default": True},
-                       "max_rounds": "max_rounds", "model": "model", **jobs},
+                       "max_rounds": "max_rounds", "model": "model", **jobs, **base},
                 "out": ["model", "next_round", "go", *jobs],
                 "requirements": {
                     "cwltool:Loop": {

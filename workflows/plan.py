@@ -122,6 +122,8 @@ def loop_inputs(spec: JobSpec, first_round: int, last_round: int,
         "first_round": first_round, "max_rounds": last_round,
         "model": {"class": "Directory", "path": f"{base}rounds/{first_round - 1}/global"},
     }
+    if spec.training.lora is not None:  # the frozen base model of a LoRA job
+        data["base"] = {"class": "Directory", "path": f"{base}rounds/0/base"}
     for site in spec.sites:
         data[f"job_{site.name}"] = {"class": "File", "path": f"{base}jobs/{site.name}.json"}
     return data
@@ -166,7 +168,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
         data_path = site_data_path(profile, site.name, site.data.path)
         training = site.budget.apply(spec.training) if site.budget else spec.training
         job = TrainJob(run_id=run_id, site=site.name, rounds=spec.rounds, model=spec.model,
-                       training=training, data=site.data, exchange=spec.exchange)
+                       training=training, data=site.data, exchange=spec.exchange,
+                       freeze_a=spec.freeze_a)
         job_file = staged.job_file(site.name)
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")
@@ -176,7 +179,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
             keep=kept_updates_dir(profile, site.name, run_id),
             env={LOCAL_RANKS_ENV: str(local_ranks), **profile.env} if site.name in local
             else profile.env,
-            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
+            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout,
+            lora=spec.training.lora is not None))
         if profile.slurm is not None:
             for path, by_hand in ((staged.batch_script(site.name), True),
                                   (staged.batch_template(site.name), False)):
@@ -184,12 +188,14 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                 path.write_text(batch_script(run_id, site.name, profile, site.ranks, data_path,
                                              by_hand=by_hand))
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
-    _dump(staged.tool("admit"), cwl.admit_tool(str(final), spec.exchange.label()))
+    _dump(staged.tool("admit"), cwl.admit_tool(str(final), spec.exchange.label(),
+                                               freeze_a=spec.freeze_a))
     _dump(staged.tool("aggregate"),
           cwl.aggregate_tool(str(final), names, aggregate_arguments(spec)))
+    lora = spec.training.lora is not None
     _dump(staged.round_cwl, cwl.round_workflow(
-        names, {s.name: report_bounds(spec, s) for s in spec.sites}))
-    _dump(staged.main, cwl.main_workflow(names))
+        names, {s.name: report_bounds(spec, s) for s in spec.sites}, lora=lora))
+    _dump(staged.main, cwl.main_workflow(names, lora=lora))
     _dump(staged.inputs, loop_inputs(spec, 1, spec.rounds))
     _dump(staged.streamflow, streamflow_config(run_id, loaded, out, final))
     # the resolved site profiles (the spec's slurm overrides applied), for `xffl status/cancel/
@@ -209,14 +215,23 @@ def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str) -> None:
     from xffl.aggregator.exchange import MANIFEST_FILE
     from xffl.core.sizes import parse_size
 
+    lora = spec.training.lora
     if (layout.initial_model / MANIFEST_FILE).is_file():
         return
-    shard_bytes = parse_size(spec.aggregation.max_shard_size)
-    key = init_cache.init_key(spec.model, spec.training.seed, shard_bytes)
-    if key is not None and init_cache.reuse(key, layout.initial_model, run_id):
-        return
-    from xffl.training.trainer import init_global  # torch is heavy: import only when needed
+    # a LoRA job's frozen base is what a whole-model job starts from; its round-0 global is
+    # the adapter, written after the base
+    base = layout.base_model if lora is not None else layout.initial_model
+    if not (base / MANIFEST_FILE).is_file():
+        shard_bytes = parse_size(spec.aggregation.max_shard_size)
+        key = init_cache.init_key(spec.model, spec.training.seed, shard_bytes)
+        if key is None or not init_cache.reuse(key, base, run_id):
+            from xffl.training.trainer import init_global  # torch is heavy: only when needed
 
-    init_global(run_id, spec.model, spec.training.seed, layout.initial_model, shard_bytes)
-    if key is not None:
-        init_cache.store(key, layout.initial_model)
+            init_global(run_id, spec.model, spec.training.seed, base, shard_bytes)
+            if key is not None:
+                init_cache.store(key, base)
+    if lora is not None:
+        from xffl.training.lora import init_adapter_global
+
+        init_adapter_global(run_id, spec.model, lora, spec.training.seed,
+                            layout.initial_model, str(base))

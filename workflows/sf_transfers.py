@@ -8,7 +8,10 @@ report attributes a transfer to the round during which it started (rounds run on
 other) and shows the transfer time apart from the queue wait, the start-up and the training.
 Each transfer's size is that of its files on the coordinator's side (the source of what
 goes to a site, the destination of what comes back): the bytes on the wire, less the tar
-framing. Copies inside one deployment (the coordinator's hard links) are not timed.
+framing. Copies inside one deployment (the coordinator's hard links) are not timed. A
+transfer that StreamFlow satisfies with a link to the copy the site already holds (a LoRA
+job's frozen base model from the second round on) moves nothing and is recorded with 0
+bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from streamflow.core.context import StreamFlowContext
+from streamflow.core.data import DataType
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.data.manager import DefaultDataManager
 from streamflow.log_handler import logger
@@ -82,12 +86,23 @@ class TransferClock(DefaultDataManager):
                             writable: bool = False) -> None:
         """StreamFlow's transfer, timed when it crosses between the coordinator and a site."""
         started = time.time()
+        held = self.held_at_destination(src_path, dst_locations)
         await super().transfer_data(src_location, src_path, dst_locations, dst_path, writable)
         which = self.direction(src_location, dst_locations)
         if which is not None:
             site, direction = which
             here = src_path if direction == "in" else dst_path  # the coordinator's side
-            self.record(site, direction, started, time.time(), tree_bytes(Path(here)))
+            self.record(site, direction, started, time.time(),
+                        0 if held else tree_bytes(Path(here)))
+
+    def held_at_destination(self, src_path: str,
+                            dst_locations: MutableSequence[ExecutionLocation]) -> bool:
+        """Whether every destination already holds a copy of ``src_path`` (StreamFlow's own
+        test in ``transfer_data``: then it links that copy and nothing crosses)."""
+        primary = self.path_mapper.get(path=os.path.realpath(src_path),
+                                       data_type=DataType.PRIMARY)
+        return all(any(p.deployment == d.deployment and p.name == d.name for p in primary)
+                   for d in dst_locations)
 
     def record(self, site: str, direction: str, started: float, ended: float,
                nbytes: int | None = None) -> None:

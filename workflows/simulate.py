@@ -105,6 +105,10 @@ def check_request(loaded: LoadedJob, opts: SimulateOptions) -> None:
     if spec.training.tensor_parallel > 1:
         raise InvalidInput(f"{where} training.tensor_parallel: xffl simulate trains each "
                            "virtual site in one process; set it to 1 to simulate this job.")
+    if spec.training.lora is not None:
+        raise InvalidInput(f"{where} training.lora: xffl simulate trains whole models; "
+                           "submit a LoRA job (xffl submit), or remove training.lora to "
+                           "simulate the job.")
     if opts.out is not None and opts.out.exists() and (
             not opts.out.is_dir() or any(opts.out.iterdir())):
         raise InvalidInput(f"{opts.out} already exists and is not an empty folder; give -o a "

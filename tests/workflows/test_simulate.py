@@ -171,6 +171,10 @@ def test_unsupported_strategy_and_used_folder_exit_2(tmp_path: Path) -> None:
                                  str(used)])
     assert result.exit_code == ExitCode.INVALID_INPUT
     assert "not an empty folder" in _one_error_line(result)
+    lora = _job(tmp_path, training={"lora": {"r": 4}})
+    result = runner.invoke(app, ["simulate", str(lora), "--sites", "2"])
+    assert result.exit_code == ExitCode.INVALID_INPUT
+    assert "training.lora: xffl simulate trains whole models" in _one_error_line(result)
 
 
 def test_a_round_past_its_timeout_exits_4(tmp_path: Path) -> None:

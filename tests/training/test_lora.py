@@ -1,0 +1,149 @@
+"""LoRA through peft in one process: the round-0 adapter, a site's round, aggregation of A and B.
+
+The 3-round workflow run, the transformers + peft logits and `xffl export --merge` are in
+tests/workflows/test_lora_run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from xffl.aggregator.adapter import adapted_modules, factor_names
+from xffl.aggregator.exchange import Manifest, read_manifest, verify_checkpoint
+from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from xffl.aggregator.strategies import run_strategy
+from xffl.core.errors import InvalidInput
+from xffl.training import lora
+from xffl.training.config import LoraSpec, ModelSpec, TrainJob
+from xffl.training.data import ensure_synthetic
+from xffl.training.model import build_config
+from xffl.training.trainer import load_model, read_weights, train_round
+
+JobFactory = Callable[..., TrainJob]
+SPEC = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def _lora_job(make_job: JobFactory, data: Path, site: str, language: str,
+              freeze_a: bool = False) -> TrainJob:
+    job = make_job(data, site=site, language=language, sequences=32, steps=3, lr=1e-2)
+    training = job.training.model_copy(update={"lora": SPEC})
+    job = job.model_copy(update={"training": training, "freeze_a": freeze_a})
+    assert job.data.synthetic is not None
+    ensure_synthetic(data, job.data.synthetic, 32, job.training.seq_len)
+    return job
+
+
+@pytest.fixture
+def adapter0(tmp_path: Path) -> Path:
+    """Round 0's global adapter for the tiny-test preset."""
+    out = tmp_path / "adapter0"
+    lora.init_adapter_global("run-test", ModelSpec(preset="tiny-test"), SPEC, 0, out, "base")
+    return out
+
+
+def test_round_zero_adapter_is_peft_shaped(adapter0: Path,
+                                           global0: tuple[Path, Manifest]) -> None:
+    """peft's own state dict of the wrapped model has exactly these names and shapes; B is
+    zero (the adapted model starts as the base), A within peft's Kaiming-uniform bound."""
+    manifest = verify_checkpoint(adapter0)
+    assert set(manifest.files) == {ADAPTER_FILE, ADAPTER_CONFIG_FILE}
+    tensors = load_file(str(adapter0 / ADAPTER_FILE))
+    from peft import get_peft_model_state_dict
+
+    wrapped = lora.wrap(load_model(global0[0]), SPEC, freeze_a=False)
+    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(wrapped).items()}
+    assert {k: v.shape for k, v in tensors.items()} == expected
+    modules = adapted_modules(tensors)
+    assert len(modules) == 2 * 3  # two layers of tiny-test, three targets each
+    for module in modules:
+        a, b = (tensors[n] for n in factor_names(module))
+        # kaiming_uniform_(a=sqrt(5)): bound = gain * sqrt(3 / fan_in), gain = sqrt(2 / 6)
+        assert np.abs(a).max() <= 1 / math.sqrt(a.shape[1]) and np.abs(a).max() > 0
+        assert not b.any()
+    config = json.loads((adapter0 / ADAPTER_CONFIG_FILE).read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    # the same seed gives the same adapter, bit for bit
+    again = lora.init_adapter_global("run-test", ModelSpec(preset="tiny-test"), SPEC, 0,
+                                     adapter0.parent / "again", "base")
+    assert again.files[ADAPTER_FILE] == manifest.files[ADAPTER_FILE]
+
+
+def test_targets_that_match_nothing_are_refused() -> None:
+    spec = LoraSpec(target_modules=["qkv"])
+    with pytest.raises(InvalidInput, match="match no linear layer of the model; its linear "
+                       "layers are down_proj, gate_proj, k_proj, lm_head, o_proj"):
+        lora.initial_adapter(build_config(ModelSpec(preset="tiny-test")), None, spec, 0)
+
+
+def test_a_site_round_trains_the_adapter_only(tmp_path: Path, adapter0: Path,
+                                              global0: tuple[Path, Manifest],
+                                              make_job: JobFactory) -> None:
+    """The update holds the adapter alone, the frozen base is untouched, and the adapted
+    model's loss on the round's data fell."""
+    base, _ = global0
+    before = {k: v.clone() for k, v in read_weights(base).items()}
+    job = _lora_job(make_job, tmp_path / "data", "site-a", "alpha")
+    out = tmp_path / "update"
+    manifest = train_round(job, 1, adapter0, Path(job.data.path), out, base_dir=base)
+    assert set(manifest.files) == {ADAPTER_FILE, ADAPTER_CONFIG_FILE}
+    assert manifest.parent == read_manifest(adapter0).digest()
+    assert (out / ADAPTER_CONFIG_FILE).read_bytes() == (adapter0 / ADAPTER_CONFIG_FILE).read_bytes()
+    update, start = load_file(str(out / ADAPTER_FILE)), load_file(str(adapter0 / ADAPTER_FILE))
+    assert update.keys() == start.keys()
+    assert all(not np.array_equal(update[k], start[k]) for k in update)  # A and B trained
+    after = read_weights(base)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert manifest.metrics["loss_last"] < manifest.metrics["loss_first"]
+
+    frozen = _lora_job(make_job, tmp_path / "data", "site-a", "alpha", freeze_a=True)
+    out_f = tmp_path / "update-frozen"
+    train_round(frozen, 1, adapter0, Path(job.data.path), out_f, base_dir=base)
+    kept = load_file(str(out_f / ADAPTER_FILE))
+    for module in adapted_modules(kept):
+        a, b = factor_names(module)
+        assert np.array_equal(kept[a], start[a]) and kept[b].any()
+
+
+def test_separate_aggregation_is_the_mean_of_each_factor(
+        tmp_path: Path, adapter0: Path, global0: tuple[Path, Manifest],
+        make_job: JobFactory) -> None:
+    """aggregation.lora: separate averages A and B each on its own (FedAvg of every tensor),
+    as docs/aggregation.md states; the product of the averages is not the average of the
+    products, which the test shows on the same numbers."""
+    base, _ = global0
+    updates = []
+    for site, language in (("site-a", "alpha"), ("site-b", "beta")):
+        job = _lora_job(make_job, tmp_path / site, site, language)
+        updates.append(tmp_path / f"u-{site}")
+        train_round(job, 1, adapter0, Path(job.data.path), updates[-1], base_dir=base)
+    out = tmp_path / "global1"
+    run_strategy("fedavg", updates, adapter0, out)
+    assert set(read_manifest(out).files) == {ADAPTER_FILE, ADAPTER_CONFIG_FILE}
+    weights = np.array([read_manifest(u).num_samples for u in updates], dtype=np.float64)
+    weights /= weights.sum()
+    sites = [load_file(str(u / ADAPTER_FILE)) for u in updates]
+    glob = load_file(str(out / ADAPTER_FILE))
+    gap = 0.0
+    for module in adapted_modules(glob):
+        a, b = factor_names(module)
+        for name in (a, b):
+            # the aggregator's float64 mean (2 products, 1 sum, 1 division) is within
+            # 8 * 2^-53 * max|x_i| of this one, then rounded once to fp32 (2^-24 relative)
+            mean = sum(w * s[name].astype(np.float64) for w, s in zip(weights, sites,
+                                                                       strict=True))
+            xmax = max(float(np.abs(s[name]).max()) for s in sites)
+            assert np.all(np.abs(glob[name] - mean)
+                          <= 2.0**-24 * np.abs(mean) + 16 * 2.0**-53 * xmax)
+        products = sum(w * (s[b].astype(np.float64) @ s[a].astype(np.float64))
+                       for w, s in zip(weights, sites, strict=True))
+        gap = max(gap, float(np.abs(glob[b].astype(np.float64) @ glob[a] - products).max()))
+    assert gap > 1e-6  # separate: B̄·Ā differs from the mean of the B_i·A_i

@@ -1,0 +1,152 @@
+"""LoRA through peft: the round-0 adapter, a site's adapted model, and its adapter tensors.
+
+The base model stays frozen everywhere; what travels and is aggregated is the adapter, named
+as peft saves it (:mod:`xffl.aggregator.adapter`). The coordinator writes round 0's adapter
+itself (A drawn as peft draws it, Kaiming-uniform with ``a = sqrt(5)``, but from a generator
+seeded by the job's seed and the tensor's name, so that it does not depend on the order of
+peft's module walk; B zero, so the adapted model starts as the base model), and every site
+loads the round's global adapter into a peft model of its base. With ``freeze_a`` the A
+factors are not trained: every site keeps the seeded A, and the aggregate of the products
+B·A is the product of the aggregated B and that A.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from xffl.aggregator.adapter import factor_names
+from xffl.aggregator.exchange import Manifest, finalize_manifest, staged_dir
+from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from xffl.core.errors import CheckpointError, InvalidInput
+from xffl.training.arch import LlamaConfig, build_config
+from xffl.training.config import LoraSpec, ModelSpec
+from xffl.training.entry import build
+
+
+def peft_config(spec: LoraSpec, base: str | None = None) -> Any:
+    """peft's LoraConfig for ``spec`` (``base``: the base model's path, for the record)."""
+    from peft import LoraConfig
+
+    # peft types lora_alpha as an int (and writes it so); a fractional alpha works as well
+    alpha: Any = int(spec.alpha) if spec.alpha.is_integer() else spec.alpha
+    return LoraConfig(r=spec.r, lora_alpha=alpha, lora_dropout=spec.dropout,
+                      target_modules=list(spec.target_modules), bias="none",
+                      base_model_name_or_path=base)
+
+
+def adapter_config_json(spec: LoraSpec, base: str | None = None) -> str:
+    """adapter_config.json as peft's ``save_pretrained`` writes it (sets as lists)."""
+    data = peft_config(spec, base).to_dict()
+    data = {k: sorted(v) if isinstance(v, set) else v for k, v in data.items()}
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def adapted_linears(model: nn.Module, spec: LoraSpec) -> dict[str, nn.Linear]:
+    """The nn.Linear modules of ``model`` that ``spec`` targets, by name (peft's rule)."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and spec.matches(name)}
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"xffl-lora:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def initial_adapter(config: LlamaConfig, entry_point: str | None, spec: LoraSpec,
+                    seed: int) -> dict[str, Tensor]:
+    """Round 0's adapter tensors: A seeded Kaiming-uniform (peft's init), B zero.
+
+    The model is built on the meta device, so no weight of a large base is allocated.
+    """
+    with torch.device("meta"):
+        net = build(config, entry_point)
+    linears = adapted_linears(net, spec)
+    if not linears:
+        kinds = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules()
+                        if isinstance(m, nn.Linear)})
+        raise InvalidInput(f"training.lora.target_modules {spec.target_modules} match no "
+                           f"linear layer of the model; its linear layers are "
+                           f"{', '.join(kinds) or 'none'}.")
+    tensors: dict[str, Tensor] = {}
+    for module, linear in sorted(linears.items()):
+        a_name, b_name = factor_names(module)
+        a = torch.empty(spec.r, linear.in_features, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(_tensor_seed(seed, a_name))
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        tensors[a_name] = a
+        tensors[b_name] = torch.zeros(linear.out_features, spec.r, dtype=torch.float32)
+    return tensors
+
+
+def save_adapter(tensors: Mapping[str, Tensor], adapter_config: str, out_dir: Path,
+                 manifest: Manifest) -> Manifest:
+    """Write adapter_model.safetensors, adapter_config.json and manifest.json atomically."""
+    with staged_dir(Path(out_dir)) as tmp:
+        save_file(dict(tensors), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG_FILE).write_text(adapter_config)
+        return finalize_manifest(tmp, manifest)
+
+
+def wrap(model: nn.Module, spec: LoraSpec, freeze_a: bool) -> nn.Module:
+    """``model`` as a peft model with ``spec``'s adapter; only the adapter is trainable."""
+    from peft import get_peft_model
+
+    peft_model: nn.Module = get_peft_model(model, peft_config(spec))
+    for name, param in peft_model.named_parameters():
+        trainable = ".lora_A." in name or ".lora_B." in name
+        if freeze_a and ".lora_A." in name:
+            trainable = False
+        param.requires_grad_(trainable)
+    return peft_model
+
+
+def load_adapter(peft_model: nn.Module, tensors: Mapping[str, Tensor], where: Path) -> None:
+    """Put a global adapter's tensors into ``peft_model``; every factor must be given."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    own = get_peft_model_state_dict(peft_model)
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: the adapter does not fit the model: missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}.")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(own[name].shape):
+            raise CheckpointError(f"{where}: adapter tensor {name} has shape "
+                                  f"{tuple(value.shape)}, the model expects "
+                                  f"{tuple(own[name].shape)}.")
+    set_peft_model_state_dict(peft_model, dict(tensors))
+
+
+def adapter_state(peft_model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter's tensors, named as peft saves them, out of a full state dict of
+    ``peft_model`` (its module names)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", torch.float32).contiguous()
+            for k, v in get_peft_model_state_dict(peft_model, state_dict=dict(state)).items()}
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a peft model's parameter (or state-dict key) belongs to the adapter."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def init_adapter_global(run_id: str, model: ModelSpec, spec: LoraSpec, seed: int,
+                        out_dir: Path, base: str) -> Manifest:
+    """Write round 0's global adapter (``base``: the frozen base model's folder, recorded
+    in adapter_config.json as peft records it)."""
+    config = build_config(model)
+    tensors = initial_adapter(config, model.entry_point, spec, seed)
+    manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
+        "lora": spec.model_dump(mode="json"), "seed": seed, "base": base,
+        "num_parameters": sum(t.numel() for t in tensors.values())})
+    return save_adapter(tensors, adapter_config_json(spec, base), out_dir, manifest)
