@@ -12,10 +12,12 @@ ratios use is computed in the same invocation). Tensor bytes only: the safetenso
 manifest.json and config.json add a few KiB per checkpoint.
 
 Measured: runs of the quickstart's job, once per exchange of ``--exchanges`` (default fp32
-weights, then bf16 deltas; each submitted into a temporary XFFL_HOME and waited for), or an
-existing run (``--run RUN``). The registry has the bytes StreamFlow moved to and from each
-site in each round; they are printed per site and round, with the median bytes sent back
-and its ratio to the first run's (the baseline, measured in the same invocation).
+weights, bf16 deltas, then LoRA adapters of rank ``--rank`` on the attention projections and
+on every linear layer, trained through peft on the frozen quickstart model; each submitted
+into a temporary XFFL_HOME and waited for), or an existing run (``--run RUN``). The
+registry has the bytes StreamFlow moved to and from each site in each round; they are
+printed per site and round, with the median bytes sent back and its ratio to the first
+run's (the baseline, measured in the same invocation).
 
     python bench/exchange_bytes/run.py                      # llama2-7b shapes + 2 quickstarts
     python bench/exchange_bytes/run.py --no-run --json      # computed only
@@ -81,26 +83,41 @@ def measured(run_id: str, home: Path | None = None) -> dict[str, Any]:
     registry = Registry()
     run = registry.get_run(run_id)
     data = assemble(registry, run)
-    exchange = (yaml.safe_load((Path(run.run_dir) / "job.yaml").read_text()) or {}).get(
-        "exchange") or {}
+    spec = yaml.safe_load((Path(run.run_dir) / "job.yaml").read_text()) or {}
+    exchange = spec.get("exchange") or {}
+    lora = (spec.get("training") or {}).get("lora")
     rows = [{"round": r.round, "site": s.site, "received_bytes": s.received_bytes,
              "sent_bytes": s.sent_bytes} for r in data.rounds for s in r.sites]
     tiny = 4 * PRESETS["tiny"].num_parameters()
     sent = [r["sent_bytes"] for r in rows if r["sent_bytes"]]
     return {"run_id": run_id, "rows": rows, "tiny_fp32_tensor_bytes": tiny,
-            "exchange": f"{exchange.get('update', 'weights')}/{exchange.get('dtype', 'fp32')}",
+            "exchange": lora_label(lora) if lora else
+            f"{exchange.get('update', 'weights')}/{exchange.get('dtype', 'fp32')}",
             "median_sent_bytes": statistics.median(sent) if sent else None,
             "sent_vs_tensors": statistics.median(sent) / tiny if sent else None}
 
 
-def quickstart(home: Path, exchange: str) -> str:
-    """Submit the quickstart with ``exchange`` (update/dtype) into ``home``; its run id."""
+def lora_label(lora: dict[str, Any]) -> str:
+    """``LoRA r=16 attention``-style name of a job's training.lora."""
+    targets = tuple(lora.get("target_modules") or ())
+    which = {ATTENTION: "attention", ALL_LINEAR: "all linear"}.get(targets, "+".join(targets))
+    return f"LoRA r={lora.get('r')} {which}"
+
+
+def quickstart(home: Path, exchange: str, rank: int = 16) -> str:
+    """Submit the quickstart with ``exchange`` (update/dtype, or lora:attention or lora:all)
+    into ``home``; its run id."""
     import yaml
 
     env = {**os.environ, "XFFL_HOME": str(home)}
     spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
-    update, _, dtype = exchange.partition("/")
-    spec["exchange"] = {"update": update, "dtype": dtype}
+    if exchange.startswith("lora:"):
+        targets = ATTENTION if exchange == "lora:attention" else ALL_LINEAR
+        spec["training"]["lora"] = {"r": rank, "alpha": 2 * rank,
+                                    "target_modules": list(targets)}
+    else:
+        update, _, dtype = exchange.partition("/")
+        spec["exchange"] = {"update": update, "dtype": dtype}
     job = home / "job.yaml"  # its data folders are made beside it
     job.parent.mkdir(parents=True, exist_ok=True)
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -144,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="llama2-7b")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--run", help="an existing run (in XFFL_HOME) instead of new ones")
-    parser.add_argument("--exchanges", default="weights/fp32,delta/bf16",
-                        help="the quickstart runs to measure, comma-separated update/dtype")
+    parser.add_argument("--exchanges", default="weights/fp32,delta/bf16,lora:attention,lora:all",
+                        help="the quickstart runs to measure, comma-separated update/dtype "
+                        "or lora:attention / lora:all (rank --rank)")
     parser.add_argument("--no-run", action="store_true", help="computed numbers only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, exchange in enumerate(args.exchanges.split(",")):
             with tempfile.TemporaryDirectory(prefix=f"xffl-bytes-{i}-") as tmp:
                 home = Path(tmp)
-                result["measured"].append(measured(quickstart(home, exchange), home))
+                result["measured"].append(measured(quickstart(home, exchange, args.rank), home))
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 

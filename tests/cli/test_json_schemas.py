@@ -35,6 +35,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("aggregate",): "aggregate", ("simulate",): "simulate", ("profiles", "list"): "profiles-list",
     ("profiles", "show"): "profiles-show", ("profiles", "check"): "profiles-check",
     ("profiles", "init"): "profiles-init", ("data", "prepare"): "data-prepare",
+    ("export",): "export",
 }
 
 
@@ -104,7 +105,8 @@ def test_the_outputs_about_profiles_data_and_checkpoints(xffl_home: Path,
     ["cancel", "nope"], ["resume", "nope"], ["round", "nope"], ["provenance", "nope"],
     ["schedule", "nope", "--remove"], ["validate", "missing.yaml"], ["submit", "missing.yaml"],
     ["render", "missing.yaml", "-o", "plan"], ["simulate", "missing.yaml", "--sites", "2"],
-    ["aggregate", "-o", "g", "nowhere"], ["profiles", "show", "nowhere"],
+    ["aggregate", "-o", "g", "nowhere"], ["export", "nope", "-o", "x"],
+    ["profiles", "show", "nowhere"],
     ["profiles", "check", "nowhere"], ["profiles", "init", "nowhere"],
     ["data", "prepare", "missing.txt", "-o", "tok"]],
     ids=lambda argv: "-".join(a for a in argv if not a.endswith((".yaml", ".txt"))))

@@ -86,7 +86,8 @@ def test_every_output_option_is_spelled_the_same() -> None:
 
     outs = [p.opts for c in leaves(typer.main.get_command(full)) for p in c.params
             if "-o" in p.opts]
-    assert len(outs) == 6 and all(sorted(o) == ["--out", "--output", "-o"] for o in outs)
+    # render, report, provenance, export, aggregate, simulate, data prepare
+    assert len(outs) == 7 and all(sorted(o) == ["--out", "--output", "-o"] for o in outs)
 
 
 def test_every_command_help_has_an_example() -> None:

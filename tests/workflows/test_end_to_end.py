@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,3 +87,31 @@ def test_quickstart_end_to_end(quickstart_run: FinishedRun,
         assert all(s["loss"] is not None and s["loss"] > 0 for s in by_site.values())
     table = runner.invoke(app, ["status", status["run_id"]], env={"COLUMNS": "200"})
     assert "completed" in table.stdout and "global" in table.stdout
+
+
+@pytest.mark.slow
+def test_export_writes_the_global_for_transformers(quickstart_run: FinishedRun,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    """`xffl export` of the quickstart: the last global's tensors and config, no manifest,
+    which transformers loads; --merge is refused for a whole-model run."""
+    import transformers
+
+    from tests.cli.schemas import check
+
+    monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
+    out = tmp_path / "exported"
+    result = runner.invoke(app, ["export", quickstart_run.run_id, "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    data = check("export", json.loads(result.stdout))
+    assert (data["round"], data["merged"], data["files"]) == (
+        3, False, ["config.json", "model.safetensors"])
+    final = load_file(str(quickstart_run.run_dir / "rounds" / "3" / "global" / MODEL_FILE))
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out))
+    state = model.state_dict()
+    assert all(np.array_equal(state[k].numpy(), v) for k, v in final.items())
+    again = runner.invoke(app, ["export", "last", "-o", str(out)])
+    assert again.exit_code == 2 and "--force" in again.stderr
+    merged = runner.invoke(app, ["export", "last", "--merge", "-o", str(tmp_path / "m")])
+    assert merged.exit_code == 2 and "this run trains the whole model" in merged.stderr
+    assert not (tmp_path / "m").exists()

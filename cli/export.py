@@ -1,0 +1,66 @@
+"""`xffl export`: a run's global model as a plain Hugging Face checkpoint or peft adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.core.errors import InvalidInput
+from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+from xffl.jobs.registry import Registry
+
+
+@handle_errors
+def export(
+    run: RunArg = "last",
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", "--out", help="Folder to write (required).")] = None,
+    round: Annotated[int | None, typer.Option(
+        "--round", min=0, help="The global model after this round (default: the last).")] = None,
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="LoRA runs: fold the adapter into the base model (W + alpha/r B·A) "
+        "and write a whole model.")] = False,
+    max_shard_size: Annotated[str, typer.Option(
+        "--max-shard-size", help="Split a larger merged model into Hugging Face shards, "
+        "e.g. 5GB; 0 never splits.")] = DEFAULT_MAX_SHARD_SIZE,
+    force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a run's global model where other tools read it, without xffl's manifest.
+
+    A whole-model run gives model.safetensors (or shards) and config.json, which
+    transformers' from_pretrained loads; a LoRA run gives adapter_model.safetensors and
+    adapter_config.json, which peft's PeftModel.from_pretrained loads onto the base, or with
+    --merge the base with the adapter folded in, streamed tensor by tensor.
+
+    Example: xffl export last --merge -o llama-federated
+    """
+    from xffl.aggregator.exchange import verify_checkpoint
+    from xffl.core.layout import RunLayout
+    from xffl.workflows.export import export_global, last_global
+
+    if output is None:
+        raise InvalidInput("xffl export needs -o/--output: the folder to write.")
+    if output.exists() and not force:
+        raise InvalidInput(f"-o {output}: it exists; choose a new path, or --force to "
+                           "replace it.")
+    max_bytes = parse_size(max_shard_size)
+    record = resolve_run(Registry(), run)
+    layout = RunLayout(Path(record.run_dir))
+    rnd = last_global(layout) if round is None else round
+    if rnd is None or not layout.global_dir(rnd).is_dir():
+        raise InvalidInput(f"run {record.id} has no global model after round {rnd}; "
+                           "`xffl status` shows its completed rounds.")
+    verify_checkpoint(layout.global_dir(rnd))
+    files = export_global(layout, rnd, output, merge=merge, max_shard_bytes=max_bytes)
+    data: dict[str, Any] = {"run_id": record.id, "round": rnd, "output": str(output),
+                            "merged": merge, "files": files}
+    if as_json:
+        print_json(data)
+        return
+    what = "merged model" if merge else "global model"
+    console.print(f"wrote the {what} of run {record.id} after round {rnd} to {output}",
+                  soft_wrap=True)
