@@ -56,7 +56,7 @@ class ModelSpec(_Strict):
 # the linear layers of xffl's LLaMA a LoRA adapter can target (Hugging Face's names)
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                  "lm_head")
-_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_MODULE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")  # mlp.0: Sequential children
 
 
 class LoraSpec(_Strict):

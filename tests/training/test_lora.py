@@ -25,7 +25,7 @@ from xffl.training import lora
 from xffl.training.config import LoraSpec, ModelSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.model import build_config
-from xffl.training.trainer import load_model, read_weights, train_round
+from xffl.training.trainer import init_global, load_model, read_weights, train_round
 
 JobFactory = Callable[..., TrainJob]
 SPEC = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -147,3 +147,59 @@ def test_separate_aggregation_is_the_mean_of_each_factor(
                        for w, s in zip(weights, sites, strict=True))
         gap = max(gap, float(np.abs(glob[b].astype(np.float64) @ glob[a] - products).max()))
     assert gap > 1e-6  # separate: B̄·Ā differs from the mean of the B_i·A_i
+
+
+def test_a_model_of_the_users_own(tmp_path: Path, make_job: JobFactory) -> None:
+    """model.entry_point models take LoRA too: peft's names for their own modules
+    (``mlp.0``, an nn.Sequential child, and ``head``), trained and sent alone."""
+    entry = "tests.training.custom_model:build"
+    model = ModelSpec(preset="tiny-test", entry_point=entry)
+    spec = LoraSpec(r=2, alpha=4, target_modules=["mlp.0", "head"])
+    base = tmp_path / "base"
+    init_global("run-test", model, 0, base)
+    adapter = tmp_path / "adapter0"
+    lora.init_adapter_global("run-test", model, spec, 0, adapter, str(base))
+    assert adapted_modules(load_file(str(adapter / ADAPTER_FILE))) == ["head", "mlp.0"]
+    job = make_job(tmp_path / "data", sequences=32, steps=2)
+    job = job.model_copy(update={"model": model, "training": job.training.model_copy(
+        update={"lora": spec})})
+    ensure_synthetic(Path(job.data.path), "alpha", 32, job.training.seq_len)
+    manifest = train_round(job, 1, adapter, Path(job.data.path), tmp_path / "u", base_dir=base)
+    assert {t.name for t in manifest.tensors} == {
+        t.name for t in read_manifest(adapter).tensors}
+    with pytest.raises(InvalidInput, match="its linear layers are 0, 2, head"):
+        lora.initial_adapter(build_config(model), entry, LoraSpec(target_modules=["q_proj"]), 0)
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
+                                              global0: tuple[Path, Manifest],
+                                              make_job: JobFactory) -> None:
+    """Two ranks under torchrun, the frozen base and its adapter wrapped by DDP or by FSDP2
+    (``data_parallel: fsdp``, frozen and trainable parameters in one unit): the same adapter
+    comes back, bit for bit.
+
+    Why bit for bit: both ranks run the same forward and backward on the same batches with
+    the same weights (FSDP2 all-gathers the exact shards); with two ranks the reduction is
+    one sum a + b (commutative, so its order cannot matter) and a division by 2 (exact),
+    whether DDP all-reduces or FSDP2 reduce-scatters; AdamW is elementwise, so a shard's
+    step is the full tensor's. Gradient clipping is off (grad_clip 0): a norm summed over
+    shards in another order could round differently.
+    """
+    from xffl.training.launch import launch
+
+    base, _ = global0
+    job = _lora_job(make_job, tmp_path / "data", "site-a", "alpha")
+    outs = {}
+    for mode in ("ddp", "fsdp"):
+        training = job.training.model_copy(update={"data_parallel": mode, "grad_clip": 0.0})
+        job_file = tmp_path / f"{mode}.json"
+        job_file.write_text(job.model_copy(update={"training": training}).model_dump_json())
+        outs[mode] = tmp_path / f"update-{mode}"
+        args = ["--job", str(job_file), "--round", "1", "--model", str(adapter0), "--base",
+                str(base), "--data", job.data.path, "--out", str(outs[mode])]
+        assert launch(2, "torchrun", args, outs[mode]) == 0
+    ddp, fsdp = (load_file(str(outs[m] / ADAPTER_FILE)) for m in ("ddp", "fsdp"))
+    assert ddp.keys() == fsdp.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()
+    assert all(np.array_equal(ddp[k], fsdp[k]) for k in ddp)
+    assert read_manifest(outs["fsdp"]).extra["dp"] == 2
