@@ -147,6 +147,16 @@ def test_separate_aggregation_is_the_mean_of_each_factor(
                        for w, s in zip(weights, sites, strict=True))
         gap = max(gap, float(np.abs(glob[b].astype(np.float64) @ glob[a] - products).max()))
     assert gap > 1e-6  # separate: B̄·Ā differs from the mean of the B_i·A_i
+    # every strategy applies to the factors as to any tensor, and writes an adapter
+    for strategy in ("fedadam", "fedmedian"):
+        other = tmp_path / f"global1-{strategy}"
+        run_strategy(strategy, updates, adapter0, other)
+        tensors = load_file(str(other / ADAPTER_FILE))
+        assert tensors.keys() == glob.keys()
+        assert (other / ADAPTER_CONFIG_FILE).read_bytes() == \
+            (adapter0 / ADAPTER_CONFIG_FILE).read_bytes()
+        if strategy == "fedmedian":  # two sites: the median is their mean
+            assert all(np.allclose(tensors[k], glob[k], rtol=2**-22, atol=0) for k in glob)
 
 
 def test_a_model_of_the_users_own(tmp_path: Path, make_job: JobFactory) -> None:

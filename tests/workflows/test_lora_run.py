@@ -1,7 +1,7 @@
 """A LoRA job end to end through `xffl submit` on the two SLURM facilities of the test stack
-(over SSH, srun -n 2 DDP at each): 3 rounds, base from ``model.init``, ``aggregation.lora:
-freeze_a``; then transformers + peft and `xffl export --merge` against xffl's own model on
-the final global adapter."""
+(over SSH; srun -n 2 DDP at alpha, one rank at beta): 3 rounds, base from ``model.init``,
+``aggregation.lora: freeze_a``; then transformers + peft and `xffl export --merge` against
+xffl's own model on the final global adapter."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_a_lora_run_moves_and_aggregates_only_the_adapter(
                                         slurm_stack)
         site["data"].update(path=str(tmp_path / "data" / site["name"]),
                             synthetic_sequences=256)
+    spec["sites"][1]["ranks"] = 1
     job = tmp_path / "lora.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     works = {s: Path(slurm_stack.clusters[s].work_dir) for s in ("alpha", "beta")}

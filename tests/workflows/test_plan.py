@@ -223,3 +223,26 @@ def test_a_jinja2_statement_in_a_site_line_is_refused(tmp_path: Path, field: str
     with pytest.raises(InvalidInput, match="Jinja2 statement"):
         load_job(job)
     assert not RunLayout(tmp_path / "plan").root.exists()
+
+
+def test_a_lora_plan_carries_the_frozen_base(tmp_path: Path, xffl_home: Path) -> None:
+    """training.lora: the base enters main.cwl once and every round unchanged (not a loop
+    value), each site's tool gets it as --base, the admit tool checks freeze_a; cwltool
+    accepts the loop with it."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["training"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    spec["aggregation"]["lora"] = "freeze_a"
+    job = _job(tmp_path, training=spec["training"], aggregation=spec["aggregation"])
+    layout = write_plan(load_job(job), "lora-1", tmp_path / "plan")
+    validate_cwl(layout.main)
+    main = yaml.safe_load(layout.main.read_text())
+    loop_step = main["steps"]["rounds"]
+    assert main["inputs"]["base"] == "Directory" and loop_step["in"]["base"] == "base"
+    assert "base" not in loop_step["requirements"]["cwltool:Loop"]["loop"]
+    inputs = yaml.safe_load(layout.inputs.read_text())
+    assert inputs["base"] == {"class": "Directory", "path": "rounds/0/base"}
+    train = yaml.safe_load(layout.tool("train_alpha").read_text())
+    assert train["inputs"]["base"] == "Directory"
+    assert train["arguments"][-2:] == ["--base", "$(inputs.base.path)"]
+    assert "--freeze-a" in yaml.safe_load(layout.tool("admit").read_text())["arguments"]
+    assert json.loads(layout.job_file("alpha").read_text())["freeze_a"] is True
