@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -187,7 +190,7 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
                                               make_job: JobFactory) -> None:
     """Two ranks under torchrun, the frozen base and its adapter wrapped by DDP or by FSDP2
     (``data_parallel: fsdp``, frozen and trainable parameters in one unit): the same adapter
-    comes back, bit for bit.
+    comes back, bit for bit (both rounds in one launch, tests/training/lora_worker.py).
 
     Why bit for bit: both ranks run the same forward and backward on the same batches with
     the same weights (FSDP2 all-gathers the exact shards); with two ranks the reduction is
@@ -196,20 +199,21 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
     step is the full tensor's. Gradient clipping is off (grad_clip 0): a norm summed over
     shards in another order could round differently.
     """
-    from xffl.training.launch import launch
-
     base, _ = global0
     job = _lora_job(make_job, tmp_path / "data", "site-a", "alpha")
-    outs = {}
+    jobs = []
     for mode in ("ddp", "fsdp"):
         training = job.training.model_copy(update={"data_parallel": mode, "grad_clip": 0.0})
-        job_file = tmp_path / f"{mode}.json"
-        job_file.write_text(job.model_copy(update={"training": training}).model_dump_json())
-        outs[mode] = tmp_path / f"update-{mode}"
-        args = ["--job", str(job_file), "--round", "1", "--model", str(adapter0), "--base",
-                str(base), "--data", job.data.path, "--out", str(outs[mode])]
-        assert launch(2, "torchrun", args, outs[mode]) == 0
-    ddp, fsdp = (load_file(str(outs[m] / ADAPTER_FILE)) for m in ("ddp", "fsdp"))
+        jobs.append(tmp_path / f"{mode}.json")
+        jobs[-1].write_text(job.model_copy(update={"training": training}).model_dump_json())
+    worker = Path(__file__).with_name("lora_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(worker), str(adapter0), str(base), job.data.path, str(tmp_path / "out"),
+         *map(str, jobs)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ddp, fsdp = (load_file(str(tmp_path / "out" / m / ADAPTER_FILE)) for m in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()
     assert all(np.array_equal(ddp[k], fsdp[k]) for k in ddp)
-    assert read_manifest(outs["fsdp"]).extra["dp"] == 2
+    assert read_manifest(tmp_path / "out" / "fsdp").extra["dp"] == 2
