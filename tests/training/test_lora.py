@@ -1,7 +1,7 @@
 """LoRA through peft in one process: the round-0 adapter, a site's round, aggregation of A and B.
 
 The 3-round workflow run, the transformers + peft logits and `xffl export --merge` are in
-tests/workflows/test_lora_run.py.
+tests/workflows/test_slurm_sites.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Two SLURM facilities over SSH (the real test stack): 3 rounds, srun -n 2 DDP at each site,
-as one StreamFlow workflow; its provenance as an RO-Crate; the hand-run batch script."""
+"""Two SLURM facilities over SSH (the real test stack): 3 rounds of a LoRA job (peft, frozen
+base from ``model.init``, ``aggregation.lora: freeze_a``), srun -n 2 DDP at each site, as one
+StreamFlow workflow; its provenance as an RO-Crate; the hand-run batch script (a
+whole-model job, as the other SLURM runs of tests/workflows/test_failure_slurm.py are)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ from typer.testing import CliRunner
 from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
+from tests.workflows import lora_checks
 from xffl.aggregator.exchange import verify_checkpoint
-from xffl.aggregator.shards import MODEL_FILE
+from xffl.aggregator.shards import ADAPTER_FILE
 from xffl.cli.app import app
 from xffl.jobs.registry import Registry
+from xffl.training.config import ModelSpec
+from xffl.training.trainer import init_global
 
 runner = CliRunner()
 
@@ -32,17 +37,22 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
     profiles = tmp_path / "site_profiles"
     profiles.mkdir()
+    base0 = tmp_path / "base0"  # a round-0 checkpoint of an earlier run, as model.init
+    init_global("earlier", ModelSpec(preset="tiny"), 7, base0)
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="slurm3", rounds=3)
-    spec["training"]["steps"] = 6
+    spec.update(name="slurm3", rounds=3, model={"preset": "tiny", "init": str(base0)},
+                aggregation={"strategy": "fedavg", "lora": "freeze_a"})
+    spec["training"].update(steps=12, lr=0.01, prox_mu=0.0, lora=lora_checks.LORA)
     for site in spec["sites"]:
         cluster = slurm_stack.clusters[site["name"]]
         site["profile"] = write_profile(profiles, cluster, slurm_stack)
-        site["data"]["path"] = str(tmp_path / "data" / site["name"])
+        site["data"].update(path=str(tmp_path / "data" / site["name"]), synthetic_sequences=256)
     spec["sites"][1]["slurm"] = {"time": "00:07:00"}  # beta overrides its profile's 00:10:00
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     before = {n: slurm_stack.jobcomp_records(n) for n in ("alpha", "beta")}
+    works = {n: Path(slurm_stack.clusters[n].work_dir) for n in ("alpha", "beta")}
+    earlier = {n: set(works[n].glob("**/base")) for n in works}  # the stack's other runs
 
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "400"])
     assert result.exit_code == 0, result.output
@@ -50,6 +60,15 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     run_id, run_dir = status["run_id"], Path(status["run_dir"])
     assert status["state"] == "completed"
     rounds = (1, 2, 3)
+
+    # LoRA (tests/workflows/lora_checks.py): the base crossed once and is untouched, only
+    # adapters travelled, losses fell, freeze_a's products are exact, and the final adapter
+    # reads the same in transformers + peft and merged by `xffl export --merge`
+    lora_checks.base_sent_once(status, base0, {
+        n: sorted(set(works[n].glob("**/base")) - earlier[n]) for n in works})
+    lora_checks.adapters_only(status)
+    lora_checks.freeze_a_is_exact(run_dir)
+    lora_checks.world_reads(run_id, base0, run_dir / "rounds" / "3" / "global", tmp_path)
 
     # the run is one StreamFlow workflow, named after it (StreamFlow's own listing)
     listing = subprocess.run([str(Path(sys.executable).with_name("streamflow")), "list", "-f",
@@ -104,9 +123,9 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
         round_dir = run_dir / "rounds" / str(rnd)
         verify_checkpoint(round_dir / "global")
         ups = {s: verify_checkpoint(round_dir / "updates" / s) for s in ("alpha", "beta")}
-        tensors = {s: load_file(str(round_dir / "updates" / s / MODEL_FILE)) for s in ups}
+        tensors = {s: load_file(str(round_dir / "updates" / s / ADAPTER_FILE)) for s in ups}
         total = sum(u.num_samples for u in ups.values())
-        for name, got in load_file(str(round_dir / "global" / MODEL_FILE)).items():
+        for name, got in load_file(str(round_dir / "global" / ADAPTER_FILE)).items():
             expected = sum(ups[s].num_samples * tensors[s][name].astype(np.float64)
                            for s in ups) / total
             # the aggregator's float64 average (2 products, 1 sum, 1 division) is within

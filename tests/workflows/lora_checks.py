@@ -1,81 +1,51 @@
-"""A LoRA job end to end through `xffl submit` on the two SLURM facilities of the test stack
-(over SSH; srun -n 2 DDP at alpha, one rank at beta): 3 rounds, base from ``model.init``,
-``aggregation.lora: freeze_a``; then transformers + peft and `xffl export --merge` against
-xffl's own model on the final global adapter."""
+"""The LoRA checks of the two-facility SLURM run (tests/workflows/test_slurm_sites.py): the
+frozen base sent once and untouched, only adapters exchanged, freeze_a's exact products, and
+the final adapter as transformers, peft and `xffl export --merge` read it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import pytest
 import torch
-import yaml
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from tests.conftest import QUICKSTART
-from tests.stack.profiles import write_profile
 from xffl.aggregator.adapter import adapted_modules, factor_names
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.cli.app import app
 from xffl.jobs.registry import Registry
 from xffl.training import lora
-from xffl.training.config import LoraSpec, ModelSpec
-from xffl.training.trainer import init_global, load_model, read_weights
+from xffl.training.config import LoraSpec
+from xffl.training.trainer import load_model, read_weights
 
 runner = CliRunner()
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"r": 4, "alpha": 8, "target_modules": TARGETS}
+SITES = ("alpha", "beta")
 
 
-def _tensor_bytes(directory: Path) -> dict[str, bytes]:
+def tensor_bytes(directory: Path) -> dict[str, bytes]:
+    """Every tensor of a one-file model checkpoint, as raw bytes."""
     return {k: v.tobytes() for k, v in load_file(str(directory / "model.safetensors")).items()}
 
 
-@pytest.mark.slow
-def test_a_lora_run_moves_and_aggregates_only_the_adapter(
-        tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
-    base0 = tmp_path / "base0"  # a round-0 checkpoint of an earlier run, as model.init
-    init_global("earlier", ModelSpec(preset="tiny"), 7, base0)
-    profiles = tmp_path / "site_profiles"
-    profiles.mkdir()
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="lora", rounds=3, model={"preset": "tiny", "init": str(base0)},
-                aggregation={"strategy": "fedavg", "lora": "freeze_a"})
-    spec["training"].update(steps=12, lr=0.01, prox_mu=0.0,
-                            lora={"r": 4, "alpha": 8, "target_modules": TARGETS})
-    for site in spec["sites"]:
-        site["profile"] = write_profile(profiles, slurm_stack.clusters[site["name"]],
-                                        slurm_stack)
-        site["data"].update(path=str(tmp_path / "data" / site["name"]),
-                            synthetic_sequences=256)
-    spec["sites"][1]["ranks"] = 1
-    job = tmp_path / "lora.yaml"
-    job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    works = {s: Path(slurm_stack.clusters[s].work_dir) for s in ("alpha", "beta")}
-    earlier = {p for w in works.values() for p in w.glob("**/base")}  # the stack's own runs
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "400"])
-    assert result.exit_code == 0, result.output
-    status = json.loads(result.stdout)
-    run_dir = Path(status["run_dir"])
-    rounds = run_dir / "rounds"
-
-    # the frozen base crossed to each facility once (StreamFlow links its first copy in the
-    # later rounds), and that copy and the run's own hold the init's tensors bit for bit
-    # after three rounds of training
-    reference = _tensor_bytes(base0)
-    assert _tensor_bytes(rounds / "0" / "base") == reference
+def base_sent_once(status: dict[str, Any], base0: Path, staged: dict[str, list[Path]]) -> None:
+    """The frozen base crossed to each facility once (StreamFlow links its first copy in the
+    later rounds: ``staged`` lists each facility's new ``base`` entries), and that copy and
+    the run's own hold the init's tensors bit for bit after three rounds of training."""
+    rounds = Path(status["run_dir"]) / "rounds"
+    reference = tensor_bytes(base0)
+    assert tensor_bytes(rounds / "0" / "base") == reference
     base_bytes = sum(f.stat().st_size for f in (rounds / "0" / "base").iterdir())
-    for site in ("alpha", "beta"):
-        staged = sorted(set(works[site].glob("**/base")) - earlier)
-        copies = [p for p in staged if not p.is_symlink()]
-        assert len(staged) == 3 and len(copies) == 1, (site, staged)  # a link in rounds 2, 3
-        assert all(p.resolve() == copies[0] for p in staged)
-        assert _tensor_bytes(copies[0]) == reference
+    for site in SITES:
+        copies = [p for p in staged[site] if not p.is_symlink()]
+        assert len(staged[site]) == 3 and len(copies) == 1, (site, staged)  # links: 2, 3
+        assert all(p.resolve() == copies[0] for p in staged[site])
+        assert tensor_bytes(copies[0]) == reference
         received = [t.bytes for t in Registry().transfers(status["run_id"])
                     if t.site == site and t.direction == "in"]
         assert sum(b is not None and b >= base_bytes for b in received) == 1, received
@@ -83,32 +53,38 @@ def test_a_lora_run_moves_and_aggregates_only_the_adapter(
         # the adapter (r = 4 on every linear of the tiny model) is a tenth of its base
         assert rows[0]["received_bytes"] > base_bytes > 5 * rows[1]["received_bytes"] > 0
 
-    # only adapters came back and were aggregated
+
+def adapters_only(status: dict[str, Any]) -> None:
+    """Only adapters came back and were aggregated; every site's loss and their weighted
+    mean fell every round."""
+    rounds = Path(status["run_dir"]) / "rounds"
     a0 = load_file(str(rounds / "0" / "global" / ADAPTER_FILE))
     for r in (1, 2, 3):
-        for site in ("alpha", "beta"):
+        for site in SITES:
             update = rounds / str(r) / "updates" / site
             assert sorted(p.name for p in update.iterdir()) == sorted(  # + SLURM's record
                 [ADAPTER_FILE, ADAPTER_CONFIG_FILE, "manifest.json", "slurm_job.json"]), update
             assert load_file(str(update / ADAPTER_FILE)).keys() == a0.keys()
         assert set(verify_checkpoint(rounds / str(r) / "global").files) == {
             ADAPTER_FILE, ADAPTER_CONFIG_FILE}
-
-    # losses: every site's and their weighted mean fall every round
     done = [r for r in status["rounds"] if r["state"] == "completed"]
     assert [r["round"] for r in done] == [1, 2, 3]
-    for site in ("alpha", "beta"):
+    for site in SITES:
         losses = [next(s["loss"] for s in r["sites"] if s["site"] == site) for r in done]
         assert losses[0] > losses[1] > losses[2], (site, losses)
     means = [r["loss"] for r in done]
     assert means[0] > means[1] > means[2], means
 
-    # freeze_a: A is round 0's everywhere, and the global's B·A is the weighted mean of the
-    # sites' products (float64 here; the global's B is one fp32 rounding of the mean of the
-    # B_i, so |B·A - mean B_i·A| <= 2^-24 sum_k |mean B|_ik |A|_kj, far below 1e-6)
+
+def freeze_a_is_exact(run_dir: Path) -> None:
+    """freeze_a: A is round 0's everywhere, and the global's B·A is the weighted mean of the
+    sites' products (float64 here; the global's B is one fp32 rounding of the mean of the
+    B_i, so |B·A - mean B_i·A| <= 2^-24 sum_k |mean B|_ik |A|_kj, far below 1e-6)."""
+    rounds = run_dir / "rounds"
+    a0 = load_file(str(rounds / "0" / "global" / ADAPTER_FILE))
     for r in (1, 2, 3):
         g = load_file(str(rounds / str(r) / "global" / ADAPTER_FILE))
-        ups = [rounds / str(r) / "updates" / s for s in ("alpha", "beta")]
+        ups = [rounds / str(r) / "updates" / s for s in SITES]
         w = np.array([read_manifest(u).num_samples for u in ups], dtype=np.float64)
         w /= w.sum()
         sites = [load_file(str(u / ADAPTER_FILE)) for u in ups]
@@ -120,10 +96,8 @@ def test_a_lora_run_moves_and_aggregates_only_the_adapter(
             product = g[b].astype(np.float64) @ g[a].astype(np.float64)
             assert np.abs(product - mean).max() <= 1e-6
 
-    _world_reads(status["run_id"], base0, rounds / "3" / "global", tmp_path)
 
-
-def _world_reads(run_id: str, base0: Path, final: Path, tmp_path: Path) -> None:
+def world_reads(run_id: str, base0: Path, final: Path, tmp_path: Path) -> None:
     """The final adapter through transformers + peft, and merged by `xffl export --merge`
     into a plain transformers checkpoint, give xffl's logits.
 
@@ -141,7 +115,7 @@ def _world_reads(run_id: str, base0: Path, final: Path, tmp_path: Path) -> None:
     from peft import PeftModel
 
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
-    ours = lora.wrap(load_model(base0), LoraSpec(r=4, alpha=8, target_modules=TARGETS), False)
+    ours = lora.wrap(load_model(base0), LoraSpec.model_validate(LORA), False)
     lora.load_adapter(ours, read_weights(final), final)
     ours = ours.double().eval()
     wide = torch.float64
