@@ -1,7 +1,8 @@
 """Two SLURM facilities over SSH (the real test stack): 3 rounds of a LoRA job (peft, frozen
-base from ``model.init``, ``aggregation.lora: freeze_a``), srun -n 2 DDP at each site, as one
-StreamFlow workflow; its provenance as an RO-Crate; the hand-run batch script (a
-whole-model job, as the other SLURM runs of tests/workflows/test_failure_slurm.py are)."""
+base from ``model.init``, ``aggregation.lora: freeze_a``), srun -n 2 DDP at alpha and one
+rank at beta, as one StreamFlow workflow; its provenance as an RO-Crate; the hand-run batch
+script (a whole-model job, as the other SLURM runs of tests/workflows/test_failure_slurm.py
+are)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
         site["profile"] = write_profile(profiles, cluster, slurm_stack)
         site["data"].update(path=str(tmp_path / "data" / site["name"]), synthetic_sequences=256)
     spec["sites"][1]["slurm"] = {"time": "00:07:00"}  # beta overrides its profile's 00:10:00
+    spec["sites"][1]["ranks"] = 1
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     before = {n: slurm_stack.jobcomp_records(n) for n in ("alpha", "beta")}
@@ -85,7 +87,8 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
         for rnd in rounds:
             ours = [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}-r{rnd}"]
             assert len(ours) == 1, new
-            assert ours[0]["JobState"] == "COMPLETED" and ours[0]["ProcCnt"] == "2"
+            assert ours[0]["JobState"] == "COMPLETED"
+            assert ours[0]["ProcCnt"] == {"alpha": "2", "beta": "1"}[name]
             assert ours[0]["TimeLimit"] == {"alpha": "10", "beta": "7"}[name]  # minutes
             job_ids[(rnd, name)] = ours[0]["JobId"]
         assert not [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}"], new
