@@ -146,8 +146,16 @@ class ParallelModel:
     def full_state_dict(self, keep: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
         """Hugging Face-named full fp32 CPU tensors on rank 0 ({} elsewhere); collective.
 
-        ``keep``: only the tensors whose names it accepts are copied (a LoRA adapter's).
+        ``keep``: only the parameters whose names it accepts are gathered and copied (a LoRA
+        adapter's: the frozen base, most of the model, is never gathered).
         """
+        if keep is not None and self.mesh is not None:
+            kept: dict[str, Tensor] = {}
+            for name, param in self.module.named_parameters():  # the same order on every rank
+                if keep(name):
+                    full = param.full_tensor() if _is_dtensor(param) else param  # type: ignore[attr-defined]
+                    kept[name] = full.detach().to("cpu", torch.float32).contiguous()
+            return kept if dist.get_rank() == 0 else {}
         if self.mesh is None:
             state = self.module.state_dict()
         else:
