@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,6 @@ from xffl.aggregator.exchange import read_small_file, staged_dir
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, CONFIG_FILE, open_model
 from xffl.core.errors import CheckpointError
-
-Progress = Callable[[int, int], None]
 
 
 def adapter_scaling(adapter_dir: Path) -> float:
@@ -41,8 +38,7 @@ def adapter_scaling(adapter_dir: Path) -> float:
 
 
 def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path,
-                  max_shard_bytes: int | None = None,
-                  progress: Progress | None = None) -> dict[str, str]:
+                  max_shard_bytes: int | None = None) -> dict[str, str]:
     """Write ``base_dir`` with ``adapter_dir`` merged into ``out_dir`` (config.json copied
     from the base); return {file: sha256} of the tensor files."""
     scaling = adapter_scaling(adapter_dir)
@@ -61,7 +57,7 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path,
         with staged_dir(Path(out_dir)) as tmp:
             with ShardedWriter(tmp, entries, {"format": "pt"},
                                max_shard_bytes=max_shard_bytes) as writer:
-                for done, name in enumerate(names, 1):
+                for name in names:
                     entry = base.entries[name]
                     raw = base.raw(name)
                     if name in targets:
@@ -81,7 +77,5 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path,
                         writer.write_chunk(name, out)
                     else:
                         writer.write_chunk(name, np.ascontiguousarray(raw))
-                    if progress is not None:
-                        progress(done, len(names))
             (tmp / CONFIG_FILE).write_bytes((Path(base_dir) / CONFIG_FILE).read_bytes())
             return writer.checksums

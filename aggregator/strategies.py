@@ -260,6 +260,7 @@ def run_strategy(
                                       for u in active], clip_norm)
                 bounds["clip_norm"] = clip_norm
                 bounds["clip_factors"] = {u.site: f for u, f in zip(active, clips, strict=True)}
+            model_file, config_file = output_names(prep.adapter)
             with staged_dir(Path(out_dir)) as tmp:
                 sums = _write(
                     strategy,
@@ -272,10 +273,10 @@ def run_strategy(
                     progress,
                     max_bytes,
                     clips,
-                    output_names(prep.adapter)[0],
+                    model_file,
                 )
                 if prep.config is not None:
-                    (tmp / output_names(prep.adapter)[1]).write_bytes(prep.config)
+                    (tmp / config_file).write_bytes(prep.config)
                 manifest = Manifest(
                     kind="global",
                     run_id=prep.run_id,

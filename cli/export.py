@@ -40,7 +40,7 @@ def export(
     """
     from xffl.aggregator.exchange import verify_checkpoint
     from xffl.core.layout import RunLayout
-    from xffl.workflows.export import export_global, last_global
+    from xffl.workflows.export import export_global
 
     if output is None:
         raise InvalidInput("xffl export needs -o/--output: the folder to write.")
@@ -50,8 +50,8 @@ def export(
     max_bytes = parse_size(max_shard_size)
     record = resolve_run(Registry(), run)
     layout = RunLayout(Path(record.run_dir))
-    rnd = last_global(layout) if round is None else round
-    if rnd is None or not layout.global_dir(rnd).is_dir():
+    rnd = record.rounds_done if round is None else round  # rounds complete in order
+    if not layout.global_dir(rnd).is_dir():
         raise InvalidInput(f"run {record.id} has no global model after round {rnd}; "
                            "`xffl status` shows its completed rounds.")
     verify_checkpoint(layout.global_dir(rnd))

@@ -21,6 +21,7 @@ from xffl.training.arch import (
     check_tensor_parallel,
     linear_modules,
 )
+from xffl.training.config import matches_target
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: LlamaConfig) ->
     if spec.model.entry_point is None:  # a model of the user's own is checked when built
         linears = linear_modules(config)
         for i, target in enumerate(lora.target_modules):
-            if not any(m == target or m.endswith(f".{target}") for m in linears):
+            if not any(matches_target(m, target) for m in linears):
                 names = sorted({m.rsplit(".", 1)[-1] for m in linears})
                 errors.append(
                     f"{_at(doc, path, ('training', 'lora', 'target_modules', i))}: "

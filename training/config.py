@@ -53,10 +53,12 @@ class ModelSpec(_Strict):
         return None if value is None else check_entry_point(value)
 
 
-# the linear layers of xffl's LLaMA a LoRA adapter can target (Hugging Face's names)
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                 "lm_head")
 _MODULE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")  # mlp.0: Sequential children
+
+
+def matches_target(module: str, target: str) -> bool:
+    """peft's rule for one name of a target list: ``module`` is it or ends with ``.TARGET``."""
+    return module == target or module.endswith(f".{target}")
 
 
 class LoraSpec(_Strict):
@@ -104,12 +106,8 @@ class LoraSpec(_Strict):
         return value
 
     def matches(self, module: str) -> bool:
-        """peft's rule for a list of targets: the name is a target or ends with ``.TARGET``."""
-        return any(module == t or module.endswith(f".{t}") for t in self.target_modules)
-
-    def scaling(self) -> float:
-        """The factor of B·A in the adapted layer (peft's ``lora_alpha / r``)."""
-        return self.alpha / self.r
+        """Whether peft adapts ``module``: it matches one of the targets."""
+        return any(matches_target(module, t) for t in self.target_modules)
 
 
 class TrainingSpec(_Strict):

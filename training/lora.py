@@ -102,10 +102,7 @@ def wrap(model: nn.Module, spec: LoraSpec, freeze_a: bool) -> nn.Module:
 
     peft_model: nn.Module = get_peft_model(model, peft_config(spec))
     for name, param in peft_model.named_parameters():
-        trainable = ".lora_A." in name or ".lora_B." in name
-        if freeze_a and ".lora_A." in name:
-            trainable = False
-        param.requires_grad_(trainable)
+        param.requires_grad_(is_adapter_param(name) and not (freeze_a and ".lora_A." in name))
     return peft_model
 
 

@@ -7,19 +7,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, staged_dir
+from xffl.aggregator.exchange import read_manifest, staged_dir
 from xffl.aggregator.merge import merge_adapter
 from xffl.aggregator.shards import is_adapter
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-
-
-def last_global(layout: RunLayout) -> int | None:
-    """The last round whose global model was written (0: only the initial one)."""
-    rounds = layout.root / "rounds"
-    done = [int(p.name) for p in rounds.iterdir() if p.name.isdigit()
-            and (p / "global" / MANIFEST_FILE).is_file()] if rounds.is_dir() else []
-    return max(done, default=None)
 
 
 def export_global(layout: RunLayout, rnd: int, out: Path, *, merge: bool = False,
