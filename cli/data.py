@@ -25,6 +25,9 @@ def prepare(
     eos: Annotated[str | None, typer.Option(
         help="Special token of the tokenizer to put after each file, e.g. '</s>'.")] = None,
     force: Annotated[bool, typer.Option(help="Replace a non-empty output directory.")] = False,
+    validation_fraction: Annotated[float | None, typer.Option(
+        metavar="F", help="Hold out the last F (0 < F < 1) of every file, cut at a line "
+        "start, as token shards in OUT/validation.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Tokenize text files into train.bin + meta.json, the format a job's data.path names.
@@ -33,13 +36,18 @@ def prepare(
     """
     from xffl.training.prepare import prepare as run_prepare
 
-    meta = run_prepare(texts, out, tokenizer=tokenizer, eos=eos, force=force)
+    meta = run_prepare(texts, out, tokenizer=tokenizer, eos=eos, force=force,
+                       validation_fraction=validation_fraction)
+    held = meta.get("validation")
     summary = {"out": str(out), "num_tokens": meta["num_tokens"],
                "vocab_size": meta["vocab_size"], "dtype": meta["dtype"],
                "inputs": len(meta["sources"]),
+               "validation_tokens": None if held is None else held["num_tokens"],
                "files": sorted(str(f) for f in out.iterdir() if f.is_file())}
     if json_out:
         print_json(summary)
     else:
         console.print(f"wrote {summary['num_tokens']} tokens ({summary['dtype']}, vocabulary "
-                      f"{summary['vocab_size']}) from {summary['files']} file(s) to {out}")
+                      f"{summary['vocab_size']}) from {summary['inputs']} file(s) to {out}")
+        if held is not None:
+            console.print(f"held out {held['num_tokens']} tokens in {out / held['path']}")
