@@ -67,6 +67,9 @@ class Bounds:
     max_tokens: int | None = None
     max_samples: int | None = None
     side_files: Mapping[str, int] = field(default_factory=dict)
+    # held-out sequences the site's evaluation reads at most (its job's evaluation budget);
+    # None: the job gives the site no validation data, so it reports no validation numbers
+    max_val_samples: int | None = None
 
 
 class UpdateRejected(CheckpointError):
@@ -191,6 +194,33 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
             shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
             raise CheckpointError(f"{what} is {shown}, more than the {cap} the site's job "
                                   "allows")
+    check_validation(manifest.metrics, bounds.max_val_samples)
+
+
+VALIDATION_METRICS = ("val_loss", "val_loss_update", "val_samples")
+
+
+def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) -> None:
+    """Validation numbers are all there or none, losses are not negative, and the sequences
+    they were measured on are a whole number within the job's evaluation budget (a site
+    cannot outweigh the others in the federated validation loss by claiming more)."""
+    given = [name for name in VALIDATION_METRICS if name in metrics]
+    if not given:
+        return
+    if max_val_samples is None:
+        raise CheckpointError("it reports validation numbers, but the job gives the site no "
+                              "data.validation")
+    if len(given) != len(VALIDATION_METRICS):
+        missing = [name for name in VALIDATION_METRICS if name not in metrics]
+        raise CheckpointError(f"it reports {given[0]!r} without {missing[0]!r}")
+    for name in ("val_loss", "val_loss_update"):
+        if metrics[name] < 0:
+            raise CheckpointError(f"metric {name!r} is {metrics[name]!r}; a cross-entropy "
+                                  "is never negative")
+    samples = metrics["val_samples"]
+    if samples != int(samples) or not 1 <= samples <= max_val_samples:
+        raise CheckpointError(f"val_samples is {samples!r}, not a whole number from 1 to the "
+                              f"{max_val_samples} its job's evaluation budget allows")
 
 
 def check_config(directory: Path, expected: Mapping[str, Any], name: str = CONFIG_FILE) -> None:

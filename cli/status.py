@@ -26,8 +26,9 @@ def render_status(data: RunStatus) -> None:
     console.print(f"run [bold]{run.id}[/bold]: {run.state} — "
                   f"{run.rounds_done}/{run.rounds_total} rounds"
                   + (f" — {run.message}" if run.message else ""), soft_wrap=True)
-    table = Rows(("round", "site", "state", "samples", "tokens", "loss", "queue s", "start s",
-                  "train s", "xfer s", "other s", "agg s", "MB in/out"), text=("state",))
+    table = Rows(("round", "site", "state", "samples", "tokens", "loss", "val loss", "queue s",
+                  "start s", "train s", "xfer s", "other s", "agg s", "MB in/out"),
+                 text=("state",))
     for rnd in data.rounds:
         number = str(rnd.record.round)
         for site in rnd.sites:
@@ -35,14 +36,16 @@ def render_status(data: RunStatus) -> None:
                 f" after {site.attempts} attempts" if site.attempts > 1 else "") + (
                 f" ({site.reason})" if site.reason else ""),
                 _num(site.num_samples), _num(site.num_tokens),
-                _num(site.loss, "{:.4f}"), fmt("queue_wait_s", site.queue_wait_s),
+                _num(site.loss, "{:.4f}"), _num(site.val_loss, "{:.4f}"),
+                fmt("queue_wait_s", site.queue_wait_s),
                 fmt("startup_s", site.startup_seconds), _num(site.train_seconds, "{:.1f}"),
                 fmt("transfer_s", site.transfer_s), fmt("other_s", site.other_s), "",
                 f"{megabytes(site.received_bytes)}/{megabytes(site.sent_bytes)}"
                 if site.received_bytes is not None else "-")
         table.add(number, "[bold]global[/bold]", rnd.record.state,
-                  _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"), "", "", "",
-                  "", "", _num(rnd.record.aggregate_seconds, "{:.2f}"), "", end_section=True)
+                  _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"),
+                  _num(rnd.record.val_loss, "{:.4f}"), "", "", "", "", "",
+                  _num(rnd.record.aggregate_seconds, "{:.2f}"), "", end_section=True)
     table.print()
     if data.slurm:
         jobs = Rows(("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s"),

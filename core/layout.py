@@ -14,6 +14,8 @@ for the path, so the layout can be read in one place::
     rounds/<r>/updates/<site>          the updates aggregated in round r (coordinator's names)
     rounds/<r>/attempts/<site>.json    a site's failed attempts in round r (failure manager)
     rounds/<r>/jobs/<site>.json        a site's balanced TrainJob for round r
+    rounds/<r>/validation.json         the federated validation loss of round r's incoming global
+    stopped.json                       why the run stopped early (training.stop_when)
     job.yaml  job.json  run.json       the spec as submitted, as resolved, the registration
     executions/<name>.yml              inputs of a resumed or one-round execution of main.cwl
     streamflow/sqlite.db  streamflow/work  streamflow.log  supervisor.log  round.lock
@@ -147,6 +149,15 @@ class RunLayout:
     def round_job(self, rnd: int, site: str) -> Path:
         """``site``'s TrainJob as balanced for round ``rnd``."""
         return self.round_dir(rnd) / "jobs" / f"{site}.json"
+
+    def validation_file(self, rnd: int) -> Path:
+        """The federated validation loss of the global model round ``rnd`` started from."""
+        return self.round_dir(rnd) / "validation.json"
+
+    @property
+    def stopped(self) -> Path:
+        """Why the run stopped before its last round (training.stop_when), when it did."""
+        return self.root / "stopped.json"
 
     def execution_inputs(self, name: str) -> Path:
         """The job order of one execution of main.cwl that is not the whole run."""

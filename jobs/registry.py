@@ -14,42 +14,8 @@ from typing import Any
 
 from xffl.core.fstype import on_network_filesystem
 from xffl.core.paths import private_dir, registry_path
+from xffl.jobs.registry_schema import SCHEMA, migrate
 from xffl.jobs.states import RoundState, RunState, SiteState
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    id TEXT PRIMARY KEY, name TEXT NOT NULL, job_path TEXT NOT NULL, run_dir TEXT NOT NULL,
-    state TEXT NOT NULL, rounds_total INTEGER NOT NULL, rounds_done INTEGER NOT NULL DEFAULT 0,
-    sites TEXT NOT NULL, created REAL NOT NULL, updated REAL NOT NULL,
-    started REAL, ended REAL, runner_pid INTEGER, message TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    run_id TEXT NOT NULL, round INTEGER NOT NULL, state TEXT NOT NULL,
-    started REAL, ended REAL, aggregate_seconds REAL, global_path TEXT, global_digest TEXT,
-    num_samples INTEGER, loss REAL, PRIMARY KEY (run_id, round)
-);
-CREATE TABLE IF NOT EXISTS site_rounds (
-    run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, state TEXT NOT NULL,
-    num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
-    reason TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
-    delivered_seconds REAL, startup_seconds REAL, PRIMARY KEY (run_id, round, site)
-);
-CREATE TABLE IF NOT EXISTS transfers (
-    run_id TEXT NOT NULL, site TEXT NOT NULL, direction TEXT NOT NULL,
-    started REAL NOT NULL, ended REAL NOT NULL, bytes INTEGER
-);
-CREATE TABLE IF NOT EXISTS slurm_jobs (
-    run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
-    state TEXT NOT NULL, queue_wait_s REAL, run_s REAL, updated REAL NOT NULL,
-    name TEXT NOT NULL DEFAULT '', nodes TEXT NOT NULL DEFAULT '',
-    PRIMARY KEY (run_id, round, site, job_id)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL,
-    kind TEXT NOT NULL, message TEXT NOT NULL
-);
-"""
-
 
 
 @dataclass
@@ -94,6 +60,11 @@ class SiteRound:
     # seconds from the site's launcher start to its first training step (imports, process
     # group, loading the global model and the data)
     startup_seconds: float | None = None
+    # mean token loss on the site's held-out sequences of the global model the round started
+    # from, and of the site's own trained update; how many sequences were evaluated
+    val_loss: float | None = None
+    val_loss_update: float | None = None
+    val_samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +91,23 @@ class RoundRecord:
     global_digest: str | None = None
     num_samples: int | None = None
     loss: float | None = None
+    # the federated validation loss of the global model the round started from: the sites'
+    # val_loss weighted by their evaluated sequences (val_samples, their sum)
+    val_loss: float | None = None
+    val_samples: int | None = None
     sites: list[SiteRound] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EvalCell:
+    """One cell of a cross-site evaluation: ``model`` (``global`` or a site's update of that
+    round) evaluated on ``data_site``'s held-out sequences (``samples`` of them)."""
+
+    round: int
+    data_site: str
+    model: str
+    loss: float
+    samples: int
 
 
 def new_run_id(name: str) -> str:
@@ -153,7 +140,7 @@ class Registry:
             conn.execute(f"PRAGMA journal_mode={journal}")
             conn.execute("PRAGMA busy_timeout=30000")
             conn.executescript(SCHEMA)
-            _migrate(conn)
+            migrate(conn)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -183,7 +170,7 @@ class Registry:
         with self._db() as db:
             for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
                                ("events", "run_id"), ("slurm_jobs", "run_id"),
-                               ("transfers", "run_id")):
+                               ("transfers", "run_id"), ("evaluations", "run_id")):
                 db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))
 
     def get_run(self, run_id: str) -> RunRecord:
@@ -252,12 +239,13 @@ class Registry:
         with self._db() as db:
             db.execute(
                 "INSERT OR REPLACE INTO rounds (run_id, round, state, started, ended,"
-                " aggregate_seconds, global_path, global_digest, num_samples, loss)"
-                " VALUES (?, ?, ?, COALESCE(?, (SELECT started FROM rounds WHERE run_id = ?"
-                " AND round = ?)), ?, ?, ?, ?, ?, ?)",
+                " aggregate_seconds, global_path, global_digest, num_samples, loss, val_loss,"
+                " val_samples) VALUES (?, ?, ?, COALESCE(?, (SELECT started FROM rounds WHERE"
+                " run_id = ? AND round = ?)), ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, record.round, RoundState(record.state).value, record.started, run_id,
                  record.round, record.ended, record.aggregate_seconds, record.global_path,
-                 record.global_digest, record.num_samples, record.loss),
+                 record.global_digest, record.num_samples, record.loss, record.val_loss,
+                 record.val_samples),
             )
             for s in record.sites:
                 # a site that delivered keeps the delivery time marked when its update arrived
@@ -271,10 +259,11 @@ class Registry:
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
-                    " startup_seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " startup_seconds, val_loss, val_loss_update, val_samples)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
                      s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
-                     s.startup_seconds),
+                     s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -299,14 +288,15 @@ class Registry:
                           num_tokens=s["num_tokens"], loss=s["loss"],
                           train_seconds=s["train_seconds"], reason=s["reason"],
                           attempts=s["attempts"], delivered_seconds=s["delivered_seconds"],
-                          startup_seconds=s["startup_seconds"])
+                          startup_seconds=s["startup_seconds"], val_loss=s["val_loss"],
+                          val_loss_update=s["val_loss_update"], val_samples=s["val_samples"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],
                         ended=r["ended"], aggregate_seconds=r["aggregate_seconds"],
                         global_path=r["global_path"], global_digest=r["global_digest"],
-                        num_samples=r["num_samples"], loss=r["loss"],
-                        sites=by_round.get(r["round"], []))
+                        num_samples=r["num_samples"], loss=r["loss"], val_loss=r["val_loss"],
+                        val_samples=r["val_samples"], sites=by_round.get(r["round"], []))
             for r in rows
         ]
 
@@ -377,6 +367,25 @@ class Registry:
         return [Transfer(r["site"], r["direction"], r["started"], r["ended"], r["bytes"])
                 for r in rows]
 
+    def record_evaluations(self, run_id: str, cells: list[EvalCell]) -> None:
+        """Store a cross-site evaluation (replacing the same cells of an earlier one)."""
+        now = time.time()
+        with self._db() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO evaluations (run_id, round, data_site, model, loss,"
+                " samples, recorded) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(run_id, c.round, c.data_site, c.model, c.loss, c.samples, now)
+                 for c in cells])
+
+    def evaluations(self, run_id: str) -> list[EvalCell]:
+        """Every recorded cross-site evaluation cell of a run, by round, data site, model."""
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT round, data_site, model, loss, samples FROM evaluations WHERE"
+                " run_id = ? ORDER BY round, data_site, model", (run_id,)).fetchall()
+        return [EvalCell(r["round"], r["data_site"], r["model"], r["loss"], r["samples"])
+                for r in rows]
+
     def events(self, run_id: str) -> list[tuple[float, str, str]]:
         """The run's event log: (time, kind, message)."""
         with self._db() as db:
@@ -396,22 +405,6 @@ class Registry:
             "INSERT INTO events (run_id, ts, kind, message) VALUES (?, ?, ?, ?)",
             (run_id, time.time(), kind, message),
         )
-
-
-def _migrate(conn: sqlite3.Connection) -> None:
-    """Bring a registry written by an older xffl up to SCHEMA (columns added since)."""
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(site_rounds)")}
-    if "attempts" not in columns:
-        conn.execute("ALTER TABLE site_rounds ADD COLUMN attempts INTEGER NOT NULL DEFAULT 1")
-    for column in ("delivered_seconds", "startup_seconds"):
-        if column not in columns:
-            conn.execute(f"ALTER TABLE site_rounds ADD COLUMN {column} REAL")
-    if "bytes" not in {row[1] for row in conn.execute("PRAGMA table_info(transfers)")}:
-        conn.execute("ALTER TABLE transfers ADD COLUMN bytes INTEGER")
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(slurm_jobs)")}
-    for column in ("name", "nodes"):
-        if column not in columns:
-            conn.execute(f"ALTER TABLE slurm_jobs ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
 
 
 def _run_from_row(row: sqlite3.Row) -> RunRecord:

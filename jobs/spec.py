@@ -19,7 +19,13 @@ from xffl.aggregator import registry
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
 from xffl.site_profiles.schema import SlurmOverride
-from xffl.training.config import DataSpec, ExchangeSpec, ModelSpec, TrainingSpec
+from xffl.training.config import (
+    DataSpec,
+    EvaluationSpec,
+    ExchangeSpec,
+    ModelSpec,
+    TrainingSpec,
+)
 
 _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 
@@ -196,6 +202,9 @@ class JobSpec(_Strict):
                                    "delta, and in which dtype")
     failure: FailurePolicy = Field(default_factory=FailurePolicy,
                                    description="retries, quorum and round deadline")
+    evaluation: EvaluationSpec = Field(
+        default_factory=EvaluationSpec, description="how many held-out sequences each site "
+        "evaluates every round (sites with data.validation)")
     sites: list[SiteSpec] = Field(min_length=1, description="the facilities taking part")
 
     _name = field_validator("name")(check_name)
@@ -215,6 +224,16 @@ class JobSpec(_Strict):
         if self.failure.min_sites is not None and self.failure.min_sites > len(self.sites):
             raise ValueError(f"failure.min_sites is {self.failure.min_sites} but the job has "
                              f"{len(self.sites)} site(s); use at most {len(self.sites)}")
+        return self
+
+    @model_validator(mode="after")
+    def _stop_needs_validation(self) -> JobSpec:
+        if self.training.stop_when is not None:
+            missing = [s.name for s in self.sites if s.data.validation is None]
+            if missing:
+                raise ValueError(f"training.stop_when watches the federated validation loss, "
+                                 f"but site(s) {', '.join(missing)} have no data.validation; "
+                                 "give every site data.validation (e.g. {fraction: 0.1})")
         return self
 
     @field_validator("sites")

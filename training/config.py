@@ -110,6 +110,22 @@ class LoraSpec(_Strict):
         return any(matches_target(module, t) for t in self.target_modules)
 
 
+class StopWhen(_Strict):
+    """Early stop: end the run when the federated validation loss stops improving.
+
+    After each round, the federated validation loss of the global models measured so far is
+    checked: when none of the last ``patience`` was lower than the best before them by more
+    than ``min_delta``, no further round is run and the run completes with that reason.
+    """
+
+    metric: Literal["val_loss"] = Field(default="val_loss", description="what is watched: "
+                                        "val_loss, the federated validation loss")
+    patience: int = Field(default=3, ge=1, le=100_000,
+                          description="rounds without improvement before stopping")
+    min_delta: float = Field(default=0.0, ge=0, description="a smaller decrease does not count "
+                             "as an improvement")
+
+
 class TrainingSpec(_Strict):
     """The local training loop each site runs every round.
 
@@ -161,6 +177,9 @@ class TrainingSpec(_Strict):
     lora: LoraSpec | None = Field(
         default=None, description="train a LoRA adapter (peft) on the frozen model instead "
         "of the whole model; only the adapter travels")
+    stop_when: StopWhen | None = Field(
+        default=None, description="end the run early when the federated validation loss stops "
+        "improving: {metric: val_loss, patience: N, min_delta: D}")
 
     @field_validator("update_fn")
     @classmethod
@@ -183,6 +202,32 @@ class TrainingSpec(_Strict):
         return self
 
 
+class ValidationSpec(_Strict):
+    """A site's held-out data, never trained on and never moved: a fraction or a directory.
+
+    ``fraction``: that share of the site's sequences is held out, the same ones every round
+    (:func:`xffl.training.data.validation_indices`); ``path``: a token-shard directory of its
+    own at the site (``xffl data prepare --validation-fraction`` writes one).
+    """
+
+    fraction: float | None = Field(default=None, gt=0, le=0.5, description="share of the "
+                                   "site's sequences held out for validation (0 < f <= 0.5)")
+    path: str | None = Field(default=None, description="a token-shard directory of held-out "
+                             "data at the site (absolute, or under its workdir)")
+
+    @field_validator("path")
+    @classmethod
+    def _path_text(cls, value: str | None) -> str | None:
+        return None if value is None else check_path_text(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ValidationSpec:
+        if (self.fraction is None) == (self.path is None):
+            raise ValueError("give fraction (a share of the training data held out) or path "
+                             "(a directory of held-out data), one of the two")
+        return self
+
+
 class DataSpec(_Strict):
     """Where a site's token shards live, on that site's filesystem (never transferred).
 
@@ -199,6 +244,10 @@ class DataSpec(_Strict):
         default=None, ge=1, description="the most samples this site may report (its "
         "dataset's size): sites are weighed by their samples, so this bounds what a site's "
         "report can claim; synthetic data is bounded by synthetic_sequences")
+
+    validation: ValidationSpec | None = Field(
+        default=None, description="held-out data the site evaluates every global model and its "
+        "own update on: {fraction: 0.1} or {path: DIR}")
 
     @property
     def declared_samples(self) -> int | None:
@@ -251,6 +300,24 @@ class ExchangeSpec(_Strict):
         return cls.model_validate({"update": update, "dtype": dtype})
 
 
+class EvaluationSpec(_Strict):
+    """How much held-out data a site evaluates on in each round (its ``data.validation``).
+
+    Every round a site evaluates the global model it receives, before training, and its own
+    trained update, in the same job: at most ``batches`` batches of ``batch_size`` sequences
+    (default: ``training.batch_size``), the same sequences every round.
+    """
+
+    batches: int = Field(default=16, ge=1, le=1_000_000,
+                         description="batches of held-out sequences evaluated per model")
+    batch_size: int | None = Field(default=None, ge=1,
+                                   description="sequences per batch (null: training.batch_size)")
+
+    def sequences(self, training: TrainingSpec) -> int:
+        """The most held-out sequences one evaluation reads."""
+        return self.batches * (self.batch_size or training.batch_size)
+
+
 class TrainJob(_Strict):
     """What the trainer receives for one site and round (written to a JSON file by the plan)."""
 
@@ -263,6 +330,7 @@ class TrainJob(_Strict):
     exchange: ExchangeSpec = Field(default_factory=ExchangeSpec)
     freeze_a: bool = Field(default=False, description="LoRA: keep every A at the global's "
                            "(aggregation.lora: freeze_a)")
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
 
 
 def round_steps(spec: TrainingSpec, dp_size: int) -> int:

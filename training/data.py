@@ -4,6 +4,8 @@ A dataset directory holds ``train.bin`` (the token stream, uint16 as nanoGPT kee
 ``meta.json`` (``{"dtype": "uint16", "num_tokens": N, "vocab_size": 256, "tokenizer":
 "bytes"}``). Training sequences are the non-overlapping windows of ``seq_len + 1`` tokens;
 each epoch they are permuted from (seed, round, epoch) and dealt disjointly to the dp ranks.
+A site's held-out windows (``data.validation.fraction``, :func:`validation_indices`) are a
+fixed set, the same every round and run, that the training sampler never deals.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from xffl.core.errors import InvalidInput
 from xffl.core.files import atomic_write
+from xffl.training.config import DataSpec
 
 TOKENS_FILE = "train.bin"
 META_FILE = "meta.json"
@@ -203,6 +207,35 @@ def num_samples(path: Path, seq_len: int) -> int:
     return int(read_meta(Path(path))["num_tokens"]) // (seq_len + 1)
 
 
+# the held-out split depends on nothing but the number of windows and the fraction, so the
+# same windows are held out in every round, run and job that reads the data this way
+_VALIDATION_SALT = int.from_bytes(hashlib.sha256(b"xffl-validation").digest()[:8], "big")
+
+
+def held_out_count(n: int, fraction: float) -> int:
+    """How many of ``n`` windows a fraction holds out: ceil(fraction x n), at least one."""
+    k = max(1, math.ceil(fraction * n - 1e-9))  # 0.1 x 770 is 77.00000000000001 in floats
+    if k >= n:
+        raise InvalidInput(f"data.validation.fraction {fraction} of {n} sequence(s) leaves "
+                           "nothing to train on; use more data or a smaller fraction.")
+    return k
+
+
+def validation_indices(n: int, fraction: float) -> np.ndarray:
+    """The windows held out for validation, ascending: the first ceil(f n) of a fixed
+    permutation of all n (seeded by a constant and n)."""
+    order = np.random.default_rng([_VALIDATION_SALT, n]).permutation(n)
+    return np.sort(order[:held_out_count(n, fraction)])
+
+
+def training_indices(n: int, fraction: float | None) -> np.ndarray:
+    """The windows the sampler may deal, ascending: all but the held-out ones."""
+    keep = np.ones(n, dtype=bool)
+    if fraction is not None:
+        keep[validation_indices(n, fraction)] = False
+    return np.flatnonzero(keep)
+
+
 def epoch_permutation(n: int, seed: int, round: int, epoch: int) -> np.ndarray:
     """The order of all n sequences in one epoch, a pure function of (seed, round, epoch)."""
     return np.random.default_rng([seed, round, epoch]).permutation(n)
@@ -236,23 +269,34 @@ def index_batches(n: int, batch_size: int, dp_rank: int, dp_size: int, seed: int
 
 
 class TokenShards:
-    """Fixed-length training sequences cut from a dataset directory's token stream."""
+    """Fixed-length sequences cut from a dataset directory's token stream.
 
-    def __init__(self, path: Path, seq_len: int) -> None:
+    ``windows`` (ascending window numbers) restricts them to a subset: sequence ``i`` is then
+    window ``windows[i]`` (the training or the held-out part of a split dataset).
+    """
+
+    def __init__(self, path: Path, seq_len: int, windows: np.ndarray | None = None) -> None:
         self.path = Path(path)
         self.seq_len = seq_len
         self.tokens = load_tokens(self.path)
         self.vocab_size = int(read_meta(self.path).get("vocab_size", 256))
-        self.num_sequences = len(self.tokens) // (seq_len + 1)
+        self.num_windows = len(self.tokens) // (seq_len + 1)
+        self.windows = windows
+        self.num_sequences = self.num_windows if windows is None else len(windows)
 
     def __len__(self) -> int:
         """Number of sequences."""
         return self.num_sequences
 
+    def window(self, indices: np.ndarray) -> np.ndarray:
+        """The window numbers of sequences ``indices`` in the token stream."""
+        return np.asarray(indices) if self.windows is None else self.windows[indices]
+
     def batch(self, indices: np.ndarray) -> tuple[Tensor, Tensor]:
         """(inputs, targets) int64 tensors of shape (len(indices), seq_len)."""
         width = self.seq_len + 1
-        rows = np.stack([np.asarray(self.tokens[i * width:(i + 1) * width]) for i in indices])
+        rows = np.stack([np.asarray(self.tokens[i * width:(i + 1) * width])
+                         for i in self.window(indices)])
         data = torch.from_numpy(rows.astype(np.int64))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
@@ -261,3 +305,21 @@ class TokenShards:
         """Endless (inputs, targets) batches for one dp rank (see index_batches)."""
         for idx in index_batches(self.num_sequences, batch_size, dp_rank, dp_size, seed, round):
             yield self.batch(idx)
+
+
+def site_splits(data_dir: Path, data: DataSpec,
+                seq_len: int) -> tuple[TokenShards, TokenShards | None]:
+    """A site's training sequences and its held-out ones (None without data.validation).
+
+    ``validation.fraction`` splits ``data_dir``'s windows (:func:`validation_indices`);
+    ``validation.path`` is a dataset directory of its own, read whole.
+    """
+    validation = data.validation
+    if validation is None:
+        return TokenShards(data_dir, seq_len), None
+    if validation.path is not None:
+        return TokenShards(data_dir, seq_len), TokenShards(Path(validation.path), seq_len)
+    assert validation.fraction is not None
+    n = TokenShards(data_dir, seq_len).num_windows
+    return (TokenShards(data_dir, seq_len, training_indices(n, validation.fraction)),
+            TokenShards(data_dir, seq_len, validation_indices(n, validation.fraction)))

@@ -34,9 +34,10 @@ from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training import lora
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
-from xffl.training.data import TokenShards
+from xffl.training.data import TokenShards, site_splits
 from xffl.training.encode import encode_update
 from xffl.training.entry import build
+from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
 from xffl.training.model import (
@@ -44,7 +45,6 @@ from xffl.training.model import (
     LlamaForCausalLM,
     build_config,
     export_state_dict,
-    lm_loss,
     load_weights,
 )
 from xffl.training.parallelize import check_tensor_parallel, parallelize
@@ -216,12 +216,13 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
             f"({config.max_position_embeddings})."
         )
     check_tensor_parallel(config, spec.tensor_parallel, world)
-    shards = TokenShards(data_dir, spec.seq_len)
-    if shards.vocab_size > config.vocab_size:
-        raise InvalidInput(
-            f"{data_dir}: vocabulary of {shards.vocab_size} tokens does not fit the model's "
-            f"vocab_size {config.vocab_size}."
-        )
+    shards, held_out = site_splits(data_dir, job.data, spec.seq_len)
+    for part in (shards, held_out):
+        if part is not None and part.vocab_size > config.vocab_size:
+            raise InvalidInput(
+                f"{part.path}: vocabulary of {part.vocab_size} tokens does not fit the model's "
+                f"vocab_size {config.vocab_size}."
+            )
     model = load_model(weights_dir, job.model.entry_point)
     if isinstance(model, LlamaForCausalLM):
         model.model.gradient_checkpointing = spec.activation_checkpointing
@@ -244,8 +245,22 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
 
     xdist.barrier()
     startup = startup_seconds(os.environ, time.time())
+
+    def validate() -> Evaluation | None:  # the model as it stands, on the held-out sequences
+        if held_out is None:
+            return None
+        return evaluate_net(pm.net, held_out, eval_count(held_out, job.evaluation, spec),
+                            job.evaluation.batch_size or spec.batch_size, device,
+                            spec.precision, pm.dp_rank, pm.dp_size)
+
+    eval_began = time.perf_counter()
+    incoming = validate()  # the global model this round starts from
+    eval_seconds = time.perf_counter() - eval_began
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                        deadline=deadline, check_deadline=deadline is not None, prox=prox)
+    eval_began = time.perf_counter()
+    trained = validate()  # this site's update
+    eval_seconds += time.perf_counter() - eval_began
     losses = result.losses
     elapsed = torch.tensor([result.seconds], dtype=torch.float64)
     if xdist.is_distributed():
@@ -270,6 +285,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     }
     if startup is not None:
         metrics["startup_seconds"] = startup
+    if incoming is not None and trained is not None:
+        metrics.update(val_loss=incoming.loss, val_loss_update=trained.loss,
+                       val_samples=float(incoming.sequences), val_tokens=float(incoming.tokens),
+                       eval_seconds=eval_seconds)
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,
@@ -306,21 +325,12 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     return result_manifest
 
 
-@torch.no_grad()
 def evaluate(model_dir: Path, data_dir: Path, seq_len: int, max_batches: int,
              batch_size: int = 8, entry_point: str | None = None) -> float:
     """Mean next-token loss of a checkpoint on the first sequences of a dataset (no grad)."""
     model = load_model(Path(model_dir), entry_point)
-    model.eval()
     shards = TokenShards(Path(data_dir), seq_len)
     count = min(len(shards), max_batches * batch_size)
     if count == 0:
         raise InvalidInput(f"{data_dir}: no sequence of {seq_len + 1} tokens to evaluate on.")
-    total, tokens = 0.0, 0
-    for start in range(0, count, batch_size):
-        idx = torch.arange(start, min(start + batch_size, count)).numpy()
-        inputs, targets = shards.batch(idx)
-        loss = lm_loss(model(inputs), targets)
-        total += float(loss) * targets.numel()
-        tokens += targets.numel()
-    return total / tokens
+    return evaluate_net(model, shards, count, batch_size, torch.device("cpu"), "fp32").loss

@@ -97,6 +97,9 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
                    loss=metrics.get("loss"), train_seconds=metrics.get("train_seconds"),
                    startup_seconds=metrics.get("startup_seconds"),
+                   val_loss=metrics.get("val_loss"),
+                   val_loss_update=metrics.get("val_loss_update"),
+                   val_samples=int(metrics["val_samples"]) if "val_samples" in metrics else None,
                    delivered_at=arrived, digest=manifest.digest()), manifest
 
 
@@ -121,7 +124,7 @@ def run_step(args: argparse.Namespace) -> int:
     layout = RunLayout(Path(args.run_dir))
     update = Path(args.update) if args.update else None
     bounds = Bounds(max_tokens=args.max_tokens, max_samples=args.max_samples,
-                    side_files=SIDE_FILES)
+                    side_files=SIDE_FILES, max_val_samples=args.max_val_samples)
     verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
                               bounds, ExchangeSpec.parse(args.exchange), args.freeze_a)
     _record(layout, verdict, update)
@@ -153,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the most tokens the site's job can have trained on")
     parser.add_argument("--max-samples", type=int, default=None,
                         help="the most samples the site may report")
+    parser.add_argument("--max-val-samples", type=int, default=None,
+                        help="the most held-out sequences the site evaluates (none: the site "
+                        "has no validation data and may report no validation numbers)")
     parser.add_argument("--freeze-a", action="store_true",
                         help="LoRA: the update's A matrices must be the global's")
     parser.add_argument("--exchange", default="weights/fp32",

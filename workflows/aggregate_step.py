@@ -36,6 +36,7 @@ from xffl.jobs.registry import Registry, RoundRecord
 from xffl.jobs.states import RoundState
 from xffl.training.config import ExchangeSpec
 from xffl.workflows.balance import round_job
+from xffl.workflows.early_stop import Stopped, federated, history, stop_reason, write_stopped
 from xffl.workflows.verdict import Verdict, read_verdict
 
 QUORUM_EXIT = 1
@@ -85,6 +86,9 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             reg.event(run_id, QUORUM_EVENT, message)
         raise QuorumNotMet(message)
     admitted = sorted(v.site for v in verdicts if v.accepted)
+    validation = federated(rnd, verdicts)  # of the global this round started from
+    if validation is not None:
+        validation.write(layout.validation_file(rnd))
     parent = read_manifest(previous)
     target = layout.global_dir(rnd)
     t0 = time.perf_counter()
@@ -110,6 +114,8 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             round=rnd, state=RoundState.COMPLETED, ended=time.time(), aggregate_seconds=seconds,
             global_path=str(target), global_digest=manifest.digest(),
             num_samples=manifest.num_samples, loss=manifest.metrics.get("loss"),
+            val_loss=validation.val_loss if validation else None,
+            val_samples=validation.val_samples if validation else None,
             sites=[v.site_round() for v in verdicts]))
     print(f"round {rnd}: aggregated {len(admitted)} updates ({', '.join(admitted)}) in "
           f"{seconds:.2f} s", file=sys.stderr)
@@ -158,6 +164,14 @@ def run_step(args: argparse.Namespace) -> int:
     here = Path.cwd()
     link_files(target, here / "global", sorted(p.name for p in target.iterdir()))
     go = rnd < args.max_rounds
+    if go and args.stop_patience is not None:  # training.stop_when
+        reason = stop_reason(history(layout, rnd), args.stop_patience, args.stop_min_delta)
+        if reason is not None:
+            write_stopped(layout, Stopped(round=rnd, reason=reason))
+            if registry is not None:
+                registry[0].event(registry[1], "stop", f"after round {rnd}: {reason}")
+            print(f"round {rnd}: {reason}", file=sys.stderr)
+            go = False
     if go and registry is not None:
         registry[0].start_round(registry[1], rnd + 1, sites)
     out: dict[str, Any] = {"model": {"class": "Directory", "path": str(here / "global")},
@@ -182,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip-norm", type=float, default=None)
     parser.add_argument("--max-weight-share", type=float, default=None)
     parser.add_argument("--exchange", default="weights/fp32", help="the job's update/dtype")
+    parser.add_argument("--stop-patience", type=int, default=None,
+                        help="training.stop_when: rounds without improvement before stopping")
+    parser.add_argument("--stop-min-delta", type=float, default=0.0)
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)

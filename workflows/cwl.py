@@ -100,6 +100,8 @@ def admit_tool(run_dir: str, exchange: str = "weights/fp32",
             "update": {"type": "Directory?", "inputBinding": {"prefix": "--update"}},
             "max_tokens": {"type": "long?", "inputBinding": {"prefix": "--max-tokens"}},
             "max_samples": {"type": "long?", "inputBinding": {"prefix": "--max-samples"}},
+            "max_val_samples": {"type": "long?",
+                                "inputBinding": {"prefix": "--max-val-samples"}},
         },
         "outputs": {"update": "Directory?", "verdict": "File"},
     }
@@ -134,18 +136,20 @@ def aggregate_tool(run_dir: str, sites: list[str], arguments: list[str]) -> dict
     }
 
 
-def round_workflow(sites: list[str], bounds: dict[str, tuple[int | None, int | None]],
+def round_workflow(sites: list[str], bounds: dict[str, tuple[int | None, ...]],
                    lora: bool = False) -> dict[str, Any]:
     """One round: train at every site, admit each update, aggregate.
 
-    ``bounds``: each site's (max tokens, max samples) its admission checks the update's
-    report against (None: no bound). ``lora``: the sites also take the frozen ``base``.
+    ``bounds``: each site's (max tokens, max samples, max held-out sequences) its admission
+    checks the update's report against (None: no bound; for the last, no validation).
+    ``lora``: the sites also take the frozen ``base``.
     """
     base = {"base": "base"} if lora else {}
     steps: dict[str, Any] = {}
     for s in sites:
         limits = {name: {"default": value} for name, value
-                  in zip(("max_tokens", "max_samples"), bounds[s], strict=True)
+                  in zip(("max_tokens", "max_samples", "max_val_samples"), bounds[s],
+                         strict=True)
                   if value is not None}
         steps[train_step(s)] = {
             "run": f"tools/train_{s}.cwl",

@@ -19,8 +19,8 @@ import yaml
 from xffl.core.layout import RunLayout
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import JobSpec, SiteSpec
-from xffl.site_profiles.schema import LocalConnector
-from xffl.training.config import TrainJob, round_steps
+from xffl.site_profiles.schema import LocalConnector, SiteProfile
+from xffl.training.config import DataSpec, TrainJob, round_steps
 from xffl.training.threads import LOCAL_RANKS_ENV
 from xffl.workflows import cwl, init_cache
 from xffl.workflows.deployments import (
@@ -46,20 +46,24 @@ def aggregate_arguments(spec: JobSpec) -> list[str]:
     bounds = [f"--{flag}={value!r}" for flag, value in (("clip-norm", agg.clip_norm),
                                                        ("max-weight-share", agg.max_weight_share))
               if value is not None]
+    stop = spec.training.stop_when
+    if stop is not None:
+        bounds += [f"--stop-patience={stop.patience}", f"--stop-min-delta={stop.min_delta!r}"]
     return ["--strategy", agg.strategy, "--weighting", agg.weighting,
             *(f"--param={k}={v!r}" for k, v in sorted(agg.params.items())),
             f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum), *bounds,
             "--exchange", spec.exchange.label()]
 
 
-def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None]:
-    """The most tokens and samples ``site``'s update may report in a round (None: unbounded).
+def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None, int | None]:
+    """The most tokens, samples and held-out sequences ``site``'s update may report in a round
+    (None: unbounded; for held-out sequences: the site has no validation data).
 
     Tokens: steps x batch x accumulation x sequence length x ranks, steps as many as the
     budget allows (a token budget with one data-parallel rank, the most steps), times
     ``balance_max`` when throughput balancing may raise them. Samples: the dataset size the
     job declares, or the samples of the round's steps if more (a ``training.update_fn``
-    reports those).
+    reports those). Held-out sequences: the job's evaluation budget.
     """
     training = site.budget.apply(spec.training) if site.budget else spec.training
     steps = round_steps(training, 1)
@@ -67,7 +71,9 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
         steps = math.floor(steps * training.balance_max)
     samples = steps * training.batch_size * training.grad_accum * site.ranks
     declared = site.data.declared_samples
-    return samples * training.seq_len, None if declared is None else max(declared, samples)
+    held_out = spec.evaluation.sequences(training) if site.data.validation else None
+    return (samples * training.seq_len, None if declared is None else max(declared, samples),
+            held_out)
 
 
 def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
@@ -147,6 +153,16 @@ def write_execution_inputs(layout: RunLayout, spec: JobSpec, name: str, first_ro
     return path
 
 
+def site_data(profile: SiteProfile, site: SiteSpec) -> DataSpec:
+    """The site's data section as its trainer reads it: a held-out directory on its filesystem
+    (``data.validation.path``, like ``data.path``, is relative to its workdir)."""
+    held_out = site.data.validation
+    if held_out is None or held_out.path is None:
+        return site.data
+    path = site_data_path(profile, site.name, held_out.path)
+    return site.data.model_copy(update={"validation": held_out.model_copy(update={"path": path})})
+
+
 def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                run_dir: Path | None = None) -> RunLayout:
     """Write the complete plan for ``loaded`` into ``out`` and return its layout.
@@ -168,8 +184,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
         data_path = site_data_path(profile, site.name, site.data.path)
         training = site.budget.apply(spec.training) if site.budget else spec.training
         job = TrainJob(run_id=run_id, site=site.name, rounds=spec.rounds, model=spec.model,
-                       training=training, data=site.data, exchange=spec.exchange,
-                       freeze_a=spec.freeze_a)
+                       training=training, data=site_data(profile, site), exchange=spec.exchange,
+                       freeze_a=spec.freeze_a, evaluation=spec.evaluation)
         job_file = staged.job_file(site.name)
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job.model_dump(mode="json"), indent=2) + "\n")

@@ -40,6 +40,7 @@ from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RunState
 from xffl.workflows.aggregate_step import QUORUM_EVENT
+from xffl.workflows.early_stop import read_stopped
 from xffl.workflows.plan import write_execution_inputs, write_initial_model
 
 
@@ -167,7 +168,12 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
         registry.event(run.id, "resources", f"rounds {first}-{last}: supervisor peak RSS "
                        f"{peak_rss_bytes() / 2**20:.0f} MiB")
     done = registry.get_run(run.id)
-    if done.rounds_done >= done.rounds_total:
+    stopped = read_stopped(layout)
+    if stopped is not None and stopped.round == done.rounds_done:  # training.stop_when
+        registry.set_state(run.id, RunState.COMPLETED, f"{done.rounds_done} of "
+                           f"{done.rounds_total} rounds completed; {stopped.reason}",
+                           ended=time.time())
+    elif done.rounds_done >= done.rounds_total:
         registry.set_state(run.id, RunState.COMPLETED, f"{done.rounds_done} rounds completed",
                            ended=time.time())
     elif done.rounds_done < last:  # the workflow ended without recording its rounds
@@ -234,8 +240,11 @@ def _execute_locked(run_id: str, registry: Registry, spec: JobSpec, layout: RunL
     registry.set_state(run_id, RunState.RUNNING, "supervisor started", started=time.time(),
                        runner_pid=os.getpid())
     write_initial_model(layout, spec, run_id)
-    if run.rounds_done >= run.rounds_total:
-        registry.set_state(run_id, RunState.COMPLETED, f"{run.rounds_done} rounds completed",
+    stopped = read_stopped(layout)
+    if run.rounds_done >= run.rounds_total or (
+            stopped is not None and stopped.round == run.rounds_done):
+        registry.set_state(run_id, RunState.COMPLETED, f"{run.rounds_done} rounds completed"
+                           + (f"; {stopped.reason}" if stopped is not None else ""),
                            ended=time.time())
         return 0
     if _credentials_block(run, registry, spec, layout, once):

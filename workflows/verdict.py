@@ -32,6 +32,9 @@ class Verdict:
     loss: float | None = None
     train_seconds: float | None = None
     startup_seconds: float | None = None
+    val_loss: float | None = None  # the incoming global's, on the site's held-out data
+    val_loss_update: float | None = None  # the site's trained update's
+    val_samples: int | None = None  # held-out sequences those were measured on
     delivered_at: float | None = None  # epoch time the update was on the coordinator
     digest: str | None = None  # the admitted update's manifest digest
 
@@ -45,7 +48,9 @@ class Verdict:
         return SiteRound(site=self.site, state=self.state, num_samples=self.num_samples,
                          num_tokens=self.num_tokens, loss=self.loss,
                          train_seconds=self.train_seconds, reason=self.reason,
-                         attempts=self.attempts, startup_seconds=self.startup_seconds)
+                         attempts=self.attempts, startup_seconds=self.startup_seconds,
+                         val_loss=self.val_loss, val_loss_update=self.val_loss_update,
+                         val_samples=self.val_samples)
 
     def write(self, path: Path) -> None:
         """Store as JSON."""

@@ -1,0 +1,82 @@
+"""Validation at a site: the mean next-token loss of a model on the site's held-out sequences.
+
+The same function serves every layout of the model: a single process, DDP, FSDP2 or a
+tensor-parallel mesh. The first ``count`` held-out sequences are read in order, in global
+batches of ``batch_size`` sequences per dp rank; each dp rank takes every dp_size-th sequence
+of a global batch, and a rank left without one still runs the forward (on a sequence it does
+not count), so that every rank runs the same collectives (FSDP2 gathers, tensor-parallel
+reductions). The sums of token losses and of tokens are all-reduced in float64; each dp
+group's sums arrive once per tensor-parallel rank, in both, so their ratio is the mean.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from xffl.training.config import EvaluationSpec, TrainingSpec
+from xffl.training.data import TokenShards
+from xffl.training.loop import autocast
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A model's mean token loss on ``sequences`` held-out sequences (``tokens`` targets)."""
+
+    loss: float
+    sequences: int
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss): the perplexity of the mean token loss."""
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def eval_count(held_out: TokenShards, evaluation: EvaluationSpec,
+               training: TrainingSpec) -> int:
+    """How many held-out sequences one evaluation reads: all, or the budget's, if fewer."""
+    return min(len(held_out), evaluation.sequences(training))
+
+
+@torch.no_grad()
+def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: int,
+                 device: torch.device, precision: str = "auto", dp_rank: int = 0,
+                 dp_size: int = 1) -> Evaluation:
+    """The mean token loss of ``net`` on the first ``count`` held-out sequences (collective).
+
+    Every rank of the process group calls it with the same arguments but its own dp rank.
+    """
+    was_training = net.training
+    net.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    per_batch = batch_size * dp_size
+    try:
+        for start in range(0, count, per_batch):
+            mine = np.arange(start, min(start + per_batch, count))[dp_rank::dp_size]
+            counted = len(mine) > 0
+            inputs, targets = held_out.batch(mine if counted else np.zeros(1, dtype=np.int64))
+            inputs, targets = inputs.to(device), targets.to(device)
+            with autocast(device, precision):
+                logits = net(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                   targets.reshape(-1), reduction="sum")
+            if counted:
+                sums += torch.stack([loss.double(), torch.tensor(float(targets.numel()),
+                                                                 dtype=torch.float64,
+                                                                 device=device)])
+    finally:
+        net.train(was_training)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        tp = dist.get_world_size() // dp_size
+    else:
+        tp = 1
+    total, tokens = (float(v) for v in sums.cpu())
+    return Evaluation(loss=total / tokens, sequences=count, tokens=round(tokens / tp))

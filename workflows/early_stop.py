@@ -1,0 +1,102 @@
+"""Federated validation of each global model, and the early stop it can decide.
+
+In round ``r`` every site with held-out data evaluates the global model it receives (the
+global of round ``r - 1``) before training; the aggregate step combines the admitted sites'
+numbers into the federated validation loss of that global, ``sum(n_s L_s) / sum(n_s)`` with
+``n_s`` the sequences site ``s`` evaluated (Flower's ``weighted_loss_avg``), and writes it to
+``rounds/<r>/validation.json``. The run directory, not the registry, is what the stop rule
+reads, so a plan run by ``streamflow run`` or ``cwltool`` stops where ``xffl submit`` does.
+
+The stop rule is Keras's EarlyStopping on that series: a value improves on the best so far
+when it is lower by more than ``min_delta``; after ``patience`` values in a row that do not,
+no further round runs, and ``stopped.json`` says why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from xffl.core.layout import RunLayout
+from xffl.workflows.verdict import Verdict
+
+
+@dataclass(frozen=True)
+class FederatedValidation:
+    """The federated validation loss of the global model a round started from."""
+
+    round: int  # the round that measured it: the global is round - 1's
+    val_loss: float
+    val_samples: int
+    sites: dict[str, float]  # each admitted site's own val_loss
+
+    def write(self, path: Path) -> None:
+        """Store as JSON."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def federated(rnd: int, verdicts: list[Verdict]) -> FederatedValidation | None:
+    """The admitted sites' validation losses weighted by their evaluated sequences (None:
+    no admitted site reported one)."""
+    measured = [v for v in verdicts if v.accepted and v.val_loss is not None and v.val_samples]
+    if not measured:
+        return None
+    total = sum(v.val_samples or 0 for v in measured)
+    loss = math.fsum(v.val_loss * (v.val_samples or 0) for v in measured
+                     if v.val_loss is not None) / total
+    return FederatedValidation(round=rnd, val_loss=loss, val_samples=total,
+                               sites={v.site: v.val_loss for v in measured
+                                      if v.val_loss is not None})
+
+
+def history(layout: RunLayout, last: int) -> list[tuple[int, float]]:
+    """(round, federated validation loss) of rounds 1..``last`` that recorded one."""
+    out: list[tuple[int, float]] = []
+    for rnd in range(1, last + 1):
+        try:
+            data = json.loads(layout.validation_file(rnd).read_text())
+        except FileNotFoundError:
+            continue
+        out.append((rnd, float(data["val_loss"])))
+    return out
+
+
+def stop_reason(series: list[tuple[int, float]], patience: int,
+                min_delta: float) -> str | None:
+    """Why to stop after this series of (round, val_loss), or None to go on."""
+    best, best_round, waited = math.inf, 0, 0
+    for rnd, loss in series:
+        if loss < best - min_delta:
+            best, best_round, waited = loss, rnd, 0
+        else:
+            waited += 1
+    if waited < patience:
+        return None
+    return (f"stopped early: the federated validation loss has not improved by more than "
+            f"{min_delta:g} in {waited} round(s) (training.stop_when patience {patience}); "
+            f"best {best:.4f}, of the global model round {best_round} started from")
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A run's early stop: after which round, and why."""
+
+    round: int
+    reason: str
+
+
+def write_stopped(layout: RunLayout, stopped: Stopped) -> None:
+    """Record the early stop in the run directory."""
+    layout.stopped.write_text(json.dumps(asdict(stopped), indent=2) + "\n")
+
+
+def read_stopped(layout: RunLayout) -> Stopped | None:
+    """The run's early stop, if it stopped early."""
+    try:
+        data = json.loads(layout.stopped.read_text())
+    except FileNotFoundError:
+        return None
+    return Stopped(round=int(data["round"]), reason=str(data["reason"]))
