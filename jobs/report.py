@@ -28,9 +28,10 @@ from typing import Any
 from xffl.jobs.profiles_json import slurm_site_names
 from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound, Transfer
 
-REPORT_FILES = ("loss.png", "breakdown.png", "throughput.png", "report.html")
+REPORT_FILES = ("validation.png", "loss.png", "breakdown.png", "throughput.png", "report.html")
 # how the table (HTML and `xffl status`) prints each number; "-" when it is not known
-FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "train_s": "{:.1f}",
+FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "val_loss": "{:.4f}",
+           "val_loss_update": "{:.4f}", "train_s": "{:.1f}",
            "queue_wait_s": "{:.1f}", "startup_s": "{:.1f}", "transfer_s": "{:.1f}",
            "other_s": "{:.1f}", "aggregate_s": "{:.2f}", "tokens_per_s": "{:.0f}",
            "delivered_s": "{:.1f}"}
@@ -188,6 +189,9 @@ class SiteRow:
     tokens_per_s: float | None
     received_bytes: int | None
     sent_bytes: int | None
+    val_loss: float | None = None  # of the global model the round started from
+    val_loss_update: float | None = None  # of the site's own update
+    val_samples: int | None = None
 
 
 @dataclass
@@ -201,6 +205,8 @@ class RoundRow:
     aggregate_s: float | None
     wall_s: float | None
     sites: list[SiteRow]
+    val_loss: float | None = None  # federated, of the global model the round started from
+    val_samples: int | None = None
 
 
 @dataclass
@@ -240,12 +246,13 @@ def assemble(registry: Registry, run: RunRecord) -> ReportData:
             b = parts[(rnd.round, s.site)]
             rows.append(SiteRow(site=s.site, state=s.state, num_samples=s.num_samples,
                                 num_tokens=s.num_tokens, loss=s.loss, attempts=s.attempts,
-                                reason=s.reason, **asdict(b)))
+                                reason=s.reason, **asdict(b), val_loss=s.val_loss,
+                                val_loss_update=s.val_loss_update, val_samples=s.val_samples))
         wall = (rnd.ended - rnd.started
                 if rnd.ended is not None and rnd.started is not None else None)
         rounds.append(RoundRow(round=rnd.round, state=rnd.state, num_samples=rnd.num_samples,
                                loss=rnd.loss, aggregate_s=rnd.aggregate_seconds, wall_s=wall,
-                               sites=rows))
+                               sites=rows, val_loss=rnd.val_loss, val_samples=rnd.val_samples))
     return ReportData(run_id=run.id, name=run.name, state=run.state, message=run.message,
                       rounds_done=run.rounds_done, rounds_total=run.rounds_total,
                       sites=list(run.sites), run_dir=run.run_dir, rounds=rounds)

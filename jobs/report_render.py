@@ -66,38 +66,55 @@ def _site_series(data: ReportData, key: str) -> dict[str, tuple[list[int], list[
     return {site: series[site] for site in data.site_names() if site in series}
 
 
-def loss_series(data: ReportData) -> dict[str, list[list[float]]]:
-    """The loss plot's curves: per site and ``global``, the [round, loss] points."""
+def loss_series(data: ReportData, key: str = "loss",
+                overall: str = "global") -> dict[str, list[list[float]]]:
+    """A loss plot's curves: per site and ``overall`` (the rounds' own ``key``), the [round,
+    value] points."""
     curves = {site: [[float(x), y] for x, y in zip(xs, ys, strict=True)]
-              for site, (xs, ys) in _site_series(data, "loss").items()}
-    glob = [[float(r.round), float(r.loss)] for r in data.rounds if r.loss is not None]
-    return {**curves, "global": glob} if glob else curves
+              for site, (xs, ys) in _site_series(data, key).items()}
+    glob = [[float(r.round), float(v)] for r in data.rounds
+            if (v := getattr(r, key)) is not None]
+    return {**curves, overall: glob} if glob else curves
 
 
-def plot_loss(data: ReportData, path: Path) -> None:
-    """Each site's training loss and the global loss, per round.
+def _plot_curves(data: ReportData, path: Path, key: str, overall: str, ylabel: str,
+                 title: str, empty: str = NO_DATA) -> None:
+    """Each site's ``key`` and the rounds' own (black, named ``overall``), per round.
 
     The PNG also carries the plotted points as JSON in its ``Description`` text chunk
     (:func:`loss_series`), so a program can read the curves back from the picture.
     """
     fig, ax = _figure()
-    series = _site_series(data, "loss")
-    glob = [(r.round, r.loss) for r in data.rounds if r.loss is not None]
-    if not series and not glob:
-        _note_empty(ax)
+    curves = loss_series(data, key, overall)
+    if not curves:
+        _note_empty(ax, empty)
     else:
-        for site, (xs, ys) in series.items():
-            ax.plot(xs, ys, marker="o", label=_plain(site))
-        if glob:
-            ax.plot([x for x, _ in glob], [y for _, y in glob], marker="s", color="black",
-                    linewidth=2.5, label="global")
-        _round_ticks(ax, [x for xs, _ in series.values() for x in xs] + [x for x, _ in glob])
+        for name, points in curves.items():
+            xs, ys = [x for x, _ in points], [y for _, y in points]
+            if name == overall:
+                ax.plot(xs, ys, marker="s", color="black", linewidth=2.5, label=overall)
+            else:
+                ax.plot(xs, ys, marker="o", label=_plain(name))
+        _round_ticks(ax, [int(x) for points in curves.values() for x, _ in points])
         ax.set_xlabel("round")
-        ax.set_ylabel("training loss")
+        ax.set_ylabel(ylabel)
         ax.legend()
-    ax.set_title(_plain(f"{data.run_id}: loss per round"))
-    fig.savefig(path, format="png",
-                metadata={"Description": json.dumps(loss_series(data), sort_keys=True)})
+    ax.set_title(_plain(f"{data.run_id}: {title}"))
+    fig.savefig(path, format="png", metadata={"Description": json.dumps(curves,
+                                                                          sort_keys=True)})
+
+
+def plot_loss(data: ReportData, path: Path) -> None:
+    """Each site's training loss and the global loss (their weighted mean), per round."""
+    _plot_curves(data, path, "loss", "global", "training loss", "loss per round")
+
+
+def plot_validation(data: ReportData, path: Path) -> None:
+    """Each site's validation loss of the global model a round started from, and the
+    federated one (weighted by the held-out sequences), per round."""
+    _plot_curves(data, path, "val_loss", "federated",
+                 "validation loss of the round's incoming global", "validation loss per round",
+                 empty="no validation numbers: give the sites data.validation")
 
 
 def _bars(data: ReportData) -> list[tuple[RoundRow, SiteRow]]:
@@ -152,7 +169,7 @@ def plot_throughput(data: ReportData, path: Path) -> None:
 
 COLUMNS = ("round", "site", "state", "samples", "tokens", "loss", "train s", "queue wait s",
            "start-up s", "transfer s", "other s", "aggregate s", "tokens/s", "MB in",
-           "MB out")
+           "MB out", "val loss", "val loss of update")
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 80em; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
@@ -184,7 +201,8 @@ def _site_row(rnd: RoundRow, s: SiteRow) -> str:
               fmt("queue_wait_s", s.queue_wait_s), fmt("startup_s", s.startup_s),
               fmt("transfer_s", s.transfer_s), fmt("other_s", s.other_s), "",
               fmt("tokens_per_s", s.tokens_per_s), megabytes(s.received_bytes),
-              megabytes(s.sent_bytes)]
+              megabytes(s.sent_bytes), fmt("val_loss", s.val_loss),
+              fmt("val_loss_update", s.val_loss_update)]
     reason = f'<div class="reason">{html.escape(s.reason)}</div>' if s.reason else ""
     return _row(values, reason)
 
@@ -196,7 +214,8 @@ def table_html(data: ReportData) -> str:
         rows += [_site_row(rnd, s) for s in rnd.sites]
         values = [str(rnd.round), "global", rnd.state, fmt("num_samples", rnd.num_samples),
                   "", fmt("loss", rnd.loss), "", "", "", "", "",
-                  fmt("aggregate_s", rnd.aggregate_s), "", "", ""]
+                  fmt("aggregate_s", rnd.aggregate_s), "", "", "", fmt("val_loss", rnd.val_loss),
+                  ""]
         rows.append(_row(values, css="global"))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "\n".join(rows) or f'<tr><td colspan="{len(COLUMNS)}">{NO_DATA}</td></tr>'
@@ -228,7 +247,13 @@ def page_html(data: ReportData, folder: Path) -> str:
 <p class="note">sites: {e(", ".join(data.sites))}; run directory: {e(data.run_dir)};
 report written {e(time.strftime("%Y-%m-%d %H:%M:%S"))}.</p>
 {note}
-<h2>Loss per round</h2>
+<h2>Validation loss per round</h2>
+<p class="note">Every round each site evaluates the global model it receives, before
+training, on its own held-out data (never trained on, never moved); the federated value is
+their mean weighted by the held-out sequences each evaluated. Round r shows the global model
+of round r &minus; 1.</p>
+{_img(folder, "validation.png", "validation loss per round")}
+<h2>Training loss per round</h2>
 <p class="note">Each site's mean training loss over the round on its own data, and the
 global loss (their weighted mean).</p>
 {_img(folder, "loss.png", "loss per round")}
@@ -249,9 +274,10 @@ StreamFlow), then the round's aggregation.</p>
 
 
 def render_all(data: ReportData, folder: Path) -> list[str]:
-    """Write the three plots and report.html into ``folder``; return the file names."""
+    """Write the plots and report.html into ``folder``; return the file names."""
+    plot_validation(data, folder / "validation.png")
     plot_loss(data, folder / "loss.png")
     plot_breakdown(data, folder / "breakdown.png")
     plot_throughput(data, folder / "throughput.png")
     (folder / "report.html").write_text(page_html(data, folder), encoding="utf-8")
-    return ["loss.png", "breakdown.png", "throughput.png", "report.html"]
+    return ["validation.png", "loss.png", "breakdown.png", "throughput.png", "report.html"]

@@ -56,7 +56,7 @@ def _publish(out: Path, render: Callable[[Path], list[str]]) -> list[Path]:
 
 def write_report(registry: Registry, run: RunRecord,
                  out_dir: Path | None = None) -> tuple[ReportData, dict[str, Path]]:
-    """Write report.html, loss.png, breakdown.png and throughput.png for ``run``.
+    """Write report.html, validation.png, loss.png, breakdown.png and throughput.png for ``run``.
 
     The default folder is ``<run_dir>/report``. Returns the numbers and each written file.
     """

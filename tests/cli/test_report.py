@@ -37,8 +37,8 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     out = Path(numbers["html"]).parent
     assert numbers["html"] == str(out / "report.html")
     assert sorted(numbers["files"]) == sorted(str(out / n) for n in (
-        "report.html", "loss.png", "breakdown.png", "throughput.png"))
-    for name in ("loss.png", "breakdown.png", "throughput.png"):
+        "report.html", "validation.png", "loss.png", "breakdown.png", "throughput.png"))
+    for name in ("validation.png", "loss.png", "breakdown.png", "throughput.png"):
         _decodes(out / name)
     page = (out / "report.html").read_text()
     rounds = Registry().rounds(run_id)
@@ -51,6 +51,16 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
         "alpha": [[float(r.round), s.loss] for r in rounds for s in r.sites if s.site == "alpha"],
         "beta": [[float(r.round), s.loss] for r in rounds for s in r.sites if s.site == "beta"],
         "global": [[float(r.round), r.loss] for r in rounds]}
+    # the main plot: each site's validation loss of the incoming global, and the federated one
+    with PIL.Image.open(out / "validation.png") as png:
+        curves = json.loads(png.text["Description"])
+    assert curves == {
+        "alpha": [[float(r.round), s.val_loss] for r in rounds for s in r.sites
+                  if s.site == "alpha"],
+        "beta": [[float(r.round), s.val_loss] for r in rounds for s in r.sites
+                 if s.site == "beta"],
+        "federated": [[float(r.round), r.val_loss] for r in rounds]}
+    assert all(v is not None for points in curves.values() for _, v in points)
     for rnd in rounds:
         assert rnd.state == "completed" and rnd.loss is not None
         assert f"<td>{fmt('loss', rnd.loss)}</td>" in page
@@ -82,8 +92,8 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     # the table has the breakdown's columns (not a terminal: tab-separated, cli/tables.py)
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
-    assert ("round\tsite\tstate\tsamples\ttokens\tloss\tqueue s\tstart s\ttrain s\txfer s\t"
-            "other s\tagg s\tMB in/out\n") in table.stdout, table.stdout
+    assert ("round\tsite\tstate\tsamples\ttokens\tloss\tval loss\tqueue s\tstart s\ttrain s\t"
+            "xfer s\tother s\tagg s\tMB in/out\n") in table.stdout, table.stdout
     # StreamFlow brought every round's global to each site and its update back, timed
     moved = {(t.site, t.direction) for t in Registry().transfers(run_id)}
     assert moved == {(s, d) for s in ("alpha", "beta") for d in ("in", "out")}

@@ -62,10 +62,13 @@ def _run(tmp_path: Path) -> tuple[Registry, str]:
         _deliver(registry, run_id, rnd, "beta", b_del)
         registry.finish_round(run_id, RoundRecord(
             round=rnd, state="completed", started=1000.0 * rnd, ended=None,
-            aggregate_seconds=agg, num_samples=1280, loss=loss, sites=[
-                SiteRound("alpha", "completed", 768, 50000, a_loss, a_train, startup_seconds=a_up),
+            aggregate_seconds=agg, num_samples=1280, loss=loss, val_loss=loss + 0.5,
+            val_samples=96, sites=[
+                SiteRound("alpha", "completed", 768, 50000, a_loss, a_train, startup_seconds=a_up,
+                          val_loss=a_loss + 0.5, val_loss_update=a_loss, val_samples=64),
                 SiteRound("beta", "completed", 512, 30000, b_loss, b_train, attempts=2,
-                          startup_seconds=b_up)]))
+                          startup_seconds=b_up, val_loss=b_loss + 0.5, val_loss_update=b_loss,
+                          val_samples=32)]))
     # beta's SLURM jobs: round 1 was tried twice (3 s + 2 s in the queue), round 2 once
     registry.record_slurm_job(run_id, 1, "beta", "101", "FAILED", 3.0, 1.0)
     registry.record_slurm_job(run_id, 1, "beta", "102", "COMPLETED", 2.0, 20.0)
@@ -201,10 +204,11 @@ def test_report_files_and_page(tmp_path: Path) -> None:
     run = registry.get_run(run_id)
     data, files = write_report(registry, run)
     out = Path(run.run_dir) / "report"
-    assert files == {"loss": out / "loss.png", "breakdown": out / "breakdown.png",
+    assert files == {"validation": out / "validation.png", "loss": out / "loss.png",
+                     "breakdown": out / "breakdown.png",
                      "throughput": out / "throughput.png", "html": out / "report.html"}
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in files.values())
-    for name in ("loss", "breakdown", "throughput"):
+    for name in ("validation", "loss", "breakdown", "throughput"):
         height, width = _valid_png(files[name])
         assert height >= 300 and width >= 600
     with PIL.Image.open(files["loss"]) as png:  # the curves the loss plot draws
@@ -212,6 +216,10 @@ def test_report_files_and_page(tmp_path: Path) -> None:
             "alpha": [[1.0, 2.5], [2.0, 2.0625], [3.0, 1.75]],
             "beta": [[1.0, 3.125], [2.0, 2.875]],  # failed in round 3: no loss
             "global": [[1.0, 2.75], [2.0, 2.25]]}
+    with PIL.Image.open(files["validation"]) as png:  # the incoming globals' validation loss
+        assert json.loads(png.text["Description"]) == {
+            "alpha": [[1.0, 3.0], [2.0, 2.5625]], "beta": [[1.0, 3.625], [2.0, 3.375]],
+            "federated": [[1.0, 3.25], [2.0, 2.75]]}
     page = files["html"].read_text()
     # every row as the table prints it: round, site, state, samples, tokens, loss, train s,
     # queue wait s, start-up s, transfer s, other s, aggregate s, tokens/s, MB in, MB out
@@ -223,13 +231,15 @@ def test_report_files_and_page(tmp_path: Path) -> None:
             "<td>5.5</td><td>7.0</td><td></td><td>3000</td>") in page
     assert ('<tr class="global"><td class="text">2</td><td class="text">global</td>'
             '<td class="text">completed</td><td>1280</td><td></td><td>2.2500</td><td></td>'
-            "<td></td><td></td><td></td><td></td><td>0.50</td><td></td><td></td><td></td></tr>"
-            ) in page
+            "<td></td><td></td><td></td><td></td><td>0.50</td><td></td><td></td><td></td>"
+            "<td>2.7500</td><td></td></tr>") in page
+    # validation: a site's loss of the incoming global and of its own update
+    assert "<td>0.00</td><td>0.00</td><td>3.0000</td><td>2.5000</td></tr>" in page
     assert "<td>2.0625</td>" in page and "<td>2.8750</td>" in page and "<td>3750</td>" in page
     # the hostile reason and run message are shown, escaped, never as markup
     assert HOSTILE not in page and "<script>" not in page
     assert html.escape(HOSTILE) in page
-    assert page.count("data:image/png;base64,") == 3
+    assert page.count("data:image/png;base64,") == 4
     assert data.rounds[1].sites[1].tokens_per_s == 3750.0
 
 
@@ -281,8 +291,8 @@ def test_a_report_written_by_the_library_is_owner_only(tmp_path: Path) -> None:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "rep").stat().st_mode) == 0o700
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files.values()}
-    assert modes == dict.fromkeys(("loss.png", "breakdown.png", "throughput.png",
-                                   "report.html"), 0o600)
+    assert modes == dict.fromkeys(("validation.png", "loss.png", "breakdown.png",
+                                   "throughput.png", "report.html"), 0o600)
 
 
 def test_failed_rendering_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,4 +317,4 @@ def test_failed_rendering_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
         with pytest.raises(RuntimeError):
             write_report(registry, run, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert len(files) == 4
+    assert len(files) == 5
