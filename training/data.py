@@ -214,7 +214,7 @@ _VALIDATION_SALT = int.from_bytes(hashlib.sha256(b"xffl-validation").digest()[:8
 
 def held_out_count(n: int, fraction: float) -> int:
     """How many of ``n`` windows a fraction holds out: ceil(fraction x n), at least one."""
-    k = max(1, math.ceil(fraction * n - 1e-9))  # 0.1 x 770 is 77.00000000000001 in floats
+    k = max(1, math.ceil(round(fraction * n, 9)))  # 0.1 x 770 is 77.00000000000001 in floats
     if k >= n:
         raise InvalidInput(f"data.validation.fraction {fraction} of {n} sequence(s) leaves "
                            "nothing to train on; use more data or a smaller fraction.")

@@ -3,8 +3,10 @@ site fails the run with exit 1: tests/workflows/test_failure_policy.py.)"""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,11 @@ def test_quickstart_end_to_end(quickstart_run: FinishedRun,
     monkeypatch.setenv("XFFL_HOME", str(xffl_home))
     spec = yaml.safe_load(QUICKSTART.read_text())
     rounds = spec["rounds"]
-    samples = {s["name"]: s["data"]["synthetic_sequences"] for s in spec["sites"]}
+    # each site trains on its corpus less the tenth it holds out (ceil(0.1 n) sequences)
+    samples = {s["name"]: s["data"]["synthetic_sequences"]
+               - math.ceil(s["data"]["validation"]["fraction"] * s["data"]["synthetic_sequences"])
+               for s in spec["sites"]}
+    assert samples == {"alpha": 768 - 77, "beta": 512 - 52}
     status = quickstart_run.status
     assert status["state"] == "completed" and status["rounds_done"] == rounds == 3
     run_dir = quickstart_run.run_dir
@@ -115,3 +121,70 @@ def test_export_writes_the_global_for_transformers(quickstart_run: FinishedRun,
     merged = runner.invoke(app, ["export", "last", "--merge", "-o", str(tmp_path / "m")])
     assert merged.exit_code == 2 and "this run trains the whole model" in merged.stderr
     assert not (tmp_path / "m").exists()
+
+
+def held_out_windows(n: int, fraction: float) -> np.ndarray:
+    """The documented split, written out again: the first ceil(f n) windows of the
+    permutation numpy draws from [sha256("xffl-validation")[:8] as an integer, n]."""
+    salt = int.from_bytes(hashlib.sha256(b"xffl-validation").digest()[:8], "big")
+    k = math.ceil(round(fraction * n, 9))
+    return np.sort(np.random.default_rng([salt, n]).permutation(n)[:k])
+
+
+@pytest.mark.slow
+def test_federated_validation_every_round(quickstart_run: FinishedRun,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every completed round of the quickstart has each site's validation loss of the
+    incoming global (and of its own update) and the federated one; one site's number is
+    computed again here by transformers, in float64, on the held-out windows."""
+    import torch
+    import transformers
+
+    monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    shown = runner.invoke(app, ["status", quickstart_run.run_id, "--json"])
+    assert shown.exit_code == 0, shown.output
+    rounds = json.loads(shown.stdout)["rounds"]
+    held_out = {s["name"]: len(held_out_windows(s["data"]["synthetic_sequences"],
+                                                s["data"]["validation"]["fraction"]))
+                for s in spec["sites"]}
+    assert held_out == {"alpha": 77, "beta": 52}  # all of them: under the 16 x 8 budget
+    for rnd in rounds:
+        assert rnd["state"] == "completed"
+        sites = {s["site"]: s for s in rnd["sites"]}
+        for name, site in sites.items():
+            assert site["val_samples"] == held_out[name]
+            assert 0 < site["val_loss_update"] and 0 < site["val_loss"] < math.log(256) + 0.5
+        # the sample-weighted mean: math.fsum is correctly rounded whatever the order, and
+        # the division rounds once, so the same inputs give the same float64, bit for bit
+        total = sum(s["val_samples"] for s in sites.values())
+        assert rnd["val_samples"] == total
+        assert rnd["val_loss"] == math.fsum(s["val_loss"] * s["val_samples"]
+                                            for s in sites.values()) / total
+        # and what the run directory holds (the early stop reads it)
+        on_disk = json.loads((quickstart_run.run_dir / "rounds" / str(rnd["round"])
+                              / "validation.json").read_text())
+        assert on_disk["val_loss"] == rnd["val_loss"]
+    # round 2 started from round 1's global: its validation loss at alpha, again
+    seq_len = spec["training"]["seq_len"]
+    data_dir = quickstart_run.home / "sites" / "alpha" / "data" / "alpha"
+    tokens = np.fromfile(data_dir / "train.bin", dtype=np.uint16).astype(np.int64)
+    n = len(tokens) // (seq_len + 1)
+    windows = held_out_windows(n, 0.1)
+    rows = torch.from_numpy(np.stack([tokens[w * (seq_len + 1):(w + 1) * (seq_len + 1)]
+                                      for w in windows]))
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(quickstart_run.run_dir / "rounds" / "1" / "global"), torch_dtype=torch.float64)
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item()
+    got = next(s for s in rounds[1]["sites"] if s["site"] == "alpha")["val_loss"]
+    # xffl evaluated in fp32 on 2 DDP ranks (38 + 39 sequences), summing token losses in
+    # float64. Each fp32 logit is a chain of dot products of length <= 172 (the MLP) through
+    # 2 layers, norms and softmaxes: a forward error of at most ~(2 x 3 x 172 + 64) x 2^-24
+    # relative (~7e-5) of the logits' magnitude (< 10 here), and the token loss moves by at
+    # most twice the largest logit error (log-softmax is 1-Lipschitz in each logit, and the
+    # target logit enters once more): |got - expected| <= 2 x 7e-5 x 10 = 1.4e-3 bounds it.
+    # A wrong split (other windows) or a loss over rank 0's share only is off by > 1e-2.
+    assert abs(got - expected) <= 1.4e-3, (got, expected)
