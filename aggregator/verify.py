@@ -219,7 +219,8 @@ def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) 
                                   "is never negative")
     samples = metrics["val_samples"]
     if samples != int(samples) or not 1 <= samples <= max_val_samples:
-        raise CheckpointError(f"val_samples is {samples!r}, not a whole number from 1 to the "
+        shown = int(samples) if samples == int(samples) else samples
+        raise CheckpointError(f"val_samples is {shown!r}, not a whole number from 1 to the "
                               f"{max_val_samples} its job's evaluation budget allows")
 
 

@@ -159,3 +159,17 @@ def test_manifest_paths_must_stay_inside_the_update(make_update: Any) -> None:
     (d / "manifest.json").write_text(text)
     with pytest.raises(UpdateRejected, match="not a plain file name"):
         check_update(d)
+
+
+def test_validation_numbers_only_from_a_site_the_job_gives_held_out_data() -> None:
+    from xffl.aggregator.verify import check_validation
+    from xffl.core.errors import CheckpointError
+
+    numbers = {"val_loss": 2.0, "val_loss_update": 1.5, "val_samples": 8.0}
+    check_validation(numbers, 8)  # within the budget: admitted
+    check_validation({"loss": 1.0}, None)  # no validation numbers, none expected
+    with pytest.raises(CheckpointError, match=r"gives the site no data\.validation"):
+        check_validation(numbers, None)
+    with pytest.raises(CheckpointError, match="val_samples is 8, not a whole number from 1 "
+                                              "to the 7"):
+        check_validation(numbers, 7)

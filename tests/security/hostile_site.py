@@ -47,6 +47,15 @@ def _metric(name: str, value: float) -> Attack:
     return attack
 
 
+def _validation(**values: float) -> Attack:
+    """Report validation numbers (the job gives every hostile site 32 held-out sequences)."""
+    def attack(out: Path, ctx: dict[str, Any]) -> None:
+        data = _manifest(out)
+        data["metrics"].update(values)
+        _write_manifest(out, data)
+    return attack
+
+
 def _raw_manifest_field(field: str, literal: str) -> Attack:
     """Put a JSON literal no Python float can hold (e.g. a 400-digit integer) in a field."""
     def attack(out: Path, ctx: dict[str, Any]) -> None:
@@ -220,6 +229,13 @@ VARIANTS: list[tuple[Attack, str | None]] = [
     (_metric("loss", float("inf")), "metric 'loss' is inf"),
     (_metric("loss", 3e38), "metric 'loss' is 3e+38"),
     (_edit(num_samples=-5), "invalid manifest"),
+    # validation numbers steer the federated validation loss and the early stop
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=10**6),
+     "val_samples is 1000000, not a whole number from 1 to the 32"),
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=2.5), "val_samples is 2.5"),
+    (_validation(val_loss=-1.0, val_loss_update=0.1, val_samples=8),
+     "'val_loss' is -1.0; a cross-entropy is never negative"),
+    (_validation(val_loss=0.1), "it reports 'val_loss' without 'val_loss_update'"),
     (_edit(run_id="another-run"), "run id 'another-run'"),
     (_edit(round=7), "round 7, expected round 1"),
     (_edit(parent="0" * 64), "trained from global 000000000000"),

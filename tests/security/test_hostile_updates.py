@@ -52,7 +52,8 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     sites = [{"name": "honest", "profile": "local", "ranks": 1,
               "data": {"path": "data/alpha", "synthetic": "alpha", "synthetic_sequences": 32}}]
     sites += [{"name": f"h{i:02d}", "profile": "hostile", "ranks": 1,
-               "data": {"path": "nothing", "max_samples": 1000}}
+               "data": {"path": "nothing", "max_samples": 1000,
+                        "validation": {"path": "nothing-held-out"}}}
               for i in range(len(VARIANTS))]
     spec = {"name": "hostile", "rounds": 1, "model": {"preset": "tiny-test"},
             "training": {"steps": 2, "batch_size": 2, "seq_len": 16},

@@ -154,7 +154,7 @@ def test_federated_validation_every_round(quickstart_run: FinishedRun,
         sites = {s["site"]: s for s in rnd["sites"]}
         for name, site in sites.items():
             assert site["val_samples"] == held_out[name]
-            assert 0 < site["val_loss_update"] and 0 < site["val_loss"] < math.log(256) + 0.5
+            assert site["val_loss_update"] > 0 and 0 < site["val_loss"] < math.log(256) + 0.5
         # the sample-weighted mean: math.fsum is correctly rounded whatever the order, and
         # the division rounds once, so the same inputs give the same float64, bit for bit
         total = sum(s["val_samples"] for s in sites.values())
