@@ -11,6 +11,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
 from xffl.jobs.spec import JobSpec
+from xffl.jobs.tracking import resolve
 from xffl.site_profiles.lookup import PLACEHOLDER, find_profile, unfilled
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.arch import (
@@ -188,4 +189,6 @@ def load_job(path: Path) -> LoadedJob:
         errors.extend(_check_slurm_overrides(doc, spec, path, profiles))
     if errors or spec is None:
         raise InvalidInput(errors[0], lines=errors)
+    if spec.tracking is not None:  # where the job file is, not where xffl runs
+        spec = spec.model_copy(update={"tracking": resolve(spec.tracking, path.parent)})
     return LoadedJob(path=path, spec=spec, profiles=profiles)

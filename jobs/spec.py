@@ -18,6 +18,7 @@ from pydantic import (
 from xffl.aggregator import registry
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
+from xffl.jobs.tracking import TrackingSpec
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
     DataSpec,
@@ -205,6 +206,9 @@ class JobSpec(_Strict):
     evaluation: EvaluationSpec = Field(
         default_factory=EvaluationSpec, description="how many held-out sequences each site "
         "evaluates every round (sites with data.validation)")
+    tracking: TrackingSpec | None = Field(
+        default=None, description="log every round's numbers on the coordinator: "
+        "{tensorboard: DIR, mlflow: URI} (relative paths: from the job file's folder)")
     sites: list[SiteSpec] = Field(min_length=1, description="the facilities taking part")
 
     _name = field_validator("name")(check_name)

@@ -117,9 +117,26 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             val_loss=validation.val_loss if validation else None,
             val_samples=validation.val_samples if validation else None,
             sites=[v.site_round() for v in verdicts]))
+        track(layout, reg, run_id, rnd)
     print(f"round {rnd}: aggregated {len(admitted)} updates ({', '.join(admitted)}) in "
           f"{seconds:.2f} s", file=sys.stderr)
     return target
+
+
+def track(layout: RunLayout, reg: Registry, run_id: str, rnd: int) -> None:
+    """Log the round just recorded to the job's experiment trackers (``tracking``), from the
+    registry; a tracker that fails leaves a ``tracking`` event, never a failed round."""
+    from xffl.jobs.spec import JobSpec
+    from xffl.jobs.tracking import log_round
+
+    spec = JobSpec.model_validate_json(layout.job_json.read_text())
+    if spec.tracking is None:
+        return
+    record = next(r for r in reg.rounds(run_id) if r.round == rnd)
+    warnings = log_round(spec.tracking, reg.get_run(run_id), spec.model_dump(mode="json"),
+                         record, reg.transfers(run_id))
+    for warning in warnings:
+        reg.event(run_id, "tracking", warning)
 
 
 def next_jobs(layout: RunLayout, rnd: int, jobs: dict[str, Path], sites: list[str],

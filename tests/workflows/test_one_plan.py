@@ -2,7 +2,10 @@
 
 The same job (the quickstart, shortened) rendered and run by cwltool, rendered and run by
 `streamflow run`, and submitted: the final global models are the same bytes, and the
-cyclic workflow submit runs is the one render wrote.
+cyclic workflow submit runs is the one render wrote. The job stops early (training.stop_when)
+on a validation loss that cannot improve: all three stop after the same round, since the
+plan's aggregate step decides it from the run directory. The submitted run also logs every
+round to TensorBoard and MLflow (tracking), read back here with their own readers.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -35,11 +40,15 @@ def _render(job: Path, out: Path) -> str:
 
 
 @pytest.mark.slow
-def test_cwltool_streamflow_and_submit_give_the_same_model(tmp_path: Path,
-                                                          xffl_home: Path) -> None:
+def test_cwltool_streamflow_and_submit_give_the_same_model(
+        tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(rounds=2)
-    spec["training"]["steps"] = 10
+    # 4 rounds planned, 2 run: AdamW moves each weight by about lr per step, so 10 steps at
+    # lr 1e-8 move the loss by about 10 x 1e-8 x ||grad||_1 (~1e2 for this model at its
+    # start) ~ 1e-5, far below min_delta: the validation loss of round 1's global does not
+    # improve on round 0's, and with patience 1 the run stops after round 2
+    spec.update(rounds=4, tracking={"tensorboard": "tb", "mlflow": "mlruns"})
+    spec["training"].update(steps=10, lr=1e-8, stop_when={"patience": 1, "min_delta": 1e-3})
     for site in spec["sites"]:
         site["ranks"] = 1
     job = tmp_path / "job.yaml"
@@ -72,7 +81,17 @@ def test_cwltool_streamflow_and_submit_give_the_same_model(tmp_path: Path,
         assert code == 0, (name, (tmp_path / f"{name}.err").read_text()[-3000:])
     assert json.loads((tmp_path / "cwltool.out").read_text())["next_round"] == 3
     assert result.exit_code == 0, result.output
-    run_dir = Path(json.loads(result.stdout)["run_dir"])
+    status = json.loads(result.stdout)
+    run_dir = Path(status["run_dir"])
+    # stopped early, as completed, saying why; the same round in every plan
+    assert (status["state"], status["rounds_done"], status["rounds_total"]) == \
+        ("completed", 2, 4)
+    assert "stopped early: the federated validation loss has not improved" in status["message"]
+    for plan in (by_cwltool, by_streamflow, run_dir):
+        assert json.loads((plan / "stopped.json").read_text())["round"] == 2, plan
+        assert not (plan / "rounds" / "3").exists(), plan
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it
+    _check_tracking(tmp_path, status)
     # the cyclic workflow submit ran is the one render wrote (tools name the run's paths)
     for name in ("main.cwl", "round.cwl"):
         assert (run_dir / name).read_bytes() == (by_cwltool / name).read_bytes(), name
@@ -83,3 +102,27 @@ def test_cwltool_streamflow_and_submit_give_the_same_model(tmp_path: Path,
     # and each plan's last model is the run's output (cwltool and StreamFlow collect it)
     for plan in (by_cwltool, by_streamflow):
         assert _sha256(plan / "out" / "global" / "model.safetensors") == _sha256(final[0])
+
+
+def _check_tracking(folder: Path, status: dict[str, Any]) -> None:
+    """The submitted run's rounds, in TensorBoard's event files and MLflow's file store."""
+    import mlflow
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rounds = status["rounds"]
+    events = EventAccumulator(str(folder / "tb" / status["run_id"]))
+    events.Reload()
+    for site in ("alpha", "beta"):
+        scalars = events.Scalars(f"{site}/val_loss")
+        assert [e.step for e in scalars] == [1, 2]  # one per round and site
+        # TensorBoard keeps float32: the registry's float64, rounded once
+        assert [e.value for e in scalars] == [
+            float(np.float32(next(s["val_loss"] for s in r["sites"] if s["site"] == site)))
+            for r in rounds]
+    mlflow.set_tracking_uri(f"file:{folder / 'mlruns'}")
+    found = mlflow.search_runs(experiment_names=[status["name"]], output_format="list",
+                               filter_string=f"tags.`xffl.run_id` = '{status['run_id']}'")
+    assert len(found) == 1
+    history = mlflow.MlflowClient().get_metric_history(found[0].info.run_id, "val_loss")
+    assert [(m.step, m.value) for m in history] == [(r["round"], r["val_loss"]) for r in rounds]
+    assert found[0].data.params["training.lr"] == "1e-08"
