@@ -6,16 +6,25 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tests.training.tp_worker import GLOBAL, SEQ, STEPS, global_batches
+from tests.training.tp_worker import (
+    GLOBAL,
+    HELD_OUT,
+    SEQ,
+    STEPS,
+    global_batches,
+)
 from xffl.core.errors import InvalidInput
 from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec
+from xffl.training.data import TokenShards, ensure_synthetic
+from xffl.training.evaluate import evaluate_net
 from xffl.training.model import build_model, lm_loss
 from xffl.training.parallelize import (
     check_tensor_parallel,
@@ -58,7 +67,7 @@ def test_data_parallel_mode() -> None:
         data_parallel_mode("ddp", 2)
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(tmp: Path) -> dict[str, Any]:
     """The unsplit model in one process: logits, gradients, 3 AdamW steps (written out here).
 
     AdamW's first steps are about lr * g / (|g| + eps): at a small eps a gradient element
@@ -68,7 +77,9 @@ def _reference() -> dict[str, torch.Tensor]:
     config = build_config(ModelSpec(preset="tiny-test"))
     model = build_model(config, seed=1)
     data = global_batches(config.vocab_size)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    held_out = TokenShards(ensure_synthetic(tmp / "held-out", "gamma", HELD_OUT, SEQ), SEQ)
+    out["eval"] = evaluate_net(model, held_out, HELD_OUT, 1, torch.device("cpu"), "fp32").loss
     logits = model(data[0][0])
     lm_loss(logits, data[0][1]).backward()
     out["logits"] = logits.detach()
@@ -127,7 +138,8 @@ def mesh_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Pa
     ids=["dp1-tp2", "dp2-tp1-ddp", "dp2-tp1-fsdp", "dp2-tp2-fsdp"],
 )
 def test_mesh_matches_the_unsplit_model(tp: int, mode: str, nproc: int,
-                                        mesh_outputs: Callable[[int], Path]) -> None:
+                                        mesh_outputs: Callable[[int], Path],
+                                        tmp_path: Path) -> None:
     """Logits, first gradients and weights after 3 steps of a mesh == the unsplit model's.
 
     Tolerances (u = 2^-24, fp32). tp splits the row-parallel projections' sums and dp the
@@ -147,7 +159,7 @@ def test_mesh_matches_the_unsplit_model(tp: int, mode: str, nproc: int,
     """
     out = mesh_outputs(nproc) / f"{tp}-{mode}"
     assert f"{tp}:{mode}" in LAUNCHES[nproc]
-    ref = _reference()
+    ref = _reference(tmp_path)
     ranks = [_load(out / f"rank{k}.safetensors") for k in range(nproc)]
     dp = nproc // tp
     for got, meta in ranks:
@@ -158,6 +170,12 @@ def test_mesh_matches_the_unsplit_model(tp: int, mode: str, nproc: int,
         # logits of this dp rank's rows: the unsplit model's, within 2e-4 (docstring)
         assert (got["logits"] - ref["logits"][rows]).abs().max() <= 2e-4
         assert got["logits"].shape == (b, SEQ, 256)
+        # the held-out loss every rank agrees on: a mean cross-entropy moves by at most twice
+        # the largest logit difference (log-softmax is 1-Lipschitz in each logit, the target
+        # logit enters once more), so the logits' 2e-4 bounds it by 4e-4; counting a rank's
+        # padding sequence, or one rank's share only, moves it by > 1e-2
+        assert abs(float(got["eval"][0]) - ref["eval"]) <= 4e-4
+        assert int(got["eval"][1]) == HELD_OUT * SEQ
         for key in (k for k in ref if k.startswith("grad.")):
             # dp > 1: each rank's first-backward gradient is its own half-batch gradient
             # until reduced; the reduced one equals the full-batch reference.

@@ -5,7 +5,8 @@ TP:MODE in turn, in the same process group: builds the tiny-test model (seed 1),
 parallelizes it with tensor_parallel TP and data parallel MODE over a new mesh of all N
 ranks, then on a fixed global batch of GLOBAL sequences (dp rank r takes its GLOBAL/dp
 consecutive rows) records the logits, the gradients of the first backward (gathered to
-full tensors) and, after 3 optimizer steps of xffl's own loop, the full weights:
+full tensors), the validation loss of HELD_OUT held-out sequences (xffl's evaluation, with
+an uneven last batch) and, after 3 optimizer steps of xffl's own loop, the full weights:
 ``OUT/TP-MODE/rank<k>.safetensors`` per rank. Several meshes in one launch save a torch
 start-up per rank and mesh; each mesh starts from a fresh model, optimizer and groups.
 """
@@ -23,12 +24,15 @@ from torch.distributed.tensor import DTensor
 
 from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.data import TokenShards, ensure_synthetic
+from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model, lm_loss
 from xffl.training.parallelize import parallelize
 from xffl.training.trainer import make_optimizer
 
 GLOBAL, SEQ, STEPS = 4, 16, 3
+HELD_OUT, EVAL_BATCH = 5, 2  # with dp 2, the last global batch leaves dp rank 1 nothing
 # adam_eps 1 (>> |g| <= 0.1): AdamW's step is Lipschitz in the gradient (<= 2 lr / eps), so
 # fp32 rounding cannot flip a step's sign as at eps 1e-6 (see test_parallelize._reference)
 SPEC = TrainingSpec(steps=STEPS, batch_size=GLOBAL, seq_len=SEQ, lr=0.1, adam_eps=1.0,
@@ -55,9 +59,15 @@ def run_mesh(tp: int, mode: str, out: Path) -> None:
     data = global_batches(config.vocab_size)
     mine = [(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]) for x, y in data]
 
+    held_out = TokenShards(ensure_synthetic(out.parent / "held-out", "gamma", HELD_OUT, SEQ),
+                           SEQ)
+    evaluation = evaluate_net(pm.net, held_out, HELD_OUT, EVAL_BATCH, torch.device("cpu"),
+                              "fp32", r, dp)
+
     logits = pm.net(mine[0][0])
     lm_loss(logits, mine[0][1]).backward()
-    record = {"logits": logits.detach().contiguous()}
+    record = {"logits": logits.detach().contiguous(),
+              "eval": torch.tensor([evaluation.loss, evaluation.tokens], dtype=torch.float64)}
     for name, p in pm.module.named_parameters():
         assert p.grad is not None, name
         record[f"grad.{name}"] = _full(p.grad)
