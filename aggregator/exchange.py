@@ -39,6 +39,10 @@ from xffl.core.errors import CheckpointError
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read only below this
+# what a site measures on its held-out data: the incoming global's loss, its update's, and
+# the sequences behind them; numbers about the site's round, not properties of an aggregate
+VALIDATION_METRICS = ("val_loss", "val_loss_update", "val_samples")
+SITE_ONLY_METRICS = (*VALIDATION_METRICS, "val_tokens", "eval_seconds")
 _CHUNK = 8 << 20
 
 

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.decode import DecodedReader, Decoding
-from xffl.aggregator.exchange import Manifest, TensorInfo, index_of, read_manifest
+from xffl.aggregator.exchange import (
+    SITE_ONLY_METRICS,
+    Manifest,
+    TensorInfo,
+    index_of,
+    read_manifest,
+)
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
 from xffl.aggregator.shards import TensorReader, config_name, is_adapter, open_model
 from xffl.aggregator.verify import canonical_key, layout_difference
@@ -168,9 +174,13 @@ def _common_config(ups: list[Update]) -> bytes | None:
 
 
 def weighted_metrics(ups: list[Update]) -> dict[str, float]:
-    """Weighted mean of each metric over the updates that report it."""
+    """Weighted mean of each metric over the updates that report it.
+
+    Validation numbers are left out: they measure the round's incoming global at each site
+    (the federated one is weighted by held-out sequences, not by these weights).
+    """
     out: dict[str, float] = {}
-    for key in sorted({k for u in ups for k in u.manifest.metrics}):
+    for key in sorted({k for u in ups for k in u.manifest.metrics} - set(SITE_ONLY_METRICS)):
         have = [u for u in ups if key in u.manifest.metrics]
         wsum = math.fsum(u.weight for u in have)
         if wsum > 0:

@@ -26,6 +26,7 @@ import numpy as np
 from xffl.aggregator.decode import DecodedReader, Decoding
 from xffl.aggregator.dtypes import STORAGE_DTYPES, Array, bf16_bits_to_f32, encode
 from xffl.aggregator.exchange import (
+    SITE_ONLY_METRICS,
     Manifest,
     TensorInfo,
     finalize_manifest,
@@ -120,6 +121,8 @@ class RunningAggregate:
         self.num_samples += manifest.num_samples
         self.num_tokens += manifest.num_tokens
         for key, value in manifest.metrics.items():
+            if key in SITE_ONLY_METRICS:  # as weighted_metrics: not the aggregate's
+                continue
             self._metric_wsum[key] = self._metric_wsum.get(key, 0.0) + weight * value
             self._metric_weight[key] = self._metric_weight.get(key, 0.0) + weight
             self._metric_sum[key] = self._metric_sum.get(key, 0.0) + value

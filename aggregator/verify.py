@@ -32,6 +32,7 @@ from xffl.aggregator.exchange import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     MAX_JSON_BYTES,
+    VALIDATION_METRICS,
     Manifest,
     TensorInfo,
     index_of,
@@ -196,8 +197,6 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
                                   "allows")
     check_validation(manifest.metrics, bounds.max_val_samples)
 
-
-VALIDATION_METRICS = ("val_loss", "val_loss_update", "val_samples")
 
 
 def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) -> None:
