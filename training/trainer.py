@@ -171,13 +171,14 @@ def _site_device() -> torch.device:
     return xdist.device_for(xdist.detect_env())
 
 
-def _round_deadline(spec: TrainingSpec) -> float | None:
-    """When this round must stop training: its time budget, or the SLURM limit minus margin."""
+def round_deadline(spec: TrainingSpec, reserve: float = 0.0) -> float | None:
+    """When this round must stop training: its time budget from now, or the SLURM limit
+    minus the margin and ``reserve`` seconds (the update's evaluation after training)."""
     now = time.time()
     ends = [now + spec.time_budget] if spec.time_budget is not None else []
     slurm_end = xdist.slurm_end_time()
     if slurm_end is not None:
-        ends.append(slurm_end - spec.time_margin)
+        ends.append(slurm_end - spec.time_margin - reserve)
     return min(ends) if ends else None
 
 
@@ -241,7 +242,6 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                                total=job.rounds * steps)
     prox = prox_snapshot(pm) if spec.prox_mu > 0 else None
     batches = shards.batches(spec.batch_size, pm.dp_rank, pm.dp_size, spec.seed, round)
-    deadline = _on_main(lambda: _round_deadline(spec), json.dumps, json.loads)
 
     xdist.barrier()
     startup = startup_seconds(os.environ, time.time())
@@ -256,6 +256,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     eval_began = time.perf_counter()
     incoming = validate()  # the global model this round starts from
     eval_seconds = time.perf_counter() - eval_began
+    # time_budget is training time; the update's evaluation (as long as this one) must also
+    # fit before the SLURM limit
+    deadline = _on_main(lambda: round_deadline(spec, reserve=eval_seconds), json.dumps,
+                        json.loads)
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                        deadline=deadline, check_deadline=deadline is not None, prox=prox)
     eval_began = time.perf_counter()

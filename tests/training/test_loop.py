@@ -191,3 +191,20 @@ def test_no_step_before_the_slurm_limit_fails_cleanly(
     with pytest.raises(RunFailed, match="no training step fitted before the deadline"):
         train_round(job, 1, global0[0], data, tmp_path / "update")
     assert not (tmp_path / "update").exists()
+
+
+def test_the_deadline_leaves_the_updates_evaluation_before_the_slurm_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a SLURM limit, training stops time_margin plus the evaluation's seconds before
+    it (the update is evaluated after training, as long as the incoming global took);
+    time_budget counts training alone, from after the first evaluation."""
+    from xffl.training.trainer import round_deadline
+
+    end = time.time() + 3600
+    monkeypatch.setattr("xffl.training.distributed.slurm_end_time", lambda environ=None: end)
+    spec = TrainingSpec(time_margin=120)
+    assert round_deadline(spec, reserve=7.5) == end - 120 - 7.5
+    monkeypatch.setattr("xffl.training.distributed.slurm_end_time", lambda environ=None: None)
+    before = time.time()
+    budget = round_deadline(TrainingSpec(time_budget=10), reserve=7.5)
+    assert budget is not None and before + 10 <= budget <= time.time() + 10
