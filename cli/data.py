@@ -48,6 +48,8 @@ def prepare(
         print_json(summary)
     else:
         console.print(f"wrote {summary['num_tokens']} tokens ({summary['dtype']}, vocabulary "
-                      f"{summary['vocab_size']}) from {summary['inputs']} file(s) to {out}")
+                      f"{summary['vocab_size']}) from {summary['inputs']} file(s) to {out}",
+                      soft_wrap=True)  # a path is never cut into lines
         if held is not None:
-            console.print(f"held out {held['num_tokens']} tokens in {out / held['path']}")
+            console.print(f"held out {held['num_tokens']} tokens in {out / held['path']}",
+                          soft_wrap=True)
