@@ -12,6 +12,7 @@ from xffl.cli import (
     aggregate,
     cancel,
     data,
+    evaluate,
     export,
     init,
     logs,
@@ -99,6 +100,7 @@ app.command(cls=XfflCommand)(schedule.schedule)
 app.command(cls=XfflCommand)(report.report)
 app.command(cls=XfflCommand)(provenance.provenance)
 app.command(cls=XfflCommand)(export.export)
+app.command(cls=XfflCommand)(evaluate.evaluate)
 app.command(cls=XfflCommand)(simulate.simulate)
 app.add_typer(profiles.app, name="profiles")
 # the name of xffl <= 0.1 for the same commands, kept for scripts; hidden from the help

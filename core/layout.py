@@ -18,6 +18,9 @@ for the path, so the layout can be read in one place::
     stopped.json                       why the run stopped early (training.stop_when)
     job.yaml  job.json  run.json       the spec as submitted, as resolved, the registration
     executions/<name>.yml              inputs of a resumed or one-round execution of main.cwl
+    evaluate.cwl  tools/evaluate_<site>.cwl  streamflow-evaluate.yml   cross-site evaluation
+    executions/evaluate-r<r>.yml       its inputs for round r (`xffl evaluate`)
+    streamflow/evaluate.db  streamflow-evaluate.log  streamflow/outputs/<name>   its records
     streamflow/sqlite.db  streamflow/work  streamflow.log  supervisor.log  round.lock
 """
 
@@ -162,6 +165,34 @@ class RunLayout:
     def execution_inputs(self, name: str) -> Path:
         """The job order of one execution of main.cwl that is not the whole run."""
         return self.root / "executions" / f"{name}.yml"
+
+    @property
+    def evaluate_cwl(self) -> Path:
+        """The cross-site evaluation workflow: every site evaluates a round's models."""
+        return self.root / "evaluate.cwl"
+
+    @property
+    def streamflow_evaluate(self) -> Path:
+        """The StreamFlow configuration of the cross-site evaluation."""
+        return self.root / "streamflow-evaluate.yml"
+
+    @property
+    def evaluate_db(self) -> Path:
+        """StreamFlow's database of the evaluations (the run's own is left as it was)."""
+        return self.root / "streamflow" / "evaluate.db"
+
+    @property
+    def evaluate_log(self) -> Path:
+        """StreamFlow's log of the evaluations."""
+        return self.root / "streamflow-evaluate.log"
+
+    def evaluate_inputs(self, rnd: int) -> Path:
+        """The job order of the cross-site evaluation of round ``rnd``."""
+        return self.execution_inputs(f"evaluate-r{rnd}")
+
+    def workflow_outputs(self, name: str) -> Path:
+        """Where the outputs of the StreamFlow workflow ``name`` are collected."""
+        return self.root / "streamflow" / "outputs" / name
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,42 @@ from pathlib import Path
 from typing import Any
 
 from xffl.jobs.profiles_json import slurm_site_names
-from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.registry import (
+    EvalCell,
+    Registry,
+    RoundRecord,
+    RunRecord,
+    SiteRound,
+    Transfer,
+)
 
-REPORT_FILES = ("validation.png", "loss.png", "breakdown.png", "throughput.png", "report.html")
+REPORT_FILES = ("validation.png", "cross-site.png", "loss.png", "breakdown.png",
+                "throughput.png", "report.html")
 # how the table (HTML and `xffl status`) prints each number; "-" when it is not known
 FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "val_loss": "{:.4f}",
            "val_loss_update": "{:.4f}", "train_s": "{:.1f}",
            "queue_wait_s": "{:.1f}", "startup_s": "{:.1f}", "transfer_s": "{:.1f}",
            "other_s": "{:.1f}", "aggregate_s": "{:.2f}", "tokens_per_s": "{:.0f}",
            "delivered_s": "{:.1f}"}
+
+
+GLOBAL = "global"  # the global model's column (xffl.workflows.evaluate_plan names it so)
+
+
+def cross_site_matrix(cells: list[EvalCell]) -> dict[str, Any]:
+    """The latest round's matrix: ``{"round", "sites", "models", "losses"}`` (rows = data
+    sites, columns = models, None where a cell is missing); round None when there is none."""
+    if not cells:
+        return {"round": None, "sites": [], "models": [], "losses": []}
+    rnd = max(c.round for c in cells)
+    latest = [c for c in cells if c.round == rnd]
+    sites = sorted({c.data_site for c in latest})
+    others = sorted({c.model for c in latest} - {GLOBAL})
+    models = ([GLOBAL] if any(c.model == GLOBAL for c in latest) else []) + others
+    loss = {(c.data_site, c.model): float(c.loss) for c in latest}
+    return {"round": rnd, "sites": sites, "models": models,
+            "losses": [[loss.get((s, m)) for m in models] for s in sites]}
+
 
 
 def fmt(key: str, value: float | int | None) -> str:
@@ -222,6 +249,9 @@ class ReportData:
     sites: list[str]
     run_dir: str
     rounds: list[RoundRow]
+    # the latest cross-site evaluation (`xffl evaluate`): round, sites (rows: held-out data),
+    # models (columns: global, each site's update), losses
+    cross_site: dict[str, Any] = field(default_factory=lambda: cross_site_matrix([]))
 
     def site_names(self) -> list[str]:
         """The run's sites, then any other site the registry recorded, in order."""
@@ -255,4 +285,5 @@ def assemble(registry: Registry, run: RunRecord) -> ReportData:
                                sites=rows, val_loss=rnd.val_loss, val_samples=rnd.val_samples))
     return ReportData(run_id=run.id, name=run.name, state=run.state, message=run.message,
                       rounds_done=run.rounds_done, rounds_total=run.rounds_total,
-                      sites=list(run.sites), run_dir=run.run_dir, rounds=rounds)
+                      sites=list(run.sites), run_dir=run.run_dir, rounds=rounds,
+                      cross_site=cross_site_matrix(registry.evaluations(run.id)))

@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt, megabytes
+from xffl.jobs.report_matrix import plot_cross_site
 
 # the parts of a site's round, bottom to top, with their colours
 SEGMENTS = (("queue_wait_s", "queue wait (SLURM)", "#9e9e9e"),
@@ -253,6 +254,10 @@ training, on its own held-out data (never trained on, never moved); the federate
 their mean weighted by the held-out sequences each evaluated. Round r shows the global model
 of round r &minus; 1.</p>
 {_img(folder, "validation.png", "validation loss per round")}
+<h2>Cross-site validation</h2>
+<p class="note">The latest `xffl evaluate`: every site's update of that round and the
+round's global model, each evaluated on every site's held-out data.</p>
+{_img(folder, "cross-site.png", "cross-site validation")}
 <h2>Training loss per round</h2>
 <p class="note">Each site's mean training loss over the round on its own data, and the
 global loss (their weighted mean).</p>
@@ -276,8 +281,10 @@ StreamFlow), then the round's aggregation.</p>
 def render_all(data: ReportData, folder: Path) -> list[str]:
     """Write the plots and report.html into ``folder``; return the file names."""
     plot_validation(data, folder / "validation.png")
+    plot_cross_site(data.cross_site, data.run_id, folder / "cross-site.png")
     plot_loss(data, folder / "loss.png")
     plot_breakdown(data, folder / "breakdown.png")
     plot_throughput(data, folder / "throughput.png")
     (folder / "report.html").write_text(page_html(data, folder), encoding="utf-8")
-    return ["validation.png", "loss.png", "breakdown.png", "throughput.png", "report.html"]
+    return ["validation.png", "cross-site.png", "loss.png", "breakdown.png", "throughput.png",
+            "report.html"]

@@ -38,6 +38,7 @@ Launcher = Literal["torchrun", "srun", "none"]
 # the epoch time the launcher started, handed to the ranks: they report their start-up time
 LAUNCHED_AT_ENV = "XFFL_LAUNCHED_AT"
 TRAINER_MODULE = "xffl.training"
+EVALUATE_MODULE = "xffl.training.evaluate_models"  # cross-site evaluation (xffl evaluate)
 
 
 def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
@@ -165,6 +166,7 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
     if threads is not None:
         child_env[OMP_ENV] = str(threads)
     before = _manifest_fingerprint(out_dir)
+    existed = Path(out_dir).exists()
     try:
         rc = subprocess.call(command, env=child_env)
     except FileNotFoundError as exc:
@@ -187,6 +189,15 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
                 file=sys.stderr, flush=True,
             )
             return 0
+    if module != TRAINER_MODULE:  # an evaluation: its result is one new file
+        if not existed and Path(out_dir).is_file():
+            print(f"xffl.training.launch: warning: the ranks ended with {_describe(rc)} after "
+                  f"writing {out_dir}; keeping it (the reader checks it).", file=sys.stderr,
+                  flush=True)
+            return 0
+        print(f"xffl.training.launch: {module} failed ({_describe(rc)}).", file=sys.stderr,
+              flush=True)
+        return _exit_code(rc) or 1
     print(f"xffl.training.launch: training failed ({_describe(rc)}); no new valid checkpoint "
           f"in {out_dir}.", file=sys.stderr, flush=True)
     return _exit_code(rc) or 1
@@ -221,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, default=None,
                         help="folder that keeps the site's last update: a round run again from "
                         "the same global model hands it back instead of training again")
+    parser.add_argument("--module", choices=(TRAINER_MODULE, EVALUATE_MODULE),
+                        default=TRAINER_MODULE, help="the per-rank module the ranks run")
     parser.add_argument("--slurm-job-name", default=None,
                         help="inside a SLURM job: the name the job should carry (renamed with "
                         "scontrol if it differs); its record goes to OUT/slurm_job.json")
@@ -230,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out_dir is None:
         parser.error("the trainer arguments after -- need --out DIR (or pass --out here)")
     try:
-        return launch(args.ranks, args.launcher, trainer_args, out_dir,
+        return launch(args.ranks, args.launcher, trainer_args, out_dir, module=args.module,
                       slurm_job_name=args.slurm_job_name, keep=args.keep)
     except ValueError as exc:
         parser.error(str(exc))

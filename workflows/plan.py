@@ -84,6 +84,29 @@ def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
                        "sites": {s.name: cwl.site_steps(s.name) for s in spec.sites}}}
 
 
+def site_targets(profiles: dict[str, SiteProfile], out: Path, final: Path) -> tuple[
+        dict[str, Any], dict[str, dict[str, Any]], dict[str, str]]:
+    """Every site's StreamFlow deployments, the binding target of the steps it runs (its
+    training, its cross-site evaluation), and the site owning each deployment."""
+    deployments: dict[str, Any] = {}
+    targets: dict[str, dict[str, Any]] = {}
+    owners: dict[str, str] = {}  # deployment -> site, for the transfer clock
+    for site, profile in profiles.items():
+        deps, targets[site] = site_deployments(site, profile, out, final)
+        deployments.update(deps)
+        owners.update(dict.fromkeys(deps, site))
+    return deployments, targets, owners
+
+
+def site_envs(spec: JobSpec, profiles: dict[str, SiteProfile]) -> dict[str, dict[str, str]]:
+    """Each site's tool environment: its profile's, and for sites on the coordinator's
+    machine how many ranks share its CPUs (they run at once)."""
+    local = {s.name for s in spec.sites if isinstance(profiles[s.name].connector, LocalConnector)}
+    local_ranks = sum(s.ranks for s in spec.sites if s.name in local)
+    return {s.name: {LOCAL_RANKS_ENV: str(local_ranks), **profiles[s.name].env}
+            if s.name in local else dict(profiles[s.name].env) for s in spec.sites}
+
+
 def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) -> dict[str, Any]:
     """streamflow.yml: every site's deployments, train steps bound to them, the failure policy.
 
@@ -98,12 +121,11 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
     bindings: list[dict[str, Any]] = [
         {"step": cwl.step_path(step), "target": {"deployment": COORDINATOR}}
         for step in [*(cwl.admit_step(s.name) for s in loaded.spec.sites), "aggregate"]]
-    owners: dict[str, str] = {}  # deployment -> site, for the transfer clock
-    for site in loaded.spec.sites:
-        deps, target = site_deployments(site.name, loaded.site_profile(site.name), out, final)
-        deployments.update(deps)
-        owners.update(dict.fromkeys(deps, site.name))
-        bindings.append({"step": cwl.step_path(cwl.train_step(site.name)), "target": target})
+    sites, targets, owners = site_targets(
+        {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}, out, final)
+    deployments.update(sites)
+    bindings += [{"step": cwl.step_path(cwl.train_step(s)), "target": target}
+                 for s, target in targets.items()]
     return {
         "version": "v1.0",
         "workflows": {
@@ -175,10 +197,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
     staged = RunLayout(out)
     spec = loaded.spec
     names = [s.name for s in spec.sites]
-    # sites on the coordinator's machine train at once: their ranks share its CPUs
-    local = {s.name for s in spec.sites
-             if isinstance(loaded.site_profile(s.name).connector, LocalConnector)}
-    local_ranks = sum(s.ranks for s in spec.sites if s.name in local)
+    envs = site_envs(spec, {s.name: loaded.site_profile(s.name) for s in spec.sites})
     for site in spec.sites:
         profile = loaded.site_profile(site.name)
         data_path = site_data_path(profile, site.name, site.data.path)
@@ -193,8 +212,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
             run_id=run_id, site=site.name, python=site_python(profile),
             launcher=profile.launcher, ranks=site.ranks, data=data_path,
             keep=kept_updates_dir(profile, site.name, run_id),
-            env={LOCAL_RANKS_ENV: str(local_ranks), **profile.env} if site.name in local
-            else profile.env,
+            env=envs[site.name],
             slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout,
             lora=spec.training.lora is not None))
         if profile.slurm is not None:

@@ -2,8 +2,8 @@
 
 The schemas are the documented contract: a field renamed, dropped or retyped in a command
 fails here. Commands whose output needs a cluster or a real run (round, resume, schedule,
-provenance, simulate, sites check, submit --wait, report, validate) are checked where their
-tests run them.
+provenance, simulate, sites check, submit --wait, report, validate, evaluate) are checked
+where their tests run them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("aggregate",): "aggregate", ("simulate",): "simulate", ("profiles", "list"): "profiles-list",
     ("profiles", "show"): "profiles-show", ("profiles", "check"): "profiles-check",
     ("profiles", "init"): "profiles-init", ("data", "prepare"): "data-prepare",
-    ("export",): "export",
+    ("export",): "export", ("evaluate",): "evaluate",
 }
 
 
@@ -105,7 +105,7 @@ def test_the_outputs_about_profiles_data_and_checkpoints(xffl_home: Path,
     ["cancel", "nope"], ["resume", "nope"], ["round", "nope"], ["provenance", "nope"],
     ["schedule", "nope", "--remove"], ["validate", "missing.yaml"], ["submit", "missing.yaml"],
     ["render", "missing.yaml", "-o", "plan"], ["simulate", "missing.yaml", "--sites", "2"],
-    ["aggregate", "-o", "g", "nowhere"], ["export", "nope", "-o", "x"],
+    ["aggregate", "-o", "g", "nowhere"], ["export", "nope", "-o", "x"], ["evaluate", "nope"],
     ["profiles", "show", "nowhere"],
     ["profiles", "check", "nowhere"], ["profiles", "init", "nowhere"],
     ["data", "prepare", "missing.txt", "-o", "tok"]],

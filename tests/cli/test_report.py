@@ -37,7 +37,8 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     out = Path(numbers["html"]).parent
     assert numbers["html"] == str(out / "report.html")
     assert sorted(numbers["files"]) == sorted(str(out / n) for n in (
-        "report.html", "validation.png", "loss.png", "breakdown.png", "throughput.png"))
+        "report.html", "validation.png", "cross-site.png", "loss.png", "breakdown.png",
+        "throughput.png"))
     for name in ("validation.png", "loss.png", "breakdown.png", "throughput.png"):
         _decodes(out / name)
     page = (out / "report.html").read_text()

@@ -204,7 +204,8 @@ def test_report_files_and_page(tmp_path: Path) -> None:
     run = registry.get_run(run_id)
     data, files = write_report(registry, run)
     out = Path(run.run_dir) / "report"
-    assert files == {"validation": out / "validation.png", "loss": out / "loss.png",
+    assert files == {"validation": out / "validation.png",
+                     "cross-site": out / "cross-site.png", "loss": out / "loss.png",
                      "breakdown": out / "breakdown.png",
                      "throughput": out / "throughput.png", "html": out / "report.html"}
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in files.values())
@@ -239,7 +240,7 @@ def test_report_files_and_page(tmp_path: Path) -> None:
     # the hostile reason and run message are shown, escaped, never as markup
     assert HOSTILE not in page and "<script>" not in page
     assert html.escape(HOSTILE) in page
-    assert page.count("data:image/png;base64,") == 4
+    assert page.count("data:image/png;base64,") == 5
     assert data.rounds[1].sites[1].tokens_per_s == 3750.0
 
 
@@ -291,7 +292,8 @@ def test_a_report_written_by_the_library_is_owner_only(tmp_path: Path) -> None:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "rep").stat().st_mode) == 0o700
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files.values()}
-    assert modes == dict.fromkeys(("validation.png", "loss.png", "breakdown.png",
+    assert modes == dict.fromkeys(("validation.png", "cross-site.png", "loss.png",
+                                   "breakdown.png",
                                    "throughput.png", "report.html"), 0o600)
 
 
@@ -317,4 +319,4 @@ def test_failed_rendering_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
         with pytest.raises(RuntimeError):
             write_report(registry, run, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert len(files) == 5
+    assert len(files) == 6

@@ -1,0 +1,83 @@
+"""`xffl evaluate`: cross-site validation of a round, every site evaluating every model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+    resolve_run,
+)
+from xffl.core.errors import ExitCode
+from xffl.jobs.registry import Registry
+
+
+@handle_errors
+def evaluate(
+    run: RunArg = "last",
+    round: Annotated[int | None, typer.Option(
+        "--round", min=1, help="The round whose models to evaluate (default: the last "
+        "completed).")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=1, help="Seconds the whole evaluation may take; then its jobs are "
+        "stopped (exit 4).")] = 3600.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cross-site validation: every site evaluates the round's global model and every site's
+    update on its own held-out data (data.validation), at the site, as the site trains
+    (its SLURM job or local process, its ranks). The models are sent to every site; only
+    the losses come back. The sites x models matrix of losses is recorded in the registry
+    (`xffl report` draws it) and printed. Exit 1 if a site's row failed (the others are
+    still recorded).
+
+    Example: xffl evaluate quickstart-20261122-051000-a3f9 --round 3
+    """
+    from xffl.workflows.evaluate_run import evaluate_run
+
+    registry = Registry()
+    record = resolve_run(registry, run)
+    rnd = record.rounds_done if round is None else round
+    if as_json:
+        outcome = evaluate_run(registry, record, rnd, timeout)
+    else:
+        with err_console.status(f"run {record.id}: evaluating round {rnd}'s models at every "
+                                "site (StreamFlow)"):
+            outcome = evaluate_run(registry, record, rnd, timeout)
+    rows = {r.site: r for r in outcome.rows}
+    if as_json:
+        data: dict[str, Any] = {
+            "run_id": outcome.run_id, "round": outcome.round, "models": outcome.models,
+            "sites": list(rows),
+            "losses": [None if r.result is None else [r.result.losses[m] for m in outcome.models]
+                       for r in outcome.rows],
+            "samples": {s: r.result.samples for s, r in rows.items() if r.result is not None},
+            "failed": {s: r.error for s, r in rows.items() if r.error is not None},
+            "wall_s": outcome.seconds,
+        }
+        print_json(data)
+    else:
+        from rich.markup import escape
+
+        from xffl.cli.tables import Rows
+
+        table = Rows(["data site", *outcome.models, "samples", "note"], text=("note",),
+                     title=f"run {outcome.run_id}, round {outcome.round}: mean token loss "
+                     "of each model (columns) on each site's held-out data (rows)")
+        for r in outcome.rows:
+            if r.result is None:
+                table.add(r.site, *("-" for _ in outcome.models), "-", escape(f"failed: {r.error}"))
+            else:
+                table.add(r.site, *(f"{r.result.losses[m]:.4f}" for m in outcome.models),
+                          str(r.result.samples), "")
+        table.print()
+        console.print(f"recorded in the registry ({outcome.seconds:.1f} s); `xffl report "
+                      f"{outcome.run_id}` draws the matrix", soft_wrap=True)
+    if outcome.failed:
+        raise typer.Exit(int(ExitCode.RUN_FAILED))

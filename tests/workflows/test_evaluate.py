@@ -1,0 +1,302 @@
+"""`xffl evaluate`: cross-site validation as one StreamFlow workflow. Every site evaluates the
+round's global model and every site's update on its own held-out data, at the site (a local
+process, a SLURM job); only the numbers come back, and the coordinator reads them as
+untrusted input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.cli.schemas import check
+from tests.conftest import QUICKSTART, FinishedRun
+from tests.stack.profiles import write_profile
+from xffl.cli.app import app
+from xffl.core.errors import InvalidInput
+from xffl.core.layout import RunLayout
+from xffl.jobs.registry import Registry, RoundRecord
+from xffl.jobs.spec import JobSpec
+from xffl.jobs.states import RoundState
+from xffl.training.config import ModelSpec
+from xffl.training.trainer import init_global
+from xffl.workflows.evaluate_plan import check_evaluable
+from xffl.workflows.evaluate_result import EvaluationRejected, parse_evaluation
+
+runner = CliRunner()
+MODELS = ["global", "alpha", "beta"]
+
+
+def _evaluate(*argv: str, code: int = 0) -> dict[str, Any]:
+    result = runner.invoke(app, ["evaluate", *argv, "--json"])
+    assert result.exit_code == code, result.output
+    return check("evaluate", json.loads(result.stdout))
+
+
+def _held_out(data_dir: Path, seq_len: int, fraction: float, budget: int) -> np.ndarray:
+    """A site's held-out windows (seq_len + 1 tokens each) as documented, derived here: the
+    first ceil(f n) of the permutation seeded by (sha256("xffl-validation")[:8], n), in
+    ascending order, the first ``budget`` of them."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    tokens = np.fromfile(data_dir / "train.bin", dtype=np.dtype(meta["dtype"]))
+    n = len(tokens) // (seq_len + 1)
+    salt = int.from_bytes(hashlib.sha256(b"xffl-validation").digest()[:8], "big")
+    held = np.sort(np.random.default_rng([salt, n]).permutation(n)[:math.ceil(fraction * n)])
+    return np.stack([tokens[i * (seq_len + 1):(i + 1) * (seq_len + 1)]
+                     for i in held[:budget]]).astype(np.int64)
+
+
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+
+
+@pytest.mark.slow
+def test_cross_site_matrix_of_the_quickstart(quickstart_run: FinishedRun,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """The quickstart's last round (3 rounds, 2 sites, 2 ranks each): a 2 x 3 matrix, in the
+    registry, one cell recomputed here in float64 by transformers from the files."""
+    import torch
+    import transformers
+
+    monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
+    run_id, run_dir = quickstart_run.run_id, quickstart_run.run_dir
+    before = _files(run_dir)
+    began = time.monotonic()
+    data = _evaluate(run_id)
+    print(f"xffl evaluate of the quickstart: {time.monotonic() - began:.1f} s "
+          f"(workflow {data['wall_s']:.1f} s)")
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    training = spec["training"]
+    assert (data["run_id"], data["round"]) == (run_id, 3)
+    assert (data["models"], data["sites"], data["failed"]) == (MODELS, ["alpha", "beta"], {})
+    assert [len(row) for row in data["losses"]] == [3, 3]
+    # held out: ceil(0.1 x n) of each site's n sequences, all of them within the budget
+    # (16 batches of 8)
+    assert data["samples"] == {s["name"]: min(math.ceil(0.1 * s["data"]["synthetic_sequences"]),
+                                              16 * training["batch_size"])
+                               for s in spec["sites"]} == {"alpha": 77, "beta": 52}
+    alpha, beta = ({m: v for m, v in zip(MODELS, row, strict=True)} for row in data["losses"])
+    # each site's own update reads its own language better than the other site's update does
+    assert alpha["alpha"] < alpha["beta"] and beta["beta"] < beta["alpha"], data["losses"]
+
+    cells = Registry().evaluations(run_id)
+    assert len(cells) == 6 and {c.round for c in cells} == {3}
+    assert {(c.data_site, c.model): (c.loss, c.samples) for c in cells} == {
+        (site, m): (row[j], data["samples"][site])
+        for site, row in zip(data["sites"], data["losses"], strict=True)
+        for j, m in enumerate(MODELS)}
+
+    # the report draws the latest matrix as its heat map, and its JSON carries it
+    shown = CliRunner().invoke(app, ["report", run_id, "-o", str(tmp_path / "report"), "--json"])
+    assert shown.exit_code == 0, shown.output
+    matrix = {"round": 3, "sites": data["sites"], "models": MODELS, "losses": data["losses"]}
+    assert json.loads(shown.stdout)["cross_site"] == matrix
+    with PIL.Image.open(tmp_path / "report" / "cross-site.png") as png:
+        assert json.loads(png.text["Description"]) == matrix
+
+    # the global model on alpha's held-out data, another way: transformers' LLaMA in float64
+    # on the windows derived above, mean token cross-entropy
+    windows = torch.from_numpy(_held_out(quickstart_run.home / "sites" / "alpha" / "data" /
+                                         "alpha", training["seq_len"], 0.1, 77))
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(run_dir / "rounds" / "3" / "global"), torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits
+    reference = float(torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)))
+    # The site computes in fp32 (unit roundoff u = 2^-24): each batch's loss is an fp32 sum of
+    # 8 x 64 = 512 token losses, within (512 - 1) u ~ 3.0e-5 of its value (Higham's
+    # gamma_{n-1}, worst case); each token loss comes from logits through 2 layers whose dot
+    # products (length <= 172) are each within 172 u ~ 1.0e-5 relative of the sum of
+    # |products|, a few such errors per token; the float64 reference and the float64 total
+    # add nothing visible. rtol 1e-4 covers the sum of these worst cases; a different
+    # model or a different held-out window moves the loss by > 1e-2.
+    assert alpha["global"] == pytest.approx(reference, rel=1e-4, abs=0)
+
+    # the run's own files are as they were: the evaluation only added its own
+    layout = RunLayout(run_dir)
+    ours = {layout.evaluate_cwl, layout.streamflow_evaluate, layout.evaluate_db,
+            layout.evaluate_log, layout.evaluate_inputs(3),
+            *(layout.tool(f"evaluate_{s}") for s in ("alpha", "beta"))}
+    after = _files(run_dir)
+    assert {k: v for k, v in after.items() if k in before
+            and run_dir / k not in ours} == {k: v for k, v in before.items()
+                                             if run_dir / k not in ours}
+    assert {run_dir / k for k in after} >= ours
+
+
+@pytest.mark.slow
+def test_a_failing_site_is_a_failed_row_the_others_are_recorded(xffl_home: Path,
+                                                                 tmp_path: Path) -> None:
+    """A registered run whose round 1 is made here (a seeded global and one seeded model per
+    site as its updates; nothing trained): alpha generates its synthetic data and evaluates;
+    beta's data folder holds a dataset xffl did not generate, so its evaluation fails at the
+    site (exit 1, with beta's own sentence) and alpha's row is recorded all the same."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="evalfail", rounds=1)
+    for site in spec["sites"]:
+        site["ranks"] = 1
+        site["data"]["synthetic_sequences"] = 128
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(result.stdout)["run_id"]
+    layout = RunLayout(Path(json.loads(result.stdout)["run_dir"]))
+    for seed, where in ((1, layout.global_dir(1)), (2, layout.kept_update(1, "alpha")),
+                        (3, layout.kept_update(1, "beta"))):
+        init_global(run_id, ModelSpec(preset="tiny"), seed, where)
+    Registry().finish_round(run_id, RoundRecord(round=1, state=RoundState.COMPLETED))
+    meta = xffl_home / "sites" / "beta" / "data" / "beta" / "meta.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"dtype": "uint16", "num_tokens": 1, "vocab_size": 256}))
+
+    data = _evaluate(run_id, code=1)
+    assert (data["round"], data["sites"], data["models"]) == (1, ["alpha", "beta"], MODELS)
+    assert data["losses"][1] is None and data["samples"] == {"alpha": 13}
+    assert "not generated by xffl" in data["failed"]["beta"], data["failed"]
+    cells = Registry().evaluations(run_id)
+    assert sorted((c.data_site, c.model) for c in cells) == [("alpha", m) for m in sorted(MODELS)]
+    # no round 2 yet: refused before anything runs
+    assert runner.invoke(app, ["evaluate", run_id, "--round", "2"]).exit_code == 2
+
+
+def _spec(**changes: Any) -> JobSpec:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        node = spec
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if value is None:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return JobSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"training__lora": {"r": 4}}, "LoRA adapter"),
+    ({"exchange": {"update": "delta", "dtype": "bf16"}}, "deltas (exchange: delta/bf16)"),
+    ({"sites__1__data__validation": None}, "site(s) beta have no held-out data; add "
+                                           "data.validation"),
+    ({"sites__0__name": "global"}, "a site is named 'global'"),
+])
+def test_runs_it_cannot_evaluate_are_refused(changes: dict[str, Any], says: str) -> None:
+    check_evaluable(_spec())  # the quickstart can be
+    with pytest.raises(InvalidInput) as caught:
+        check_evaluable(_spec(**changes))
+    assert says in caught.value.message and caught.value.exit_code == 2
+
+
+GOOD = {"format": 1, "site": "beta", "samples": 52,
+        "losses": {"global": 4.1, "alpha": 5.0, "beta": 3.9}}
+
+
+def _write(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "evaluation-beta.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def test_a_good_file_is_read_under_the_coordinators_name(tmp_path: Path) -> None:
+    got = parse_evaluation(_write(tmp_path, json.dumps(GOOD)), "beta", MODELS, 128)
+    assert (got.site, got.samples, got.losses) == ("beta", 52, GOOD["losses"])
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    (json.dumps({**GOOD, "note": "hi"}), "field note: Extra inputs are not permitted"),
+    (json.dumps(GOOD).replace("4.1", "NaN"), "not JSON: NaN is not a number JSON allows"),
+    (json.dumps(GOOD).replace("4.1", "1e999"), "the loss of model global is inf"),
+    (json.dumps({**GOOD, "losses": {**GOOD["losses"], "gamma": 1.0}}),
+     "models not sent: 'gamma'"),
+    (json.dumps({**GOOD, "losses": {"global": 4.1, "alpha": 5.0}}), "models missing: beta"),
+    (json.dumps({**GOOD, "losses": {**GOOD["losses"], "alpha": -0.5}}),
+     "the loss of model alpha is -0.5"),
+    (json.dumps({**GOOD, "samples": 129}), "samples is 129, outside 1..128"),
+    (json.dumps({**GOOD, "samples": 0}), "samples is 0, outside 1..128"),
+    (json.dumps({**GOOD, "samples": 52.0}), "field samples: Input should be a valid integer"),
+    (json.dumps({**GOOD, "samples": True}), "field samples: Input should be a valid integer"),
+    (json.dumps({**GOOD, "losses": {**GOOD["losses"], "beta": "3.9"}}), "field losses.beta"),
+    (json.dumps({**GOOD, "format": 2}), "field format"),
+    (json.dumps({**GOOD, "site": "alpha"}), "says it is from site 'alpha', not 'beta'"),
+    (json.dumps([GOOD]), "field (root)"),
+    (b"\xff\xfe{", "not JSON"),
+    ("[" * 20_000, "not JSON"),
+    (json.dumps(GOOD) + " " * (10 << 20), "bytes, more than the 65536 allowed"),
+], ids=["extra-key", "nan", "overflow", "not-sent", "missing", "negative", "over-budget",
+        "zero-samples", "float-samples", "bool-samples", "string-loss", "format", "site",
+        "not-an-object", "not-utf8", "deep", "10MB"])
+def test_a_hostile_file_is_rejected_with_its_reason(tmp_path: Path, text: str | bytes,
+                                                    reason: str) -> None:
+    with pytest.raises(EvaluationRejected) as caught:
+        parse_evaluation(_write(tmp_path, text), "beta", MODELS, 128)
+    assert reason in str(caught.value)
+
+
+def test_a_link_or_a_missing_file_is_rejected(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps(GOOD))
+    link = tmp_path / "evaluation-beta.json"
+    os.symlink(target, link)
+    with pytest.raises(EvaluationRejected, match="unreadable evaluation file"):
+        parse_evaluation(link, "beta", MODELS, 128)
+    with pytest.raises(EvaluationRejected, match="no evaluation file came back"):
+        parse_evaluation(tmp_path / "none.json", "beta", MODELS, 128)
+
+
+@pytest.mark.slow
+def test_evaluation_runs_as_slurm_jobs_at_both_facilities(
+        tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-round job on the two SLURM clusters (one rank each), then `xffl evaluate`: each
+    site's evaluation is a SLURM job of its own cluster, named after the run, the site and
+    the round, and the numbers came back over SSH."""
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="slurmeval", rounds=1)
+    spec["training"]["steps"] = 2
+    for site in spec["sites"]:
+        site["ranks"] = 1
+        site["profile"] = write_profile(profiles, slurm_stack.clusters[site["name"]],
+                                        slurm_stack)
+        site["data"].update(path=str(tmp_path / "data" / site["name"]),
+                            synthetic_sequences=128, validation={"fraction": 0.1})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    assert result.exit_code == 0, result.output
+    run_id = json.loads(result.stdout)["run_id"]
+    before = {n: len(slurm_stack.jobcomp_records(n)) for n in ("alpha", "beta")}
+
+    began = time.monotonic()
+    data = _evaluate(run_id, "--timeout", "300")
+    print(f"xffl evaluate on the SLURM stack: {time.monotonic() - began:.1f} s")
+    assert (data["round"], data["models"], data["failed"]) == (1, MODELS, {})
+    assert data["samples"] == {"alpha": 13, "beta": 13}  # ceil(0.1 x 128)
+    assert all(len(row) == 3 and all(v > 0 for v in row) for row in data["losses"])
+    assert len(Registry().evaluations(run_id)) == 6
+    for name in ("alpha", "beta"):  # SLURM's own records of each cluster
+        deadline = time.monotonic() + 30  # slurmctld writes a record as its job ends
+        while True:
+            new = slurm_stack.jobcomp_records(name)[before[name]:]
+            ours = [r for r in new if r.get("Name") == f"xffl-{run_id}-{name}.eval-r1"]
+            if ours or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert len(ours) == 1, new
+        assert (ours[0]["JobState"], ours[0]["ProcCnt"]) == ("COMPLETED", "1")

@@ -1,0 +1,160 @@
+"""Per-rank cross-site evaluation: the loss of several models on this site's held-out data.
+
+``python -m xffl.training.evaluate_models --job JOB.json --model global=DIR --model a=DIR ...
+--out evaluation.json``, started by the launcher (``python -m xffl.training.launch --module
+xffl.training.evaluate_models ...``) under torchrun, srun or as one process, with the site's
+ranks. Every model is loaded, split over the job's (dp, tp) mesh as the trainer splits it
+and evaluated on the site's held-out sequences (the job's ``data.validation`` and
+``evaluation`` budget, as in every round); rank 0 writes only the numbers::
+
+    {"format": 1, "site": SITE, "samples": N, "losses": {NAME: LOSS, ...}}
+
+Nothing but that file leaves the site: the data and the held-out split stay where they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.core.errors import ExitCode, InvalidInput, RunFailed, XfflError
+from xffl.core.files import write_json
+from xffl.training import distributed as xdist
+from xffl.training.__main__ import load_job, prepare_data
+from xffl.training.config import TrainJob
+from xffl.training.data import site_splits
+from xffl.training.evaluate import eval_count, evaluate_net
+from xffl.training.parallelize import check_tensor_parallel, parallelize
+from xffl.training.trainer import load_model, read_config
+
+RESULT_FORMAT = 1
+
+
+def model_pairs(values: list[str]) -> dict[str, Path]:
+    """``NAME=DIR`` options as NAME -> DIR (ValueError on a malformed or repeated name)."""
+    models: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model {value!r}: write NAME=DIR")
+        if name in models:
+            raise ValueError(f"--model {name} given twice")
+        models[name] = Path(path)
+    return models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of one evaluating rank."""
+    parser = argparse.ArgumentParser(
+        prog="python -m xffl.training.evaluate_models",
+        description="Evaluate models on this site's held-out data (run once per rank).",
+        epilog="example: python -m xffl.training.evaluate_models --job job.json "
+        "--model global=rounds/3/global --model alpha=rounds/3/updates/alpha "
+        "--out evaluation.json",
+    )
+    parser.add_argument("--job", required=True, type=Path, help="TrainJob JSON file")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                        help="a checkpoint to evaluate, under a name (repeat)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="token-shard directory (default: the job's data.path)")
+    parser.add_argument("--out", required=True, type=Path, help="the JSON file rank 0 writes")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="collective timeout in seconds (default $XFFL_DIST_TIMEOUT or 1800)")
+    return parser
+
+
+def _verify_on_main(model_dir: Path, is_main: bool) -> None:
+    """Rank 0 checks the checkpoint's checksums (it crossed a network); every rank learns."""
+    failure: XfflError | None = None
+    if is_main:
+        try:
+            verify_checkpoint(model_dir)
+        except XfflError as exc:
+            failure = exc
+    if not xdist.all_ok(failure is None):
+        raise failure or RunFailed(f"{model_dir}: checkpoint verification failed on rank 0.")
+
+
+def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
+                    is_main: bool) -> tuple[int, dict[str, float]]:
+    """(held-out sequences, NAME -> mean token loss) of every model (collective)."""
+    spec = job.training
+    if job.data.validation is None:
+        raise InvalidInput(f"site {job.site} has no held-out data; add data.validation "
+                           "({fraction: 0.1} or {path: DIR}) to the site in the job spec.")
+    _, held_out = site_splits(data_dir, job.data, spec.seq_len)
+    assert held_out is not None
+    count = eval_count(held_out, job.evaluation, spec)
+    if count < 1:
+        raise InvalidInput(f"site {job.site}: no held-out sequence of {spec.seq_len + 1} "
+                           "tokens to evaluate on.")
+    device = xdist.device_for(xdist.detect_env())
+    batch_size = job.evaluation.batch_size or spec.batch_size
+    losses: dict[str, float] = {}
+    for name, model_dir in models.items():
+        _verify_on_main(model_dir, is_main)
+        config = read_config(model_dir)
+        if spec.seq_len > config.max_position_embeddings or held_out.vocab_size > \
+                config.vocab_size:
+            raise InvalidInput(f"model {name}: its config does not fit this site's held-out "
+                               f"sequences (seq_len {spec.seq_len}, vocabulary "
+                               f"{held_out.vocab_size}).")
+        check_tensor_parallel(config, spec.tensor_parallel, xdist.world_size())
+        pm = parallelize(load_model(model_dir, job.model.entry_point).to(device),
+                         spec.tensor_parallel, device, spec.data_parallel)
+        result = evaluate_net(pm.net, held_out, count, batch_size, device, spec.precision,
+                              pm.dp_rank, pm.dp_size)
+        losses[name] = result.loss
+        del pm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return count, losses
+
+
+def run(args: argparse.Namespace) -> int:
+    """Set up the process group, evaluate, write the result on rank 0; the exit code."""
+    try:
+        env = xdist.setup(timeout_s=args.timeout)
+    except (RuntimeError, ValueError) as exc:
+        print(f"xffl.training.evaluate_models: cannot set up the process group ({exc}).",
+              file=sys.stderr, flush=True)
+        return ExitCode.RUN_FAILED
+    try:
+        job = load_job(args.job)
+        try:
+            models = model_pairs(args.model)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        if not models:
+            raise InvalidInput("give at least one --model NAME=DIR.")
+        data_dir = args.data if args.data is not None else Path(job.data.path)
+        prepare_data(job, data_dir, env.local_rank)
+        samples, losses = evaluate_models(job, models, data_dir, env.is_main)
+        if env.is_main:
+            bad = sorted(n for n, v in losses.items() if not math.isfinite(v))
+            if bad:
+                raise RunFailed(f"site {job.site}: the loss of {', '.join(bad)} is not finite.")
+            write_json(args.out, {"format": RESULT_FORMAT, "site": job.site,
+                                  "samples": samples, "losses": losses})
+            print(f"xffl.training.evaluate_models: site {job.site}: {len(losses)} model(s) on "
+                  f"{samples} held-out sequences", flush=True)
+        return ExitCode.OK
+    except XfflError as exc:
+        print(f"xffl.training (rank {env.rank}): {exc.message}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    finally:
+        xdist.teardown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and evaluate."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The cross-site evaluation of a round, as files of the run directory (`xffl evaluate`).
+
+``evaluate.cwl`` is one CWL Workflow with one step per site, ``evaluate_<site>``, running
+``tools/evaluate_<site>.cwl`` at the site: the launcher starts
+``xffl.training.evaluate_models`` with the site's ranks (torchrun, srun), which evaluates
+every model it is given on the site's held-out sequences. The models are Directory inputs
+(the round's global and every site's update kept in ``rounds/<r>/updates/<site>``), so
+StreamFlow sends them to every site; each step's output is one small JSON file of numbers
+(``evaluation-<site>.json``: the workflow's outputs are collected into one folder, so each
+site's file has a name of its own). ``streamflow-evaluate.yml`` binds each step to the
+deployment the site trains on (the plan's own, from :func:`xffl.workflows.plan.site_targets`)
+and ``executions/evaluate-r<r>.yml`` names a round's models; ``streamflow run
+streamflow-evaluate.yml`` runs the last evaluation written, as ``xffl evaluate`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xffl.core.errors import InvalidInput
+from xffl.core.layout import RunLayout
+from xffl.core.names import slurm_job_name
+from xffl.jobs.report import GLOBAL  # the round's global model, beside the updates
+from xffl.jobs.spec import JobSpec
+from xffl.site_profiles.schema import SiteProfile
+from xffl.training.launch import EVALUATE_MODULE
+from xffl.workflows.cwl import CWL_VERSION
+from xffl.workflows.deployments import (
+    FAILURE_MANAGER,
+    SLURM_NAME_OPTION,
+    site_data_path,
+    site_python,
+)
+from xffl.workflows.plan import report_bounds, site_envs, site_targets
+
+WORKFLOW = "evaluate"  # the workflow's name in streamflow-evaluate.yml
+
+
+def evaluate_step(site: str) -> str:
+    """The id of a site's step in evaluate.cwl (and its StreamFlow step name, with a /)."""
+    return f"evaluate_{site}"
+
+
+def result_name(site: str) -> str:
+    """The file a site's evaluation writes and sends back."""
+    return f"evaluation-{site}.json"
+
+
+def eval_job_name(run_id: str, site: str, rnd: int | str) -> str:
+    """The SLURM job name of ``site``'s evaluation of round ``rnd``: ``<prefix>.eval-r<rnd>``.
+
+    A dot cannot be in a site name, so no site's training job (``<prefix>-r<rnd>``) is
+    ever mistaken for it, nor it for one.
+    """
+    return f"{slurm_job_name(run_id, site)}.eval-r{rnd}"
+
+
+def evaluate_tool(*, run_id: str, site: str, sites: list[str], python: str, launcher: str,
+                  ranks: int, data: str, env: dict[str, str], slurm: bool,
+                  time_limit: float | None) -> dict[str, Any]:
+    """The CommandLineTool that evaluates the models it is given at ``site``.
+
+    The launcher's own options come first (position 0), the module's after ``--``
+    (position 1, in any order); an update that is absent (null) adds no ``--model``.
+    """
+    own = ["--ranks", str(ranks), "--launcher", launcher, "--module", EVALUATE_MODULE]
+    if slurm:
+        own += [SLURM_NAME_OPTION, eval_job_name(run_id, site, "$(inputs.round)")]
+    after = ["--data", data, "--out", result_name(site)]
+    requirements: dict[str, Any] = {
+        "EnvVarRequirement": {"envDef": {"PYTHONUNBUFFERED": "1", **env}}}
+    if time_limit is not None:
+        requirements["ToolTimeLimit"] = {"timelimit": math.ceil(time_limit)}
+
+    def model(name: str, kind: str) -> dict[str, Any]:
+        return {"type": kind, "inputBinding": {"prefix": f"--model={name}=", "separate": False,
+                                               "position": 1}}
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "CommandLineTool",
+        "doc": f"Evaluate a round's models on site {site}'s held-out data; write "
+        f"{result_name(site)} (numbers only).",
+        "requirements": requirements,
+        "baseCommand": [python, "-m", "xffl.training.launch"],
+        "arguments": [*own, "--", *({"valueFrom": a, "position": 1} for a in after)],
+        "inputs": {
+            "round": "int",
+            "job": {"type": "File", "inputBinding": {"prefix": "--job", "position": 1}},
+            f"model_{GLOBAL}": model(GLOBAL, "Directory"),
+            **{f"update_{s}": model(s, "Directory?") for s in sites},
+        },
+        "outputs": {"evaluation": {"type": "File",
+                                   "outputBinding": {"glob": result_name(site)}}},
+    }
+
+
+def evaluate_workflow(sites: list[str]) -> dict[str, Any]:
+    """evaluate.cwl: every site evaluates the global and every update it is given."""
+    models = {f"model_{GLOBAL}": f"model_{GLOBAL}", **{f"update_{s}": f"update_{s}"
+                                                       for s in sites}}
+    return {
+        "cwlVersion": CWL_VERSION,
+        "class": "Workflow",
+        "doc": "Cross-site evaluation: every site evaluates a round's global model and every "
+        "site's update on its own held-out data; only the numbers come back.",
+        "inputs": {"round": "int", f"model_{GLOBAL}": "Directory",
+                   **{f"update_{s}": "Directory?" for s in sites},
+                   **{f"job_{s}": "File" for s in sites}},
+        "outputs": {f"evaluation_{s}": {"type": "File?",
+                                        "outputSource": f"{evaluate_step(s)}/evaluation"}
+                    for s in sites},
+        "steps": {evaluate_step(s): {"run": f"tools/{evaluate_step(s)}.cwl",
+                                     "in": {"round": "round", "job": f"job_{s}", **models},
+                                     "out": ["evaluation"]} for s in sites},
+    }
+
+
+def site_steps(site: str) -> list[str]:
+    """The StreamFlow steps whose failure is the site's: its evaluation, the file's return."""
+    return [f"/{evaluate_step(site)}", f"/evaluation_{site}-collector"]
+
+
+def evaluate_config(spec: JobSpec, profiles: dict[str, SiteProfile], layout: RunLayout,
+                    inputs: Path) -> dict[str, Any]:
+    """streamflow-evaluate.yml: each site's step bound to the deployment it trains on.
+
+    xffl's failure manager retries a site's evaluation as the job's policy says, then lets
+    the others finish without it; the evaluations have a StreamFlow database of their own.
+    """
+    root = layout.root
+    deployments, targets, _ = site_targets(profiles, root, root)
+    return {
+        "version": "v1.0",
+        "workflows": {WORKFLOW: {
+            "type": "cwl",
+            "config": {"file": layout.evaluate_cwl.name,
+                       "settings": str(inputs.relative_to(root))},
+            "bindings": [{"step": f"/{evaluate_step(s)}", "target": target}
+                         for s, target in targets.items()]}},
+        "deployments": deployments,
+        "failureManager": {"enabled": True, "type": FAILURE_MANAGER, "config": {
+            "retries": spec.failure.retries, "retry_delay": spec.failure.retry_delay,
+            "sites": {s.name: site_steps(s.name) for s in spec.sites}}},
+        "database": {"type": "default", "config": {"connection": str(layout.evaluate_db)}},
+    }
+
+
+def check_evaluable(spec: JobSpec) -> None:
+    """InvalidInput unless every site can evaluate every update of the job as it is kept."""
+    if spec.training.lora is not None:
+        raise InvalidInput("this run trains a LoRA adapter (training.lora): its updates are "
+                           "adapters, which xffl evaluate does not load; evaluate a whole-model "
+                           "run.")
+    if spec.exchange.update == "delta":
+        raise InvalidInput(f"this run's updates are deltas (exchange: {spec.exchange.label()}); "
+                           "xffl evaluate needs whole weights (exchange.update: weights).")
+    if any(s.name == GLOBAL for s in spec.sites):
+        raise InvalidInput(f"a site is named {GLOBAL!r}, the name of the global model's "
+                           "column; xffl evaluate cannot tell them apart.")
+    missing = [s.name for s in spec.sites if s.data.validation is None]
+    if missing:
+        raise InvalidInput(f"site(s) {', '.join(missing)} have no held-out data; add "
+                           "data.validation ({fraction: 0.1} or {path: DIR}) to each in the job "
+                           "spec (a run submitted from it evaluates every round).")
+
+
+@dataclass(frozen=True)
+class EvaluationPlan:
+    """What one evaluation sends and expects: its round, models, sites and their budgets."""
+
+    round: int
+    models: list[str]  # "global" then the sites whose update the round kept
+    sites: list[str]
+    budgets: dict[str, int]  # the most held-out sequences each site may report
+    config: Path
+    inputs: Path
+
+
+def _dump(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, width=100))
+
+
+def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
+                     profiles: dict[str, SiteProfile], rnd: int) -> EvaluationPlan:
+    """Write the evaluation workflow of round ``rnd`` into the run directory."""
+    check_evaluable(spec)
+    if not layout.global_dir(rnd).is_dir():
+        raise InvalidInput(f"run {run_id} has no global model after round {rnd}; "
+                           "`xffl status` shows its completed rounds.")
+    sites = [s.name for s in spec.sites]
+    kept = [s for s in sites if layout.kept_update(rnd, s).is_dir()]
+    envs = site_envs(spec, profiles)
+    for site in spec.sites:
+        profile = profiles[site.name]
+        _dump(layout.tool(evaluate_step(site.name)), evaluate_tool(
+            run_id=run_id, site=site.name, sites=sites, python=site_python(profile),
+            launcher=profile.launcher, ranks=site.ranks,
+            data=site_data_path(profile, site.name, site.data.path), env=envs[site.name],
+            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
+    _dump(layout.evaluate_cwl, evaluate_workflow(sites))
+    inputs = layout.evaluate_inputs(rnd)
+    order: dict[str, Any] = {
+        "round": rnd,
+        f"model_{GLOBAL}": {"class": "Directory", "path": f"../rounds/{rnd}/{GLOBAL}"},
+        **{f"update_{s}": {"class": "Directory", "path": f"../rounds/{rnd}/updates/{s}"}
+           for s in kept},
+        **{f"job_{s}": {"class": "File", "path": f"../jobs/{s}.json"} for s in sites},
+    }
+    _dump(inputs, order)
+    _dump(layout.streamflow_evaluate, evaluate_config(spec, profiles, layout, inputs))
+    budgets = {s.name: report_bounds(spec, s)[2] or 0 for s in spec.sites}
+    return EvaluationPlan(round=rnd, models=[GLOBAL, *kept], sites=sites, budgets=budgets,
+                          config=layout.streamflow_evaluate, inputs=inputs)

@@ -1,0 +1,161 @@
+"""Run a round's cross-site evaluation with StreamFlow, in this process, and record it.
+
+The workflow is the one :mod:`xffl.workflows.evaluate_plan` writes into the run directory,
+run with StreamFlow's Python API as the supervisor runs ``main.cwl``
+(:mod:`xffl.workflows.streamflow_run`), as one StreamFlow workflow per evaluation, within a
+bounded time. Each site's file comes back into the execution's output folder; the
+coordinator reads it as untrusted input (:mod:`xffl.workflows.evaluate_result`). A site
+whose evaluation failed, or whose file is rejected, is a failed row with its reason; the
+other rows are recorded in the registry's ``evaluations`` table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from xffl.core.errors import InvalidInput, RunFailed, TimedOut, first_line
+from xffl.core.layout import RunLayout
+from xffl.jobs.registry import EvalCell, Registry, RunRecord
+from xffl.jobs.slurm_view import load_profiles
+from xffl.jobs.spec import JobSpec
+from xffl.workflows.attempts import read_attempts
+from xffl.workflows.evaluate_plan import WORKFLOW, EvaluationPlan, result_name, write_evaluation
+from xffl.workflows.evaluate_result import EvaluationRejected, SiteEvaluation, parse_evaluation
+
+EVENT = "evaluation"
+CANCEL_WAIT_S = 30.0  # for the steps still running when the evaluation ends early
+
+
+@dataclass(frozen=True)
+class SiteRow:
+    """One data site's row: its result, or why there is none."""
+
+    site: str
+    result: SiteEvaluation | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished cross-site evaluation: the models, and every site's row."""
+
+    run_id: str
+    round: int
+    models: list[str]
+    rows: list[SiteRow]
+    seconds: float
+
+    @property
+    def failed(self) -> list[SiteRow]:
+        """The rows without a result."""
+        return [r for r in self.rows if r.result is None]
+
+    def cells(self) -> list[EvalCell]:
+        """The matrix's cells, as the registry stores them."""
+        return [EvalCell(self.round, row.site, model, loss, row.result.samples)
+                for row in self.rows if row.result is not None
+                for model, loss in row.result.losses.items()]
+
+
+class _Errors(logging.Handler):
+    """The first lines of StreamFlow's ERROR messages during the evaluation."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the message's first three lines."""
+        lines = [ln.strip() for ln in record.getMessage().splitlines() if ln.strip()]
+        if lines:
+            self.messages.append(" ".join(lines[:3])[:400])
+
+
+async def _execute(layout: RunLayout, name: str, outdir: Path, timeout: float) -> None:
+    """Run the evaluation workflow as the StreamFlow workflow ``name``, at most ``timeout`` s."""
+    from xffl.workflows.streamflow_run import execute_workflow, load_config, open_context
+
+    config = load_config(layout.streamflow_evaluate)
+    # each site's failed attempts are written into this execution's own folder
+    config["failureManager"]["config"]["run_dir"] = str(outdir)
+    context, pristine = open_context(config)
+    try:
+        await asyncio.wait_for(execute_workflow(context, pristine, WORKFLOW, name, outdir),
+                               timeout)
+    finally:
+        # steps still running (a timeout, a failed step): cancelled and their ends collected
+        # here, not reported by asyncio.run's shutdown after StreamFlow is closed
+        steps = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in steps:
+            task.cancel()
+        if steps:
+            await asyncio.wait(steps, timeout=CANCEL_WAIT_S)
+            for task in steps:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a cancelled step's error is no news
+        with contextlib.suppress(Exception):
+            await context.close()  # StreamFlow's connectors cancel what still runs
+
+
+def _row(plan: EvaluationPlan, outdir: Path, site: str) -> SiteRow:
+    """``site``'s row from the file it sent back, or the reason it has none."""
+    path = outdir / result_name(site)
+    if not path.exists() and not path.is_symlink():
+        attempts = read_attempts(RunLayout(outdir), plan.round, site)
+        why = attempts.reason if attempts is not None else "no evaluation file came back"
+        return SiteRow(site, error=f"the evaluation at the site failed: {why}")
+    try:
+        return SiteRow(site, result=parse_evaluation(path, site, plan.models,
+                                                     plan.budgets[site]))
+    except EvaluationRejected as exc:
+        return SiteRow(site, error=f"its evaluation file was rejected: {exc}")
+
+
+def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float) -> Outcome:
+    """Evaluate round ``rnd`` of ``record`` at every site; record and return the matrix."""
+    from streamflow.log_handler import logger as sf_logger
+
+    from xffl.workflows.streamflow_run import logging_to
+
+    if not 1 <= rnd <= record.rounds_done:
+        raise InvalidInput(f"run {record.id} has completed rounds 1..{record.rounds_done}; "
+                           f"round {rnd} cannot be evaluated" + (
+                               " yet" if rnd > record.rounds_done else "") + ".")
+    layout = RunLayout(Path(record.run_dir))
+    spec = JobSpec.model_validate_json(layout.job_json.read_text())
+    profiles = load_profiles(layout.root)
+    if set(profiles) != {s.name for s in spec.sites}:
+        raise InvalidInput(f"run {record.id} has no resolved site profiles (profiles.json); "
+                           "it was planned by an older xffl.")
+    plan = write_evaluation(layout, record.id, spec, profiles, rnd)
+    name = f"{record.id}-evaluate-r{rnd}-{time.strftime('%Y%m%d-%H%M%S')}"
+    outdir = layout.workflow_outputs(name)
+    registry.event(record.id, EVENT, f"StreamFlow workflow {name}: round {rnd}'s models "
+                   f"({', '.join(plan.models)}) sent to {', '.join(plan.sites)}")
+    errors = _Errors()
+    sf_logger.addHandler(errors)
+    started = time.monotonic()
+    try:
+        with logging_to(layout.evaluate_log):
+            asyncio.run(_execute(layout, name, outdir, timeout))
+    except TimeoutError as exc:
+        raise TimedOut(f"the evaluation of round {rnd} did not finish within {timeout:g} s; "
+                       f"its jobs were stopped (see {layout.evaluate_log}).") from exc
+    except Exception as exc:  # StepFailed, or StreamFlow's own
+        detail = errors.messages[0] if errors.messages else first_line(exc)
+        raise RunFailed(f"the evaluation of round {rnd} failed: {detail} "
+                        f"(see {layout.evaluate_log})") from exc
+    finally:
+        sf_logger.removeHandler(errors)
+    outcome = Outcome(run_id=record.id, round=rnd, models=plan.models,
+                      rows=[_row(plan, outdir, s) for s in plan.sites],
+                      seconds=time.monotonic() - started)
+    registry.record_evaluations(record.id, outcome.cells())
+    registry.event(record.id, EVENT, f"round {rnd}: {len(outcome.rows) - len(outcome.failed)} "
+                   f"of {len(outcome.rows)} sites evaluated {len(plan.models)} models")
+    return outcome
