@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -20,6 +21,7 @@ from xffl.core.errors import ExitCode, InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training.config import TrainJob
 from xffl.training.data import ensure_synthetic
+from xffl.training.distributed import DistEnv
 from xffl.training.streamed import tensor_update_round
 from xffl.training.trainer import train_round
 
@@ -86,36 +88,49 @@ def update_round(job: TrainJob, args: argparse.Namespace, is_main: bool) -> Mani
     return manifest
 
 
-def run(args: argparse.Namespace) -> int:
-    """Set up, train one round, tear down; return the exit code."""
+def run_rank(prog: str, timeout_s: float | None, body: Callable[[DistEnv], int]) -> int:
+    """Set up the process group, run ``body`` on this rank, tear down; the exit code.
+
+    An xffl error is one line on stderr naming the rank, with its exit code (CLI contract).
+    """
     try:
-        env = xdist.setup(timeout_s=args.timeout)
+        env = xdist.setup(timeout_s=timeout_s)
     except (RuntimeError, ValueError) as exc:
-        print(f"xffl.training: cannot set up the process group ({exc}); check MASTER_ADDR/"
+        print(f"{prog}: cannot set up the process group ({exc}); check MASTER_ADDR/"
               "MASTER_PORT and that every rank started.", file=sys.stderr, flush=True)
         return ExitCode.RUN_FAILED
     try:
-        job = load_job(args.job)
-        if args.round < 0:
-            raise InvalidInput(f"--round must not be negative, got {args.round}.")
-        if job.training.update_fn is not None:
-            manifest = update_round(job, args, env.is_main)
-        else:
-            data_dir = args.data if args.data is not None else Path(job.data.path)
-            prepare_data(job, data_dir, env.local_rank)
-            manifest = train_round(job, args.round, args.model, data_dir, args.out,
-                                   base_dir=args.base)
-        if env.is_main and manifest is not None:
-            summary = {"site": job.site, "round": args.round, "out": str(args.out),
-                       "digest": manifest.digest(), "num_samples": manifest.num_samples,
-                       "num_tokens": manifest.num_tokens, **manifest.metrics}
-            print(json.dumps(summary), flush=True)
-        return ExitCode.OK
+        return body(env)
     except XfflError as exc:
         print(f"xffl.training (rank {env.rank}): {exc.message}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
         xdist.teardown()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Set up, train one round, tear down; return the exit code."""
+    return run_rank("xffl.training", args.timeout, lambda env: train(args, env))
+
+
+def train(args: argparse.Namespace, env: DistEnv) -> int:
+    """Train one round on this rank (under a process group); rank 0 prints the summary."""
+    job = load_job(args.job)
+    if args.round < 0:
+        raise InvalidInput(f"--round must not be negative, got {args.round}.")
+    if job.training.update_fn is not None:
+        manifest = update_round(job, args, env.is_main)
+    else:
+        data_dir = args.data if args.data is not None else Path(job.data.path)
+        prepare_data(job, data_dir, env.local_rank)
+        manifest = train_round(job, args.round, args.model, data_dir, args.out,
+                               base_dir=args.base)
+    if env.is_main and manifest is not None:
+        summary = {"site": job.site, "round": args.round, "out": str(args.out),
+                   "digest": manifest.digest(), "num_samples": manifest.num_samples,
+                   "num_tokens": manifest.num_tokens, **manifest.metrics}
+        print(json.dumps(summary), flush=True)
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:

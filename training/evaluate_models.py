@@ -25,9 +25,10 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.core.errors import ExitCode, InvalidInput, RunFailed, XfflError
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
-from xffl.training.__main__ import load_job, prepare_data
+from xffl.training.__main__ import load_job, prepare_data, run_rank
 from xffl.training.config import TrainJob
 from xffl.training.data import site_splits
+from xffl.training.distributed import DistEnv
 from xffl.training.evaluate import eval_count, evaluate_net
 from xffl.training.parallelize import check_tensor_parallel, parallelize
 from xffl.training.trainer import load_model, read_config
@@ -118,37 +119,31 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
 
 def run(args: argparse.Namespace) -> int:
     """Set up the process group, evaluate, write the result on rank 0; the exit code."""
+    return run_rank("xffl.training.evaluate_models", args.timeout,
+                    lambda env: evaluate(args, env))
+
+
+def evaluate(args: argparse.Namespace, env: DistEnv) -> int:
+    """Evaluate every model on this rank (under a process group); rank 0 writes the file."""
+    job = load_job(args.job)
     try:
-        env = xdist.setup(timeout_s=args.timeout)
-    except (RuntimeError, ValueError) as exc:
-        print(f"xffl.training.evaluate_models: cannot set up the process group ({exc}).",
-              file=sys.stderr, flush=True)
-        return ExitCode.RUN_FAILED
-    try:
-        job = load_job(args.job)
-        try:
-            models = model_pairs(args.model)
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from exc
-        if not models:
-            raise InvalidInput("give at least one --model NAME=DIR.")
-        data_dir = args.data if args.data is not None else Path(job.data.path)
-        prepare_data(job, data_dir, env.local_rank)
-        samples, losses = evaluate_models(job, models, data_dir, env.is_main)
-        if env.is_main:
-            bad = sorted(n for n, v in losses.items() if not math.isfinite(v))
-            if bad:
-                raise RunFailed(f"site {job.site}: the loss of {', '.join(bad)} is not finite.")
-            write_json(args.out, {"format": RESULT_FORMAT, "site": job.site,
-                                  "samples": samples, "losses": losses})
-            print(f"xffl.training.evaluate_models: site {job.site}: {len(losses)} model(s) on "
-                  f"{samples} held-out sequences", flush=True)
-        return ExitCode.OK
-    except XfflError as exc:
-        print(f"xffl.training (rank {env.rank}): {exc.message}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    finally:
-        xdist.teardown()
+        models = model_pairs(args.model)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+    if not models:
+        raise InvalidInput("give at least one --model NAME=DIR.")
+    data_dir = args.data if args.data is not None else Path(job.data.path)
+    prepare_data(job, data_dir, env.local_rank)
+    samples, losses = evaluate_models(job, models, data_dir, env.is_main)
+    if env.is_main:
+        bad = sorted(n for n, v in losses.items() if not math.isfinite(v))
+        if bad:
+            raise RunFailed(f"site {job.site}: the loss of {', '.join(bad)} is not finite.")
+        write_json(args.out, {"format": RESULT_FORMAT, "site": job.site,
+                              "samples": samples, "losses": losses})
+        print(f"xffl.training.evaluate_models: site {job.site}: {len(losses)} model(s) on "
+              f"{samples} held-out sequences", flush=True)
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,20 +61,6 @@ class Outcome:
                 for model, loss in row.result.losses.items()]
 
 
-class _Errors(logging.Handler):
-    """The first lines of StreamFlow's ERROR messages during the evaluation."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Keep the message's first three lines."""
-        lines = [ln.strip() for ln in record.getMessage().splitlines() if ln.strip()]
-        if lines:
-            self.messages.append(" ".join(lines[:3])[:400])
-
-
 async def _execute(layout: RunLayout, name: str, outdir: Path, timeout: float) -> None:
     """Run the evaluation workflow as the StreamFlow workflow ``name``, at most ``timeout`` s."""
     from xffl.workflows.streamflow_run import execute_workflow, load_config, open_context
@@ -120,7 +105,7 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     """Evaluate round ``rnd`` of ``record`` at every site; record and return the matrix."""
     from streamflow.log_handler import logger as sf_logger
 
-    from xffl.workflows.streamflow_run import logging_to
+    from xffl.workflows.streamflow_run import ErrorLines, logging_to
 
     if not 1 <= rnd <= record.rounds_done:
         raise InvalidInput(f"run {record.id} has completed rounds 1..{record.rounds_done}; "
@@ -137,7 +122,7 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     outdir = layout.workflow_outputs(name)
     registry.event(record.id, EVENT, f"StreamFlow workflow {name}: round {rnd}'s models "
                    f"({', '.join(plan.models)}) sent to {', '.join(plan.sites)}")
-    errors = _Errors()
+    errors = ErrorLines()
     sf_logger.addHandler(errors)
     started = time.monotonic()
     try:

@@ -11,6 +11,21 @@ from pathlib import Path
 from typing import Any
 
 
+class ErrorLines(logging.Handler):
+    """The first lines of StreamFlow's ERROR messages while a workflow runs (for the reason a
+    run or an evaluation failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the message's first three lines."""
+        lines = [ln.strip() for ln in record.getMessage().splitlines() if ln.strip()]
+        if lines:
+            self.messages.append(" ".join(lines[:3])[:400])
+
+
 class StepFailed(RuntimeError):
     """A step of the workflow failed (StreamFlow does not always end a workflow then)."""
 

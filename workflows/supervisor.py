@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -56,20 +55,6 @@ def spawn(run_id: str, run_dir: Path, registry: Path) -> int:
     )
     log.close()
     return proc.pid
-
-
-class _Errors(logging.Handler):
-    """The first lines of StreamFlow's ERROR messages during one execution."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Keep the message's first three lines."""
-        lines = [ln.strip() for ln in record.getMessage().splitlines() if ln.strip()]
-        if lines:
-            self.messages.append(" ".join(lines[:3])[:400])
 
 
 def execution_name(run: RunRecord, first: int, last: int) -> str:
@@ -148,10 +133,11 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
         registry.start_round(run.id, first, run.sites)
     from streamflow.log_handler import logger as sf_logger
 
-    errors = _Errors()
+    from xffl.workflows.streamflow_run import ErrorLines, logging_to
+
+    errors = ErrorLines()
     sf_logger.addHandler(errors)
     started = time.time()
-    from xffl.workflows.streamflow_run import logging_to
 
     try:
         with logging_to(layout.streamflow_log):

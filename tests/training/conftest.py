@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from xffl.aggregator.exchange import Manifest
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
@@ -37,3 +38,16 @@ def global0(tmp_path: Path) -> tuple[Path, Manifest]:
     """A round-0 global checkpoint of the tiny-test preset (seed 0)."""
     out = tmp_path / "global0"
     return out, init_global("run-test", ModelSpec(preset="tiny-test"), 0, out)
+
+
+@pytest.fixture
+def tokenizer_json(tmp_path: Path, texts: list[Path]) -> Path:
+    """A small BPE tokenizer trained with the tokenizers library on the module's ``texts``,
+    saved as tokenizer.json."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(p) for p in texts],
+              trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from xffl.core.errors import InvalidInput
 from xffl.training import prepare as prep
@@ -33,18 +33,6 @@ def texts(tmp_path: Path) -> list[Path]:
     a.write_bytes(TEXT_A)
     b.write_bytes(TEXT_B)
     return [a, b]
-
-
-@pytest.fixture
-def tokenizer_json(tmp_path: Path, texts: list[Path]) -> Path:
-    """A small BPE tokenizer trained with the tokenizers library, saved as tokenizer.json."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train([str(p) for p in texts],
-              trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return path
 
 
 def test_the_rule_by_hand() -> None:
