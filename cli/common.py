@@ -16,7 +16,8 @@ from rich.text import Text
 from typer.core import TyperCommand
 
 from xffl.core.errors import ExitCode, XfflError
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 
 
 class _Console(Console):

@@ -8,7 +8,8 @@ import typer
 
 from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
 from xffl.core.errors import ExitCode
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.states import RunState
 
 TimeoutOpt = Annotated[float, typer.Option(

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xffl.jobs import schedule
-from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
+from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
+from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import holder
 from xffl.jobs.slurm_view import (
     SSH_TIMEOUT,

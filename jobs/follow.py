@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable
 
 from xffl.core.errors import TimedOut
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.states import RunState
 from xffl.jobs.status import settle
 

@@ -8,106 +8,14 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from xffl.core.fstype import on_network_filesystem
 from xffl.core.paths import private_dir, registry_path
+from xffl.jobs.records import EvalCell, RoundRecord, RunRecord, SiteRound, Transfer
 from xffl.jobs.registry_schema import SCHEMA, migrate
 from xffl.jobs.states import RoundState, RunState, SiteState
-
-
-@dataclass
-class RunRecord:
-    """One row of ``runs``."""
-
-    id: str
-    name: str
-    job_path: str
-    run_dir: str
-    state: RunState
-    rounds_total: int
-    rounds_done: int
-    sites: list[str]
-    created: float
-    updated: float
-    started: float | None = None
-    ended: float | None = None
-    runner_pid: int | None = None
-    message: str = ""
-
-    @property
-    def finished(self) -> bool:
-        """Whether the run reached a terminal state."""
-        return self.state.terminal
-
-
-@dataclass
-class SiteRound:
-    """One site's outcome in one round."""
-
-    site: str
-    state: SiteState
-    num_samples: int | None = None
-    num_tokens: int | None = None
-    loss: float | None = None
-    train_seconds: float | None = None
-    reason: str = ""
-    attempts: int = 1
-    # seconds from the round's start until the site's update was in place on the coordinator
-    delivered_seconds: float | None = None
-    # seconds from the site's launcher start to its first training step (imports, process
-    # group, loading the global model and the data)
-    startup_seconds: float | None = None
-    # mean token loss on the site's held-out sequences of the global model the round started
-    # from, and of the site's own trained update; how many sequences were evaluated
-    val_loss: float | None = None
-    val_loss_update: float | None = None
-    val_samples: int | None = None
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One copy StreamFlow made between the coordinator and a site (epoch times)."""
-
-    site: str
-    direction: str  # "in" (to the site) or "out" (back to the coordinator)
-    started: float
-    ended: float
-    bytes: int | None = None  # the files' bytes, as they lie on the coordinator
-
-
-@dataclass
-class RoundRecord:
-    """One round of a run with its sites."""
-
-    round: int
-    state: RoundState
-    started: float | None = None
-    ended: float | None = None
-    aggregate_seconds: float | None = None
-    global_path: str | None = None
-    global_digest: str | None = None
-    num_samples: int | None = None
-    loss: float | None = None
-    # the federated validation loss of the global model the round started from: the sites'
-    # val_loss weighted by their evaluated sequences (val_samples, their sum)
-    val_loss: float | None = None
-    val_samples: int | None = None
-    sites: list[SiteRound] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class EvalCell:
-    """One cell of a cross-site evaluation: ``model`` (``global`` or a site's update of that
-    round) evaluated on ``data_site``'s held-out sequences (``samples`` of them)."""
-
-    round: int
-    data_site: str
-    model: str
-    loss: float
-    samples: int
 
 
 def new_run_id(name: str) -> str:

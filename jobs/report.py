@@ -26,14 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from xffl.jobs.profiles_json import slurm_site_names
-from xffl.jobs.registry import (
-    EvalCell,
-    Registry,
-    RoundRecord,
-    RunRecord,
-    SiteRound,
-    Transfer,
-)
+from xffl.jobs.records import EvalCell, RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.registry import Registry
 
 REPORT_FILES = ("validation.png", "cross-site.png", "loss.png", "breakdown.png",
                 "throughput.png", "report.html")

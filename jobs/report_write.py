@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.report import ReportData, assemble
 from xffl.jobs.report_render import render_all
 

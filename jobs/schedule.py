@@ -22,7 +22,7 @@ from croniter import croniter
 
 from xffl.core.errors import InvalidInput
 from xffl.core.paths import xffl_home
-from xffl.jobs.registry import RunRecord
+from xffl.jobs.records import RunRecord
 from xffl.jobs.schedule_spec import validate_cron
 from xffl.jobs.states import RunState
 

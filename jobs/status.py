@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from xffl.core.layout import RunLayout
 from xffl.jobs.profiles_json import may_log_in
-from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound
+from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
+from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import holder
 from xffl.jobs.states import RoundState, RunState
 

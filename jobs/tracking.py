@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from xffl.core.validation import check_path_text
 
 if TYPE_CHECKING:
-    from xffl.jobs.registry import RoundRecord, RunRecord, Transfer
+    from xffl.jobs.records import RoundRecord, RunRecord, Transfer
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _MLFLOW_RULE = ("write a folder for MLflow's file store (mlruns, /data/mlruns or "

@@ -30,8 +30,9 @@ from xffl.aggregator.exchange import (
     read_manifest,
     read_small_file,
 )
+from xffl.aggregator.reported import Bounds
 from xffl.aggregator.shards import config_name, is_adapter
-from xffl.aggregator.verify import Bounds, UpdateRejected, check_update, first_changed
+from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files

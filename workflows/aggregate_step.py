@@ -32,7 +32,8 @@ from xffl.core.layout import RunLayout, registration
 from xffl.core.pairs import parse_pairs
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
-from xffl.jobs.registry import Registry, RoundRecord
+from xffl.jobs.records import RoundRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.states import RoundState
 from xffl.training.config import ExchangeSpec
 from xffl.workflows.balance import round_job

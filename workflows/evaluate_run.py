@@ -19,7 +19,8 @@ from pathlib import Path
 
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, first_line
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry import EvalCell, Registry, RunRecord
+from xffl.jobs.records import EvalCell, RunRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.workflows.attempts import read_attempts

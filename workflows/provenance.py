@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 
 METADATA = "ro-crate-metadata.json"
 EMBED_LIMIT = 1 << 20

@@ -7,7 +7,8 @@ from pathlib import Path
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.credential_gate import require_credentials
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RunState

@@ -12,7 +12,8 @@ from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.paths import registry_path, runs_dir
 from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.load import LoadedJob, load_job
-from xffl.jobs.registry import Registry, RunRecord, new_run_id
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry, new_run_id
 from xffl.jobs.states import RunState
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan import write_plan

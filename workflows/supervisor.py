@@ -33,7 +33,8 @@ from xffl.core.layout import RunLayout
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.credential_gate import blockers
-from xffl.jobs.registry import Registry, RunRecord
+from xffl.jobs.records import RunRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import RoundInFlight, round_lock
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec

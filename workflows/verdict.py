@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xffl.jobs.registry import SiteRound
+from xffl.jobs.records import SiteRound
 from xffl.jobs.states import SiteState
 
 VERDICT_FILE = "verdict.json"

@@ -162,7 +162,7 @@ def test_manifest_paths_must_stay_inside_the_update(make_update: Any) -> None:
 
 
 def test_validation_numbers_only_from_a_site_the_job_gives_held_out_data() -> None:
-    from xffl.aggregator.verify import check_validation
+    from xffl.aggregator.reported import check_validation
     from xffl.core.errors import CheckpointError
 
     numbers = {"val_loss": 2.0, "val_loss_update": 1.5, "val_samples": 8.0}

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from tests.security.processes import lock_holder
 from xffl.cli import cancel, logs, status
-from xffl.jobs.registry import Registry, RoundRecord, SiteRound
+from xffl.jobs.records import RoundRecord, SiteRound
+from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import holder
 
 app = typer.Typer()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from xffl.jobs.registry import Registry, RoundRecord, SiteRound
+from xffl.jobs.records import RoundRecord, SiteRound
+from xffl.jobs.registry import Registry
 
 XFFL = str(Path(sys.executable).parent / "xffl")
 RUN = "a-rather-long-experiment-name-20261125-101010-beef"

@@ -12,7 +12,8 @@ import PIL.Image
 import pytest
 
 from xffl.jobs import report_render
-from xffl.jobs.registry import Registry, RoundRecord, SiteRound, Transfer
+from xffl.jobs.records import RoundRecord, SiteRound, Transfer
+from xffl.jobs.registry import Registry
 from xffl.jobs.report import TransferTimes, assemble, busy_seconds, fmt, site_breakdown
 from xffl.jobs.report_write import write_report
 from xffl.jobs.status import run_status

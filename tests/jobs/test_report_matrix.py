@@ -7,7 +7,7 @@ from pathlib import Path
 
 import PIL.Image
 
-from xffl.jobs.registry import EvalCell
+from xffl.jobs.records import EvalCell
 from xffl.jobs.report import cross_site_matrix
 from xffl.jobs.report_matrix import EMPTY_NOTE, plot_cross_site
 

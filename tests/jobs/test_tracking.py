@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from xffl.jobs.registry import Registry, RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.records import RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.registry import Registry
 from xffl.jobs.states import RoundState, RunState, SiteState
 from xffl.jobs.tracking import TrackingSpec, flatten_params, log_round, resolve, round_scalars
 

@@ -25,7 +25,8 @@ from tests.stack.profiles import write_profile
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry import Registry, RoundRecord
+from xffl.jobs.records import RoundRecord
+from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
 from xffl.training.config import ModelSpec

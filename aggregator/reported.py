@@ -1,0 +1,77 @@
+"""What a site reports beside its tensors: counts and metrics, within what its job allows.
+
+A site's manifest claims how many samples and tokens it trained on (its weight in the
+average), its losses and timings, and what it measured on its held-out data. None of it is
+trusted: each number must be finite, and the counts must lie within what the coordinator
+knows the site's job could have done (:class:`Bounds`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from xffl.aggregator.exchange import VALIDATION_METRICS, Manifest
+from xffl.core.errors import CheckpointError
+
+MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the coordinator knows a site could have done in one round.
+
+    ``max_tokens``: steps x batch x accumulation x sequence length x ranks of the site's job
+    (balancing and token budgets included); ``max_samples``: the size of its dataset when
+    the job declares it. ``None``: no bound. ``side_files``: files that may come back beside
+    the checkpoint without being part of it (``slurm_job.json``), with their size caps.
+    """
+
+    max_tokens: int | None = None
+    max_samples: int | None = None
+    side_files: Mapping[str, int] = field(default_factory=dict)
+    # held-out sequences the site's evaluation reads at most (its job's evaluation budget);
+    # None: the job gives the site no validation data, so it reports no validation numbers
+    max_val_samples: int | None = None
+
+
+
+def check_reported(manifest: Manifest, bounds: Bounds) -> None:
+    """Counts and metrics are finite numbers within what the site could have done."""
+    for name, value in sorted(manifest.metrics.items()):
+        if not math.isfinite(value) or abs(value) > MAX_METRIC:
+            raise CheckpointError(f"metric {name!r} is {value!r}, not a finite number below "
+                                  f"{MAX_METRIC:g}")
+    for what, value, cap in (("num_tokens", manifest.num_tokens, bounds.max_tokens),
+                             ("num_samples", manifest.num_samples, bounds.max_samples)):
+        if cap is not None and value > cap:
+            shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
+            raise CheckpointError(f"{what} is {shown}, more than the {cap} the site's job "
+                                  "allows")
+    check_validation(manifest.metrics, bounds.max_val_samples)
+
+
+
+def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) -> None:
+    """Validation numbers are all there or none, losses are not negative, and the sequences
+    they were measured on are a whole number within the job's evaluation budget (a site
+    cannot outweigh the others in the federated validation loss by claiming more)."""
+    given = [name for name in VALIDATION_METRICS if name in metrics]
+    if not given:
+        return
+    if max_val_samples is None:
+        raise CheckpointError("it reports validation numbers, but the job gives the site no "
+                              "data.validation")
+    if len(given) != len(VALIDATION_METRICS):
+        missing = [name for name in VALIDATION_METRICS if name not in metrics]
+        raise CheckpointError(f"it reports {given[0]!r} without {missing[0]!r}")
+    for name in ("val_loss", "val_loss_update"):
+        if metrics[name] < 0:
+            raise CheckpointError(f"metric {name!r} is {metrics[name]!r}; a cross-entropy "
+                                  "is never negative")
+    samples = metrics["val_samples"]
+    if samples != int(samples) or not 1 <= samples <= max_val_samples:
+        shown = int(samples) if samples == int(samples) else samples
+        raise CheckpointError(f"val_samples is {shown!r}, not a whole number from 1 to the "
+                              f"{max_val_samples} its job's evaluation budget allows")
