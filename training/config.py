@@ -313,9 +313,13 @@ class EvaluationSpec(_Strict):
     batch_size: int | None = Field(default=None, ge=1,
                                    description="sequences per batch (null: training.batch_size)")
 
+    def batch(self, training: TrainingSpec) -> int:
+        """Sequences per evaluation batch: ``batch_size``, else the training batch size."""
+        return self.batch_size or training.batch_size
+
     def sequences(self, training: TrainingSpec) -> int:
         """The most held-out sequences one evaluation reads."""
-        return self.batches * (self.batch_size or training.batch_size)
+        return self.batches * self.batch(training)
 
 
 class TrainJob(_Strict):

@@ -320,6 +320,6 @@ def site_splits(data_dir: Path, data: DataSpec,
     if validation.path is not None:
         return TokenShards(data_dir, seq_len), TokenShards(Path(validation.path), seq_len)
     assert validation.fraction is not None
-    n = TokenShards(data_dir, seq_len).num_windows
+    n = num_samples(data_dir, seq_len)
     return (TokenShards(data_dir, seq_len, training_indices(n, validation.fraction)),
             TokenShards(data_dir, seq_len, validation_indices(n, validation.fraction)))

@@ -11,7 +11,6 @@ group's sums arrive once per tensor-parallel rank, in both, so their ratio is th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,11 +31,6 @@ class Evaluation:
     loss: float
     sequences: int
     tokens: int
-
-    @property
-    def perplexity(self) -> float:
-        """exp(loss): the perplexity of the mean token loss."""
-        return math.exp(self.loss) if self.loss < 700 else math.inf
 
 
 def eval_count(held_out: TokenShards, evaluation: EvaluationSpec,

@@ -95,7 +95,7 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
         raise InvalidInput(f"site {job.site}: no held-out sequence of {spec.seq_len + 1} "
                            "tokens to evaluate on.")
     device = xdist.device_for(xdist.detect_env())
-    batch_size = job.evaluation.batch_size or spec.batch_size
+    batch_size = job.evaluation.batch(spec)
     losses: dict[str, float] = {}
     for name, model_dir in models.items():
         _verify_on_main(model_dir, is_main)

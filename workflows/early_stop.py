@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from xffl.core.files import write_json
 from xffl.core.layout import RunLayout
 from xffl.workflows.verdict import Verdict
 
@@ -33,23 +34,21 @@ class FederatedValidation:
     sites: dict[str, float]  # each admitted site's own val_loss
 
     def write(self, path: Path) -> None:
-        """Store as JSON."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Store as JSON (atomically)."""
+        write_json(path, asdict(self))
 
 
 def federated(rnd: int, verdicts: list[Verdict]) -> FederatedValidation | None:
     """The admitted sites' validation losses weighted by their evaluated sequences (None:
     no admitted site reported one)."""
-    measured = [v for v in verdicts if v.accepted and v.val_loss is not None and v.val_samples]
+    measured = [(v.site, v.val_loss, v.val_samples) for v in verdicts
+                if v.accepted and v.val_loss is not None and v.val_samples]
     if not measured:
         return None
-    total = sum(v.val_samples or 0 for v in measured)
-    loss = math.fsum(v.val_loss * (v.val_samples or 0) for v in measured
-                     if v.val_loss is not None) / total
+    total = sum(n for _, _, n in measured)
+    loss = math.fsum(value * n for _, value, n in measured) / total
     return FederatedValidation(round=rnd, val_loss=loss, val_samples=total,
-                               sites={v.site: v.val_loss for v in measured
-                                      if v.val_loss is not None})
+                               sites={site: value for site, value, _ in measured})
 
 
 def history(layout: RunLayout, last: int) -> list[tuple[int, float]]:
@@ -89,8 +88,8 @@ class Stopped:
 
 
 def write_stopped(layout: RunLayout, stopped: Stopped) -> None:
-    """Record the early stop in the run directory."""
-    layout.stopped.write_text(json.dumps(asdict(stopped), indent=2) + "\n")
+    """Record the early stop in the run directory (atomically)."""
+    write_json(layout.stopped, asdict(stopped))
 
 
 def read_stopped(layout: RunLayout) -> Stopped | None:

@@ -58,6 +58,17 @@ def spawn(run_id: str, run_dir: Path, registry: Path) -> int:
     return proc.pid
 
 
+def completion(run: RunRecord, layout: RunLayout) -> str | None:
+    """How a run with no round left to run completed: all its rounds, or an early stop
+    (training.stop_when) after its last recorded round; None while rounds remain."""
+    stopped = read_stopped(layout)
+    if stopped is not None and stopped.round == run.rounds_done:
+        return f"{run.rounds_done} of {run.rounds_total} rounds completed; {stopped.reason}"
+    if run.rounds_done >= run.rounds_total:
+        return f"{run.rounds_done} rounds completed"
+    return None
+
+
 def execution_name(run: RunRecord, first: int, last: int) -> str:
     """The StreamFlow workflow name of one execution: the run id for a whole run."""
     if first == 1 and last == run.rounds_total:
@@ -155,14 +166,9 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
         registry.event(run.id, "resources", f"rounds {first}-{last}: supervisor peak RSS "
                        f"{peak_rss_bytes() / 2**20:.0f} MiB")
     done = registry.get_run(run.id)
-    stopped = read_stopped(layout)
-    if stopped is not None and stopped.round == done.rounds_done:  # training.stop_when
-        registry.set_state(run.id, RunState.COMPLETED, f"{done.rounds_done} of "
-                           f"{done.rounds_total} rounds completed; {stopped.reason}",
-                           ended=time.time())
-    elif done.rounds_done >= done.rounds_total:
-        registry.set_state(run.id, RunState.COMPLETED, f"{done.rounds_done} rounds completed",
-                           ended=time.time())
+    finished = completion(done, layout)
+    if finished is not None:
+        registry.set_state(run.id, RunState.COMPLETED, finished, ended=time.time())
     elif done.rounds_done < last:  # the workflow ended without recording its rounds
         registry.set_state(run.id, RunState.FAILED, f"the workflow ended after round "
                            f"{done.rounds_done}, not {last} (see {layout.streamflow_log})",
@@ -227,12 +233,9 @@ def _execute_locked(run_id: str, registry: Registry, spec: JobSpec, layout: RunL
     registry.set_state(run_id, RunState.RUNNING, "supervisor started", started=time.time(),
                        runner_pid=os.getpid())
     write_initial_model(layout, spec, run_id)
-    stopped = read_stopped(layout)
-    if run.rounds_done >= run.rounds_total or (
-            stopped is not None and stopped.round == run.rounds_done):
-        registry.set_state(run_id, RunState.COMPLETED, f"{run.rounds_done} rounds completed"
-                           + (f"; {stopped.reason}" if stopped is not None else ""),
-                           ended=time.time())
+    finished = completion(run, layout)
+    if finished is not None:
+        registry.set_state(run_id, RunState.COMPLETED, finished, ended=time.time())
         return 0
     if _credentials_block(run, registry, spec, layout, once):
         return 0
