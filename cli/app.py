@@ -6,7 +6,6 @@ import sys
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 
 from xffl.cli import (
     aggregate,
@@ -30,12 +29,20 @@ from xffl.cli import (
     validate,
     watch,
 )
-from xffl.cli.common import XfflCommand, state
+from xffl.cli.common import XfflCommand, XfflSubGroup, no_env_help, state
 from xffl.core.paths import private_files
 
 
-class XfflGroup(TyperGroup):
-    """The root command group: ``--debug`` is taken anywhere before ``--``, as users type it."""
+class XfflGroup(XfflSubGroup):
+    """The root command group: ``--debug`` is taken anywhere before ``--``, as users type it;
+    its own options (``--version``, ``--install-completion``, ...) never read the environment
+    (``auto_envvar_prefix`` would make ``XFFL_VERSION=0.1.0`` fail every command and
+    ``XFFL_INSTALL_COMPLETION=1`` edit ~/.bashrc); ``--debug`` reads ``XFFL_DEBUG`` only."""
+
+    def get_params(self, ctx: Any) -> list[Any]:  # typer's vendored Context and Parameter
+        """The root's parameters, none of them set from ``XFFL_<NAME>``."""
+        params: list[Any] = super().get_params(ctx)
+        return [no_env_help(p) for p in params]
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's vendored Context
         """Move every ``--debug`` that follows a subcommand in front of it."""
@@ -52,8 +59,9 @@ app = typer.Typer(
     help="Cross-facility federated learning: train one model across HPC facilities whose "
     "data never leaves them.",
     no_args_is_help=True,
-    # every option also reads XFFL_<COMMAND>_<OPTION> (XFFL_SUBMIT_TIMEOUT=600,
-    # XFFL_STATUS_LIVE=0), --json XFFL_JSON and --debug XFFL_DEBUG; the command line wins
+    # every command's option also reads XFFL_<COMMAND>_<OPTION> (XFFL_SUBMIT_TIMEOUT=600,
+    # XFFL_STATUS_LIVE=0), --json XFFL_JSON and --debug XFFL_DEBUG; the command line wins.
+    # The root's options and every --help read nothing (XfflGroup, XfflSubGroup)
     context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "XFFL"},
     pretty_exceptions_enable=False,
     # help: rich panels on a terminal (docstrings as Markdown paragraphs, so their line

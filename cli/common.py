@@ -13,7 +13,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 from rich.text import Text
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from xffl.core.errors import ExitCode, XfflError
 from xffl.jobs.records import RunRecord
@@ -39,14 +39,35 @@ JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
                                        help="Print machine-readable JSON.")]
 
 
+def no_env_help(option: Any) -> Any:
+    """``option`` (a command's ``--help``) made deaf to ``auto_envvar_prefix``: no
+    ``XFFL_RUNS_HELP=1`` in the environment turns every ``xffl runs`` into its help."""
+    if option is not None:
+        option.allow_from_autoenv = False
+    return option
+
+
 class XfflCommand(TyperCommand):
     """A command whose usage line reads as click and man pages write it: ``JOB``, not
     Typer 0.28's ``{JOB}`` (braces read as a choice); optional ones stay ``[RUN]``."""
+
+    def get_help_option(self, ctx: Any) -> Any:  # typer's vendored Context and Option
+        """``--help``, never set from the environment."""
+        return no_env_help(super().get_help_option(ctx))
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:  # typer's vendored Context
         """The usage line's pieces, required arguments without braces."""
         pieces: list[str] = super().collect_usage_pieces(ctx)
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+class XfflSubGroup(TyperGroup):
+    """A command group under ``xffl`` (``profiles``, ``data``): its ``--help`` is never set
+    from the environment."""
+
+    def get_help_option(self, ctx: Any) -> Any:  # typer's vendored Context and Option
+        """``--help``, never set from the environment."""
+        return no_env_help(super().get_help_option(ctx))
 
 
 class _State:

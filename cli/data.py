@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, XfflCommand, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, XfflCommand, XfflSubGroup, console, handle_errors, print_json
 
-app = typer.Typer(help="Prepare a site's training data (run it at the site).",
+app = typer.Typer(cls=XfflSubGroup, help="Prepare a site's training data (run it at the site).",
                   no_args_is_help=True)
 
 

@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, XfflCommand, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, XfflCommand, XfflSubGroup, console, handle_errors, print_json
 from xffl.cli.tables import Rows
 from xffl.core.errors import ExitCode
 
-app = typer.Typer(help="List, show, copy (init) and check site profiles.", no_args_is_help=True)
+app = typer.Typer(cls=XfflSubGroup, help="List, show, copy (init) and check site profiles.",
+                  no_args_is_help=True)
 
 NameArg = Annotated[str, typer.Argument(
         metavar="NAME", help="Profile name (file NAME.yaml).")]

@@ -125,6 +125,27 @@ def test_options_from_the_environment(xffl_home: Path, monkeypatch: pytest.Monke
     assert Registry().list_runs()[0].id == run_id  # nothing submitted
 
 
+@pytest.mark.parametrize("name, value", [
+    ("XFFL_VERSION", "0.1.0"), ("XFFL_VERSION", "1"), ("XFFL_INSTALL_COMPLETION", "1"),
+    ("XFFL_SHOW_COMPLETION", "1"), ("XFFL_HELP", "1"), ("XFFL_RUNS_HELP", "1"),
+    ("XFFL_PROFILES_HELP", "1"), ("XFFL_PROFILES_LIST_HELP", "1")])
+def test_only_command_options_read_the_environment(
+        xffl_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+        value: str) -> None:
+    """The root's options (--version, --install-completion, --show-completion) and --help are
+    not options of a command: ``XFFL_<NAME>`` sets none of them (issue 31, item 8)."""
+    home = tmp_path / "user"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("SHELL", "/bin/bash")
+    monkeypatch.setenv(name, value)
+    argv = ["profiles", "list", "--json"] if "PROFILES" in name else ["runs", "--json"]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert isinstance(json.loads(result.stdout), list)  # the command ran, nothing else
+    assert list(home.iterdir()) == []  # no completion script, no ~/.bashrc
+
+
 @pytest.mark.parametrize("command", ["status", "simulate", "aggregate"])
 def test_help_in_a_pipe_is_plain_text(command: str) -> None:
     """No panels, no padding, paragraphs re-wrapped (docstring line breaks left no stray
