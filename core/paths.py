@@ -36,6 +36,12 @@ def xffl_home() -> Path:
     return (Path(base) / "xffl").resolve()
 
 
+def config_dir() -> Path:
+    """The user's xffl configuration folder: $XDG_CONFIG_HOME/xffl, else ~/.config/xffl."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "xffl"
+
+
 def runs_dir() -> Path:
     """The folder that holds one run directory per run."""
     return xffl_home() / "runs"
