@@ -1,10 +1,11 @@
 """A cache of seeded initial models, so that a run does not build the same round-0 model again.
 
 The seeded round-0 global is a pure function of the model spec, the seed, the shard size and
-the code that initialises it (``INIT_VERSION``, the torch version). Building it imports torch
-(2 CPU-seconds in every run's supervisor) and, for a 7B preset, holds the fp32 model in RAM
-for minutes. The first run writes its initial model into the cache; a later run with the same
-key verifies the entry (every checksum) and takes its files (hard links, else copies) under a
+the code that initialises it (``INIT_VERSION``, the numpy, torch and transformers versions).
+Writing it imports torch (2 CPU-seconds in every run's supervisor) and, for a 7B preset,
+streams 27 GB through numpy's generator for a minute or more (:mod:`xffl.training.seeded`).
+The first run writes its initial model into the cache; a later run with the same key
+verifies the entry (every checksum) and takes its files (hard links, else copies) under a
 manifest of its own. Entries live in ``$XDG_CACHE_HOME/xffl/init/<key>`` (else
 ``~/.cache/xffl``), owner-only, written atomically. A model from ``model.init`` or
 ``model.entry_point`` is never cached: its weights come from files or code xffl does not
@@ -43,11 +44,11 @@ def init_key(model: ModelSpec, seed: int, max_shard_bytes: int | None) -> str | 
     """The cache key of a seeded initial model, or None when it is not cacheable."""
     if model.init is not None or model.entry_point is not None:
         return None
-    try:
-        torch_version = metadata.version("torch")
+    try:  # numpy draws the values (xffl.training.seeded), transformers lays out the tensors
+        versions = {lib: metadata.version(lib) for lib in ("numpy", "torch", "transformers")}
     except metadata.PackageNotFoundError:
         return None
-    data = {"init": INIT_VERSION, "torch": torch_version, "seed": seed,
+    data = {"init": INIT_VERSION, **versions, "seed": seed,
             "shard": max_shard_bytes, "model": model.model_dump(mode="json")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:40]
 
