@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -86,6 +87,10 @@ class SshTransfer(_Strict):
                              description="seconds between connection attempts")
     buffer_size: int = Field(default=4 << 20, ge=4096, le=1 << 30,
                              description="bytes per read/write of a file transfer")
+    copy_factor: float = Field(
+        default=4.0, ge=1, le=1000, description="one copy back from the site (an update) may "
+        "hold this many times the files and bytes of the run's round-0 global, plus 64 MiB and "
+        "64 entries for its JSON files; more is refused before it is written")
 
 
 class SshConnector(_Strict):
@@ -119,6 +124,37 @@ class SshConnector(_Strict):
 
 
 _SHELL_UNSAFE = set('"$`\\')
+# an environment variable's name, as POSIX sh and StreamFlow's `export NAME=...` take it
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# a workdir's characters besides letters and digits: StreamFlow joins the workdir, unquoted,
+# into the commands it runs at an SSH site (mkdir, tar -C, ln, rm -rf, sbatch --chdir "...")
+WORKDIR_PUNCTUATION = frozenset("_./-+,:@%=")
+WORKDIR_PLACEHOLDERS = ("{xffl_home}", "{site}")
+
+
+def shell_unsafe_char(path: str) -> str | None:
+    """The first character of ``path`` that a shell would read as more than a path, if any.
+
+    Letters, digits, ``_ . / - + , : @ % =`` and the workdir placeholders are plain text to
+    sh even unquoted; anything else (blanks, quotes, ``$ ` ; & | < > ( ) * ? [ ] ~ \\``,
+    ``#``, ``!``, ``{``, control characters) is refused where a path reaches a shell unquoted.
+    """
+    for placeholder in WORKDIR_PLACEHOLDERS:
+        path = path.replace(placeholder, "")
+    return next((c for c in path if not (c.isalnum() or c in WORKDIR_PUNCTUATION)), None)
+
+
+def _workdir(value: str) -> str:
+    """A workdir is plain path text to an unquoted shell word (see :func:`shell_unsafe_char`)."""
+    check_path_text(value)
+    bad = shell_unsafe_char(value)
+    if bad is not None:
+        raise ValueError(
+            f"{value!r} holds {bad!r}, which StreamFlow would pass unquoted to a shell at the "
+            "site (mkdir, tar, sbatch --chdir); use an absolute path of letters, digits and "
+            "_ . / - + , : @ % = (and the {xffl_home} and {site} placeholders)")
+    return value
+
 # StreamFlow renders the batch template with Jinja2 a second time; the site's own lines sit
 # in a {% raw %} block there, which only a Jinja2 statement tag could end
 _TEMPLATE_TAG = "{%"
@@ -270,12 +306,15 @@ class SiteProfile(_Strict):
     workdir: str = Field(
         default="{xffl_home}/sites/{site}",
         description="where relative data paths and scratch live at the site; "
-        "{xffl_home} and {site} are substituted",
+        "{xffl_home} and {site} are substituted; letters, digits and _ . / - + , : @ % = only",
     )
-    env: dict[str, str] = Field(default_factory=dict, description="environment of the ranks")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment of the ranks; each value is literal "
+        "text, exported shell-quoted (no $VAR or `...` expansion; use setup for that)")
 
     _name = field_validator("name")(check_name)
-    _paths = field_validator("python", "workdir")(_path)
+    _paths = field_validator("python")(_path)
+    _workdir_text = field_validator("workdir")(_workdir)
 
     def with_slurm(self, override: SlurmOverride | None) -> SiteProfile:
         """This profile with a job spec's SLURM overrides applied (ValueError: no SLURM here)."""
@@ -289,11 +328,15 @@ class SiteProfile(_Strict):
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for key, text in value.items():
-            if not key.replace("_", "a").isalnum() or key[0].isdigit():
-                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if not ENV_NAME_RE.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name; use "
+                                 "letters, digits and _, not starting with a digit")
             if "$(" in text or "${" in text:  # CWL's EnvVarRequirement evaluates them
                 raise ValueError(f"the value of {key} holds '$(' or '${{', which CWL reads as "
                                  "an expression; give the plain value")
+            if "\0" in text:
+                raise ValueError(f"the value of {key} holds a NUL character, which no "
+                                 "environment can hold; remove it")
             template_text(text)
         return value
 

@@ -17,11 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
 from xffl.core.paths import xffl_home
 from xffl.site_profiles.login import Login, resolve
-from xffl.site_profiles.schema import LocalConnector, SiteProfile, SlurmSpec
+from xffl.site_profiles.schema import (
+    LocalConnector,
+    SiteProfile,
+    SlurmSpec,
+    shell_unsafe_char,
+)
 
 # the names xffl's StreamFlow plugin registers (xffl.workflows.sf_plugin)
 FAILURE_MANAGER = "xffl"
@@ -42,8 +48,19 @@ _SBATCH_OPTIONS = (
 
 
 def site_workdir(profile: SiteProfile, site: str) -> str:
-    """The profile's working directory for ``site`` with placeholders substituted."""
-    return profile.workdir.replace("{xffl_home}", str(xffl_home())).replace("{site}", site)
+    """The profile's working directory for ``site`` with placeholders substituted.
+
+    The profile's text is checked by its schema; ``{xffl_home}`` (this machine's XFFL_HOME)
+    must be as plain, since StreamFlow passes the workdir unquoted to the site's shell.
+    """
+    home = str(xffl_home())
+    if "{xffl_home}" in profile.workdir and (bad := shell_unsafe_char(home)) is not None:
+        raise InvalidInput(
+            f"site {site!r}: the workdir of profile {profile.name!r} is under XFFL_HOME "
+            f"{home!r}, which holds {bad!r}; StreamFlow passes the workdir unquoted to a shell, "
+            "so set XFFL_HOME to a path of letters, digits and _ . / - + , : @ % =, or give "
+            "the profile an absolute workdir")
+    return profile.workdir.replace("{xffl_home}", home).replace("{site}", site)
 
 
 def site_python(profile: SiteProfile) -> str:
@@ -153,6 +170,9 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
         "connectTimeout": conn.transfer.connect_timeout, "retries": conn.transfer.retries,
         "retryDelay": conn.transfer.retry_delay,
         "transferBufferSize": conn.transfer.buffer_size,
+        # a copy back (an update) is capped by the kind and size of the run's global
+        "copyReference": str(RunLayout(final).initial_model),
+        "copyFactor": conn.transfer.copy_factor,
     }
     if conn.known_hosts is not None:  # StreamFlow checks the host key as xffl does
         login["knownHosts"] = str(Path(conn.known_hosts).expanduser())

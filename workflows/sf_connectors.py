@@ -23,7 +23,9 @@ StreamFlow also renders each batch template with a plain ``jinja2.Template``
 ``{{ lipsum.__globals__.os.system(...) }}`` runs code on the coordinator. The site profile
 schema refuses Jinja2 statements in the lines a site contributes; ``xffl-slurm`` also renders
 its templates in Jinja2's sandbox (:class:`SandboxedTemplateMap`), so a template that got
-past the schema still cannot reach Python.
+past the schema still cannot reach Python. Its ``streamflow_environment`` and
+``streamflow_workdir`` are shell-quoted (:mod:`xffl.workflows.sf_shell`), and the workdir
+it passes to ``sbatch --chdir "..."`` (upstream's double quotes) must be plain path text.
 """
 
 from __future__ import annotations
@@ -31,19 +33,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 from collections.abc import MutableMapping, MutableSequence
 from pathlib import Path
 from typing import Any
 
-from streamflow.core import utils
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.local import LocalConnector
 from streamflow.deployment.connector.queue_manager import SlurmConnector
 from streamflow.deployment.template import CommandTemplateMap
 
+from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.sf_failure import TIMEOUT_MARK
+from xffl.workflows.sf_shell import create_command, environment_words
 
 KILL_GRACE_S = 10.0
 STDOUT = asyncio.subprocess.STDOUT
@@ -68,6 +72,18 @@ class SandboxedTemplateMap(CommandTemplateMap):
         sources = {"__DEFAULT__": default, **(template_map or {})}
         self.templates = {name: env.from_string(src) for name, src in sources.items()}
 
+    def get_command(self, command: str, template: str | None = None,
+                    environment: MutableMapping[str, str] | None = None,
+                    workdir: str | None = None, **kwargs: Any) -> str:
+        """Upstream's rendering, with the environment and the workdir shell-quoted."""
+        name = template if template is not None and template in self.templates \
+            else "__DEFAULT__"
+        return self.templates[name].render(
+            streamflow_command=command,
+            streamflow_environment=" && ".join(environment_words(environment)),
+            streamflow_workdir=shlex.quote(workdir) if workdir is not None else None,
+            **kwargs)
+
 
 class XfflSlurmConnector(SlurmConnector):
     """SlurmConnector whose ``timeout`` is a deadline from submission, then scancel."""
@@ -87,7 +103,14 @@ class XfflSlurmConnector(SlurmConnector):
                                  workdir: str | None = None, stdin: int | str | None = None,
                                  stdout: int | str = STDOUT, stderr: int | str = STDOUT,
                                  timeout: int | None = None) -> str:
-        """sbatch, keeping the facility's time limit; record the job id."""
+        """sbatch, keeping the facility's time limit; record the job id.
+
+        Upstream writes ``--chdir "{workdir}"``: the workdir must be plain path text.
+        """
+        if workdir is not None and shell_unsafe_char(workdir) is not None:
+            raise WorkflowExecutionException(
+                f"refused to submit {job_name}: its folder {workdir!r} holds "
+                f"{shell_unsafe_char(workdir)!r}, which sbatch's command line would expand")
         job_id: str = await super()._run_batch_command(
             command, environment, job_name, location, workdir, stdin, stdout, stderr, None)
         self._job_ids[job_name] = job_id
@@ -147,8 +170,8 @@ class XfflLocalConnector(LocalConnector):
                 location, command, environment, workdir, stdin, stdout, stderr,
                 capture_output, timeout, job_name)
             return result
-        line = utils.create_command(self.__class__.__name__, command, environment, workdir,
-                                    stdin, stdout, stderr)
+        line = create_command(self.__class__.__name__, command, environment, workdir,
+                              stdin, stdout, stderr)
         pipe = asyncio.subprocess.PIPE if capture_output else asyncio.subprocess.DEVNULL
         proc = await asyncio.create_subprocess_exec(
             self._get_shell(), "-c", line, env=os.environ | location.environment,

@@ -1,7 +1,7 @@
 """xffl's StreamFlow plugin: the site failure manager, the data manager that times transfers,
 the connectors for facilities (deadlines kept, transfers from untrusted sites extracted
-safely), the directory-listing adapter and the translation adapter (each tool file parsed
-once).
+safely), the directory-listing adapter, the translation adapter (each tool file parsed
+once) and the command-line adapter (environment values and workdirs shell-quoted).
 
 Loaded by StreamFlow through the entry point ``unito.streamflow.plugin`` (pyproject.toml), so
 ``streamflow run streamflow.yml`` in a plan directory finds the same extensions as
@@ -22,6 +22,7 @@ from xffl.workflows.deployments import (
 from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
 from xffl.workflows.sf_failure import SiteFailureManager
 from xffl.workflows.sf_listing import install as install_listing_fix
+from xffl.workflows.sf_shell import install as install_shell_quoting
 from xffl.workflows.sf_ssh import XfflSshConnector
 from xffl.workflows.sf_transfers import TransferClock
 from xffl.workflows.sf_translate import install as install_translation_fix
@@ -33,6 +34,7 @@ class XfflPlugin(StreamFlowPlugin):
     def register(self) -> None:
         """Called by StreamFlow when it loads its extensions."""
         install_listing_fix()
+        install_shell_quoting()
         install_translation_fix()
         self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
         self.register_data_manager(DATA_MANAGER, TransferClock)

@@ -23,6 +23,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.names import NAME_RE
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.site_profiles.lookup import available
+from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.deployments import site_data_path
 from xffl.workflows.plan import write_plan
 
@@ -178,7 +179,9 @@ def test_profile_file_name_and_workdir(work: Path, name: str, workdir: str) -> N
     job = _write(folder, _spec(profile="mine"))
     loaded = _load(job, {"name", "workdir"}, file=prof)
     # the file is mine.yaml: a profile named otherwise is refused (the name must match)
-    assert (loaded is not None) == (name == "mine" and valid_path(workdir)), (name, workdir)
+    # a workdir reaches the site's shell unquoted: plain path text only (schema.shell_unsafe_char)
+    plain = valid_path(workdir) and shell_unsafe_char(workdir) is None
+    assert (loaded is not None) == (name == "mine" and plain), (name, workdir)
     if loaded is None:
         return
     assert loaded.profiles["alpha"].name == "mine" == name
