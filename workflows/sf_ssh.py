@@ -6,8 +6,11 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
 * a copy from the site is a tar stream that ``streamflow.deployment.connector.base.
   extract_tar_stream`` extracts with no member filter: names with ``..`` or absolute names
   land outside the destination, links and devices are created as they come. Here every
-  member must be a regular file or a folder under the copied path, files are created without
-  following links, and the bytes of one copy are capped (``maxCopyBytes``);
+  member must be a regular file or a folder under the copied path, resolved on disk under the
+  destination (a folder there that is a link to elsewhere is refused), files are created
+  without following links, and one copy's bytes and members are capped: by what the run's
+  round-0 global holds (``copyReference``) times ``copyFactor`` plus room for the JSON files,
+  and never above ``maxCopyBytes``/``maxCopyMembers``;
 * the job folders StreamFlow creates at the site are ``mkdir -m 777``: another user of the
   facility could swap a job's ``update/`` before it is copied back. Here they are ``700``;
 * host keys are checked against the user's ``~/.ssh/known_hosts`` only; here the site
@@ -31,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import posixpath
 import tarfile
 import urllib.parse
 from collections.abc import MutableMapping, MutableSequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncssh
@@ -55,6 +60,12 @@ from streamflow.deployment.connector.ssh import (
 from streamflow.log_handler import logger
 
 MAX_COPY_BYTES = 4 << 40  # 4 TiB: far above a checkpoint, far below a full disk's worth
+MAX_COPY_MEMBERS = 100_000  # files and folders of one copy; a checkpoint has a few hundred
+# beyond copyFactor x the reference: an update's JSON files (manifest, config, index,
+# slurm_job.json, ...; the coordinator reads each only below 16 MiB) and their folders
+COPY_SLACK_BYTES = 64 << 20
+COPY_SLACK_MEMBERS = 64
+DEFAULT_COPY_FACTOR = 4.0  # an update in fp32 of a 16-bit global is 2x; twice that again
 _OWNER_ONLY = "700"
 # upstream's hardware probe (cores, memory in KiB, then "mount type KiB" per file system)
 _PROBE = ("nproc && free | grep Mem | awk '{print $2}' && df -aT | tail -n +2 | "
@@ -67,34 +78,72 @@ class UnsafeArchive(WorkflowExecutionException):
     """A tar stream from a site held something a checkpoint copy never holds."""
 
 
+@dataclass(frozen=True)
+class CopyCaps:
+    """The most bytes and members (files and folders) one copy from a site may extract."""
+
+    bytes: int = MAX_COPY_BYTES
+    members: int = MAX_COPY_MEMBERS
+
+
+def reference_caps(reference: str | None, factor: float, ceiling: CopyCaps) -> CopyCaps:
+    """The caps of a copy that holds at most ``factor`` times the files under ``reference``.
+
+    ``reference`` is the run's round-0 global: its kind (a whole model, a LoRA adapter) is
+    what every update of the run has. Without one, or before it exists, ``ceiling``.
+    """
+    if reference is None or not os.path.isdir(reference):
+        return ceiling
+    size = count = 0
+    for folder, dirs, files in os.walk(reference):
+        count += len(dirs) + len(files)
+        size += sum(os.lstat(os.path.join(folder, f)).st_size for f in files)
+    return CopyCaps(bytes=min(ceiling.bytes, math.ceil(factor * size) + COPY_SLACK_BYTES),
+                    members=min(ceiling.members,
+                                math.ceil(factor * (count + 1)) + COPY_SLACK_MEMBERS))
+
+
+def _inside(path: str, real_dst: str) -> bool:
+    """Whether ``path``, its links resolved on disk, is ``real_dst`` or under it."""
+    return os.path.commonpath([os.path.realpath(path), real_dst]) == real_dst
+
+
 async def safe_extract(tar: aiotarstream.AioTarStream, src: str, dst: str,
-                       buffer_size: int, max_bytes: int = MAX_COPY_BYTES) -> None:
+                       buffer_size: int, caps: CopyCaps = CopyCaps()) -> None:
     """Extract the copy of ``src`` into ``dst``: regular files and folders under it only.
 
     A member named ``<basename(src)>[/rest]`` becomes ``dst[/rest]``; anything else (an
-    absolute name, ``..``, a name outside the copied folder, a link, a device or FIFO, more
-    than ``max_bytes`` in all) raises UnsafeArchive before it is written.
+    absolute name, ``..``, a name outside the copied folder, a link, a device or FIFO, a
+    path that a link already on disk would lead out of ``dst``, more than ``caps`` in
+    all) raises UnsafeArchive before it is written.
     """
     root = posixpath.basename(src.rstrip("/"))
     real_dst = os.path.realpath(dst)
-    total = 0
+    total = members = 0
     async for member in tar:
         name = member.name
+        members += 1
+        if members > caps.members:
+            raise UnsafeArchive(f"refused to extract {name!r}: the copy of {src} holds more "
+                                f"than {caps.members} files and folders")
         parts = [p for p in name.split("/") if p not in ("", ".")]
         if name.startswith("/") or ".." in parts or not parts or parts[0] != root:
             raise UnsafeArchive(f"refused to extract {name!r}: not a path under {root}")
         if not (member.isreg() or member.isdir()):
             raise UnsafeArchive(f"refused to extract {name!r}: not a regular file or folder")
         target = os.path.join(real_dst, *parts[1:])
-        if os.path.commonpath([target, real_dst]) != real_dst:
-            raise UnsafeArchive(f"refused to extract {name!r}: outside {dst}")
+        # the name stays under dst (above); on disk, a folder on its way may be a link
+        # (left by anyone who can write there): resolved, it must stay under dst too
+        if not _inside(target if member.isdir() else os.path.dirname(target), real_dst):
+            raise UnsafeArchive(f"refused to extract {name!r}: a link on its way leads "
+                                f"outside {dst}")
         if member.isdir():
             os.makedirs(target, mode=0o700, exist_ok=True)
             continue
         total += member.size
-        if total > max_bytes:
+        if total > caps.bytes:
             raise UnsafeArchive(f"refused to extract {name!r}: the copy of {src} exceeds "
-                                f"{max_bytes} bytes")
+                                f"{caps.bytes} bytes")
         os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
         # O_NOFOLLOW: a link put there by an earlier member (never, see above) or anyone else
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -132,10 +181,16 @@ class XfflSshConnector(SSHConnector):
     """SSHConnector with safe extraction, owner-only folders and the profile's known_hosts."""
 
     def __init__(self, *args: Any, knownHosts: str | None = None,
-                 maxCopyBytes: int = MAX_COPY_BYTES, **kwargs: Any) -> None:
-        """As SSHConnector, with ``knownHosts`` and ``maxCopyBytes``."""
+                 maxCopyBytes: int = MAX_COPY_BYTES, maxCopyMembers: int = MAX_COPY_MEMBERS,
+                 copyReference: str | None = None, copyFactor: float = DEFAULT_COPY_FACTOR,
+                 **kwargs: Any) -> None:
+        """As SSHConnector, with ``knownHosts`` and the caps of a copy from the site."""
         self.knownHosts = knownHosts
         self.maxCopyBytes = maxCopyBytes
+        self.maxCopyMembers = maxCopyMembers
+        self.copyReference = copyReference
+        self.copyFactor = copyFactor
+        self._caps: CopyCaps | None = None
         super().__init__(*args, **kwargs)
         self._cls_context = _KnownHostsContext
 
@@ -150,7 +205,7 @@ class XfflSshConnector(SSHConnector):
 
     @classmethod
     def get_schema(cls) -> str:
-        """Upstream's schema of the ssh connector, with knownHosts and maxCopyBytes."""
+        """Upstream's schema of the ssh connector, with knownHosts and the copy caps."""
         upstream: dict[str, Any] = json.loads(super().get_schema())
         base = urllib.parse.urljoin(upstream["$id"], upstream["$ref"])  # .../base/ssh.json
         return json.dumps({
@@ -164,6 +219,13 @@ class XfflSshConnector(SSHConnector):
                                "StreamFlow)"},
                 "maxCopyBytes": {"type": "integer", "minimum": 1, "description": "the most "
                                  "bytes one copy from the site may extract"},
+                "maxCopyMembers": {"type": "integer", "minimum": 1, "description": "the most "
+                                   "files and folders one copy from the site may extract"},
+                "copyReference": {"type": "string", "description": "a folder on this machine "
+                                  "(the run's round-0 global) whose size, times copyFactor, "
+                                  "caps a copy from the site"},
+                "copyFactor": {"type": "number", "minimum": 1, "description": "the multiple "
+                               "of copyReference one copy may hold"},
             },
             "unevaluatedProperties": False,
         })
@@ -217,6 +279,16 @@ class XfflSshConnector(SSHConnector):
             raise
         return shell
 
+    def copy_caps(self) -> CopyCaps:
+        """This site's caps of one copy (from ``copyReference`` once it exists, then kept)."""
+        if self._caps is not None:
+            return self._caps
+        ceiling = CopyCaps(self.maxCopyBytes, self.maxCopyMembers)
+        caps = reference_caps(self.copyReference, self.copyFactor, ceiling)
+        if self.copyReference is None or os.path.isdir(self.copyReference):
+            self._caps = caps
+        return caps
+
     async def copy_remote_to_local(self, src: str, dst: str, location: ExecutionLocation,
                                    read_only: bool = False) -> None:
         """Upstream's tar-over-SSH copy, extracted with :func:`safe_extract`."""
@@ -227,7 +299,7 @@ class XfflSshConnector(SSHConnector):
                 async with aiotarstream.open(stream=reader, mode="r",
                                              copybufsize=self.transferBufferSize) as tar:
                     await safe_extract(tar, src, dst, self.transferBufferSize,
-                                       self.maxCopyBytes)
+                                       self.copy_caps())
             except tarfile.TarError as exc:
                 raise WorkflowExecutionException(
                     f"FAILED copy from {src} from location {location} to {dst}: {exc}") from exc

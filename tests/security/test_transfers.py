@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 
 from tests.workflows.test_sf_plugin import final_global, run_rounds
-from xffl.workflows.sf_ssh import UnsafeArchive, safe_extract
+from xffl.workflows.sf_ssh import (
+    COPY_SLACK_BYTES,
+    COPY_SLACK_MEMBERS,
+    CopyCaps,
+    UnsafeArchive,
+    reference_caps,
+    safe_extract,
+)
 
 
 class _Stream:
@@ -96,7 +103,52 @@ def test_a_hostile_member_is_refused(tmp_path: Path, member: Any, why: str) -> N
 def test_the_size_of_a_copy_is_capped(tmp_path: Path) -> None:
     data = _tar([_file("update/a", b"a" * 600), _file("update/b", b"b" * 600)])
     with pytest.raises(UnsafeArchive, match="exceeds 1000 bytes"):
-        _extract(safe_extract, data, tmp_path / "update", 1000)
+        _extract(safe_extract, data, tmp_path / "update", CopyCaps(bytes=1000))
+
+
+def test_the_number_of_members_of_a_copy_is_capped(tmp_path: Path) -> None:
+    """Empty files cost no bytes, but each is a file (an inode, a tar header) at the end."""
+    data = _tar([_file(f"update/{i}", b"") for i in range(11)])
+    with pytest.raises(UnsafeArchive, match="more than 10 files and folders"):
+        _extract(safe_extract, data, tmp_path / "update", CopyCaps(members=10))
+    assert len(list((tmp_path / "update").iterdir())) == 10  # refused at the 11th
+
+
+def test_the_caps_follow_the_size_of_the_runs_global(tmp_path: Path) -> None:
+    """copyFactor x the round-0 global (+ room for JSON files), never above the ceiling."""
+    glob = tmp_path / "rounds" / "0" / "global"
+    glob.mkdir(parents=True)
+    (glob / "model.safetensors").write_bytes(b"w" * 1000)
+    (glob / "manifest.json").write_bytes(b"{}")
+    ceiling = CopyCaps()
+    caps = reference_caps(str(glob), 4.0, ceiling)
+    # 4 x 1002 bytes + 64 MiB; 4 x (2 files + the folder) + 64 entries
+    assert caps == CopyCaps(bytes=4008 + COPY_SLACK_BYTES, members=12 + COPY_SLACK_MEMBERS)
+    assert reference_caps(str(glob), 4.0, CopyCaps(bytes=100, members=5)) == \
+        CopyCaps(bytes=100, members=5)
+    assert reference_caps(str(tmp_path / "none"), 4.0, ceiling) == ceiling
+    # an update twice the global's factor is refused, one within it extracted
+    big = _tar([_file("update/model.safetensors", b"w" * (caps.bytes + 1))])
+    with pytest.raises(UnsafeArchive, match=f"exceeds {caps.bytes} bytes"):
+        _extract(safe_extract, big, tmp_path / "big", caps)
+    _extract(safe_extract, _tar([_file("update/model.safetensors", b"w" * 4000)]),
+             tmp_path / "ok", caps)
+    assert (tmp_path / "ok" / "model.safetensors").stat().st_size == 4000
+
+
+def test_a_link_on_disk_in_the_destination_is_not_followed(tmp_path: Path) -> None:
+    """A folder in the destination that is a link to elsewhere (put there by anyone who could
+    write it) would carry a plain, well-named member out of the destination."""
+    dst = tmp_path / "job" / "update"
+    dst.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (dst / "sub").symlink_to(outside)
+    for member in (_file("update/sub/model.bin", b"owned"),
+                   (_entry("update/sub/deeper", tarfile.DIRTYPE)[0], None)):
+        with pytest.raises(UnsafeArchive, match="a link on its way leads outside"):
+            _extract(safe_extract, _tar([member]), dst)
+    assert list(outside.iterdir()) == []
 
 
 def test_upstream_extracts_outside_the_destination_and_creates_links(tmp_path: Path) -> None:
