@@ -84,13 +84,24 @@ def parse_evaluation(path: Path, site: str, models: list[str], budget: int) -> S
         parts = ([f"models not sent: {', '.join(repr(n[:64]) for n in extra)}"] if extra
                  else []) + ([f"models missing: {', '.join(missing)}"] if missing else [])
         raise EvaluationRejected("; ".join(parts))
+    losses: dict[str, float] = {}
     for name in models:
-        loss = float(result.losses[name])
+        value = result.losses[name]
+        try:
+            loss = float(value)
+        except OverflowError:  # a whole number too big for a float (10**400)
+            loss = math.inf
         if not math.isfinite(loss) or loss < 0:
-            raise EvaluationRejected(f"the loss of model {name} is {loss!r}, not a finite "
-                                     "number >= 0")
+            raise EvaluationRejected(f"the loss of model {name} is {_short(value)}, not a "
+                                     "finite number >= 0")
+        losses[name] = loss
     if not 1 <= result.samples <= budget:
-        raise EvaluationRejected(f"samples is {result.samples}, outside 1..{budget} (the "
-                                 "job's evaluation budget)")
-    return SiteEvaluation(site=site, samples=result.samples,
-                          losses={name: float(result.losses[name]) for name in models})
+        raise EvaluationRejected(f"samples is {_short(result.samples)}, outside 1..{budget} "
+                                 "(the job's evaluation budget)")
+    return SiteEvaluation(site=site, samples=result.samples, losses=losses)
+
+
+def _short(value: float) -> str:
+    """A site's number as a reason may quote it: at most 24 characters."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"

@@ -88,8 +88,9 @@ async def _execute(layout: RunLayout, name: str, outdir: Path, timeout: float) -
             await context.close()  # StreamFlow's connectors cancel what still runs
 
 
-def _row(plan: EvaluationPlan, outdir: Path, site: str) -> SiteRow:
-    """``site``'s row from the file it sent back, or the reason it has none."""
+def site_row(plan: EvaluationPlan, outdir: Path, site: str) -> SiteRow:
+    """``site``'s row from the file it sent back, or the reason it has none: whatever is
+    wrong with one site's file costs that row only, never the matrix."""
     path = outdir / result_name(site)
     if not path.exists() and not path.is_symlink():
         attempts = read_attempts(RunLayout(outdir), plan.round, site)
@@ -100,6 +101,8 @@ def _row(plan: EvaluationPlan, outdir: Path, site: str) -> SiteRow:
                                                      plan.budgets[site]))
     except EvaluationRejected as exc:
         return SiteRow(site, error=f"its evaluation file was rejected: {exc}")
+    except Exception as exc:  # a problem parse_evaluation did not foresee: still this row's
+        return SiteRow(site, error=f"its evaluation file was rejected: {first_line(exc)}")
 
 
 def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float) -> Outcome:
@@ -139,7 +142,7 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     finally:
         sf_logger.removeHandler(errors)
     outcome = Outcome(run_id=record.id, round=rnd, models=plan.models,
-                      rows=[_row(plan, outdir, s) for s in plan.sites],
+                      rows=[site_row(plan, outdir, s) for s in plan.sites],
                       seconds=time.monotonic() - started)
     registry.record_evaluations(record.id, outcome.cells())
     registry.event(record.id, EVENT, f"round {rnd}: {len(outcome.rows) - len(outcome.failed)} "

@@ -221,6 +221,9 @@ def test_a_good_file_is_read_under_the_coordinators_name(tmp_path: Path) -> None
     (json.dumps({**GOOD, "note": "hi"}), "field note: Extra inputs are not permitted"),
     (json.dumps(GOOD).replace("4.1", "NaN"), "not JSON: NaN is not a number JSON allows"),
     (json.dumps(GOOD).replace("4.1", "1e999"), "the loss of model global is inf"),
+    (json.dumps(GOOD).replace("4.1", "9" * 400), "the loss of model global is 999999999999"
+                                                 "... (400 digits)"),
+    (json.dumps({**GOOD, "samples": 10**400}), "samples is 100000000000... (401 digits)"),
     (json.dumps({**GOOD, "losses": {**GOOD["losses"], "gamma": 1.0}}),
      "models not sent: 'gamma'"),
     (json.dumps({**GOOD, "losses": {"global": 4.1, "alpha": 5.0}}), "models missing: beta"),
@@ -237,8 +240,9 @@ def test_a_good_file_is_read_under_the_coordinators_name(tmp_path: Path) -> None
     (b"\xff\xfe{", "not JSON"),
     ("[" * 20_000, "not JSON"),
     (json.dumps(GOOD) + " " * (10 << 20), "bytes, more than the 65536 allowed"),
-], ids=["extra-key", "nan", "overflow", "not-sent", "missing", "negative", "over-budget",
-        "zero-samples", "float-samples", "bool-samples", "string-loss", "format", "site",
+], ids=["extra-key", "nan", "overflow", "big-int-loss", "big-int-samples", "not-sent",
+        "missing", "negative", "over-budget", "zero-samples", "float-samples", "bool-samples",
+        "string-loss", "format", "site",
         "not-an-object", "not-utf8", "deep", "10MB"])
 def test_a_hostile_file_is_rejected_with_its_reason(tmp_path: Path, text: str | bytes,
                                                     reason: str) -> None:
