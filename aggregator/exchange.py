@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from xffl.aggregator.safetensors_io import SafetensorsReader
+from xffl.aggregator.safetensors_io import MAX_HEADER, SafetensorsReader
 from xffl.aggregator.shards import (
     ADAPTER_FILE,
     INDEX_FILE,
@@ -43,6 +43,12 @@ MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read onl
 # the sequences behind them; numbers about the site's round, not properties of an aggregate
 VALIDATION_METRICS = ("val_loss", "val_loss_update", "val_samples")
 SITE_ONLY_METRICS = (*VALIDATION_METRICS, "val_tokens", "eval_seconds")
+# what a site's training reports about its round (xffl.training.trainer)
+TRAINING_METRICS = ("loss", "loss_first", "loss_last", "tokens_per_s", "train_seconds", "steps",
+                    "lr_last", "startup_seconds")
+# the only metric names an update may carry: a site cannot fill the global's manifest with
+# names of its own (the global carries the mean of each, and every site's numbers)
+KNOWN_METRICS = frozenset((*TRAINING_METRICS, *SITE_ONLY_METRICS))
 _CHUNK = 8 << 20
 
 
@@ -101,7 +107,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             if len(raw) != 8:
                 raise CheckpointError(f"{path}: not a safetensors file (too short).")
             (size,) = struct.unpack("<Q", raw)
-            if size > 100 << 20:
+            if size > MAX_HEADER:
                 raise CheckpointError(f"{path}: safetensors header too large ({size} bytes).")
             header = json.loads(fh.read(size))
     except (OSError, ValueError) as exc:

@@ -199,6 +199,7 @@ def aggregate(
     extra: Mapping[str, Any] | None = None,
     max_shard_size: int | str | None = None,
     decoding: Decoding | None = None,
+    config: bytes | None = None,
 ) -> Manifest:
     """Write the weighted FedAvg of ``updates`` as a global checkpoint at ``out_dir``.
 
@@ -208,6 +209,8 @@ def aggregate(
     with them raises CheckpointError. A model of more than ``max_shard_size`` (bytes or a
     string such as "5GB"; None: never) is written as Hugging Face shards with an index json.
     ``decoding``: the updates are encoded (deltas, narrower dtypes) against that global.
+    ``config``: the coordinator's config bytes for the global (the updates' must equal them
+    as JSON); without it, its own serialisation of the updates' shared config value.
     The output appears atomically; on failure
     ``out_dir`` keeps its previous content. Inputs are not verified here: run
     :func:`xffl.aggregator.verify.select_updates` first.
@@ -217,7 +220,7 @@ def aggregate(
     max_bytes = parse_size(max_shard_size)
     ups = open_updates(updates, decoding)
     try:
-        prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
+        prep = prepare(ups, weights, weighting, run_id, round, parent_digest, config)
         st_meta = {"format": "pt", **(metadata or {})}
         with staged_dir(Path(out_dir)) as tmp:
             model_file, config_file = output_names(prep.adapter)

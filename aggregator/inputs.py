@@ -3,7 +3,9 @@
 Every strategy starts here: :func:`open_updates` reads the manifests and opens each model
 (one file or Hugging Face shards, :func:`xffl.aggregator.shards.open_model`) in a canonical
 order (site, then digest); :func:`prepare` assigns weights and checks that run, round,
-parent, tensor layout and config.json agree.
+parent, tensor layout and config.json agree. The config a global is written with is the
+coordinator's (the round's incoming global's bytes, :func:`own_config`), or its own
+serialisation of the value the updates share: never an update's bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from xffl.aggregator.exchange import (
     TensorInfo,
     index_of,
     read_manifest,
+    read_small_file,
 )
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
 from xffl.aggregator.shards import TensorReader, config_name, is_adapter, open_model
@@ -158,8 +161,23 @@ def same_config(a: tuple[bytes | None, Any], b: tuple[bytes | None, Any]) -> boo
     return (a[0] is None) == (b[0] is None) and a[1] == b[1]
 
 
-def _common_config(ups: list[Update]) -> bytes | None:
-    """config.json of the first update, after checking that all updates carry the same one."""
+def canonical_config(value: Any) -> bytes:
+    """The coordinator's own serialisation of a config value (what a global is written with
+    when no reference config is given)."""
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
+def own_config(global_dir: Path) -> bytes | None:
+    """The config bytes of a global the coordinator holds (config.json, or adapter_config.json
+    for an adapter), under the JSON size cap; None when it has none."""
+    path = Path(global_dir) / config_name(Path(global_dir))
+    return read_small_file(path) if path.is_file() else None
+
+
+def _common_config(ups: list[Update], reference: bytes | None) -> bytes | None:
+    """The config the global is written with, after checking that all updates carry the same
+    one (equal as JSON values, and to ``reference``'s when given): ``reference`` itself, or
+    the coordinator's serialisation of the shared value. An update's bytes never pass on."""
     first = read_config(ups[0].path, ups[0].site)
     name = config_name(ups[0].path)
     for u in ups[1:]:
@@ -170,7 +188,12 @@ def _common_config(ups: list[Update]) -> bytes | None:
             raise CheckpointError(
                 f"{name} of site '{u.site}' differs from that of site '{ups[0].site}'."
             )
-    return first[0]
+    if reference is not None:
+        if first[0] is not None and json.loads(reference) != first[1]:
+            raise CheckpointError(f"{name} of site '{ups[0].site}' differs from the global "
+                                  "model's.")
+        return reference
+    return None if first[0] is None else canonical_config(first[1])
 
 
 def weighted_metrics(ups: list[Update]) -> dict[str, float]:
@@ -199,7 +222,7 @@ class Prepared:
     round: int
     parent: str | None
     layout: list[TensorInfo]  # the tensor index every update shares
-    config: bytes | None  # the config.json every update shares, if any
+    config: bytes | None  # the coordinator's config.json for the global, if any
     adapter: bool  # the updates are LoRA adapters (written with peft's file names)
     sites: dict[str, dict[str, Any]]  # per-site summary for the global's manifest
 
@@ -211,11 +234,13 @@ def prepare(
     run_id: str | None,
     round: int | None,
     parent_digest: str | None,
+    config: bytes | None = None,
 ) -> Prepared:
     """Checks and derivations every strategy starts with.
 
     One update per site, their weights, the run/round/parent they agree on, the common
-    tensor layout and config, and the per-site summary for the manifest.
+    tensor layout and config (``config``: the coordinator's bytes to write it with), and the
+    per-site summary for the manifest.
     """
     dup = {u.site for u in ups if sum(v.site == u.site for v in ups) > 1}
     if dup:
@@ -225,7 +250,7 @@ def prepare(
     rnd: int = _agree(ups, "round", "round", round)
     parent: str | None = _agree(ups, "parent", "parent", parent_digest)
     layout = _common_layout(ups)
-    config = _common_config(ups)
+    config = _common_config(ups, config)
     total = math.fsum(u.weight for u in ups)
     sites = {
         u.site: {

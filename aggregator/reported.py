@@ -2,8 +2,9 @@
 
 A site's manifest claims how many samples and tokens it trained on (its weight in the
 average), its losses and timings, and what it measured on its held-out data. None of it is
-trusted: each number must be finite, and the counts must lie within what the coordinator
-knows the site's job could have done (:class:`Bounds`).
+trusted: each metric must be one xffl's training reports (:data:`KNOWN_METRICS`) and a finite
+number, and the counts must lie within what the coordinator knows the site's job could have
+done (:class:`Bounds`), and in any case below MAX_COUNT, before any arithmetic is done on them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from xffl.aggregator.exchange import VALIDATION_METRICS, Manifest
+from xffl.aggregator.exchange import KNOWN_METRICS, VALIDATION_METRICS, Manifest
 from xffl.core.errors import CheckpointError
 
 MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
+# no count of a round is near this, whatever the job (2**53: floats hold every smaller integer)
+MAX_COUNT = 2**53
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,10 @@ class Bounds:
 
     ``max_tokens``: steps x batch x accumulation x sequence length x ranks of the site's job
     (balancing and token budgets included); ``max_samples``: the size of its dataset when
-    the job declares it. ``None``: no bound. ``side_files``: files that may come back beside
-    the checkpoint without being part of it (``slurm_job.json``), with their size caps.
+    the job declares it, else the samples those steps read (steps x batch x accumulation x
+    ranks). ``None``: no bound of the job's, only MAX_COUNT. ``side_files``: files that may
+    come back beside the checkpoint without being part of it (``slurm_job.json``), with
+    their size caps.
     """
 
     max_tokens: int | None = None
@@ -39,15 +44,21 @@ class Bounds:
 
 def check_reported(manifest: Manifest, bounds: Bounds) -> None:
     """Counts and metrics are finite numbers within what the site could have done."""
+    unknown = sorted(set(manifest.metrics) - KNOWN_METRICS)
+    if unknown:
+        shown = unknown[0] if len(unknown[0]) <= 64 else unknown[0][:64] + "..."
+        raise CheckpointError(f"it reports {len(unknown)} metric(s) xffl does not know "
+                              f"(first: {shown!r})")
     for name, value in sorted(manifest.metrics.items()):
         if not math.isfinite(value) or abs(value) > MAX_METRIC:
             raise CheckpointError(f"metric {name!r} is {value!r}, not a finite number below "
                                   f"{MAX_METRIC:g}")
     for what, value, cap in (("num_tokens", manifest.num_tokens, bounds.max_tokens),
                              ("num_samples", manifest.num_samples, bounds.max_samples)):
-        if cap is not None and value > cap:
+        limit = MAX_COUNT if cap is None else min(cap, MAX_COUNT)
+        if value > limit:
             shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
-            raise CheckpointError(f"{what} is {shown}, more than the {cap} the site's job "
+            raise CheckpointError(f"{what} is {shown}, more than the {limit} the site's job "
                                   "allows")
     check_validation(manifest.metrics, bounds.max_val_samples)
 

@@ -15,6 +15,7 @@ as fedavg writes them.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from contextlib import closing
@@ -35,7 +36,7 @@ from xffl.aggregator.exchange import (
     staged_dir,
 )
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS
-from xffl.aggregator.inputs import read_config, same_config
+from xffl.aggregator.inputs import canonical_config, read_config, same_config
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import (
     TensorReader,
@@ -52,8 +53,10 @@ from xffl.core.sizes import parse_size
 class RunningAggregate:
     """sum_i w_i x_i per tensor (float64) and sum_i w_i, folded one update at a time."""
 
-    def __init__(self, layout: Sequence[TensorInfo]) -> None:
-        """Zeroed accumulators for the tensors of ``layout`` (the global model's index)."""
+    def __init__(self, layout: Sequence[TensorInfo], config: bytes | None = None) -> None:
+        """Zeroed accumulators for the tensors of ``layout`` (the global model's index);
+        ``config``: the coordinator's config bytes the result is written with (the updates'
+        must equal them as JSON; without it, its own serialisation of their shared value)."""
         self.layout = sorted(layout, key=lambda t: t.name)
         #: one flat float64 accumulator per tensor: sum_i w_i * x_i
         self.sums: dict[str, Array] = {
@@ -63,9 +66,11 @@ class RunningAggregate:
         self.count = 0
         self.num_samples = 0
         self.num_tokens = 0
-        self.config: bytes | None = None
+        self.config: bytes | None = config  # what the result's config file holds
+        self._own = config is not None
         self.adapter = False  # the updates are LoRA adapters
-        self._config_value: Any = None
+        self._config_value: Any = None if config is None else json.loads(config)
+        self._seen: tuple[bytes | None, Any] | None = None  # the first update's config
         self._metric_wsum: dict[str, float] = {}
         self._metric_weight: dict[str, float] = {}
         self._metric_sum: dict[str, float] = {}
@@ -149,9 +154,15 @@ class RunningAggregate:
             raise CheckpointError(f"site '{label}' sent another kind of update (a model or a "
                                   "LoRA adapter) than the sites before it.")
         self.adapter = is_adapter(directory)
-        if self.count == 0:
-            self.config, self._config_value = config
-        elif not same_config(config, (self.config, self._config_value)):
+        if self._own and config[0] is not None and config[1] != self._config_value:
+            raise CheckpointError(f"{config_name(directory)} of site '{label}' differs from "
+                                  "the global model's.")
+        if self._seen is None:
+            self._seen = config
+            if not self._own:  # never the update's bytes: the coordinator's serialisation
+                self._config_value = config[1]
+                self.config = None if config[0] is None else canonical_config(config[1])
+        elif not same_config(config, self._seen):
             raise CheckpointError(f"{config_name(directory)} of site '{label}' differs from "
                                   "that of the updates folded before it.")
 

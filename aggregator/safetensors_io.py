@@ -17,7 +17,6 @@ import math
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,10 +32,18 @@ from xffl.aggregator.dtypes import (
     storage_dtype,
     to_storage,
 )
+from xffl.aggregator.st_header import (
+    MAX_HEADER,
+    TensorEntry,
+    header_cap,
+    no_duplicate_keys,
+    parse_header,
+)
 from xffl.core.errors import CheckpointError
 
 __all__ = [
     "FLOAT_DTYPES",
+    "MAX_HEADER",
     "STORAGE_DTYPES",
     "Array",
     "SafetensorsReader",
@@ -45,52 +52,28 @@ __all__ = [
     "bf16_bits_to_f32",
     "f32_to_bf16_bits",
     "header_bytes",
+    "header_cap",
+    "no_duplicate_keys",
     "storage_dtype",
     "to_storage",
 ]
 
-_MAX_HEADER = 100 << 20
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives in a safetensors file (absolute byte offsets)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        return storage_dtype(self.dtype).itemsize
-
-
-def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json`` object hook that refuses a key given twice (two parsers could each keep a
-    different one of them: a hostile header says one thing to a checker, another to a
-    loader)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 class SafetensorsReader:
-    """A validated view of a safetensors file that maps one tensor, or one slice, at a time."""
+    """A validated view of a safetensors file that maps one tensor, or one slice, at a time.
 
-    def __init__(self, path: Path) -> None:
-        """Open ``path`` and validate its header against the file size (truncation, holes)."""
+    The header is held to the rules of the safetensors crate (what transformers and peft
+    load with), so that nothing xffl admits is refused by them: at most ``max_header``
+    bytes (never more than the crate's 100 MB), UTF-8 JSON whose top level is an object,
+    no key given twice, ``__metadata__`` null or strings to strings, every tensor's dtype a
+    known name, shape and data_offsets lists of non-negative integers below 2**64, the
+    offsets contiguous from 0 and covering the data section exactly.
+    """
+
+    def __init__(self, path: Path, max_header: int = MAX_HEADER) -> None:
+        """Open ``path`` and validate its header against the file size (truncation, holes);
+        ``max_header``: refuse a longer header before reading it."""
         self.path = Path(path)
+        self._max_header = min(max_header, MAX_HEADER)
         self._fh = self.path.open("rb")
         try:
             self._parse()
@@ -107,33 +90,16 @@ class SafetensorsReader:
         if len(raw) != 8:
             raise self._fail("not a safetensors file (shorter than 8 bytes)")
         (hlen,) = struct.unpack("<Q", raw)
-        if hlen > _MAX_HEADER or 8 + hlen > size:
+        if hlen > self._max_header:
+            raise self._fail(f"header of {hlen} bytes, more than the {self._max_header} "
+                             "allowed")
+        if 8 + hlen > size:
             raise self._fail(f"header length {hlen} does not fit in a {size}-byte file")
         try:
-            header = json.loads(self._fh.read(hlen), object_pairs_hook=no_duplicate_keys)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise self._fail(f"unreadable header ({exc})") from exc
-        if not isinstance(header, dict):
-            raise self._fail("the header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise self._fail("__metadata__ must map strings to strings")
-        self.metadata: dict[str, str] = dict(meta)
+            self.metadata, entries = parse_header(self._fh.read(hlen), 8 + hlen)
+        except ValueError as exc:
+            raise self._fail(str(exc)) from exc
         self.data_start = 8 + hlen
-        entries: list[TensorEntry] = []
-        for name, info in header.items():
-            try:
-                dtype = str(info["dtype"])
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise self._fail(f"malformed header entry for {name!r}") from exc
-            if dtype not in STORAGE_DTYPES:
-                raise self._fail(f"tensor {name!r} has unsupported dtype {dtype}")
-            entry = TensorEntry(name, dtype, shape, self.data_start + begin, self.data_start + end)
-            if min(shape, default=0) < 0 or end - begin != entry.numel * entry.itemsize:
-                raise self._fail(f"tensor {name!r}: data_offsets do not match dtype and shape")
-            entries.append(entry)
         entries.sort(key=lambda e: (e.start, e.end))
         cursor = self.data_start
         for entry in entries:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from xffl.aggregator.safetensors_io import (
+    MAX_HEADER,
     Array,
     SafetensorsReader,
     TensorEntry,
@@ -79,13 +80,14 @@ def plan_shards(sizes: Sequence[int], max_shard_bytes: int | None) -> list[list[
     return shards
 
 
-def read_index(path: Path) -> dict[str, str]:
-    """The weight_map of a model.safetensors.index.json, checked for shape and plain names."""
+def read_index(path: Path, limit: int = MAX_INDEX_BYTES) -> dict[str, str]:
+    """The weight_map of a model.safetensors.index.json, checked for shape and plain names
+    (more than ``limit`` bytes: refused unread)."""
     def bad(reason: str) -> CheckpointError:
         return CheckpointError(f"{INDEX_FILE}: {reason}.")
 
-    if Path(path).stat().st_size > MAX_INDEX_BYTES:  # read only what an index can need
-        raise bad(f"more than {MAX_INDEX_BYTES} bytes")
+    if Path(path).stat().st_size > limit:  # read only what an index can need
+        raise bad(f"more than {limit} bytes")
     try:
         index = json.loads(Path(path).read_bytes(), object_pairs_hook=no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -194,10 +196,15 @@ class ModelReader:
         self.close()
 
 
-def open_model(directory: Path) -> ModelReader:
+def open_model(directory: Path, max_header: int = MAX_HEADER) -> ModelReader:
     """Open the model of a checkpoint directory, single-file or sharded (index checked), or
-    the tensors of a LoRA adapter (``adapter_model.safetensors``)."""
+    the tensors of a LoRA adapter (``adapter_model.safetensors``); ``max_header``: the most
+    bytes a safetensors header (or the shard index) may have, checked before reading it."""
     directory = Path(directory)
+
+    def checked(path: Path) -> SafetensorsReader:
+        return SafetensorsReader(path, max_header)
+
     single, index = directory / MODEL_FILE, directory / INDEX_FILE
     if single.is_file() and index.is_file():
         raise CheckpointError(f"{directory}: holds both {MODEL_FILE} and {INDEX_FILE}.")
@@ -205,19 +212,18 @@ def open_model(directory: Path) -> ModelReader:
         if single.is_file() or index.is_file():
             raise CheckpointError(f"{directory}: holds both an adapter ({ADAPTER_FILE}) and a "
                                   "model.")
-        return ModelReader(directory, {ADAPTER_FILE: SafetensorsReader(directory / ADAPTER_FILE)},
-                           None)
+        return ModelReader(directory, {ADAPTER_FILE: checked(directory / ADAPTER_FILE)}, None)
     if single.is_file():
-        return ModelReader(directory, {MODEL_FILE: SafetensorsReader(single)}, None)
+        return ModelReader(directory, {MODEL_FILE: checked(single)}, None)
     if not index.is_file():
         raise CheckpointError(f"{directory}: neither {MODEL_FILE} nor {INDEX_FILE}.")
-    weight_map = read_index(index)
+    weight_map = read_index(index, min(MAX_INDEX_BYTES, max_header))
     readers: dict[str, SafetensorsReader] = {}
     try:
         for file in sorted(set(weight_map.values())):
             if not (directory / file).is_file():
                 raise CheckpointError(f"{INDEX_FILE}: lists {file}, which is missing.")
-            readers[file] = SafetensorsReader(directory / file)
+            readers[file] = checked(directory / file)
         seen: dict[str, str] = {}
         for file, reader in readers.items():
             for name in reader.entries:

@@ -40,6 +40,7 @@ from xffl.aggregator.inputs import (
     Update,
     close_updates,
     open_updates,
+    own_config,
     prepare,
     weighted_metrics,
 )
@@ -204,7 +205,9 @@ def run_strategy(
     one file per buffer);
     ``clip_norm`` and ``max_weight_share`` bound one site's influence on the averaging
     strategies (:mod:`xffl.aggregator.robust`); ``decoding`` reads encoded updates (deltas,
-    narrower dtypes) as the weights they stand for. Other arguments are those of
+    narrower dtypes) as the weights they stand for. The global's config file is
+    ``previous_global_dir``'s bytes (:func:`xffl.aggregator.inputs.own_config`), never an
+    update's. Other arguments are those of
     :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
     verified here: run :func:`xffl.aggregator.verify.select_updates` first.
     """
@@ -214,6 +217,7 @@ def run_strategy(
     if bounded and strategy.robust:
         raise InvalidInput(f"{name} bounds a minority's influence by its own rule; clip_norm "
                            "and max_weight_share apply to the averaging strategies only.")
+    config = None if previous_global_dir is None else own_config(Path(previous_global_dir))
     if name == "fedavg" and not bounded:
         manifest = aggregate(
             updates,
@@ -227,6 +231,7 @@ def run_strategy(
             extra={"params": p},
             max_shard_size=max_shard_size,
             decoding=decoding,
+            config=config,
         )
         if progress is not None:
             progress(len(manifest.tensors), len(manifest.tensors))
@@ -236,7 +241,7 @@ def run_strategy(
     max_bytes = parse_size(max_shard_size)
     ups = open_updates(updates, decoding)
     try:
-        prep = prepare(ups, weights, weighting, run_id, round, parent_digest)
+        prep = prepare(ups, weights, weighting, run_id, round, parent_digest, config)
         layout, sites = prep.layout, prep.sites
         active = [u for u in ups if u.weight > 0]
         strategy.check_count(p, len(active))

@@ -14,9 +14,7 @@ and several updates are checked in parallel threads (hashing and numpy release t
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import stat
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,25 +23,28 @@ from typing import Any
 
 import numpy as np
 
+from xffl.aggregator.contents import check_config, check_contents, check_listed
+from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     FORMAT_VERSION,
-    MANIFEST_FILE,
-    MAX_JSON_BYTES,
     Manifest,
     TensorInfo,
     index_of,
     read_manifest,
-    read_small_file,
     sha256_file,
 )
 from xffl.aggregator.reported import Bounds, check_reported
-from xffl.aggregator.safetensors_io import STORAGE_DTYPES, Array, SafetensorsReader
+from xffl.aggregator.safetensors_io import (
+    MAX_HEADER,
+    STORAGE_DTYPES,
+    Array,
+    SafetensorsReader,
+    header_cap,
+)
 from xffl.aggregator.shards import (
     ADAPTER_CONFIG_FILE,
-    ADAPTER_FILE,
     INDEX_FILE,
-    MODEL_FILE,
     ModelReader,
     open_model,
 )
@@ -139,52 +140,31 @@ def scan_shards(
     return sums, bad
 
 
-def check_contents(directory: Path, manifest: Manifest, side_files: Mapping[str, int]) -> None:
-    """The folder holds only regular files the manifest lists (or side files), under caps.
+def first_changed(update_dir: Path, previous_dir: Path, names: Iterable[str], *,
+                  delta: bool = False) -> str | None:
+    """The first of ``names`` whose value an update changed from the global's (None: none);
+    both are already verified, and the update holds the global's tensors.
 
-    Raises CheckpointError naming the first file that is a link, a folder or another kind of
-    entry, that no one listed, or that is bigger than its cap (json files and side files).
+    The update is compared in the exchange's representation: a delta must hold zeros there,
+    weights in a narrower dtype the global's values rounded to it as a site encodes them
+    (round to nearest even), weights in the global's dtype its values exactly.
     """
-    allowed = {MANIFEST_FILE, *manifest.files, *side_files}
-    with os.scandir(directory) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                raise CheckpointError(f"{entry.name!r} is a symbolic link")
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"{entry.name!r} is not a regular file")
-            if entry.name not in allowed:
-                raise CheckpointError(f"{entry.name!r} is not listed in the manifest")
-            cap = side_files.get(entry.name, MAX_JSON_BYTES if entry.name.endswith(".json")
-                                 else None)
-            if cap is not None and st.st_size > cap:
-                raise CheckpointError(f"{entry.name} is {st.st_size} bytes, more than the "
-                                      f"{cap} allowed")
-
-
-def check_config(directory: Path, expected: Mapping[str, Any], name: str = CONFIG_FILE) -> None:
-    """The update's config.json (``name``) is the global model's (the architecture did not
-    change; for an adapter, adapter_config.json: rank, scaling and targets did not)."""
-    try:
-        got = json.loads(read_small_file(directory / name))
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"no {name}") from exc
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"unreadable {name} ({exc})") from exc
-    if got != expected:
-        raise CheckpointError(f"{name} differs from the global model's")
-
-
-def first_changed(update_dir: Path, previous_dir: Path, names: Iterable[str]) -> str | None:
-    """The first of ``names`` whose bytes differ between an update and the global (None: all
-    equal); both are already verified, and the update holds the global's tensors."""
     with open_model(update_dir) as update, open_model(previous_dir) as previous:
         for name in sorted(names):
             a, b = update.entries[name], previous.entries[name]
-            if (a.dtype, a.shape) != (b.dtype, b.shape):
+            if a.shape != b.shape:
                 return name
-            if not np.array_equal(update.raw(name).view(np.uint8),
-                                  previous.raw(name).view(np.uint8)):
+            got = decode(update.raw(name), a.dtype)
+            if delta:
+                if got.any():  # +0 and -0 are both "no change"
+                    return name
+                continue
+            want = decode(previous.raw(name), b.dtype)
+            if a.dtype != b.dtype:  # the global's values as the exchange's dtype holds them
+                stored = np.empty(want.size, dtype=STORAGE_DTYPES[a.dtype])
+                encode(want, a.dtype, stored, np.empty(want.size, dtype=np.float32))
+                want = decode(stored, a.dtype)
+            if not np.array_equal(got, want):
                 return name
     return None
 
@@ -239,16 +219,8 @@ def check_update(
             f"trained from global {_short(manifest.parent)}, expected {_short(expected_parent)}"
         )
     files = manifest.files
-    if adapter and (ADAPTER_FILE not in files or MODEL_FILE in files or INDEX_FILE in files):
-        raise reject(f"a LoRA adapter is expected ({ADAPTER_FILE}, not a whole model)")
-    if not adapter and ADAPTER_FILE in files:
-        raise reject("the job trains the whole model, not a LoRA adapter")
-    if not adapter and MODEL_FILE not in files and INDEX_FILE not in files:
-        raise reject(f"the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}")
-    for name in files:
-        if name in ("", ".", "..", MANIFEST_FILE) or Path(name).name != name:
-            raise reject(f"the manifest lists {name!r}, which is not a plain file name")
     try:
+        check_listed(files, adapter)
         if bounds is not None:
             check_contents(directory, manifest, bounds.side_files)
         check_reported(manifest, bounds or Bounds())
@@ -265,7 +237,9 @@ def check_update(
                 raise reject(f"{name} is missing")
         if INDEX_FILE in files and sha256_file(directory / INDEX_FILE) != files[INDEX_FILE]:
             raise reject(f"checksum mismatch for {INDEX_FILE}")
-        with open_model(directory) as reader:
+        cap = MAX_HEADER if reference_index is None else header_cap(
+            (t.name, t.shape) for t in reference_index)
+        with open_model(directory, cap) as reader:
             unlisted = [f for f in reader.files if f not in files]
             if unlisted:
                 raise reject(f"the manifest does not list {unlisted[0]}, named in {INDEX_FILE}")

@@ -26,6 +26,7 @@ from typing import Any
 
 RECORD_FILE = "slurm_job.json"
 RECORD_BYTES = 64 << 10
+MAX_INT = 2**53  # an integer from the record: SQLite's range, exact as a float, and no abort
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,12})?$")
 SCONTROL_TIMEOUT = 20.0
 
@@ -115,8 +116,9 @@ def read_record(update_dir: Path) -> dict[str, Any] | None:
     """The ``slurm_job.json`` an update came back with, if any (None if absent or damaged).
 
     It came from a facility: at most RECORD_BYTES are read, the job id must be a SLURM job
-    id (digits, or an array job's ``N_M``), and every other value a short printable string
-    or a finite number; anything else makes the record count as absent.
+    id (digits, or an array job's ``N_M``), and every other value a short printable string,
+    a finite float or an integer of at most MAX_INT in size (what the registry stores);
+    anything else makes the record count as absent.
     """
     from xffl.aggregator.exchange import read_small_file
     from xffl.core.errors import CheckpointError
@@ -131,6 +133,8 @@ def read_record(update_dir: Path) -> dict[str, Any] | None:
         if isinstance(value, str) and (len(value) > 256 or not value.isprintable()):
             return None
         if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, int) and abs(value) > MAX_INT:
             return None
         if not isinstance(value, str | int | float | bool | None):
             return None

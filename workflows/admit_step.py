@@ -82,7 +82,8 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                 raise UpdateRejected(update, site, f"its delta of tensor {overflow!r} added to "
                                                    "the global model overflows its dtype")
         if freeze_a:
-            changed = first_changed(update, previous, frozen_tensors(parent.tensors))
+            changed = first_changed(update, previous, frozen_tensors(parent.tensors),
+                                    delta=exchange is not None and exchange.update == "delta")
             if changed is not None:
                 raise UpdateRejected(update, site, f"it changed {changed!r}, which "
                                      "aggregation.lora: freeze_a keeps at the global's value")
@@ -105,7 +106,19 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
 
 
 def _record(layout: RunLayout, verdict: Verdict, update: Path | None) -> None:
-    """In a registered run: when the update arrived, and the SLURM job that trained it."""
+    """In a registered run: when the update arrived, and the SLURM job that trained it.
+
+    What the site sent cannot stop the round from here: a record the registry cannot take
+    is left out, with a line on stderr.
+    """
+    try:
+        _record_delivery(layout, verdict, update)
+    except Exception as exc:  # the update's slurm_job.json is the site's text
+        print(f"round {verdict.round}: site {verdict.site}: delivery not recorded "
+              f"({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
+
+
+def _record_delivery(layout: RunLayout, verdict: Verdict, update: Path | None) -> None:
     reg = registration(layout)
     if reg is None or update is None or verdict.delivered_at is None:
         return
@@ -131,8 +144,8 @@ def run_step(args: argparse.Namespace) -> int:
     _record(layout, verdict, update)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:
-        kept = [MANIFEST_FILE, *manifest.files]
-        if (update / RECORD_FILE).is_file():
+        kept = [MANIFEST_FILE, *manifest.files]  # files of the global's kind (admission)
+        if (update / RECORD_FILE).is_file() and RECORD_FILE not in kept:
             kept.append(RECORD_FILE)
         link_files(update, Path.cwd() / "update", kept)
         out["update"] = {"class": "Directory", "path": str(Path.cwd() / "update")}

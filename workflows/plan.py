@@ -62,8 +62,10 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
     Tokens: steps x batch x accumulation x sequence length x ranks, steps as many as the
     budget allows (a token budget with one data-parallel rank, the most steps), times
     ``balance_max`` when throughput balancing may raise them. Samples: the dataset size the
-    job declares, or the samples of the round's steps if more (a ``training.update_fn``
-    reports those). Held-out sequences: the job's evaluation budget.
+    job declares (``data.max_samples``, a synthetic corpus's size), or the samples of the
+    round's steps if more; with real data and no declared size, the samples of the round's
+    steps (what the site's trainer then reports): a site's weight is never unbounded.
+    Held-out sequences: the job's evaluation budget.
     """
     training = site.budget.apply(spec.training) if site.budget else spec.training
     steps = round_steps(training, 1)
@@ -72,7 +74,7 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
     samples = steps * training.batch_size * training.grad_accum * site.ranks
     declared = site.data.declared_samples
     held_out = spec.evaluation.sequences(training) if site.data.validation else None
-    return (samples * training.seq_len, None if declared is None else max(declared, samples),
+    return (samples * training.seq_len, samples if declared is None else max(declared, samples),
             held_out)
 
 

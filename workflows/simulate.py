@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from xffl.aggregator import registry
 from xffl.aggregator.decode import Decoding, encoded_index
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
-from xffl.aggregator.inputs import update_weight
+from xffl.aggregator.inputs import own_config, update_weight
 from xffl.aggregator.running import RunningAggregate
 from xffl.aggregator.strategies import run_strategy
 from xffl.aggregator.verify import check_update
@@ -248,7 +248,7 @@ class Simulation:
         t0 = time.perf_counter()
         n, spec = self.opts.sites, self.loaded.spec
         prev = verify_checkpoint(previous)
-        agg = RunningAggregate(prev.tensors)
+        agg = RunningAggregate(prev.tensors, own_config(previous))
         exchange = spec.exchange  # each update is sent back as the job's exchange says
         reference = prev.tensors if exchange.plain else encoded_index(
             prev.tensors, exchange.safetensors_dtype)

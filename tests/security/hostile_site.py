@@ -200,6 +200,49 @@ def _sharded_escape(out: Path, ctx: dict[str, Any]) -> None:
     _refresh_checksum(out, "model.safetensors.index.json")
 
 
+def _listed_file(name: str, text: str) -> Attack:
+    """Add a file and list it in the manifest with its correct checksum."""
+    def attack(out: Path, ctx: dict[str, Any]) -> None:
+        (out / name).write_text(text)
+        _refresh_checksum(out, name)
+    return attack
+
+
+def _many_metrics(out: Path, ctx: dict[str, Any]) -> None:
+    """~9 MB of metric names of its own (the manifest stays under its 16 MiB cap): were they
+    carried into the global's manifest, twice (the mean and the site's numbers), it would
+    pass the cap and the round could not go on."""
+    data = _manifest(out)
+    data["metrics"].update({f"m{i:07d}" + "x" * 52: 1.0 for i in range(150_000)})
+    _write_manifest(out, data)
+
+
+def _weightless(attack: Attack) -> Attack:
+    """An attack on an update that is then admitted, sent with 0 samples: it weighs nothing,
+    so the global is still the honest update bit for bit."""
+    def weightless(out: Path, ctx: dict[str, Any]) -> None:
+        _edit(num_samples=0)(out, ctx)
+        attack(out, ctx)
+    return weightless
+
+
+def _huge_record(out: Path, ctx: dict[str, Any]) -> None:
+    """slurm_job.json (not listed: a side file) with integers no registry column holds."""
+    (out / "slurm_job.json").write_text(json.dumps(
+        {"job_id": "12", "queue_wait_s": 10**30, "run_s": -(10**40), "exit_code": 10**25}))
+
+
+def _json_equal_config(out: Path, ctx: dict[str, Any]) -> None:
+    """config.json equal to the global's as a JSON value, not as bytes (2.0 for 2): were its
+    bytes written as the global's, a loader that wants integers would fail on it."""
+    config = json.loads((out / "config.json").read_text())
+    for key, value in config.items():
+        if type(value) is int:
+            config[key] = float(value)
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+    _refresh_checksum(out, "config.json")
+
+
 def _nothing(out: Path, ctx: dict[str, Any]) -> None:
     shutil.rmtree(out)
 
@@ -209,6 +252,7 @@ def _crash(out: Path, ctx: dict[str, Any]) -> None:
     sys.exit(3)
 
 
+ADMITTED = "<admitted>"  # the update is admitted (what it tried is ignored or undone)
 # attack, and a substring of the reason admission records (None: the site delivers nothing)
 VARIANTS: list[tuple[Attack, str | None]] = [
     (_path_site, "'evil.pth' is not listed in the manifest"),
@@ -250,7 +294,18 @@ VARIANTS: list[tuple[Attack, str | None]] = [
     (_rewrite_model(_reshaped), "tensor 'model.norm.weight' has shape"),
     (_truncated, "model.safetensors"),
     (_header_bomb, "model.safetensors"),
-    (_listed_name("nothere.bin"), "nothere.bin is missing"),
+    (_listed_name("nothere.bin"), "the manifest lists 'nothere.bin', which a model update "
+                                  "never holds"),
+    # what an update holds is decided by the global's kind, not by the update's manifest
+    (_listed_file("evil.pth", "import os; os.system('touch /tmp/xffl-owned')\n"),
+     "the manifest lists 'evil.pth', which a model update never holds"),
+    (_listed_file("slurm_job.json", json.dumps({"job_id": "12"})),
+     "the manifest lists 'slurm_job.json', which a model update never holds"),
+    # one site never aborts a round that has its quorum (these sites have real data and no
+    # data.max_samples: their counts are bounded by what their job can have read)
+    (_many_metrics, "150000 metric(s) xffl does not know (first: 'm0000000xxx"),
+    (_weightless(_huge_record), ADMITTED),
+    (_weightless(_json_equal_config), ADMITTED),
     (_sharded_escape, "escape.safetensors"),
     (_nothing, None),
     (_crash, None),
@@ -270,7 +325,7 @@ def honest_update(model: Path, out: Path, site: str, rnd: int, run_id: str) -> N
     for name in ("model.safetensors", "config.json"):
         shutil.copyfile(model / name, out / name)
     finalize_manifest(out, Manifest(kind="update", run_id=run_id, round=rnd, site=site,
-                                    parent=parent.digest(), num_samples=10, num_tokens=32,
+                                    parent=parent.digest(), num_samples=4, num_tokens=32,
                                     metrics={"loss": 1.0}))
 
 

@@ -1,11 +1,14 @@
-"""A hostile-update corpus through one real round: one honest site and 36 compromised ones.
+"""A hostile-update corpus through one real round: one honest site and many compromised ones.
 
 Every hostile site's "Python" is tests/security/hostile_site.py, which writes a well-formed
 update and then alters it one way (VARIANTS: names that are paths, extra files, links, huge
 and non-finite counts and metrics, wrong run, round, parent or config, impersonation,
-oversized JSON, header bombs, ...). With failure.min_sites 1 the round must make the honest
-update the global model, reject each hostile one with its reason, and change nothing outside
-the run directory and the sites' own folders.
+oversized JSON, header bombs, files the global's kind never holds, metric names of its own,
+...). The hostile sites have real (not synthetic) data and no ``data.max_samples``. With
+failure.min_sites 1 the round must make the honest update the global model, reject each
+hostile one with its reason (or admit it, where what it tried is ignored or undone: then it
+weighs nothing), write the global's config.json from the coordinator's own bytes, and change
+nothing outside the run directory and the sites' own folders.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import yaml
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from tests.security.hostile_site import VARIANTS
+from tests.security.hostile_site import ADMITTED, VARIANTS
 from xffl.cli.app import app
 
 runner = CliRunner()
@@ -52,8 +55,7 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     sites = [{"name": "honest", "profile": "local", "ranks": 1,
               "data": {"path": "data/alpha", "synthetic": "alpha", "synthetic_sequences": 32}}]
     sites += [{"name": f"h{i:02d}", "profile": "hostile", "ranks": 1,
-               "data": {"path": "nothing", "max_samples": 1000,
-                        "validation": {"path": "nothing-held-out"}}}
+               "data": {"path": "nothing", "validation": {"path": "nothing-held-out"}}}
               for i in range(len(VARIANTS))]
     spec = {"name": "hostile", "rounds": 1, "model": {"preset": "tiny-test"},
             "training": {"steps": 2, "batch_size": 2, "seq_len": 16},
@@ -72,10 +74,14 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     (r1,) = status["rounds"]
     by_site = {s["site"]: s for s in r1["sites"]}
     assert by_site["honest"]["state"] == "completed"
+    admitted = ["honest"]
     for i, (attack, reason) in enumerate(VARIANTS):
         row = by_site[f"h{i:02d}"]
         if reason is None:  # it delivered nothing: the round went on without it
             assert row["state"] == "failed" and row["reason"], (attack.__name__, row)
+        elif reason == ADMITTED:
+            assert row["state"] == "completed", (attack.__name__, row)
+            admitted.append(f"h{i:02d}")
         else:
             assert row["state"] == "rejected", (attack.__name__, row)
             assert reason in row["reason"], (attack.__name__, row["reason"])
@@ -86,7 +92,11 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     honest = load_file(str(run_dir / "rounds" / "1" / "updates" / "honest" / "model.safetensors"))
     assert glob.keys() == honest.keys()
     assert all(np.array_equal(glob[k], honest[k]) for k in glob)
-    assert sorted(p.name for p in (run_dir / "rounds" / "1" / "updates").iterdir()) == ["honest"]
+    assert sorted(p.name for p in (run_dir / "rounds" / "1" / "updates").iterdir()) == \
+        sorted(admitted)
+    # the global's config is the coordinator's bytes, not an admitted site's (2.0 for 2)
+    assert (run_dir / "rounds" / "1" / "global" / "config.json").read_bytes() == \
+        (run_dir / "rounds" / "0" / "global" / "config.json").read_bytes()
 
     # nothing changed outside the run directory and the sites' folders
     assert snapshot(tmp_path, coordinator) == before

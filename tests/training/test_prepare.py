@@ -69,7 +69,12 @@ def test_trains_on_prepared_data(tmp_path: Path, texts: list[Path], tokenizer_js
                    training=TrainingSpec(steps=2, batch_size=2, seq_len=16),
                    data=DataSpec(path=str(data)))
     manifest = train_round(job, 1, global0[0], data, tmp_path / "update")
-    assert manifest.num_samples == len(TokenShards(data, 16)) > 0
+    # real data of undeclared size: the samples the round read (2 steps x 2), which the
+    # coordinator can bound; declared (data.max_samples), the dataset's size
+    assert manifest.num_samples == 2 * 2 < len(TokenShards(data, 16))
+    declared = job.model_copy(update={"data": DataSpec(path=str(data), max_samples=1000)})
+    manifest = train_round(declared, 1, global0[0], data, tmp_path / "update-declared")
+    assert manifest.num_samples == len(TokenShards(data, 16))
 
 
 def test_bad_input(tmp_path: Path, texts: list[Path], tokenizer_json: Path) -> None:
