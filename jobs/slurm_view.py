@@ -191,8 +191,15 @@ def record_delivered(registry: Registry, run_id: str, rnd: int, site: str,
     if job is None:
         return False
     state = "COMPLETED" if job.get("exit_code", 0) == 0 else "FAILED"
+
+    def seconds(key: str) -> float | None:  # a number, or nothing: the site wrote the file
+        value = job.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return None
+
     registry.record_slurm_job(run_id, rnd, site, str(job["job_id"]), state,
-                              job.get("queue_wait_s"), job.get("run_s"),
+                              seconds("queue_wait_s"), seconds("run_s"),
                               name=str(job.get("job_name") or ""),
                               nodes=str(job.get("node_list") or ""))
     return True

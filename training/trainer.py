@@ -278,6 +278,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         raise RunFailed(f"site {job.site}: no training step fitted before the deadline "
                         "(time_budget or the SLURM time limit minus time_margin).")
     num_tokens = done * spec.batch_size * spec.grad_accum * spec.seq_len * pm.dp_size
+    # a site's FedAvg weight: its dataset's size where the job declares it (the coordinator
+    # bounds the report by that), else the samples the round read, which it can bound
+    num_samples = len(shards) if job.data.declared_samples is not None else \
+        min(len(shards), num_tokens // spec.seq_len)
     metrics = {
         "loss": float(losses.mean()),
         "loss_first": float(losses[0]),
@@ -298,7 +302,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         run_id=job.run_id,
         round=round,
         site=job.site,
-        num_samples=len(shards),
+        num_samples=num_samples,
         num_tokens=num_tokens,
         metrics=metrics,
         parent=parent,
