@@ -14,7 +14,14 @@ from typer._click.types import ParamType
 from xffl.aggregator.registry import WEIGHTINGS
 from xffl.aggregator.registry import get as get_strategy
 from xffl.aggregator.registry import names as strategy_names
-from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
+from xffl.cli.common import (
+    JsonOpt,
+    console,
+    err_console,
+    handle_errors,
+    markup_safe,
+    print_json,
+)
 from xffl.core.errors import InvalidInput, RunFailed
 from xffl.core.pairs import parse_pairs
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -131,7 +138,8 @@ def aggregate(
                       f"{u['weight']:.4f}", soft_wrap=True)
     for r in report["rejected"]:
         console.print(
-            f"[yellow]rejected[/yellow] {r['site']} ({r['dir']}): {r['reason']}", soft_wrap=True
+            f"[yellow]rejected[/yellow] {r['site']} ({markup_safe(r['dir'])}): "
+            f"{markup_safe(r['reason'])}", soft_wrap=True
         )
     g = report["global"]
     console.print(

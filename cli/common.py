@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
@@ -142,7 +144,23 @@ def quiet_stdout() -> None:
 def error_text(line: str) -> Text:
     """``error: LINE`` as plain text: user values never read as rich markup, one line always."""
     flat = line.replace("\r", "\\r").replace("\n", "\\n")
-    return Text.assemble(("error:", "red"), " ", flat)
+    return Text.assemble(("error:", "red"), " ", printable(flat))
+
+
+# what a terminal would act on rather than show: C0 and C1 controls (ESC, BEL, CR, ...) but
+# tab and newline, DEL, and the bidirectional overrides that reorder what is shown
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: object) -> str:
+    """Text from outside xffl (a facility's words in the registry, a log line) as a terminal
+    may show it: every control, escape or bidi character written out (``\\x1b``)."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), str(value))
+
+
+def markup_safe(value: object) -> str:
+    """:func:`printable` text with rich markup escaped: safe inside a markup string."""
+    return escape(printable(value))
 
 
 def print_json(data: Any) -> None:

@@ -63,8 +63,6 @@ def evaluate(
         }
         print_json(data)
     else:
-        from rich.markup import escape
-
         from xffl.cli.tables import Rows
 
         table = Rows(["data site", *outcome.models, "samples", "note"], text=("note",),
@@ -72,7 +70,7 @@ def evaluate(
                      "of each model (columns) on each site's held-out data (rows)")
         for r in outcome.rows:
             if r.result is None:
-                table.add(r.site, *("-" for _ in outcome.models), "-", escape(f"failed: {r.error}"))
+                table.add(r.site, *("-" for _ in outcome.models), "-", f"failed: {r.error}")
             else:
                 table.add(r.site, *(f"{r.result.losses[m]:.4f}" for m in outcome.models),
                           str(r.result.samples), "")

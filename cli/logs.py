@@ -10,7 +10,15 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    handle_errors,
+    print_json,
+    printable,
+    resolve_run,
+)
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.records import RunRecord
@@ -187,8 +195,8 @@ def logs(
         for key, title in (("runner_log", "supervisor.log"), ("streamflow_log", "streamflow.log")):
             console.print(f"[bold]== {title} ==[/bold]")
             for line in data[key]:
-                console.print(line, markup=False, soft_wrap=True)
+                console.print(printable(line), markup=False, soft_wrap=True)
         return
     console.print(f"[bold]== {data['site']} round {data['round']} ({data['source']}) ==[/bold]")
     for line in data["lines"]:
-        console.print(line, markup=False, soft_wrap=True)
+        console.print(printable(line), markup=False, soft_wrap=True)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from xffl.cli.common import JsonOpt, XfflCommand, XfflSubGroup, console, handle_errors, print_json
-from xffl.cli.tables import Rows
+from xffl.cli.tables import Markup, Rows
 from xffl.core.errors import ExitCode
 
 app = typer.Typer(cls=XfflSubGroup, help="List, show, copy (init) and check site profiles.",
@@ -110,7 +110,7 @@ def check(name: NameArg, json_out: JsonOpt = False) -> None:
     else:
         table = Rows(("check", "ok", "detail"), title=f"site {name}", text=("detail",))
         for row, ok, detail in result.rows:
-            table.add(row, "[green]yes[/green]" if ok else "[red]NO[/red]", detail)
+            table.add(row, Markup("[green]yes[/green]" if ok else "[red]NO[/red]"), detail)
         table.print()
     if not result.connected:
         raise typer.Exit(int(ExitCode.CONNECTION))

@@ -7,7 +7,15 @@ import sys
 
 import typer
 
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    handle_errors,
+    markup_safe,
+    print_json,
+    resolve_run,
+)
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry
 
@@ -44,6 +52,6 @@ def round_(
         print_json({"run_id": final.id, "state": final.state, "rounds_done": final.rounds_done,
                     "message": final.message})
     else:
-        console.print(message, soft_wrap=True)
+        console.print(markup_safe(message), soft_wrap=True)
     if code:
         raise typer.Exit(int(ExitCode.RUN_FAILED))

@@ -6,8 +6,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
-from xffl.cli.tables import Rows
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    handle_errors,
+    markup_safe,
+    print_json,
+    resolve_run,
+)
+from xffl.cli.tables import Markup, Rows
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
@@ -23,9 +31,9 @@ def render_status(data: RunStatus) -> None:
     from xffl.jobs.report import fmt, megabytes
 
     run = data.run
-    console.print(f"run [bold]{run.id}[/bold]: {run.state} — "
+    console.print(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(run.state)} — "
                   f"{run.rounds_done}/{run.rounds_total} rounds"
-                  + (f" — {run.message}" if run.message else ""), soft_wrap=True)
+                  + (f" — {markup_safe(run.message)}" if run.message else ""), soft_wrap=True)
     table = Rows(("round", "site", "state", "samples", "tokens", "loss", "val loss", "queue s",
                   "start s", "train s", "xfer s", "other s", "agg s", "MB in/out"),
                  text=("state",))
@@ -42,7 +50,7 @@ def render_status(data: RunStatus) -> None:
                 fmt("transfer_s", site.transfer_s), fmt("other_s", site.other_s), "",
                 f"{megabytes(site.received_bytes)}/{megabytes(site.sent_bytes)}"
                 if site.received_bytes is not None else "-")
-        table.add(number, "[bold]global[/bold]", rnd.record.state,
+        table.add(number, Markup("[bold]global[/bold]"), rnd.record.state,
                   _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"),
                   _num(rnd.record.val_loss, "{:.4f}"), "", "", "", "", "",
                   _num(rnd.record.aggregate_seconds, "{:.2f}"), "", end_section=True)
@@ -64,15 +72,15 @@ def render_status(data: RunStatus) -> None:
                      text=("login", "next round"))
         for row in data.credentials:
             creds.add(row.site, row.login,
-                          f"[yellow]waiting: {row.waiting}[/yellow]" if row.waiting
-                          else "ready")
+                      Markup(f"[yellow]waiting: {markup_safe(row.waiting)}[/yellow]")
+                      if row.waiting else "ready")
         creds.print()
     if data.latest_global:
-        console.print(f"latest global model: {data.latest_global}", soft_wrap=True)
+        console.print(f"latest global model: {markup_safe(data.latest_global)}", soft_wrap=True)
     if data.schedule:
         console.print(f"schedule: `xffl round` at '{data.schedule.cron}', next tick "
                       f"{data.schedule.next_tick.replace('T', ' ')[:16]}", soft_wrap=True)
-    console.print(f"run directory: {run.run_dir}", soft_wrap=True)
+    console.print(f"run directory: {markup_safe(run.run_dir)}", soft_wrap=True)
 
 
 @handle_errors

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, console, handle_errors, markup_safe, print_json
 from xffl.cli.watch import TimeoutOpt, follow, outcome
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
@@ -44,7 +44,7 @@ def submit(
         else:
             console.print(f"submitted run [bold]{run.id}[/bold]; " + (
                 f"runner pid {submitted.pid}; follow it with `xffl watch {run.id}`."
-                if submitted.pid else run.message), soft_wrap=True)
+                if submitted.pid else markup_safe(run.message)), soft_wrap=True)
         return
     if not as_json:
         console.print(f"submitted run [bold]{run.id}[/bold]; following it (Ctrl-C stops "

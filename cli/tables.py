@@ -17,12 +17,20 @@ from rich import box
 from rich.table import Column, Table
 from rich.text import Text
 
-from xffl.cli.common import console
+from xffl.cli.common import console, markup_safe
+
+
+class Markup(str):
+    """A table cell written in rich markup (xffl's own words); every other cell is text."""
+
+    __slots__ = ()
 
 
 @dataclass
 class Rows:
-    """A table's header, rows (rich markup allowed) and the rows that end a section."""
+    """A table's header, rows and the rows that end a section. A cell is shown as the text
+    it is (markup escaped, control characters written out: a facility's words in the
+    registry cannot restyle or break the table), unless it is :class:`Markup`."""
 
     headers: Sequence[str]
     title: str | None = None
@@ -30,9 +38,9 @@ class Rows:
     rows: list[list[str]] = field(default_factory=list)
     section_ends: set[int] = field(default_factory=set)
 
-    def add(self, *cells: str, end_section: bool = False) -> None:
+    def add(self, *cells: object, end_section: bool = False) -> None:
         """Append a row; ``end_section`` draws a rule under it on a terminal."""
-        self.rows.append(list(cells))
+        self.rows.append([c if isinstance(c, Markup) else markup_safe(c) for c in cells])
         if end_section:
             self.section_ends.add(len(self.rows) - 1)
 

@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    handle_errors,
+    markup_safe,
+    print_json,
+    resolve_run,
+)
 from xffl.core.errors import ExitCode
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
@@ -33,7 +41,7 @@ def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool 
             if not seen or seen[-1] != (r.state, r.rounds_done):
                 seen.append((r.state, r.rounds_done))
                 console.print(f"{r.id} {r.state} {r.rounds_done}/{r.rounds_total} rounds",
-                              soft_wrap=True)
+                              soft_wrap=True, markup=False)
                 console.file.flush()
 
         return wait_for_run(registry, run.id, timeout, on_update=line, spawned=spawned)
@@ -61,7 +69,7 @@ def outcome(registry: Registry, final: RunRecord, as_json: bool) -> None:
         console.print(f"next: `xffl status {final.id}` shows every round and site.",
                       soft_wrap=True)
     else:
-        console.print(f"[red]run {final.id} {final.state}[/red]: {final.message}",
+        console.print(f"[red]run {final.id} {final.state}[/red]: {markup_safe(final.message)}",
                       soft_wrap=True)
         console.print(f"next: `xffl status {final.id}`, and the logs in {final.run_dir}.",
                       soft_wrap=True)
