@@ -134,7 +134,9 @@ async def safe_extract(tar: aiotarstream.AioTarStream, src: str, dst: str,
         target = os.path.join(real_dst, *parts[1:])
         # the name stays under dst (above); on disk, a folder on its way may be a link
         # (left by anyone who can write there): resolved, it must stay under dst too
-        if not _inside(target if member.isdir() else os.path.dirname(target), real_dst):
+        # (a copied file is dst itself: its folder is StreamFlow's choice, not the site's)
+        folder = target if member.isdir() or target == real_dst else os.path.dirname(target)
+        if not _inside(folder, real_dst):
             raise UnsafeArchive(f"refused to extract {name!r}: a link on its way leads "
                                 f"outside {dst}")
         if member.isdir():

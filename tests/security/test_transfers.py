@@ -100,6 +100,20 @@ def test_a_hostile_member_is_refused(tmp_path: Path, member: Any, why: str) -> N
     assert not Path("/tmp/xffl-absolute.txt").exists()
 
 
+def test_a_copied_file_is_extracted(tmp_path: Path) -> None:
+    """A File output: the one member is the copied file, its destination a file path."""
+    from streamflow.deployment import aiotarstream
+
+    async def run() -> None:
+        async with aiotarstream.open(stream=_Stream(_tar([_file("probe.json", b"{}")])),
+                                     mode="r") as tar:
+            await safe_extract(tar, "/site/job/probe.json", str(tmp_path / "probe.json"),
+                               1 << 16)
+
+    asyncio.run(run())
+    assert (tmp_path / "probe.json").read_bytes() == b"{}"
+
+
 def test_the_size_of_a_copy_is_capped(tmp_path: Path) -> None:
     data = _tar([_file("update/a", b"a" * 600), _file("update/b", b"b" * 600)])
     with pytest.raises(UnsafeArchive, match="exceeds 1000 bytes"):
