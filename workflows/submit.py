@@ -15,7 +15,9 @@ from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry, new_run_id
 from xffl.jobs.states import RunState
+from xffl.site_profiles.privacy import check_workdir
 from xffl.site_profiles.remote import preflight
+from xffl.workflows.deployments import site_workdir
 from xffl.workflows.plan import write_plan
 from xffl.workflows.supervisor import spawn
 
@@ -60,9 +62,12 @@ def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submi
         raise InvalidInput(f"--name {name!r} is not a valid run name prefix; use {NAME_RULE}.")
     profiles = {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}
     # certificates that will not outlast a round, then host keys and logins of every SSH site,
-    # all before anything is written
+    # then every site's workdir private (created 0700 if missing), all before anything is
+    # written
     require_credentials(loaded.spec, profiles, then=f"run `xffl submit {job_path}` again")
     preflight(loaded.profiles)
+    for site, profile in profiles.items():
+        check_workdir(site, profile, site_workdir(profile, site))
     registry_file = registry_path()
     registry = Registry(registry_file)
     run_id = new_run_id(name or loaded.spec.name)
