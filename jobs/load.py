@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +15,11 @@ from xffl.site_profiles.lookup import PLACEHOLDER, find_profile, unfilled
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.arch import (
     PRESETS,
-    LlamaConfig,
+    ModelConfig,
     apply_overrides,
     build_config,
     check_tensor_parallel,
-    linear_modules,
+    known_fields,
 )
 from xffl.training.config import matches_target
 
@@ -75,26 +74,33 @@ def _at(doc: YamlDoc, path: Path, loc: Loc) -> str:
 
 
 def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
-    """The model preset must exist and its overrides must name real config fields."""
+    """The model preset (or init checkpoint) must be a causal LM transformers builds, its
+    overrides real config fields of the family, its weights the config's shapes."""
     model = spec.model
-    if model.preset not in PRESETS:
+    if model.init is None and model.preset not in PRESETS:
         close = difflib.get_close_matches(model.preset, list(PRESETS), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else (
             f"use one of {', '.join(sorted(PRESETS))}.")
         return [f"{_at(doc, path, ('model', 'preset'))}: unknown preset "
                 f"{model.preset!r}; {hint}"]
-    known = [f.name for f in dataclasses.fields(LlamaConfig)]
+    try:
+        base = build_config(model.model_copy(update={"overrides": {}}))
+    except (ValueError, TypeError, AttributeError) as exc:
+        return [f"{_at(doc, path, ('model', 'init'))}: cannot start from {model.init!r} "
+                f"({str(exc).rstrip('.')}); point init at a Hugging Face causal LM "
+                "checkpoint folder (config.json and safetensors weights)."]
+    known = known_fields(base)
     for key in model.overrides:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}."
             return [f"{_at(doc, path, ('model', 'overrides', key))}: unknown model override "
                     f"{key!r}; {hint}"]
-    try:
-        base = build_config(model.model_copy(update={"overrides": {}}))
-    except (ValueError, TypeError, AttributeError) as exc:
-        return [f"{_at(doc, path, ('model', 'init'))}: cannot start from {model.init!r} "
-                f"({exc}); point init at a Hugging Face LLaMA checkpoint folder."]
+    if model.init is not None and model.entry_point is None:
+        mismatch = _check_init_weights(Path(model.init), base)
+        if mismatch:
+            return [f"{_at(doc, path, ('model', 'init'))}: {mismatch}; the weights must be "
+                    "those of the folder's config.json (re-export the checkpoint)."]
     try:
         config = apply_overrides(base, model.overrides)
     except ValueError as exc:
@@ -103,7 +109,23 @@ def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
             *_check_lora(doc, spec, path, config)]
 
 
-def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: LlamaConfig) -> list[str]:
+def _check_init_weights(init: Path, config: ModelConfig) -> str | None:
+    """What is wrong with ``init``'s weights for ``config`` (headers only), or None."""
+    from xffl.aggregator.shards import open_model
+    from xffl.core.errors import CheckpointError
+    from xffl.training.streamed import check_init, expected_tensors
+
+    try:
+        with open_model(init) as reader:
+            check_init(reader, expected_tensors(config, None))
+    except CheckpointError as exc:
+        return exc.message.rstrip(".")
+    except ValueError as exc:
+        return str(exc).rstrip(".")
+    return None
+
+
+def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: ModelConfig) -> list[str]:
     """LoRA's targets must exist in the model; LoRA options need training.lora."""
     lora = spec.training.lora
     if lora is None:
@@ -118,6 +140,8 @@ def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: LlamaConfig) ->
                       "adapter, which is already small; use exchange.update: weights "
                       "(exchange.dtype: bf16 halves it).")
     if spec.model.entry_point is None:  # a model of the user's own is checked when built
+        from xffl.training.model import linear_modules
+
         linears = linear_modules(config)
         for i, target in enumerate(lora.target_modules):
             if not any(matches_target(m, target) for m in linears):
@@ -151,7 +175,7 @@ def _check_slurm_overrides(doc: YamlDoc, spec: JobSpec, path: Path,
 
 
 def _check_tensor_parallel(doc: YamlDoc, spec: JobSpec, path: Path,
-                           config: LlamaConfig) -> list[str]:
+                           config: ModelConfig) -> list[str]:
     """tensor_parallel must divide the model's heads and MLP width and every site's ranks."""
     tp = spec.training.tensor_parallel
     try:

@@ -27,7 +27,7 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """Which model to train: a bundled preset, optionally with config fields overridden.
 
-    Field names of ``overrides`` are Hugging Face LlamaConfig names (hidden_size, ...).
+    Field names of ``overrides`` are Hugging Face ModelConfig names (hidden_size, ...).
     ``init`` is an existing checkpoint directory (HF LLaMA layout) to start from instead of
     a random initialisation. ``entry_point`` (``package.module:function``) builds a model of
     the user's own from that config instead of xffl's LLaMA (see xffl.training.entry).
@@ -36,7 +36,7 @@ class ModelSpec(_Strict):
     preset: str = Field(default="tiny", description="bundled model: tiny, tiny-test, llama2-7b")
     overrides: dict[str, int | float | bool] = Field(
         default_factory=dict,
-        description="LlamaConfig fields replacing the preset's (hidden_size, ...)")
+        description="ModelConfig fields replacing the preset's (hidden_size, ...)")
     init: str | None = Field(default=None, description="Hugging Face checkpoint folder of round 0 "
                              "(null: seeded weights)")
     entry_point: str | None = Field(

@@ -1,6 +1,6 @@
 """Models from a user's Python entry point (``package.module:function``) instead of a preset.
 
-The function receives the job's :class:`~xffl.training.arch.LlamaConfig` (the preset with
+The function receives the job's :class:`~xffl.training.arch.ModelConfig` (the preset with
 its overrides, which also sets the vocabulary and the longest sequence) and returns a
 ``torch.nn.Module`` whose ``forward(input_ids)`` gives logits of shape (batch, seq, vocab).
 Its ``state_dict`` is what travels between sites, as safetensors. Tensor parallelism and
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from xffl.core.errors import InvalidInput
-from xffl.training.arch import LlamaConfig
+from xffl.training.arch import ModelConfig
 from xffl.training.config import check_entry_point
 from xffl.training.model import build_model
 
 
-def load_builder(entry_point: str) -> Callable[[LlamaConfig], nn.Module]:
+def load_builder(entry_point: str) -> Callable[[ModelConfig], nn.Module]:
     """Import the function an entry point names; InvalidInput saying what is wrong."""
     module_name, _, attr = check_entry_point(entry_point).partition(":")
     try:
@@ -36,11 +36,11 @@ def load_builder(entry_point: str) -> Callable[[LlamaConfig], nn.Module]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise InvalidInput(f"model.entry_point {entry_point}: {module_name} has no function "
-                           f"{attr}; name a function that takes a LlamaConfig.")
+                           f"{attr}; name a function that takes a ModelConfig.")
     return fn  # type: ignore[no-any-return]
 
 
-def build(config: LlamaConfig, entry_point: str | None = None,
+def build(config: ModelConfig, entry_point: str | None = None,
           seed: int | None = None) -> nn.Module:
     """A float32 CPU model: xffl's LLaMA, or the entry point's (seeded when ``seed`` is set)."""
     if entry_point is None:

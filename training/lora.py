@@ -27,7 +27,7 @@ from xffl.aggregator.adapter import factor_names
 from xffl.aggregator.exchange import Manifest, finalize_manifest, staged_dir
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.core.errors import CheckpointError, InvalidInput
-from xffl.training.arch import LlamaConfig, build_config
+from xffl.training.arch import ModelConfig, build_config
 from xffl.training.config import LoraSpec, ModelSpec
 from xffl.training.entry import build
 
@@ -61,7 +61,7 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-def initial_adapter(config: LlamaConfig, entry_point: str | None, spec: LoraSpec,
+def initial_adapter(config: ModelConfig, entry_point: str | None, spec: LoraSpec,
                     seed: int) -> dict[str, Tensor]:
     """Round 0's adapter tensors: A seeded Kaiming-uniform (peft's init), B zero.
 

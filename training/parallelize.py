@@ -1,9 +1,12 @@
-"""Parallelize a LLaMA model over a (dp, tp) device mesh: Megatron tensor parallel, then DP.
+"""Parallelize a causal LM over a (dp, tp) device mesh: the family's tensor plan, then DP.
 
 As in torchtitan, the model (:mod:`xffl.training.model`) knows nothing of parallelism: this
-module applies Megatron's plan with ``torch.distributed.tensor.parallel`` (q/k/v and
-gate/up projections column-wise, o and down projections row-wise, so each attention and
-each MLP block costs one all-reduce in forward) on the ``tp`` dimension, then data
+module applies the family's own tensor-parallel plan (transformers' ``base_model_tp_plan``:
+Megatron's, with q/k/v and gate/up projections column-wise, o and down projections row-wise,
+so each attention and each MLP block costs one all-reduce in forward) with torch's parallel
+styles from ``torch.distributed.tensor.parallel`` on the ``tp`` dimension (per-head norms
+that the plan keeps replicated, as Qwen3's and Gemma 3's q/k norms, take torch's
+``SequenceParallel`` over the head dimension, which all-reduces their gradients), then data
 parallelism on the ``dp`` dimension: DDP, or FSDP2 (``fully_shard``, per decoder layer then
 the root) for models that do not fit replicated and whenever tp > 1 (torch's DDP turns
 tensor-parallel parameters into plain attributes after the first forward, so it does not
@@ -34,19 +37,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from xffl.core.errors import InvalidInput
-from xffl.training.arch import check_tensor_parallel
-from xffl.training.model import LlamaForCausalLM
+from xffl.training.arch import ModelConfig, check_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ParallelModel", "check_tensor_parallel", "data_parallel_mode", "megatron_plan",
-           "parallelize"]
+__all__ = ["ParallelModel", "check_tensor_parallel", "data_parallel_mode", "decoder_layers",
+           "layer_plan", "parallelize"]
 
 MESH_DIMS = ("dp", "tp")
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-           "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+LAYER_PATTERN = "layers.*."  # how transformers' plans name a module of every decoder layer
 
 
 def _is_dtensor(t: object) -> bool:
@@ -61,13 +61,45 @@ def _is_fsdp(m: object) -> bool:
     return mod is not None and isinstance(m, mod.FSDPModule)
 
 
-def megatron_plan() -> dict[str, ParallelStyle]:
-    """Megatron's plan for one decoder layer, in torch.distributed.tensor.parallel styles."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def layer_plan(plan: dict[str, str]) -> dict[str, ParallelStyle]:
+    """transformers' plan (``layers.*.self_attn.q_proj: colwise``, ...) for one decoder
+    layer, in torch.distributed.tensor.parallel styles (styles checked by
+    :func:`~xffl.training.arch.check_tensor_parallel`)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in COLWISE}
-    plan.update({name: RowwiseParallel() for name in ROWWISE})
-    return plan
+    out: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        if not pattern.startswith(LAYER_PATTERN):
+            raise InvalidInput(f"tensor-parallel plan entry {pattern!r} is outside the decoder "
+                               "layers; set training.tensor_parallel: 1.")
+        name = pattern[len(LAYER_PATTERN):]
+        if style == "colwise":
+            out[name] = ColwiseParallel()
+        elif style == "rowwise":
+            out[name] = RowwiseParallel()
+        else:  # replicated_with_grad_allreduce: a per-head norm after a column-wise projection
+            out[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return out
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers causal LM (``model.model.layers``), else []."""
+    base = getattr(model, "base_model", None)
+    layers = getattr(base, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _config_of(model: nn.Module) -> ModelConfig | None:
+    """The ModelConfig of a transformers model (None for a model.entry_point module)."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None or not decoder_layers(model):
+        return None
+    return ModelConfig(to_dict())
 
 
 DataParallel = Literal["auto", "ddp", "fsdp"]
@@ -179,28 +211,29 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
 
     Every rank must hold the same full weights on entry (they are sliced, not scattered).
-    Without a process group the model is returned as it is. Tensor parallelism needs xffl's
-    LLaMA module tree; FSDP2 shards other models as one unit.
+    Without a process group the model is returned as it is. Tensor parallelism needs a
+    transformers model whose family has a plan; FSDP2 shards other models as one unit.
     """
-    llama = isinstance(model, LlamaForCausalLM)
-    if tp > 1 and not llama:
-        raise InvalidInput("tensor_parallel > 1 needs xffl's LLaMA model; a model.entry_point "
+    config = _config_of(model)
+    if tp > 1 and config is None:
+        raise InvalidInput("tensor_parallel > 1 needs a transformers model; a model.entry_point "
                            "model trains with data parallelism only (tensor_parallel: 1).")
     if not dist.is_available() or not dist.is_initialized():
         if tp != 1:
             raise InvalidInput(f"tensor_parallel {tp} needs {tp} or more ranks; got 1 process.")
         return ParallelModel(module=model, net=model)
     world = dist.get_world_size()
-    if isinstance(model, LlamaForCausalLM):
-        check_tensor_parallel(model.config, tp, world)
+    if config is not None:
+        check_tensor_parallel(config, tp, world)
     mode = data_parallel_mode(data_parallel, tp)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS)
-    layers = list(model.model.layers) if isinstance(model, LlamaForCausalLM) else []
-    if tp > 1:
+    layers = decoder_layers(model)
+    if tp > 1 and config is not None and config.tp_plan is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        plan = config.tp_plan
         for layer in layers:
-            parallelize_module(layer, mesh["tp"], megatron_plan())
+            parallelize_module(layer, mesh["tp"], layer_plan(plan))
     net: nn.Module
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard

@@ -1,25 +1,27 @@
 """Checkpoints written tensor by tensor, so that a multi-GB model never sits whole in memory.
 
-Two users: round 0 from ``model.init`` (the coordinator copies and converts the given
-checkpoint to fp32 one tensor at a time, after checking its names and shapes against the
-model built on the meta device), and ``training.update_fn``, a site's local update computed
-per tensor instead of by SGD (NVIDIA FLARE's large-model tests add a delta the same way).
-The largest tensor, not the model, bounds the memory of both.
+Round 0 from ``model.init``: the coordinator checks the given checkpoint's names, shapes and
+dtypes against the model built on the meta device, then copies it to fp32 in pieces of a
+fixed size (fp32 tensors byte for byte, bf16/fp16 widened exactly), reading the next piece
+while writing this one: memory is two pieces, not a tensor. (A seeded round 0 is
+written by :mod:`xffl.training.seeded`.) And
+``training.update_fn``, a site's local update computed per tensor instead of by SGD (NVIDIA
+FLARE's large-model tests add a delta the same way), whose memory is the largest tensor.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from xffl.aggregator.dtypes import FLOAT_DTYPES
+from xffl.aggregator.dtypes import FLOAT_DTYPES, bf16_bits_to_f32, storage_dtype
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     Manifest,
@@ -30,21 +32,50 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import ModelReader, open_model
 from xffl.core.errors import CheckpointError, InvalidInput
-from xffl.training.arch import LlamaConfig
+from xffl.training.arch import ModelConfig
 from xffl.training.config import TrainJob, check_entry_point
 from xffl.training.entry import build
+from xffl.training.model import meta_model
+from xffl.training.model import model_layout as family_layout
+from xffl.training.seeded import TensorInit
 
 Array = np.ndarray
+#: elements a checkpoint is copied by (16 MiB in fp32): large reads and writes, small memory.
+COPY_PIECE = 1 << 22
 
 
-def expected_tensors(config: LlamaConfig, entry_point: str | None) -> dict[str, tuple[int, ...]]:
+def expected_tensors(config: ModelConfig, entry_point: str | None) -> dict[str, tuple[int, ...]]:
     """HF names and shapes of the model's checkpoint, from a build on the meta device."""
-    with torch.device("meta"):
-        model = build(config, entry_point)
+    if entry_point is None:
+        model: torch.nn.Module = meta_model(config)
+    else:
+        with torch.device("meta"):
+            model = build(config, entry_point)
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def model_layout(config: ModelConfig, entry_point: str | None) -> list[TensorInit]:
+    """Every tensor of the model's checkpoint with its seeded rule, in checkpoint order.
+
+    A transformers model: its family's rules (:func:`xffl.training.model.model_layout`). An
+    entry point's model, from its meta-device build: names ending in ``norm.weight`` 1,
+    ``bias`` 0, the rest N(0, initializer_range).
+    """
+    if entry_point is None:
+        return family_layout(config)
+    std = config.initializer_range
+    out = []
+    for name, shape in sorted(expected_tensors(config, entry_point).items()):
+        if name.endswith("norm.weight"):
+            out.append(TensorInit(name, shape, "constant", 1.0))
+        elif name.endswith("bias"):
+            out.append(TensorInit(name, shape, "constant", 0.0))
+        else:
+            out.append(TensorInit(name, shape, "normal", std))
+    return out
 
 
 def _as_f32(reader: ModelReader, name: str) -> Array:
@@ -55,27 +86,82 @@ def _as_f32(reader: ModelReader, name: str) -> Array:
     return reader.read(name).astype(np.float32, copy=False)
 
 
-def copy_init(init: Path, config: LlamaConfig, entry_point: str | None, out_dir: Path,
-              manifest: Manifest, max_shard_bytes: int | None) -> Manifest:
-    """Write ``init``'s weights as fp32 into ``out_dir`` (a global checkpoint), one at a time."""
+def check_init(reader: ModelReader, shapes: dict[str, tuple[int, ...]]) -> None:
+    """ValueError unless the checkpoint holds exactly the model's tensors, in float types and
+    the model's shapes (the message names the file and the tensor)."""
+    given = {n for n in reader.names() if not n.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = sorted(set(shapes) - given), sorted(given - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, shape in shapes.items():
+        entry, file = reader.entry(name), reader.shard_of(name).path.name
+        if entry.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{file}: tensor {name} is {entry.dtype}, not a floating-point "
+                             "type")
+        if tuple(entry.shape) != shape:
+            raise ValueError(f"{file}: tensor {name} has shape {tuple(entry.shape)}, the "
+                             f"model expects {shape}")
+
+
+def _f32_pieces(reader: ModelReader, names: list[str],
+                piece: int) -> Iterator[tuple[str, Array]]:
+    """(name, float32 piece) of every tensor in order, at most ``piece`` elements each.
+
+    Two reused buffer pairs: a thread reads (and widens) the next piece with positional reads
+    while the caller hashes and writes this one, so reading costs no time of its own.
+    """
+    tasks = [(n, start) for n in names
+             for start in range(0, max(reader.entry(n).numel, 1), piece)]
+    f32 = [np.empty(piece, np.float32) for _ in range(2)]
+    widest = max((reader.entry(n).itemsize for n in names if reader.entry(n).dtype != "F32"),
+                 default=0)  # fp32 is read straight into ``f32``
+    raw = [np.empty(piece * widest, np.uint8) for _ in range(2)]
+
+    def load(task: int) -> Array:
+        name, start = tasks[task]
+        entry = reader.entry(name)
+        n = min(piece, entry.numel - start)
+        out = f32[task % 2][:n]
+        if entry.dtype == "F32":
+            return reader.read_into(name, start, out)
+        dtype = storage_dtype(entry.dtype)
+        src = reader.read_into(name, start, raw[task % 2][:n * dtype.itemsize].view(dtype))
+        if entry.dtype == "BF16":
+            return bf16_bits_to_f32(src, out=out)
+        np.copyto(out, src, casting="same_kind")
+        return out
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="xffl-copy") as pool:
+        ahead: Future[Array] | None = pool.submit(load, 0) if tasks else None
+        for task in range(len(tasks)):
+            assert ahead is not None
+            current = ahead.result()
+            ahead = pool.submit(load, task + 1) if task + 1 < len(tasks) else None
+            yield tasks[task][0], current
+            # the caller is done with ``current``; its buffers are reused two tasks on
+
+
+def copy_init(init: Path, config: ModelConfig, entry_point: str | None, out_dir: Path,
+              manifest: Manifest, max_shard_bytes: int | None,
+              piece: int = COPY_PIECE) -> Manifest:
+    """Write ``init``'s weights as fp32 into ``out_dir`` (a global checkpoint), streamed.
+
+    Memory: two pieces of ``piece`` elements (16 MiB in fp32 by default) and their raw
+    bytes, whatever the model; fp32 tensors are copied as they are, other float types
+    widened (bf16 and fp16 exactly).
+    """
     shapes = expected_tensors(config, entry_point)
     with open_model(init) as reader:
-        given = {n for n in reader.names() if not n.endswith("rotary_emb.inv_freq")}
-        missing, unexpected = sorted(set(shapes) - given), sorted(given - set(shapes))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        for name, shape in shapes.items():
-            if tuple(reader.entry(name).shape) != shape:
-                raise ValueError(f"checkpoint tensor {name} has shape "
-                                 f"{tuple(reader.entry(name).shape)}, the model expects {shape}")
-        entries = [(n, "F32", shapes[n]) for n in sorted(shapes)]  # as safetensors orders them
+        check_init(reader, shapes)
+        names = sorted(shapes)  # as safetensors orders them
+        entries = [(n, "F32", shapes[n]) for n in names]
         with staged_dir(Path(out_dir)) as tmp:
             with ShardedWriter(tmp, entries, {"format": "pt"},
                                max_shard_bytes=max_shard_bytes) as writer:
-                for name, _, _ in entries:
-                    writer.write_chunk(name, _as_f32(reader, name))
-            (tmp / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+                for name, values in _f32_pieces(reader, names, piece):
+                    writer.write_chunk(name, values)
+            (tmp / CONFIG_FILE).write_text(config.to_json())
             return finalize_manifest(tmp, manifest, checksums=writer.checksums)
 
 

@@ -41,23 +41,24 @@ from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
 from xffl.training.model import (
-    LlamaConfig,
-    LlamaForCausalLM,
+    ModelConfig,
     build_config,
     export_state_dict,
+    load_pretrained,
     load_weights,
 )
 from xffl.training.parallelize import check_tensor_parallel, parallelize
-from xffl.training.streamed import copy_init, expected_tensors
+from xffl.training.seeded import write_seeded
+from xffl.training.streamed import copy_init, expected_tensors, model_layout
 
 T = TypeVar("T")
 
 
-def read_config(model_dir: Path) -> LlamaConfig:
+def read_config(model_dir: Path) -> ModelConfig:
     """The architecture of a checkpoint directory (its config.json)."""
     path = Path(model_dir) / CONFIG_FILE
     try:
-        return LlamaConfig.from_hf_dict(json.loads(path.read_text()))
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
     except FileNotFoundError as exc:
         raise CheckpointError(f"{model_dir}: no {CONFIG_FILE}.") from exc
     except ValueError as exc:
@@ -82,9 +83,19 @@ def read_weights(model_dir: Path) -> dict[str, Tensor]:
 def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
     """A CPU fp32 model with the weights of a checkpoint directory.
 
-    xffl's LLaMA, or the model of ``entry_point`` (package.module:function) when given.
+    transformers' model of the checkpoint's family (``from_pretrained``: built on the meta
+    device, loaded tensor by tensor), or the model of ``entry_point`` (package.module:function)
+    when given.
     """
-    model = build(read_config(model_dir), entry_point)
+    config = read_config(model_dir)
+    if entry_point is None:
+        with open_model(model_dir):  # the index is checked against every shard first
+            pass
+        try:
+            return load_pretrained(Path(model_dir))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{model_dir}: {exc}.") from exc
+    model = build(config, entry_point)
     try:
         load_weights(model, read_weights(model_dir))
     except ValueError as exc:
@@ -92,7 +103,7 @@ def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
     return model
 
 
-def save_checkpoint(model: nn.Module | dict[str, Tensor], config: LlamaConfig, out_dir: Path,
+def save_checkpoint(model: nn.Module | dict[str, Tensor], config: ModelConfig, out_dir: Path,
                     manifest: Manifest) -> Manifest:
     """Write model.safetensors, config.json and manifest.json atomically into ``out_dir``.
 
@@ -101,13 +112,17 @@ def save_checkpoint(model: nn.Module | dict[str, Tensor], config: LlamaConfig, o
     state = model if isinstance(model, dict) else export_state_dict(model)
     with staged_dir(Path(out_dir)) as tmp:
         save_file(state, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(config.to_json())
         return finalize_manifest(tmp, manifest)
 
 
 def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
                 max_shard_bytes: int | None = None) -> Manifest:
-    """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights."""
+    """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights.
+
+    Both are streamed (memory: a few MiB, whatever the model), except the seeded init of a
+    ``model.entry_point`` model, which its own code builds in memory.
+    """
     config = build_config(model)
     extra = {"preset": model.preset, "init": model.init, "seed": seed,
              "entry_point": model.entry_point}
@@ -121,10 +136,17 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
         except (ValueError, CheckpointError) as exc:
             text = exc.message if isinstance(exc, CheckpointError) else str(exc)
             raise InvalidInput(f"model.init {model.init}: {text.rstrip('.')}.") from exc
-    net = build(config, model.entry_point, seed=seed)
+    if model.entry_point is not None:  # the user's code decides its own initialisation
+        net = build(config, model.entry_point, seed=seed)
+        manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
+            **extra, "num_parameters": sum(p.numel() for p in net.parameters())})
+        return save_checkpoint(net, config, Path(out_dir), manifest)
+    # streamed block by block: a 7B model never sits in memory (xffl.training.seeded)
+    layout = model_layout(config, None)
     manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
-        **extra, "num_parameters": sum(p.numel() for p in net.parameters())})
-    return save_checkpoint(net, config, Path(out_dir), manifest)
+        **extra, "num_parameters": sum(t.numel for t in layout)})
+    return write_seeded(layout, seed, Path(out_dir), manifest, config.to_json().encode(),
+                        max_shard_bytes)
 
 
 def make_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
@@ -225,11 +247,12 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 f"vocab_size {config.vocab_size}."
             )
     model = load_model(weights_dir, job.model.entry_point)
-    if isinstance(model, LlamaForCausalLM):
-        model.model.gradient_checkpointing = spec.activation_checkpointing
-    elif spec.activation_checkpointing:
-        raise InvalidInput("training.activation_checkpointing needs xffl's LLaMA model; "
-                           "a model.entry_point model must checkpoint its own blocks.")
+    if spec.activation_checkpointing:
+        if job.model.entry_point is not None:
+            raise InvalidInput("training.activation_checkpointing needs a transformers model; "
+                               "a model.entry_point model must checkpoint its own blocks.")
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.lora is not None:
         model = lora.wrap(model, spec.lora, job.freeze_a)
         lora.load_adapter(model, read_weights(model_dir), model_dir)

@@ -40,7 +40,7 @@ from xffl.training.arch import apply_overrides, build_config
 from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.loop import make_scheduler, run_steps
-from xffl.training.model import LlamaConfig, build_model
+from xffl.training.model import ModelConfig, build_model
 from xffl.training.parallelize import parallelize
 from xffl.training.trainer import make_optimizer
 
@@ -57,7 +57,7 @@ SIZES: dict[str, dict[str, int]] = {
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "GH200": 989.0}  # dense bf16
 
 
-def _config(size: str) -> LlamaConfig:
+def _config(size: str) -> ModelConfig:
     return apply_overrides(build_config(ModelSpec(preset="tiny")), SIZES[size])
 
 
@@ -102,7 +102,7 @@ def _sync(device: torch.device) -> None:
         dist.barrier()
 
 
-def trial(mode: str, config: LlamaConfig, spec: TrainingSpec, shards: TokenShards,
+def trial(mode: str, config: ModelConfig, spec: TrainingSpec, shards: TokenShards,
           warmup: int, steps: int, device: torch.device, rank: int,
           world: int) -> tuple[float, list[float]]:
     """Seconds of ``steps`` timed steps (after ``warmup``) and all losses, for one mode."""

@@ -56,7 +56,7 @@ def test_a_round_trains_and_aggregates_the_users_model(tmp_path: Path) -> None:
 
 def test_users_model_has_no_tensor_parallel_plan() -> None:
     model = build(build_config(SPEC), ENTRY)
-    with pytest.raises(InvalidInput, match="tensor_parallel > 1 needs xffl's LLaMA model"):
+    with pytest.raises(InvalidInput, match="tensor_parallel > 1 needs a transformers model"):
         parallelize(model, 2, torch.device("cpu"))
 
 

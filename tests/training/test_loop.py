@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.core.errors import RunFailed
@@ -18,14 +19,14 @@ from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import ensure_synthetic
 from xffl.training.loop import lr_factor, make_scheduler, prox_snapshot, run_steps
-from xffl.training.model import LlamaForCausalLM, build_model, lm_loss
+from xffl.training.model import build_model, lm_loss
 from xffl.training.parallelize import ParallelModel
 from xffl.training.trainer import make_optimizer, train_round
 
 CPU = torch.device("cpu")
 
 
-def _model() -> LlamaForCausalLM:
+def _model() -> nn.Module:
     return build_model(build_config(ModelSpec(preset="tiny-test")), seed=1)
 
 
@@ -76,7 +77,7 @@ def test_round_steps_from_a_token_budget() -> None:
 
 
 def _train(spec: TrainingSpec, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-           steps: int, **kw: object) -> tuple[LlamaForCausalLM, loop.LoopResult]:
+           steps: int, **kw: object) -> tuple[nn.Module, loop.LoopResult]:
     model = _model()
     pm = ParallelModel(module=model, net=model)
     opt = make_optimizer(model, spec)

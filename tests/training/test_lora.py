@@ -90,8 +90,9 @@ def test_targets_that_match_nothing_are_refused() -> None:
 def test_a_site_round_trains_the_adapter_only(tmp_path: Path, adapter0: Path,
                                               global0: tuple[Path, Manifest],
                                               make_job: JobFactory) -> None:
-    """The update holds the adapter alone, the frozen base is untouched, and the adapted
-    model's loss on the round's data fell."""
+    """The update holds the adapter alone, and the frozen base is untouched. (Whether 3
+    steps lower the loss on 3 different batches of a random base is noise, not a property:
+    the two-site LoRA run checks the trained adapter against transformers and peft.)"""
     base, _ = global0
     before = {k: v.clone() for k, v in read_weights(base).items()}
     job = _lora_job(make_job, tmp_path / "data", "site-a", "alpha")
@@ -105,7 +106,6 @@ def test_a_site_round_trains_the_adapter_only(tmp_path: Path, adapter0: Path,
     assert all(not np.array_equal(update[k], start[k]) for k in update)  # A and B trained
     after = read_weights(base)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert manifest.metrics["loss_last"] < manifest.metrics["loss_first"]
 
     frozen = _lora_job(make_job, tmp_path / "data", "site-a", "alpha", freeze_a=True)
     out_f = tmp_path / "update-frozen"

@@ -1,217 +1,162 @@
-"""The LLaMA model: HF names, a from-scratch reference forward, configs and presets."""
+"""The model is transformers' AutoModelForCausalLM of the config's family: configs, presets,
+round 0's seeded layout, and what xffl refuses (with the field and the fix)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from xffl.core.errors import InvalidInput
+from xffl.training.arch import (
+    PRESETS,
+    ModelConfig,
+    apply_overrides,
+    build_config,
+    check_tensor_parallel,
+)
 from xffl.training.config import ModelSpec
 from xffl.training.model import (
-    PRESETS,
-    LlamaConfig,
-    build_config,
     build_model,
-    export_state_dict,
+    linear_modules,
     lm_loss,
     load_weights,
+    model_layout,
+    uniform_loss,
 )
+from xffl.training.seeded import seeded_tensor
 
-HF_NAMES_TWO_LAYERS = [
-    "model.embed_tokens.weight",
-    *[
-        f"model.layers.{i}.{name}"
-        for i in range(2)
-        for name in (
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-        )
-    ],
-    "model.norm.weight",
-    "lm_head.weight",
-]
+TINY_FAMILIES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
+                 "tiny-mixtral"]
 
 
-def test_state_dict_names_and_shapes_are_hugging_face_llama() -> None:
-    config = PRESETS["tiny"]
-    state = build_model(config, seed=0).state_dict()
-    assert sorted(state) == sorted(HF_NAMES_TWO_LAYERS)
-    assert state["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
-    assert state["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)  # 2 kv heads x 16
-    assert state["model.layers.1.mlp.down_proj.weight"].shape == (64, 172)
-    assert state["lm_head.weight"].shape == (256, 64)
-    assert sum(t.numel() for t in state.values()) == config.num_parameters()
-
-
-def _ref_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
-
-
-def _ref_rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs (i, i + d/2) by angle pos * theta^(-2i/d), one pair at a time."""
-    seq, d = x.shape[-2], x.shape[-1]
-    out = torch.empty_like(x)
-    for pos in range(seq):
-        for i in range(d // 2):
-            angle = pos * theta ** (-2.0 * i / d)
-            a, b = x[..., pos, i], x[..., pos, i + d // 2]
-            out[..., pos, i] = a * math.cos(angle) - b * math.sin(angle)
-            out[..., pos, i + d // 2] = b * math.cos(angle) + a * math.sin(angle)
-    return out
-
-
-def _ref_forward(sd: dict[str, torch.Tensor], c: LlamaConfig, ids: torch.Tensor) -> torch.Tensor:
-    """A literal LLaMA forward from the state dict: explicit per-head, masked attention."""
-    d, n_rep = c.head_dim, c.num_attention_heads // c.num_key_value_heads
-    x = sd["model.embed_tokens.weight"][ids]
-    seq = ids.shape[1]
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
-    for layer in range(c.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        h = _ref_rms(x, sd[p + "input_layernorm.weight"], c.rms_norm_eps)
-        q = h @ sd[p + "self_attn.q_proj.weight"].T
-        k = h @ sd[p + "self_attn.k_proj.weight"].T
-        v = h @ sd[p + "self_attn.v_proj.weight"].T
-        heads = []
-        for head in range(c.num_attention_heads):
-            kv = head // n_rep  # query heads share kv heads in consecutive groups
-            qh = _ref_rotate(q[..., head * d:(head + 1) * d], c.rope_theta)
-            kh = _ref_rotate(k[..., kv * d:(kv + 1) * d], c.rope_theta)
-            vh = v[..., kv * d:(kv + 1) * d]
-            scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(d)
-            scores = scores.masked_fill(mask, float("-inf"))
-            heads.append(torch.softmax(scores, dim=-1) @ vh)
-        x = x + torch.cat(heads, dim=-1) @ sd[p + "self_attn.o_proj.weight"].T
-        h = _ref_rms(x, sd[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate = h @ sd[p + "mlp.gate_proj.weight"].T
-        up = h @ sd[p + "mlp.up_proj.weight"].T
-        x = x + (gate * torch.sigmoid(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
-    return _ref_rms(x, sd["model.norm.weight"], c.rms_norm_eps) @ sd["lm_head.weight"].T
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_forward_matches_reference_gqa_and_rotary(kv_heads: int) -> None:
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=40,
-                         num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, max_position_embeddings=32,
-                         rope_theta=500.0)
-    model = build_model(config, seed=3)
-    with torch.no_grad():  # larger weights than the init, so attention is far from uniform
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.mul_(20.0)
-    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = model(ids)
-        want = _ref_forward({k: v.double() for k, v in model.state_dict().items()}, config, ids)
-    assert got.shape == (2, 9, 50)
-    # The reference runs in float64, so the difference is the fp32 model's own rounding: about
-    # 12 chained products of length K <= 40, each within K * 2^-24 = 2.4e-6 of its operands'
-    # magnitude, which the x20 weights make up to ~4x the result's (cancellation): < 1.2e-4
-    # of the largest logit. A wrong mask, rotation or kv-head grouping moves logits by O(1).
-    bound = 2e-4 * float(want.abs().max())
-    assert float((got.double() - want).abs().max()) <= bound
-
-
-def test_forward_is_causal() -> None:
-    model = build_model(PRESETS["tiny-test"], seed=0)
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    changed = ids.clone()
-    changed[0, 7:] = (changed[0, 7:] + 1) % 256
-    with torch.no_grad():
-        a, b = model(ids), model(changed)
-    torch.testing.assert_close(a[:, :7], b[:, :7])
-    assert not torch.allclose(a[:, 7:], b[:, 7:])
-
-
-def test_init_is_deterministic_and_as_specified() -> None:
-    config = PRESETS["tiny-test"]
-    a, b = build_model(config, seed=5).state_dict(), build_model(config, seed=5).state_dict()
-    c = build_model(config, seed=6).state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
-    assert torch.equal(a["model.norm.weight"], torch.ones(config.hidden_size))
-    assert torch.equal(a["model.layers.1.input_layernorm.weight"], torch.ones(config.hidden_size))
-    emb = a["model.embed_tokens.weight"]
-    assert abs(float(emb.std()) - 0.02) < 0.002 and abs(float(emb.mean())) < 0.002
-
-
-def test_untrained_loss_is_near_uniform_and_loss_uses_targets() -> None:
-    model = build_model(PRESETS["tiny-test"], seed=0)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("preset", ["tiny", *TINY_FAMILIES])
+def test_every_family_is_transformers_own_model(preset: str) -> None:
+    """Names and shapes are those of the family's transformers class built independently;
+    forward returns the logits of transformers' own forward, bit for bit."""
+    config = PRESETS[preset]
+    model = build_model(config, seed=0)
+    theirs_config = AutoConfig.for_model(**config.fields)
+    theirs = AutoModelForCausalLM.from_config(theirs_config, dtype=torch.float32)
+    assert type(model) is type(theirs)
+    ours = model.state_dict()
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {
+        k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    theirs.load_state_dict(ours)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids)
-    assert abs(float(lm_loss(logits, ids)) - math.log(256)) < 0.05
-    perfect = torch.full_like(logits, -30.0).scatter(-1, ids.unsqueeze(-1), 30.0)
-    assert float(lm_loss(perfect, ids)) < 1e-6
+        assert torch.equal(logits, theirs(input_ids=ids, use_cache=False).logits)
+    assert logits.shape == (2, 12, 256)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-gemma2"])
+def test_seeded_init_is_the_layout_and_norms_follow_the_family(preset: str) -> None:
+    """Round 0's values: every tensor is seeded_tensor(seed, its rule); the norm weights are
+    the constants transformers' own init gives the family (ones for LLaMA and Qwen2, zeros
+    for Gemma 2, whose norms scale by 1 + w), biases zeros, matrices N(0, 0.02)."""
+    config = PRESETS[preset]
+    model = build_model(config, seed=5)
+    state = model.state_dict()
+    default = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.fields))
+    reference = default.state_dict()
+    layout = model_layout(config)
+    assert [i.name for i in layout] == sorted(i.name for i in layout)
+    for init in layout:
+        assert torch.equal(state[init.name], seeded_tensor(5, init)), init.name
+        if init.rule == "constant":
+            assert torch.equal(state[init.name], reference[init.name]), init.name
+        else:
+            assert init.value == 0.02
+    norms = {i.value for i in layout if i.name.endswith("norm.weight")}
+    assert norms == ({0.0} if preset == "tiny-gemma2" else {1.0})
+    if config.tie_word_embeddings:
+        assert "lm_head.weight" not in {i.name for i in layout}
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    # another seed, other matrices; the same seed, the same bits
+    assert not torch.equal(build_model(config, seed=6).state_dict()["model.embed_tokens.weight"],
+                           state["model.embed_tokens.weight"])
+    assert torch.equal(build_model(config, seed=5).state_dict()["model.embed_tokens.weight"],
+                       state["model.embed_tokens.weight"])
+
+
+def test_presets_have_the_published_sizes() -> None:
+    """The real models' parameter counts (their model cards), from the meta-device model."""
+    published = {"llama2-7b": 6_738_415_616, "llama3.1-8b": 8_030_261_248,
+                 "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_248_023_552}
+    for name, count in published.items():
+        assert sum(math.prod(i.shape) for i in model_layout(PRESETS[name])) == count, name
+        assert PRESETS[name].num_parameters() == count
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_config_json_round_trips_to_the_same_bytes(preset: str) -> None:
+    text = PRESETS[preset].to_json()
+    again = ModelConfig.from_hf_dict(json.loads(text))
+    assert again.to_json() == text
+    assert json.loads(text)["architectures"][0].endswith("ForCausalLM")
 
 
 def test_build_config_presets_and_overrides() -> None:
-    llama = build_config(ModelSpec(preset="llama2-7b"))
-    assert (llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers) == (
-        4096, 11008, 32)
-    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.vocab_size) == (
-        32, 32, 32000)
-    assert 6.7e9 < llama.num_parameters() < 6.8e9
-    tiny = build_config(ModelSpec(preset="tiny", overrides={"num_hidden_layers": 3,
-                                                            "rope_theta": 500}))
-    assert tiny.num_hidden_layers == 3 and tiny.rope_theta == 500.0
-    assert PRESETS["tiny"].num_hidden_layers == 2  # presets are not mutated
-    with pytest.raises(ValueError, match="hidden_sise"):
-        build_config(ModelSpec(preset="tiny", overrides={"hidden_sise": 8}))
-    with pytest.raises(ValueError, match="no-such"):
-        build_config(ModelSpec(preset="no-such"))
-    with pytest.raises(ValueError, match="num_key_value_heads"):
-        build_config(ModelSpec(preset="tiny", overrides={"num_key_value_heads": 3}))
-    with pytest.raises(ValueError, match="integer"):
-        build_config(ModelSpec(preset="tiny", overrides={"hidden_size": 64.5}))
+    config = build_config(ModelSpec(preset="tiny", overrides={"num_hidden_layers": 3}))
+    assert config.num_hidden_layers == 3 and config.hidden_size == 64
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+        build_config(ModelSpec(preset="nope"))
+    with pytest.raises(ValueError, match=r"unknown model override 'hiden_size'.*hidden_size"):
+        apply_overrides(PRESETS["tiny"], {"hiden_size": 3})
+    with pytest.raises(ValueError, match="must be an integer"):
+        apply_overrides(PRESETS["tiny"], {"hidden_size": 3.5})
+    with pytest.raises(ValueError, match="divisible by num_key_value_heads"):
+        apply_overrides(PRESETS["tiny"], {"num_key_value_heads": 3})
 
 
-def test_hf_config_round_trip() -> None:
-    config = build_config(ModelSpec(preset="tiny", overrides={"rms_norm_eps": 1e-6}))
-    hf = config.to_hf_dict()
-    assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
-    assert hf["hidden_act"] == "silu" and hf["torch_dtype"] == "float32"
-    assert hf["head_dim"] == 16
-    assert LlamaConfig.from_hf_dict(hf) == config
-    with pytest.raises(ValueError, match="rope_scaling"):
-        LlamaConfig.from_hf_dict({**hf, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    # transformers 5 save_pretrained writes the RoPE base under rope_parameters.
-    v5 = {k: v for k, v in hf.items() if k != "rope_theta"}
-    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 500.0}
-    assert LlamaConfig.from_hf_dict(v5).rope_theta == 500.0
-    with pytest.raises(ValueError, match="llama3"):
-        LlamaConfig.from_hf_dict({**v5, "rope_parameters": {"rope_type": "llama3"}})
+def test_configs_transformers_cannot_build_are_refused() -> None:
+    with pytest.raises(ValueError, match="model_type 'not-a-family' is not a model family"):
+        ModelConfig.from_hf_dict({"model_type": "not-a-family"})
+    with pytest.raises(ValueError, match="'clip' has no causal language model class"):
+        ModelConfig.from_hf_dict({"model_type": "clip"})
+    with pytest.raises(ValueError, match="model_type is missing"):
+        ModelConfig.from_hf_dict({"hidden_size": 8})
 
 
-def test_tied_embeddings_export_and_load() -> None:
-    config = LlamaConfig(**{**PRESETS["tiny-test"].__dict__, "tie_word_embeddings": True})
-    model = build_model(config, seed=1)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    exported = export_state_dict(model)
-    assert "lm_head.weight" not in exported
-    fresh = build_model(config, seed=2)
-    load_weights(fresh, exported)
-    assert torch.equal(fresh.lm_head.weight, exported["model.embed_tokens.weight"])
+def test_tensor_parallel_needs_a_plan_xffl_applies() -> None:
+    check_tensor_parallel(PRESETS["tiny-qwen3"], 2)  # q/k norms: replicated, grads all-reduced
+    with pytest.raises(InvalidInput,
+                       match=r"'gpt2' has no tensor-parallel plan.*tensor_parallel: 1"):
+        check_tensor_parallel(ModelConfig.from_hf_dict({"model_type": "gpt2"}), 2)
+    with pytest.raises(InvalidInput, match=r"mixture-of-experts.*tensor_parallel: 1"):
+        check_tensor_parallel(PRESETS["tiny-mixtral"], 2)
+    with pytest.raises(InvalidInput, match="does not divide the model's num_key_value_heads"):
+        check_tensor_parallel(PRESETS["tiny"], 4)
+    with pytest.raises(InvalidInput, match="does not divide the site's 3 ranks"):
+        check_tensor_parallel(PRESETS["tiny"], 2, ranks=3)
+    check_tensor_parallel(ModelConfig.from_hf_dict({"model_type": "gpt2"}), 1)
+
+
+def test_linear_modules_are_the_familys() -> None:
+    names = linear_modules(PRESETS["tiny-qwen2"])
+    assert "model.layers.1.self_attn.q_proj" in names and "lm_head" in names
+    assert len(names) == 2 * 7 + 1
+
+
+def test_untrained_loss_is_near_uniform_and_loss_uses_targets() -> None:
+    model = build_model(PRESETS["tiny"], seed=0)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = lm_loss(model(ids[:, :-1]), ids[:, 1:])
+    # N(0, 0.02) weights give logits of std ~0.02 * sqrt(64) * ... << 1: within 0.05 of log V
+    assert abs(float(loss) - uniform_loss(256)) < 0.05
 
 
 def test_load_weights_rejects_mismatch() -> None:
     model = build_model(PRESETS["tiny-test"], seed=0)
-    state = export_state_dict(model)
-    del state["model.norm.weight"]
-    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
-        load_weights(model, state)
-    state = export_state_dict(model)
-    state["lm_head.weight"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match="shape"):
-        load_weights(model, state)
+    state = model.state_dict()
+    with pytest.raises(ValueError, match="missing"):
+        load_weights(model, {k: v for k, v in state.items() if "layers.1" not in k})
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\)"):
+        load_weights(model, bad)

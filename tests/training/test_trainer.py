@@ -16,7 +16,7 @@ from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.training.__main__ import main as trainer_main
 from xffl.training.config import ModelSpec, TrainJob
 from xffl.training.data import ensure_synthetic
-from xffl.training.trainer import evaluate, init_global, load_model, read_config, train_round
+from xffl.training.trainer import evaluate, init_global, read_config, train_round
 
 JobFactory = Callable[..., TrainJob]
 
@@ -128,7 +128,7 @@ def test_entry_point_in_process(tmp_path: Path, global0: tuple[Path, Manifest],
     assert summary["digest"] == verify_checkpoint(out).digest()
     assert summary["round"] == 2 and summary["num_samples"] == 10
     assert (tmp_path / "data" / "meta.json").exists()  # generated on first use
-    assert load_model(out).config == read_config(global0[0])
+    assert read_config(out) == read_config(global0[0])
 
     job_file.write_text(json.dumps({**json.loads(job.model_dump_json()), "site": None}))
     assert trainer_main(args) == 2

@@ -1,13 +1,15 @@
 """Per-rank worker for the (dp, tp) exactness tests: run under torchrun, writes what it saw.
 
-Usage: ``torchrun --nproc-per-node N tp_worker.py OUT TP:MODE [TP:MODE ...]``. For each
-TP:MODE in turn, in the same process group: builds the tiny-test model (seed 1),
+Usage: ``torchrun --nproc-per-node N tp_worker.py OUT TP:MODE[:PRESET] ...``. For each
+mesh in turn, in the same process group: builds the model of PRESET (tiny-test by default;
+another family's tiny preset at tiny-test's widths: :func:`mesh_config`) with seed 1,
 parallelizes it with tensor_parallel TP and data parallel MODE over a new mesh of all N
 ranks, then on a fixed global batch of GLOBAL sequences (dp rank r takes its GLOBAL/dp
 consecutive rows) records the logits, the gradients of the first backward (gathered to
 full tensors), the validation loss of HELD_OUT held-out sequences (xffl's evaluation, with
 an uneven last batch) and, after 3 optimizer steps of xffl's own loop, the full weights:
-``OUT/TP-MODE/rank<k>.safetensors`` per rank. Several meshes in one launch save a torch
+``OUT/TP-MODE-PRESET/rank<k>.safetensors`` per rank, with what the ranks really ran under
+(FSDP2 modules, sharded parameters) in its metadata. Several meshes in one launch save a torch
 start-up per rank and mesh; each mesh starts from a fresh model, optimizer and groups.
 """
 
@@ -22,13 +24,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from xffl.training.arch import build_config
+from xffl.training.arch import ModelConfig, build_config
 from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model, lm_loss
-from xffl.training.parallelize import parallelize
+from xffl.training.parallelize import ParallelModel, parallelize
 from xffl.training.trainer import make_optimizer
 
 GLOBAL, SEQ, STEPS = 4, 16, 3
@@ -50,10 +52,33 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().contiguous()
 
 
-def run_mesh(tp: int, mode: str, out: Path) -> None:
+def mesh_config(preset: str) -> ModelConfig:
+    """PRESET's family at tiny-test's widths (hidden 32, 4 heads of 8 over 2 kv heads, MLP
+    64, 2 layers), so that one derivation of the tolerances holds for every family."""
+    overrides: dict[str, int | float | bool] = {}
+    if preset != "tiny-test":
+        overrides = {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+                     "max_position_embeddings": 128}
+    return build_config(ModelSpec(preset=preset, overrides=overrides))
+
+
+def _structure(pm: ParallelModel) -> dict[str, str]:
+    """What ran: FSDP2 modules (root and layers) and how the parameters are placed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [n for n, m in pm.module.named_modules() if isinstance(m, FSDPModule)]
+    placements = sorted({str(p.placements) for p in pm.module.parameters()
+                         if isinstance(p, DTensor)})
+    return {"fsdp_modules": str(len(fsdp)), "placements": ";".join(placements),
+            "dtensor_params": str(sum(isinstance(p, DTensor) for p in pm.module.parameters())),
+            "params": str(sum(1 for _ in pm.module.parameters()))}
+
+
+def run_mesh(tp: int, mode: str, preset: str, out: Path) -> None:
     """Run the checks of one (TP, MODE) mesh on this rank and write OUT/rank<k>.safetensors."""
-    config = build_config(ModelSpec(preset="tiny-test"))
+    config = mesh_config(preset)
     pm = parallelize(build_model(config, seed=1), tp, torch.device("cpu"), mode)
+    structure = _structure(pm)
     r, dp = pm.dp_rank, pm.dp_size
     b = GLOBAL // dp
     data = global_batches(config.vocab_size)
@@ -86,15 +111,16 @@ def run_mesh(tp: int, mode: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file(record, str(out / f"rank{dist.get_rank()}.safetensors"),
               metadata={"dp_rank": str(r), "dp": str(dp), "tp": str(pm.tp_size),
-                        "mode": mode})
+                        "mode": mode, **structure})
 
 
 def main(out: Path, meshes: list[str]) -> None:
     """Run every ``TP:MODE`` mesh in turn in one gloo process group."""
     dist.init_process_group("gloo")
     for mesh in meshes:
-        tp, mode = mesh.split(":")
-        run_mesh(int(tp), mode, out / f"{tp}-{mode}")
+        tp, mode, *rest = mesh.split(":")
+        preset = rest[0] if rest else "tiny-test"
+        run_mesh(int(tp), mode, preset, out / f"{tp}-{mode}-{preset}")
     # every rank leaves together: a rank that tears gloo down while rank 0 (which also
     # gathers and writes the full state) is still talking to it aborted rank 0 once, with
     # "terminate called without an active exception", under a fully loaded machine
