@@ -87,3 +87,60 @@ def test_adapter_updates_are_checked(tmp_path: Path) -> None:
         "parent": read_manifest(glob).digest(), "num_samples": 8}))
     assert judge(whole) == (SiteState.REJECTED,
                             f"a LoRA adapter is expected ({ADAPTER_FILE}, not a whole model)")
+
+
+def _encoded(tmp_path: Path, parent: Path, site: str, dtype: str,
+             change: Callable[[Tensors], None] | None = None) -> Path:
+    """``site``'s honest adapter update sent as ``dtype`` weights (as training.encode does:
+    fp32 rounded to nearest even); ``change`` then alters the encoded tensors."""
+    import torch
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    out = _update(tmp_path, parent, site)
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    tensors = {k: v.to(target) for k, v in load_torch(str(out / ADAPTER_FILE)).items()}
+    if change is not None:
+        change(tensors)  # type: ignore[arg-type]
+    save_torch(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    old = read_manifest(out)
+    (out / "manifest.json").unlink()
+    finalize_manifest(out, old)
+    return out
+
+
+def test_freeze_a_admits_honest_updates_in_a_narrower_exchange(tmp_path: Path) -> None:
+    """Under a bf16 or fp16 exchange an honest site's A is the global's A rounded to that
+    dtype: admitted, and the round's FedAvg goes through; moving one A element by one ulp
+    of the exchange's dtype is still a rejection."""
+    import torch
+
+    from xffl.aggregator.decode import Decoding
+    from xffl.aggregator.strategies import run_strategy
+    from xffl.training.config import ExchangeSpec
+
+    glob = tmp_path / "global"
+    lora.init_adapter_global("run-1", ModelSpec(preset="tiny-test"), SPEC, 0, glob, "base")
+    layout = RunLayout(tmp_path / "run")
+    for dtype in ("bf16", "fp16"):
+        (tmp_path / dtype).mkdir()
+        exchange = ExchangeSpec.parse(f"weights/{dtype}")
+        honest = [_encoded(tmp_path / dtype, glob, s, dtype) for s in ("alpha", "beta")]
+        for update in honest:
+            verdict, _ = admit(layout, update.name, 1, glob, update, exchange=exchange,
+                               freeze_a=True)
+            assert verdict.state == SiteState.COMPLETED, (dtype, verdict.reason)
+
+        def nudge(tensors: dict[str, torch.Tensor]) -> None:
+            name = sorted(n for n in tensors if n.endswith(".lora_A.weight"))[0]
+            bits = tensors[name].view(torch.int16)
+            bits[0, 0] += 1  # the next value of the exchange's dtype
+        moved = _encoded(tmp_path / dtype, glob, "moves-a", dtype, nudge)
+        verdict, _ = admit(layout, "moves-a", 1, glob, moved, exchange=exchange, freeze_a=True)
+        assert verdict.state == SiteState.REJECTED and "lora_A.weight" in verdict.reason
+        out = tmp_path / dtype / "global-1"
+        run_strategy("fedavg", honest, glob, out, run_id="run-1", round=1,
+                     parent_digest=read_manifest(glob).digest(),
+                     decoding=Decoding(glob, delta=False))
+        assert (out / ADAPTER_CONFIG_FILE).read_bytes() == \
+            (glob / ADAPTER_CONFIG_FILE).read_bytes()
