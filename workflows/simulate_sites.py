@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from xffl.aggregator.reported import MAX_COUNT
 from xffl.core.errors import ExitCode, InvalidInput, XfflError
 from xffl.core.files import atomic_write
 from xffl.jobs.load import LoadedJob
@@ -102,8 +103,13 @@ def virtual_site(loaded: LoadedJob, index: int, count: int, root: Path, run_id: 
     name = f"{template.name}-{index}"
     data_dir = Path(root) / "data" / f"site-{index}"
     training = template.budget.apply(spec.training) if template.budget else spec.training
-    job = TrainJob(run_id=run_id, site=name, rounds=rounds, model=spec.model,
-                   training=training, data=DataSpec(path=str(data_dir)), exchange=spec.exchange)
+    # the data is the coordinator's own (generated or split here): each virtual site is
+    # weighed by its part's size, declared so its trainer reports it (not the samples read)
+    declared = template.data.synthetic_sequences if template.data.synthetic is not None else \
+        template.data.max_samples or MAX_COUNT
+    job = TrainJob(run_id=run_id, site=name, rounds=rounds, model=spec.model, training=training,
+                   data=DataSpec(path=str(data_dir), max_samples=declared),
+                   exchange=spec.exchange)
     if template.data.synthetic is not None:
         return VirtualSite(index, name, template.name, job, data_dir,
                            language=f"{template.data.synthetic}-{index}",
