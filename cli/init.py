@@ -15,16 +15,21 @@ from xffl.core.errors import InvalidInput
 TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     "quickstart": ("quickstart.yaml", ()),
     "two-facilities": ("llama2-7b-two-facilities.yaml", ("leonardo", "karolina")),
+    "llama3-8b": ("llama3.1-8b-two-facilities.yaml", ("leonardo", "karolina")),
+    "llama3-8b-lora": ("llama3.1-8b-lora.yaml", ("leonardo", "karolina")),
 }
+Template = Literal["quickstart", "two-facilities", "llama3-8b", "llama3-8b-lora"]
 
 
 @handle_errors
 def init(
     folder: Annotated[Path, typer.Argument(
         metavar="DIR", help="Folder to write job.yaml into.")] = Path("."),
-    template: Annotated[Literal["quickstart", "two-facilities"], typer.Option(
+    template: Annotated[Template, typer.Option(
         "--template", "-t", help="quickstart: two sites on this machine; two-facilities: "
-        "LLaMA-2 7B on Leonardo and Karolina (the xFFL paper's setting).")] = "quickstart",
+        "LLaMA-2 7B on Leonardo and Karolina (the xFFL paper's setting); llama3-8b: Llama 3.1 "
+        "8B there, the whole model, tp 4; llama3-8b-lora: its LoRA fine-tuning."
+    )] = "quickstart",
     force: Annotated[bool, typer.Option("--force", help="Replace FOLDER/job.yaml if it "
                                         "exists.")] = False,
     as_json: JsonOpt = False,

@@ -135,6 +135,10 @@ def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: ModelConfig) ->
                     "aggregation.lora."]
         return []
     errors = []
+    if spec.training.tensor_parallel > 1:
+        errors.append(f"{_at(doc, path, ('training', 'tensor_parallel'))}: LoRA trains with "
+                      "tensor_parallel: 1 (xffl does not split peft's LoRA layers); set it "
+                      "to 1 and data_parallel: fsdp to shard the frozen base across ranks.")
     if spec.exchange.update == "delta":
         errors.append(f"{_at(doc, path, ('exchange', 'update'))}: a LoRA job sends its "
                       "adapter, which is already small; use exchange.update: weights "

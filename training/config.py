@@ -25,20 +25,23 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """Which model to train: a bundled preset, optionally with config fields overridden.
+    """Which model to train: a transformers causal LM, from a checkpoint or a preset.
 
-    Field names of ``overrides`` are Hugging Face ModelConfig names (hidden_size, ...).
-    ``init`` is an existing checkpoint directory (HF LLaMA layout) to start from instead of
-    a random initialisation. ``entry_point`` (``package.module:function``) builds a model of
-    the user's own from that config instead of xffl's LLaMA (see xffl.training.entry).
+    ``init`` is a Hugging Face checkpoint folder (config.json and safetensors weights, of any
+    family transformers builds) to start from; its config.json is the architecture. Without
+    it, ``preset`` names a bundled config (no weights) and round 0 is seeded. Field names of
+    ``overrides`` are the family's config.json names (hidden_size, ...). ``entry_point``
+    (``package.module:function``) builds a model of the user's own from that config instead
+    (see xffl.training.entry).
     """
 
-    preset: str = Field(default="tiny", description="bundled model: tiny, tiny-test, llama2-7b")
+    preset: str = Field(default="tiny", description="bundled config (no weights): tiny, "
+                        "llama2-7b, llama3.1-8b, qwen2.5-7b, mistral-7b, tiny-<family>")
     overrides: dict[str, int | float | bool] = Field(
         default_factory=dict,
-        description="ModelConfig fields replacing the preset's (hidden_size, ...)")
+        description="config.json fields replacing the preset's or init's (hidden_size, ...)")
     init: str | None = Field(default=None, description="Hugging Face checkpoint folder of round 0 "
-                             "(null: seeded weights)")
+                             "(null: seeded weights of the preset)")
     entry_point: str | None = Field(
         default=None, description="package.module:function building the model from the config")
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import struct
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
@@ -28,19 +32,51 @@ def test_init_writes_the_quickstart_once(tmp_path: Path, xffl_home: Path) -> Non
     assert (demo / "job.yaml").read_text() == QUICKSTART.read_text()
 
 
-def test_the_two_facility_job_of_the_paper(tmp_path: Path, xffl_home: Path) -> None:
-    """LLaMA-2 7B on Leonardo (4 GPUs a node) and Karolina (8): refused while a YOUR_ value is
-    left, with file and line; filled in, it validates and renders SLURM scripts that ask each
-    facility for its GPUs, with tensor parallelism 4 inside both."""
+def sparse_checkpoint(folder: Path, preset: str) -> Path:
+    """A Hugging Face checkpoint folder of ``preset``'s real shapes in bf16: config.json and a
+    safetensors file whose header is real and whose data is a hole (sparse: no disk used)."""
+    from xffl.training.arch import PRESETS
+    from xffl.training.model import model_layout
+
+    config = PRESETS[preset]
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(config.to_json())
+    header, offset = {}, 0
+    for init in model_layout(config):
+        size = 2 * init.numel
+        header[init.name] = {"dtype": "BF16", "shape": list(init.shape),
+                             "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = folder / "model.safetensors"
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+    os.truncate(path, 8 + len(text) + offset)
+    return folder
+
+
+FACILITY_JOBS = [("two-facilities", "llama2-7b-two-facilities.yaml", "llama2-7b", 4),
+                 ("llama3-8b", "llama3.1-8b-two-facilities.yaml", "llama3.1-8b", 4),
+                 ("llama3-8b-lora", "llama3.1-8b-lora.yaml", "llama3.1-8b", 1)]
+
+
+@pytest.mark.parametrize(("template", "spec_file", "preset", "tp"), FACILITY_JOBS)
+def test_the_two_facility_jobs(tmp_path: Path, xffl_home: Path, template: str, spec_file: str,
+                               preset: str, tp: int) -> None:
+    """Leonardo (4 GPUs a node) and Karolina (8): refused while a YOUR_ value is left (the
+    base model's folder included: fine-tuning starts from a checkpoint), with file and line;
+    filled in with a folder of the model's real shapes, it validates and renders SLURM
+    scripts that ask each facility for its GPUs, with the job's tensor parallelism."""
     from xffl.site_profiles.lookup import installed_dirs
 
-    made = runner.invoke(app, ["init", str(tmp_path / "paper"), "-t", "two-facilities",
-                               "--json"])
+    made = runner.invoke(app, ["init", str(tmp_path / "paper"), "-t", template, "--json"])
     assert made.exit_code == 0, made.output
     job = tmp_path / "paper" / "job.yaml"
     profiles = [installed_dirs()[0] / f"{n}.yaml" for n in ("leonardo", "karolina")]
     assert json.loads(made.stdout)["written"] == [str(job), *map(str, profiles)]
-    assert job.read_text() == (JOBS / "llama2-7b-two-facilities.yaml").read_text()
+    assert job.read_text() == (JOBS / spec_file).read_text()
+    assert "init: /path/to/YOUR_MODELS/" in job.read_text()
     refused = runner.invoke(app, ["validate", str(job)])
     assert refused.exit_code == 2
     lines = [line.removeprefix("error: ") for line in refused.stderr.splitlines()]
@@ -53,6 +89,9 @@ def test_the_two_facility_job_of_the_paper(tmp_path: Path, xffl_home: Path) -> N
         path.write_text(path.read_text().replace("YOUR_USERNAME", "ada")
                         .replace("YOUR_ACCOUNT", "p_1").replace("YOUR_EMAIL", "a@b.org")
                         .replace("YOUR_VENV", "venv").replace("YOUR_SCRATCH", "scratch"))
+    base = sparse_checkpoint(tmp_path / "base", preset)
+    job.write_text("\n".join(f"  init: {base}" if line.startswith("  init: ") else line
+                             for line in job.read_text().splitlines()) + "\n")
     valid = runner.invoke(app, ["validate", str(job)])
     assert valid.exit_code == 0, valid.output
     plan = tmp_path / "plan"
@@ -63,5 +102,14 @@ def test_the_two_facility_job_of_the_paper(tmp_path: Path, xffl_home: Path) -> N
         assert f"#SBATCH --gpus-per-node={gpus}" in script
         assert f"#SBATCH --ntasks-per-node={gpus}" in script
         spec = json.loads((plan / "jobs" / f"{site}.json").read_text())
-        assert spec["training"]["tensor_parallel"] == 4
-        assert spec["model"]["preset"] == "llama2-7b"
+        assert spec["training"]["tensor_parallel"] == tp
+        assert spec["model"]["init"] == str(base)
+    # the base's config is the architecture: a config and weights that disagree are refused
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "intermediate_size": 1024}))
+    refused = runner.invoke(app, ["validate", str(job)])
+    assert refused.exit_code == 2
+    line = next(n for n, t in enumerate(job.read_text().splitlines(), 1) if "  init: " in t)
+    assert re.search(rf"{re.escape(str(job))}:{line}: job spec field model.init: "
+                     r"model.safetensors: tensor model.layers.0.mlp.\w+_proj.weight has shape "
+                     r"\(\d+, \d+\), the model expects", refused.stderr)
