@@ -12,6 +12,7 @@ from xffl.cli.common import (
     console,
     err_console,
     handle_errors,
+    markup_safe,
     print_json,
     resolve_run,
 )
@@ -24,8 +25,11 @@ def cancel(
     run: RunArg,
     as_json: JsonOpt = False,
 ) -> None:
-    """Cancel a run: stop its runner, scancel its job at every SLURM site and check with
-    squeue (up to 10 s) that none is left; the run is then marked cancelled.
+    """Cancel a run: remove its cron entry and mark it cancelled, stop its runner, scancel
+    its job at every SLURM site and check with squeue (up to 10 s) that none is left.
+
+    The run's round lock is held from the runner's stop to the last record, so no cron tick
+    starts a round meanwhile. What a site prints that is not SLURM's is a warning.
 
     A run that already finished is left as it is (exit 0). When a site cannot be reached the
     run is still marked cancelled here (its runner is stopped) and the command exits 3: the
@@ -47,8 +51,11 @@ def cancel(
         console.print(f"run {record.id} cancelled"
                       + (f" (SLURM jobs cancelled at {', '.join(result.cancelled_sites)})"
                          if result.cancelled_sites else ""))
+        for warning in result.warnings:
+            err_console.print(f"[yellow]warning:[/yellow] {markup_safe(warning)}",
+                              soft_wrap=True)
         for site, why in sorted(result.unreachable.items()):
-            err_console.print(f"[red]error:[/red] site {site} unreachable: {why}; "
-                              f"{final.message}", soft_wrap=True)
+            err_console.print(f"[red]error:[/red] site {site} unreachable: {markup_safe(why)}; "
+                              f"{markup_safe(final.message)}", soft_wrap=True)
     if result.unreachable:
         raise typer.Exit(int(ExitCode.CONNECTION))

@@ -3,9 +3,14 @@
 Decisions (also in `xffl cancel --help`):
 
 * a run that already finished is left alone: a clear message and exit 0 (cancel is idempotent);
+* what no later cron tick may undo comes first, before any facility is asked anything: the
+  run's crontab entry is removed and the run recorded cancelled; then its runner is stopped
+  and the round lock held until the last record, so no tick starts a round in between;
 * a site that cannot be reached (after one retry) makes the command exit 3, but the run is
   still marked cancelled locally: its runner is gone, so nothing would ever finish it; the
-  run's message names the sites where jobs may be left, for the user to scancel by hand.
+  run's message names the sites where jobs may be left, for the user to scancel by hand;
+* whatever else a facility answers (garbage from squeue or scancel) is a warning, never an
+  error that stops the cancel.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ import os
 import shlex
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from xffl.jobs import schedule
 from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
 from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import holder
+from xffl.jobs.round_lock import RoundInFlight, holder, round_lock
 from xffl.jobs.slurm_view import (
     SSH_TIMEOUT,
     SiteUnreachable,
@@ -37,6 +43,7 @@ from xffl.site_profiles.schema import SiteProfile
 
 RUNNER_GRACE_S = 5.0
 VERIFY_S = 10.0
+LOCK_WAIT_S = 10.0  # for the round lock once the runner is stopped (a tick may hold it briefly)
 
 
 @dataclass
@@ -50,6 +57,8 @@ class CancelResult:
     cancelled_sites: list[str] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
     left_over: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    cron_removed: bool = False
 
 
 def stop_runner(run: RunRecord, grace: float = RUNNER_GRACE_S) -> bool:
@@ -109,13 +118,16 @@ def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
     """The shell line that cancels the run's jobs at ``site``.
 
     By id, every job squeue lists under the site's name prefix (any round, renamed or not);
-    then by name, ``scancel -n`` of the prefix (and of round ``rnd``'s name), which also
-    catches a job submitted after squeue answered. Its exit status is scancel -n's.
+    then by name, ``scancel -n`` of the prefix and of round ``rnd``'s name, one name at a
+    time (SLURM 22.05 matches ``-n a,b`` against no job at all), which also catches a job
+    submitted after squeue answered, or one a squeue that prints garbage did not list. Its
+    exit status is 0 when every ``scancel -n`` succeeded.
     """
     names = [job_name(run_id, site)] + ([job_name(run_id, site, rnd)] if rnd else [])
     return (f"ids=$({job_ids_command(run_id, site)}); "
             "[ -z \"$ids\" ] || scancel $ids 2>/dev/null; "
-            f"scancel -n {shlex.quote(','.join(names))}")
+            f"r=0; for n in {' '.join(shlex.quote(n) for n in names)}; "
+            "do scancel -n \"$n\" || r=1; done; [ $r -eq 0 ]")
 
 
 def scancel_site(run_id: str, site: str, profile: SiteProfile,
@@ -136,13 +148,44 @@ def scancel_site(run_id: str, site: str, profile: SiteProfile,
 
 
 def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -> CancelResult:
-    """Cancel ``run`` (see the module doc for the outcomes)."""
+    """Cancel ``run`` (see the module doc for the order and the outcomes)."""
     result = CancelResult(run_id=run.id)
     if run.finished:
         result.already_finished = True
         result.state = run.state
         return result
+    result.cron_removed = _remove_schedule(run.id, result.warnings)
+    registry.set_state(run.id, RunState.CANCELLED, "cancelled by the user; stopping its runner "
+                       "and its SLURM jobs", ended=time.time())
     result.runner_stopped = stop_runner(run)
+    with _round_lock_within(Path(run.run_dir), LOCK_WAIT_S) as locked:
+        if not locked:
+            result.warnings.append("the round lock could not be taken: another process still "
+                                   "executes the run")
+        _cancel_jobs(registry, run, result, verify_s)
+        _record(registry, run, result)
+    return result
+
+
+@contextlib.contextmanager
+def _round_lock_within(run_dir: Path, wait: float) -> Iterator[bool]:
+    """Hold the run's round lock, waited for up to ``wait`` s; yields whether it is held."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with round_lock(run_dir):
+                yield True
+                return
+        except RoundInFlight:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    yield False
+
+
+def _cancel_jobs(registry: Registry, run: RunRecord, result: CancelResult,
+                 verify_s: float) -> None:
+    """scancel the run's jobs at every SLURM site, then watch squeue until none is left."""
     sites = slurm_sites(Path(run.run_dir))
     rnd = in_flight_round(run)
     for site, profile in sites.items():
@@ -151,22 +194,25 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
             result.cancelled_sites.append(site)
         except SiteUnreachable as exc:
             result.unreachable[site] = str(exc)
+        except Exception as exc:  # anything a facility may make of it
+            result.warnings.append(f"site {site}: scancel: {_first_line(exc)}")
     pending = set(result.cancelled_sites)
     deadline = time.monotonic() + verify_s
     while pending:
         for site in sorted(pending):
-            jobs = query_site(run.id, site, sites[site], rnd, timeout=min(SSH_TIMEOUT, verify_s))
-            live = [j for j in jobs if j.job_id and j.state not in {"CANCELLED", "COMPLETED"}]
-            for job in jobs:
-                if job.job_id:
-                    registry.record_slurm_job(run.id, job.round or rnd, site, job.job_id,
-                                              job.state or "", job.queue_wait_s, job.run_s,
-                                              name=job.name, nodes=job.nodes)
-            if all(j.reachable for j in jobs) and not live:
+            try:
+                live = _live_jobs(registry, run, site, sites[site], rnd, verify_s)
+            except Exception as exc:  # what squeue printed could not be read: stop asking
+                result.warnings.append(f"site {site}: squeue: {_first_line(exc)}")
+                pending.discard(site)
+                continue
+            if live is None:
+                result.left_over[site] = []
+            elif live:
+                result.left_over[site] = live
+            else:
                 pending.discard(site)
                 result.left_over.pop(site, None)
-            else:
-                result.left_over[site] = [j.job_id or "?" for j in live]
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -175,7 +221,26 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
                 and row["state"] in {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
             registry.record_slurm_job(run.id, rnd, row["site"], row["job_id"], "CANCELLED",
                                       row["queue_wait_s"], row["run_s"])
-    # record the round in flight and the run itself
+
+
+def _live_jobs(registry: Registry, run: RunRecord, site: str, profile: SiteProfile, rnd: int,
+               verify_s: float) -> list[str] | None:
+    """The ids of the run's jobs squeue still lists at ``site`` (recorded on the way); None
+    when squeue could not say."""
+    jobs = query_site(run.id, site, profile, rnd, timeout=min(SSH_TIMEOUT, verify_s))
+    for job in jobs:
+        if job.job_id:
+            registry.record_slurm_job(run.id, job.round or rnd, site, job.job_id,
+                                      job.state or "", job.queue_wait_s, job.run_s,
+                                      name=job.name, nodes=job.nodes)
+    live = [j.job_id or "?" for j in jobs
+            if j.job_id and j.state not in {"CANCELLED", "COMPLETED"}]
+    return live if live or all(j.reachable for j in jobs) else None
+
+
+def _record(registry: Registry, run: RunRecord, result: CancelResult) -> None:
+    """Record the round in flight and the run as cancelled, with what was left behind."""
+    rnd = in_flight_round(run)
     current = registry.get_run(run.id)
     if any(r.round == rnd and r.state == RoundState.RUNNING for r in registry.rounds(run.id)):
         registry.finish_round(run.id, RoundRecord(
@@ -183,7 +248,7 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
             sites=[SiteRound(site=s, state=SiteState.CANCELLED, reason="cancelled by the user")
                    for s in current.sites]))
     message = "cancelled by the user"
-    if _remove_schedule(run.id):
+    if result.cron_removed:
         message += "; its cron entry removed"
     if result.unreachable:
         message += ("; could not reach " + ", ".join(sorted(result.unreachable))
@@ -192,15 +257,29 @@ def cancel_run(registry: Registry, run: RunRecord, verify_s: float = VERIFY_S) -
                     + " may still be queued there")
     if result.left_over:
         message += "; still in squeue after scancel: " + ", ".join(
-            f"{s} ({', '.join(ids)})" for s, ids in sorted(result.left_over.items()))
+            f"{s} ({', '.join(ids) or 'squeue did not answer'})"
+            for s, ids in sorted(result.left_over.items()))
     if not result.runner_stopped:
         message += "; its supervisor did not stop"
+    if result.warnings:
+        message += "; " + "; ".join(result.warnings)
     registry.set_state(run.id, RunState.CANCELLED, message, ended=time.time())
-    return result
 
 
-def _remove_schedule(run_id: str) -> bool:
-    """Remove the run's crontab entry, if any (a cancelled run has no round left to tick)."""
-    if schedule.current(run_id) is None:
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 200 characters."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _remove_schedule(run_id: str, warnings: list[str]) -> bool:
+    """Remove the run's crontab entry, if any (a cancelled run has no round left to tick);
+    a crontab that cannot be edited is a warning."""
+    try:
+        if schedule.current(run_id) is None:
+            return False
+        return schedule.remove(run_id)
+    except Exception as exc:
+        warnings.append(f"its cron entry could not be removed ({_first_line(exc)}): "
+                        f"remove it with `xffl schedule {run_id} --remove`")
         return False
-    return schedule.remove(run_id)

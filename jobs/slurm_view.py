@@ -14,6 +14,7 @@ Every SSH call is bounded; a site that cannot be reached is reported as such, ne
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -28,6 +29,11 @@ from xffl.jobs.registry import Registry
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0
+# what a squeue field may be; a line with any other field is not SLURM's and is skipped
+_ELAPSED = re.compile(r"(?:(\d{1,5})-)?(?:(\d{1,5}):)?(\d{1,5}):(\d{1,5})")
+_JOB_ID = re.compile(r"[0-9][0-9_+\[\]\-,]{0,63}")  # 12, 12_3, 12_[1-4], 12+0
+_STATE = re.compile(r"[A-Z_]{1,32}")
+_NODES = re.compile(r"[\w\[\]\-,.]{0,1000}")
 SQUEUE_FORMAT = "%i|%j|%T|%V|%S|%M|%N"
 # every job of the user on the login node's cluster, with its name (filtered by prefix here)
 SQUEUE_MINE = f"squeue -h -u \"$(id -un)\" -o {shlex.quote(SQUEUE_FORMAT)}"
@@ -94,18 +100,12 @@ def ssh_run(profile: SiteProfile, command: str,
 
 
 def _seconds(text: str) -> float | None:
-    """SLURM's elapsed time ([D-]HH:MM:SS, MM:SS) in seconds."""
-    text = text.strip()
-    if not text or text in {"N/A", "INVALID"}:
+    """SLURM's elapsed time ([D-]HH:MM:SS, MM:SS) in seconds; None for anything else."""
+    match = _ELAPSED.fullmatch(text.strip())
+    if match is None:
         return None
-    days = 0
-    if "-" in text:
-        d, text = text.split("-", 1)
-        days = int(d)
-    parts = [int(p) for p in text.split(":")]
-    while len(parts) < 3:
-        parts.insert(0, 0)
-    return float(days * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2])
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return float(days * 86400 + hours * 3600 + minutes * 60 + seconds)
 
 
 def _time(text: str) -> datetime | None:
@@ -140,7 +140,9 @@ def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None) -> l
     """Parse ``date +%Y-%m-%dT%H:%M:%S`` and squeue lines in SQUEUE_FORMAT: ``site``'s jobs.
 
     Only jobs named for ``site`` in ``run_id`` are kept; a job's round comes from its name
-    (``rnd`` for a job still named with the bare prefix).
+    (``rnd`` for a job still named with the bare prefix). A facility's text is not trusted:
+    a line whose id, state or node list is not SLURM's is skipped, and a time or elapsed
+    field that is not SLURM's counts as unknown.
     """
     lines = [ln for ln in text.splitlines() if ln.strip()]
     now = _time(lines[0]) if lines else None
@@ -151,7 +153,8 @@ def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None) -> l
             continue
         job_id, name, state, submit, start, elapsed, nodes = fields
         job_round = slurm_job_round(name, run_id, site)
-        if job_round is None:
+        if job_round is None or not (_JOB_ID.fullmatch(job_id) and _STATE.fullmatch(state)
+                                     and _NODES.fullmatch(nodes)):
             continue
         sub, sta = _time(submit), _time(start)
         if sub is not None and sta is not None and state != "PENDING":

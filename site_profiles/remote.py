@@ -164,17 +164,44 @@ def connect(profile: SiteProfile) -> paramiko.SSHClient:
     return _open(profile.name, profile, login, known_hosts_path(conn))
 
 
+MAX_OUTPUT = 1 << 20  # what xffl keeps of a login-node command's stdout, and of its stderr
+
+
 def run(client: paramiko.SSHClient, command: str, timeout: float = 60.0) -> tuple[int, str, str]:
-    """Run ``command`` on the login node; return (exit status, stdout, stderr)."""
+    """Run ``command`` on the login node; return (exit status, stdout, stderr).
+
+    A facility's answer is not trusted: the whole command is bounded by ``timeout`` (124
+    after it, however slowly the bytes come) and only the first :data:`MAX_OUTPUT` bytes of
+    each stream are kept (the rest is read and dropped, so the command can finish).
+    """
+    deadline = time.monotonic() + timeout
     try:
-        _, out, err = client.exec_command(command, timeout=timeout)
-        stdout = out.read().decode(errors="replace")
-        stderr = err.read().decode(errors="replace")
-        return out.channel.recv_exit_status(), stdout, stderr
+        _, out, _ = client.exec_command(command, timeout=timeout)
+        channel = out.channel
+        kept: tuple[bytearray, bytearray] = (bytearray(), bytearray())
+        while True:
+            if time.monotonic() > deadline:  # also for a site that never stops printing
+                channel.close()
+                return 124, "", f"timed out after {timeout:.0f} s"
+            if channel.recv_ready():
+                _keep(kept[0], channel.recv(65536))
+            elif channel.recv_stderr_ready():
+                _keep(kept[1], channel.recv_stderr(65536))
+            elif channel.exit_status_ready() and (channel.eof_received or channel.closed):
+                break
+            else:
+                time.sleep(0.005)
+        return (channel.recv_exit_status(), kept[0].decode(errors="replace"),
+                kept[1].decode(errors="replace"))
     except TimeoutError:
         return 124, "", f"timed out after {timeout:.0f} s"
     except paramiko.SSHException as exc:
         return 255, "", str(exc)
+
+
+def _keep(buffer: bytearray, data: bytes) -> None:
+    """Add ``data`` to ``buffer`` up to :data:`MAX_OUTPUT` bytes."""
+    buffer += data[:max(0, MAX_OUTPUT - len(buffer))]
 
 
 @dataclass

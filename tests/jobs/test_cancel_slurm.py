@@ -78,7 +78,7 @@ def test_status_then_cancel_running_slurm_run(tmp_path: Path, slurm_stack,  # ty
         _cancel_scenario(slurm_stack, run_id, names)
     finally:  # never leave a 300 s job holding the test clusters' CPUs
         for c, n in names.items():
-            slurm_stack.ssh(c, f"scancel -n {n},{n[:-3]}", timeout=20)
+            slurm_stack.ssh(c, f"scancel -n {n}; scancel -n {n[:-3]}", timeout=20)
         record = Registry().get_run(run_id)
         if record.runner_pid and not record.finished:
             pid = record.runner_pid
