@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -25,6 +26,7 @@ from tests.conftest import QUICKSTART
 from tests.security.processes import lock_holder
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
+from xffl.jobs import cancel as cancel_mod
 from xffl.jobs import schedule
 from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import holder, round_lock
@@ -143,6 +145,27 @@ def test_a_cron_tick_after_cancel_does_not_revive_the_run(
     assert json.loads(result.stdout)["state"] == "cancelled"
     assert not (run_dir / "rounds" / "0").exists()  # nothing was started
     assert registry.get_run(run_id).rounds_done == 0
+
+
+def test_a_cron_tick_while_cancel_runs_finds_the_run_cancelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tick lands between the runner's stop and cancel's last record: it starts nothing
+    (HEAD recorded the cancel last, with no lock held: the tick started a round)."""
+    registry, run_id, _ = _run(tmp_path, state="waiting")
+    rounds: list[str] = []
+    monkeypatch.setattr(supervisor, "_run", lambda *args: rounds.append("started") or 0)
+    ticks: list[int] = []
+    real_stop = cancel_mod.stop_runner
+
+    def stop_then_tick(run: Any, *args: Any) -> bool:
+        stopped = real_stop(run, *args)
+        ticks.append(supervisor.execute(run_id, registry, once=True))
+        return stopped
+
+    monkeypatch.setattr(cancel_mod, "stop_runner", stop_then_tick)
+    assert runner.invoke(app, ["cancel", run_id]).exit_code == 0
+    assert ticks == [0] and rounds == []
+    assert registry.get_run(run_id).state == "cancelled"
 
 
 @pytest.mark.parametrize(("variable", "value"), [
