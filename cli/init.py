@@ -10,6 +10,7 @@ import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.core.errors import InvalidInput
+from xffl.core.files import atomic_write
 
 # template -> (the job spec shipped in xffl.jobs, the bundled profiles it names)
 TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -42,10 +43,14 @@ def init(
 
     spec_file, profiles = TEMPLATES[template]
     job = folder / "job.yaml"
+    if job.is_symlink():  # written through, it would replace whatever the link names
+        raise InvalidInput(f"{job} is a symbolic link; xffl init writes no file through a "
+                           "link: remove it, or choose another folder.")
     if job.exists() and not force:
         raise InvalidInput(f"{job} exists; choose another folder, or --force to replace it.")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    job.write_text((resources.files("xffl.jobs") / spec_file).read_text())
+    # a new file renamed over the name: a link made meanwhile is replaced, never followed
+    atomic_write(job, (resources.files("xffl.jobs") / spec_file).read_bytes())
     written, kept = [str(job)], []
     for name in profiles:  # the user's own profiles folder: a job's folder cannot shadow them
         mine = installed_dirs()[0] / f"{name}.yaml"

@@ -168,6 +168,28 @@ def test_a_cron_tick_while_cancel_runs_finds_the_run_cancelled(
     assert registry.get_run(run_id).state == "cancelled"
 
 
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("dangling", [False, True])
+def test_init_writes_no_file_through_a_symlinked_job_yaml(
+        tmp_path: Path, force: bool, dangling: bool) -> None:
+    """A shared folder's job.yaml is a link to the user's file (or to where one would be
+    made): xffl init refuses it, even with --force, and the target is untouched."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    target = tmp_path / "bashrc"
+    if not dangling:
+        target.write_text("the user's own file\n")
+    (folder / "job.yaml").symlink_to(target)
+    result = runner.invoke(app, ["init", str(folder), *(["--force"] if force else [])])
+    assert result.exit_code == 2, result.output
+    assert "symbolic link" in result.stderr
+    assert (folder / "job.yaml").is_symlink()
+    if dangling:
+        assert not target.exists()
+    else:
+        assert target.read_text() == "the user's own file\n"
+
+
 @pytest.mark.parametrize(("variable", "value"), [
     ("XFFL_HOME", "{home}\n* * * * * touch {home}-pwned"),
     ("HOME", "/root\n* * * * * id"),
