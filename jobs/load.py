@@ -113,9 +113,12 @@ def _check_init_weights(init: Path, config: ModelConfig) -> str | None:
     """What is wrong with ``init``'s weights for ``config`` (headers only), or None."""
     from xffl.aggregator.shards import open_model
     from xffl.core.errors import CheckpointError
+    from xffl.training.model import needs_conversion
     from xffl.training.streamed import check_init, expected_tensors
 
     try:
+        if needs_conversion(init, config):  # transformers converts (and checks) it at render
+            return None
         with open_model(init) as reader:
             check_init(reader, expected_tensors(config, None))
     except CheckpointError as exc:

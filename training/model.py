@@ -38,6 +38,7 @@ __all__ = [
     "load_pretrained",
     "load_weights",
     "meta_model",
+    "needs_conversion",
     "model_layout",
     "uniform_loss",
 ]
@@ -145,6 +146,20 @@ def load_pretrained(model_dir: Path) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, local_files_only=True, trust_remote_code=False)
     return _prepare(model)
+
+
+def needs_conversion(model_dir: Path, config: ModelConfig) -> bool:
+    """Whether ``model_dir``'s tensor names are not the model's but transformers converts
+    them on load (Mixtral's per-expert ``block_sparse_moe.experts.N.w1`` into fused stacks)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from xffl.aggregator.shards import open_model
+
+    if get_checkpoint_conversion_mapping(config.model_type) is None:
+        return False
+    expected = set(meta_model(config).state_dict())
+    with open_model(model_dir) as reader:
+        return not set(reader.names()) <= expected
 
 
 def export_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -46,6 +46,7 @@ from xffl.training.model import (
     export_state_dict,
     load_pretrained,
     load_weights,
+    needs_conversion,
 )
 from xffl.training.parallelize import check_tensor_parallel, parallelize
 from xffl.training.seeded import write_seeded
@@ -131,6 +132,11 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
         manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
             **extra, "num_parameters": sum(math.prod(s) for s in shapes.values())})
         try:
+            if model.entry_point is None and needs_conversion(Path(model.init), config):
+                # a checkpoint in a layout transformers converts on load (per-expert MoE
+                # weights into fused stacks): transformers loads it whole, xffl writes it
+                net = load_pretrained(Path(model.init))
+                return save_checkpoint(net, config, Path(out_dir), manifest)
             return copy_init(Path(model.init), config, model.entry_point, Path(out_dir),
                              manifest, max_shard_bytes)
         except (ValueError, CheckpointError) as exc:

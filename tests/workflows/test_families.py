@@ -1,0 +1,104 @@
+"""Every model family trains through the quickstart's path: checkpoints transformers wrote.
+
+For Llama 3 (llama3 rope scaling, GQA), Qwen2 (q/k/v biases, tied embeddings), Mistral,
+Gemma 2 (soft-capping, 1 + w norms) and Mixtral (a mixture of experts, data parallel), a tiny
+random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit
+--wait`` runs 2 rounds at 2 local sites through StreamFlow, and ``xffl export`` of the final
+global loads in ``AutoModelForCausalLM.from_pretrained``. The five runs go at once (their
+torch start-ups overlap their StreamFlow waits).
+
+Bound: the export holds the final global's tensors and config bytes, and xffl's model is
+transformers' class of the family loaded from the global, so both compute the same ops on
+the same bits in one process: the logits are equal (``torch.equal``); any wrong tensor,
+config field or dropped bias shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.numpy import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from xffl.aggregator.shards import MODEL_FILE
+from xffl.training.trainer import load_model
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {}),
+    "gemma2": ("gemma2", {"head_dim": 8}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+XFFL = str(Path(sys.executable).with_name("xffl"))
+
+
+def _checkpoint(folder: Path, model_type: str, extra: dict[str, Any]) -> Path:
+    """A tiny random model of the family as transformers saves it (GQA: 4 heads over 2)."""
+    config = AutoConfig.for_model(
+        model_type, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **extra)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def _job(where: Path, family: str, init: Path) -> Path:
+    """The quickstart's shape, smaller: 2 rounds, 2 local sites of one rank, 2 steps each."""
+    spec = {
+        "name": f"family-{family}", "rounds": 2, "model": {"init": str(init)},
+        "training": {"steps": 2, "batch_size": 4, "seq_len": 32, "lr": 0.003, "seed": 0},
+        "aggregation": {"strategy": "fedavg", "weighting": "samples"},
+        "sites": [{"name": name, "profile": "local", "ranks": 1,
+                   "data": {"path": str(where / "data" / name), "synthetic": lang,
+                            "synthetic_sequences": n}}
+                  for name, lang, n in (("alpha", "alpha", 48), ("beta", "beta", 32))],
+    }
+    job = where / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return job
+
+
+@pytest.mark.slow
+def test_every_family_trains_two_rounds_at_two_sites_and_exports(tmp_path: Path,
+                                                                   xffl_home: Path) -> None:
+    env = {**os.environ, "XFFL_HOME": str(xffl_home)}
+    runs = {}
+    for family, (model_type, extra) in FAMILIES.items():
+        where = tmp_path / family
+        init = _checkpoint(where / "init", model_type, extra)
+        runs[family] = subprocess.Popen(
+            [XFFL, "submit", str(_job(where, family, init)), "--wait", "--json"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    for family, proc in runs.items():
+        out, err = proc.communicate(timeout=400)
+        assert proc.returncode == 0, (family, out[-2000:], err[-3000:])
+        status = json.loads(out)
+        assert status["state"] == "completed", (family, status)
+        run_dir = Path(status["run_dir"])
+        exported = tmp_path / family / "exported"
+        done = subprocess.run([XFFL, "export", status["run_id"], "-o", str(exported)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (family, done.stderr)
+        theirs = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+        ours = load_model(run_dir / "rounds" / "2" / "global").eval()
+        assert type(theirs) is type(ours)
+        assert type(ours).__name__.lower().startswith(FAMILIES[family][0])
+        with torch.no_grad():
+            assert torch.equal(theirs(input_ids=ids, use_cache=False).logits, ours(ids)), family
+        # two rounds of training moved every matrix away from the checkpoint it started from
+        start = load_file(str(tmp_path / family / "init" / MODEL_FILE))
+        final = load_file(str(run_dir / "rounds" / "2" / "global" / MODEL_FILE))
+        matrices = [n for n in start if start[n].ndim >= 2]
+        assert [n for n in matrices if not (start[n] != final[n]).any()] == [], family
