@@ -38,8 +38,8 @@ __all__ = [
     "load_pretrained",
     "load_weights",
     "meta_model",
-    "needs_conversion",
     "model_layout",
+    "needs_conversion",
     "uniform_loss",
 ]
 
