@@ -20,6 +20,7 @@ for the path, so the layout can be read in one place::
     executions/<name>.yml              inputs of a resumed or one-round execution of main.cwl
     evaluate.cwl  tools/evaluate_<site>.cwl  streamflow-evaluate.yml   cross-site evaluation
     executions/evaluate-r<r>.yml       its inputs for round r (`xffl evaluate`)
+    executions/evaluate-r<r>/<site>    a kept update as it is sent: the global's config bytes
     streamflow/evaluate.db  streamflow-evaluate.log  streamflow/outputs/<name>   its records
     streamflow/sqlite.db  streamflow/work  streamflow.log  supervisor.log  round.lock
 """
@@ -189,6 +190,10 @@ class RunLayout:
     def evaluate_inputs(self, rnd: int) -> Path:
         """The job order of the cross-site evaluation of round ``rnd``."""
         return self.execution_inputs(f"evaluate-r{rnd}")
+
+    def evaluate_update(self, rnd: int, site: str) -> Path:
+        """``site``'s kept update of round ``rnd`` as the cross-site evaluation sends it."""
+        return self.root / "executions" / f"evaluate-r{rnd}" / site
 
     def workflow_outputs(self, name: str) -> Path:
         """Where the outputs of the StreamFlow workflow ``name`` are collected."""

@@ -4,17 +4,20 @@
 ``tools/evaluate_<site>.cwl`` at the site: the launcher starts
 ``xffl.training.evaluate_models`` with the site's ranks (torchrun, srun), which evaluates
 every model it is given on the site's held-out sequences. The models are Directory inputs
-(the round's global and every site's update kept in ``rounds/<r>/updates/<site>``), so
-StreamFlow sends them to every site; each step's output is one small JSON file of numbers
-(``evaluation-<site>.json``: the workflow's outputs are collected into one folder, so each
-site's file has a name of its own). ``streamflow-evaluate.yml`` binds each step to the
-deployment the site trains on (the plan's own, from :func:`xffl.workflows.plan.site_targets`)
-and ``executions/evaluate-r<r>.yml`` names a round's models; ``streamflow run
+(the round's global and every site's update kept in ``rounds/<r>/updates/<site>``, each
+sent as :func:`sent_update` stages it: its tensor files with the global's config bytes, never
+the site's own), so StreamFlow sends them to every site; each step's output is one small
+JSON file of numbers (``evaluation-<site>.json``: the workflow's outputs are collected into
+one folder, so each site's file has a name of its own). ``streamflow-evaluate.yml`` binds
+each step to the deployment the site trains on (the plan's own, from
+:func:`xffl.workflows.plan.site_targets`) and ``executions/evaluate-r<r>.yml`` names a
+round's models; ``streamflow run
 streamflow-evaluate.yml`` runs the last evaluation written, as ``xffl evaluate`` does.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,17 @@ from typing import Any
 
 import yaml
 
-from xffl.core.errors import InvalidInput
+from xffl.aggregator.exchange import (
+    MANIFEST_FILE,
+    finalize_manifest,
+    read_manifest,
+    read_small_file,
+    staged_dir,
+)
+from xffl.aggregator.inputs import own_config
+from xffl.aggregator.shards import CONFIG_FILE
+from xffl.core.errors import CheckpointError, InvalidInput
+from xffl.core.files import link_files
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
 from xffl.jobs.report import GLOBAL  # the round's global model, beside the updates
@@ -169,6 +182,36 @@ def check_evaluable(spec: JobSpec) -> None:
                            "spec (a run submitted from it evaluates every round).")
 
 
+def sent_update(layout: RunLayout, rnd: int, site: str) -> Path:
+    """Stage ``site``'s kept update of round ``rnd`` as the evaluation sends it; its folder.
+
+    Its tensor files (linked) and the round's global config.json bytes (the coordinator's:
+    a site's own bytes, equal to the global's as JSON but perhaps not loadable, never reach
+    another site), with a manifest whose checksum is that config's. Nothing else the site
+    sent (its SLURM record) is sent on. InvalidInput when the kept update is unreadable or
+    its config is not the global's as a JSON value.
+    """
+    kept, glob = layout.kept_update(rnd, site), layout.global_dir(rnd)
+    try:
+        manifest = read_manifest(kept)
+        config = own_config(glob)
+        if config is None:
+            raise CheckpointError(f"{glob} has no {CONFIG_FILE}")
+        if CONFIG_FILE in manifest.files and json.loads(
+                read_small_file(kept / CONFIG_FILE)) != json.loads(config):
+            raise CheckpointError(f"its {CONFIG_FILE} is not the global model's")
+    except (OSError, ValueError, CheckpointError) as exc:
+        raise InvalidInput(f"{kept}: the kept update of site {site} cannot be sent "
+                           f"({exc}); evaluate another round.") from exc
+    tensors = sorted(n for n in manifest.files if n not in (CONFIG_FILE, MANIFEST_FILE))
+    out = layout.evaluate_update(rnd, site)
+    with staged_dir(out) as tmp:
+        link_files(kept, tmp, tensors)
+        (tmp / CONFIG_FILE).write_bytes(config)
+        finalize_manifest(tmp, manifest, checksums={n: manifest.files[n] for n in tensors})
+    return out
+
+
 @dataclass(frozen=True)
 class EvaluationPlan:
     """What one evaluation sends and expects: its round, models, sites and their budgets."""
@@ -195,6 +238,7 @@ def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
                            "`xffl status` shows its completed rounds.")
     sites = [s.name for s in spec.sites]
     kept = [s for s in sites if layout.kept_update(rnd, s).is_dir()]
+    sent = {s: sent_update(layout, rnd, s) for s in kept}  # a refusal comes before the plan
     envs = site_envs(spec, profiles)
     for site in spec.sites:
         profile = profiles[site.name]
@@ -208,8 +252,8 @@ def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
     order: dict[str, Any] = {
         "round": rnd,
         f"model_{GLOBAL}": {"class": "Directory", "path": f"../rounds/{rnd}/{GLOBAL}"},
-        **{f"update_{s}": {"class": "Directory", "path": f"../rounds/{rnd}/updates/{s}"}
-           for s in kept},
+        **{f"update_{s}": {"class": "Directory",
+                           "path": str(sent[s].relative_to(inputs.parent))} for s in kept},
         **{f"job_{s}": {"class": "File", "path": f"../jobs/{s}.json"} for s in sites},
     }
     _dump(inputs, order)
