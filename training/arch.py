@@ -159,7 +159,9 @@ class ModelConfig:
         if not isinstance(model_type, str) or not model_type:
             raise ValueError("model_type is missing; a Hugging Face config.json names its "
                              "family (llama, qwen2, mistral, ...)")
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        from transformers.models.auto.configuration_auto import (  # type: ignore[attr-defined]
+            CONFIG_MAPPING_NAMES,
+        )
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         if model_type not in CONFIG_MAPPING_NAMES:

@@ -33,6 +33,7 @@ __all__ = [
     "build_config",
     "build_model",
     "export_state_dict",
+    "from_config",
     "linear_modules",
     "lm_loss",
     "load_pretrained",
@@ -40,6 +41,7 @@ __all__ = [
     "meta_model",
     "model_layout",
     "needs_conversion",
+    "prepare",
     "uniform_loss",
 ]
 
@@ -49,19 +51,27 @@ def _logits(module: nn.Module, args: Any, output: Any) -> Any:
     return getattr(output, "logits", output)
 
 
-def _prepare(model: PreTrainedModel) -> PreTrainedModel:
+def prepare(model: PreTrainedModel) -> PreTrainedModel:
     """No KV cache in training, logits out of forward."""
     model.config.use_cache = False
     model.register_forward_hook(_logits)
     return model
 
 
-def meta_model(config: ModelConfig) -> PreTrainedModel:
-    """The family's model on the meta device: names, shapes and module types, no memory."""
+def from_config(config: ModelConfig) -> PreTrainedModel:
+    """transformers' model of the family, fp32, with a config object of its own (training
+    changes ``use_cache`` in it); built on whatever device is the default."""
     from transformers import AutoModelForCausalLM
 
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        copy.deepcopy(config.hf), dtype=torch.float32)
+    return model
+
+
+def meta_model(config: ModelConfig) -> PreTrainedModel:
+    """The family's model on the meta device: names, shapes and module types, no memory."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config.hf), dtype=torch.float32)
+        return from_config(config)
 
 
 def linear_modules(config: ModelConfig) -> list[str]:
@@ -124,17 +134,14 @@ def _no_init() -> Iterator[None]:
 
 def build_model(config: ModelConfig, seed: int | None = None) -> PreTrainedModel:
     """A float32 model on the CPU, with round 0's seeded weights when ``seed`` is given."""
-    from transformers import AutoModelForCausalLM
-
-    hf = copy.deepcopy(config.hf)  # the model's own: training changes use_cache in it
     if seed is None:  # transformers' own (unseeded) init
-        return _prepare(AutoModelForCausalLM.from_config(hf, dtype=torch.float32))
+        return prepare(from_config(config))
     with _no_init():
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+        model = from_config(config)
     model.tie_weights()  # transformers ties in the init that _no_init skips
     tensors = {init.name: seeded_tensor(seed, init) for init in model_layout(config)}
     load_weights(model, tensors)
-    return _prepare(model)
+    return prepare(model)
 
 
 def load_pretrained(model_dir: Path) -> PreTrainedModel:
@@ -142,10 +149,10 @@ def load_pretrained(model_dir: Path) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    logging.disable_progress_bar()  # a site's log is read by people: no bars per load
-    model = AutoModelForCausalLM.from_pretrained(
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a site's log is read by people: no bars per load
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, local_files_only=True, trust_remote_code=False)
-    return _prepare(model)
+    return prepare(model)
 
 
 def needs_conversion(model_dir: Path, config: ModelConfig) -> bool:
@@ -155,7 +162,7 @@ def needs_conversion(model_dir: Path, config: ModelConfig) -> bool:
 
     from xffl.aggregator.shards import open_model
 
-    if get_checkpoint_conversion_mapping(config.model_type) is None:
+    if get_checkpoint_conversion_mapping(config.model_type) is None:  # type: ignore[no-untyped-call]
         return False
     expected = set(meta_model(config).state_dict())
     with open_model(model_dir) as reader:

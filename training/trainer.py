@@ -48,8 +48,14 @@ from xffl.training.model import (
     load_weights,
     needs_conversion,
 )
-from xffl.training.parallelize import check_tensor_parallel, parallelize
+from xffl.training.parallelize import (
+    ParallelModel,
+    check_tensor_parallel,
+    data_parallel_mode,
+    parallelize,
+)
 from xffl.training.seeded import write_seeded
+from xffl.training.sharded_load import load_parallel
 from xffl.training.streamed import copy_init, expected_tensors, model_layout
 
 T = TypeVar("T")
@@ -135,8 +141,8 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
             if model.entry_point is None and needs_conversion(Path(model.init), config):
                 # a checkpoint in a layout transformers converts on load (per-expert MoE
                 # weights into fused stacks): transformers loads it whole, xffl writes it
-                net = load_pretrained(Path(model.init))
-                return save_checkpoint(net, config, Path(out_dir), manifest)
+                return save_checkpoint(load_pretrained(Path(model.init)), config,
+                                       Path(out_dir), manifest)
             return copy_init(Path(model.init), config, model.entry_point, Path(out_dir),
                              manifest, max_shard_bytes)
         except (ValueError, CheckpointError) as exc:
@@ -219,6 +225,35 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
     return max(0.0, now - launched_at) if math.isfinite(launched_at) else None
 
 
+def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelConfig,
+               device: torch.device) -> ParallelModel:
+    """The global model of this round on the site's mesh, ready to train.
+
+    A transformers model whose ranks hold slices (FSDP2, tensor parallel) is built on the
+    meta device and loaded tensor by tensor into its slices (:mod:`sharded_load`); a
+    replicated one (DDP, one rank), a LoRA job's base and a ``model.entry_point`` model are
+    loaded whole at every rank.
+    """
+    spec = job.training
+    checkpointing = spec.activation_checkpointing
+    if checkpointing and job.model.entry_point is not None:
+        raise InvalidInput("training.activation_checkpointing needs a transformers model; "
+                           "a model.entry_point model must checkpoint its own blocks.")
+    sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel) == "fsdp"
+    if (sliced and xdist.world_size() > 1 and job.model.entry_point is None
+            and spec.lora is None):
+        return load_parallel(weights_dir, config, spec.tensor_parallel, device,
+                             spec.data_parallel, checkpointing)
+    model = load_model(weights_dir, job.model.entry_point)
+    if checkpointing:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.lora is not None:
+        model = lora.wrap(model, spec.lora, job.freeze_a)
+        lora.load_adapter(model, read_weights(model_dir), model_dir)
+    return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel)
+
+
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 out_dir: Path, base_dir: Path | None = None) -> Manifest:
     """Train the global model in ``model_dir`` on this site's data; rank 0 writes the update.
@@ -252,18 +287,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 f"{part.path}: vocabulary of {part.vocab_size} tokens does not fit the model's "
                 f"vocab_size {config.vocab_size}."
             )
-    model = load_model(weights_dir, job.model.entry_point)
-    if spec.activation_checkpointing:
-        if job.model.entry_point is not None:
-            raise InvalidInput("training.activation_checkpointing needs a transformers model; "
-                               "a model.entry_point model must checkpoint its own blocks.")
-        model.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec.lora is not None:
-        model = lora.wrap(model, spec.lora, job.freeze_a)
-        lora.load_adapter(model, read_weights(model_dir), model_dir)
-    model = model.to(device)
-    pm = parallelize(model, spec.tensor_parallel, device, spec.data_parallel)
+    pm = site_model(job, weights_dir, model_dir, config, device)
     torch.manual_seed(rank_seed(spec.seed, round, pm.dp_rank))
     optimizer = make_optimizer(pm.module, spec)
     steps = round_steps(spec, pm.dp_size)

@@ -31,7 +31,8 @@ from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model, lm_loss
 from xffl.training.parallelize import ParallelModel, parallelize
-from xffl.training.trainer import make_optimizer
+from xffl.training.sharded_load import load_parallel
+from xffl.training.trainer import init_global, make_optimizer
 
 GLOBAL, SEQ, STEPS = 4, 16, 3
 HELD_OUT, EVAL_BATCH = 5, 2  # with dp 2, the last global batch leaves dp rank 1 nothing
@@ -52,14 +53,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().contiguous()
 
 
-def mesh_config(preset: str) -> ModelConfig:
+def mesh_spec(preset: str) -> ModelSpec:
     """PRESET's family at tiny-test's widths (hidden 32, 4 heads of 8 over 2 kv heads, MLP
     64, 2 layers), so that one derivation of the tolerances holds for every family."""
     overrides: dict[str, int | float | bool] = {}
     if preset != "tiny-test":
         overrides = {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
                      "max_position_embeddings": 128}
-    return build_config(ModelSpec(preset=preset, overrides=overrides))
+    return ModelSpec(preset=preset, overrides=overrides)
+
+
+def mesh_config(preset: str) -> ModelConfig:
+    """The config of :func:`mesh_spec`."""
+    return build_config(mesh_spec(preset))
 
 
 def _structure(pm: ParallelModel) -> dict[str, str]:
@@ -74,10 +80,24 @@ def _structure(pm: ParallelModel) -> dict[str, str]:
             "params": str(sum(1 for _ in pm.module.parameters()))}
 
 
+def _sharded(preset: str, tp: int, mode: str, out: Path) -> ParallelModel:
+    """The model as a site loads it into its slices: round 0 written by the coordinator's
+    code (seed 1, the values build_model gives), then loaded tensor by tensor."""
+    spec = mesh_spec(preset)
+    if dist.get_rank() == 0:
+        init_global("mesh", spec, 1, out / "global0")
+    dist.barrier()
+    return load_parallel(out / "global0", build_config(spec), tp, torch.device("cpu"), mode)
+
+
 def run_mesh(tp: int, mode: str, preset: str, out: Path) -> None:
-    """Run the checks of one (TP, MODE) mesh on this rank and write OUT/rank<k>.safetensors."""
-    config = mesh_config(preset)
-    pm = parallelize(build_model(config, seed=1), tp, torch.device("cpu"), mode)
+    """Run the checks of one (TP, MODE) mesh on this rank and write OUT/rank<k>.safetensors.
+
+    A PRESET ending in ``+sharded`` loads the model as a sliced site does (``_sharded``)."""
+    base, sharded = preset.removesuffix("+sharded"), preset.endswith("+sharded")
+    config = mesh_config(base)
+    pm = (_sharded(base, tp, mode, out) if sharded else
+          parallelize(build_model(config, seed=1), tp, torch.device("cpu"), mode))
     structure = _structure(pm)
     r, dp = pm.dp_rank, pm.dp_size
     b = GLOBAL // dp

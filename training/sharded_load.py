@@ -1,0 +1,72 @@
+"""A checkpoint loaded into a model already split over its mesh, one tensor at a time.
+
+With tensor parallelism or FSDP2 a rank holds only its slices, so it should never hold the
+whole model, not even while loading. As torchtitan does, the model is built on the meta
+device, parallelized there (the plan and ``fully_shard`` need only shapes), materialized
+empty (each rank allocates its slices), and then every tensor of the checkpoint is read
+alone (safetensors, memory-mapped) and cut to this rank's slices by
+``distribute_tensor(..., src_data_rank=None)``: every rank reads the same file, so nothing is
+sent. A rank's peak is its slices plus the largest single tensor. Non-persistent buffers
+(rotary tables) are recomputed by the family's own ``_init_weights``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from xffl.aggregator.shards import open_model
+from xffl.core.errors import CheckpointError
+from xffl.training.arch import ModelConfig
+from xffl.training.model import meta_model, prepare
+from xffl.training.parallelize import ParallelModel, _is_dtensor, parallelize
+
+
+def _restore_buffers(model: nn.Module) -> None:
+    """Recompute the non-persistent buffers ``to_empty`` left undefined (rotary tables)."""
+    init = getattr(model, "_init_weights", None)
+    for module in model.modules():
+        if module._non_persistent_buffers_set and not list(module.parameters(recurse=False)):
+            if init is None:
+                raise CheckpointError(f"cannot recompute the buffers of {type(module).__name__}")
+            with torch.no_grad():
+                init(module)
+
+
+def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.device,
+                  data_parallel: str, checkpointing: bool = False) -> ParallelModel:
+    """The checkpoint in ``model_dir`` as a model split over the (dp, tp) mesh of all ranks
+    (``checkpointing``: activation checkpointing of every decoder layer)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = prepare(meta_model(config))
+    if checkpointing:
+        model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    pm = parallelize(model, tp, device, data_parallel)
+    pm.module.to_empty(device=device)
+    _restore_buffers(pm.module)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    model_dir = Path(model_dir)
+    with open_model(model_dir) as reader, torch.no_grad():
+        names = set(reader.names())
+        for name, param in pm.module.state_dict(keep_vars=True).items():
+            if name not in names:
+                if name in tied:
+                    continue
+                raise CheckpointError(f"{model_dir}: no tensor {name} in the checkpoint.")
+            full = torch.from_numpy(reader.read(name)).to(device=device, dtype=param.dtype)
+            if tuple(full.shape) != tuple(param.shape):
+                raise CheckpointError(f"{model_dir}: tensor {name} has shape "
+                                      f"{tuple(full.shape)}, the model expects "
+                                      f"{tuple(param.shape)}.")
+            if _is_dtensor(param):
+                part = distribute_tensor(full, param.device_mesh, param.placements,
+                                         src_data_rank=None)
+                param.to_local().copy_(part.to_local())
+            else:
+                param.copy_(full)
+            del full
+    return pm
