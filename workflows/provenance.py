@@ -3,19 +3,22 @@
 StreamFlow builds the crate (``streamflow prov``'s CWL Run Crate: the workflow, every step's
 execution with its inputs and outputs) from the run's StreamFlow database, which holds every
 execution of the run's ``main.cwl`` (the whole run, resumes, cron ticks). Checkpoints are
-described, not copied: StreamFlow would zip every model it moved (gigabytes per site and
-round), so files larger than ``embed_limit`` stay where they are, named by their checksums
-in the metadata. xffl then adds what StreamFlow does not know: every round's global model
-and every site's update with their sha256 digests, and the SLURM job that trained each
-update, from the run registry.
+described, never copied: StreamFlow would zip every model it moved, so no file of a
+checkpoint folder (a global or a site's update: a folder with a manifest) and no
+``*.safetensors`` is embedded, whatever its size, nor any other file larger than
+``embed_limit``; they stay where they are, named by their checksums in the metadata. The
+profiles' ``env`` values stay out too: the embedded CWL tools keep each variable's name, its
+value replaced by :data:`REDACTED`. xffl then adds what StreamFlow does not know: every
+round's global model and every site's update with their sha256 digests, and the SLURM job
+that trained each update, from the run registry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
-import os
 import sys
 import tempfile
 import zipfile
@@ -23,6 +26,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from xffl.aggregator.exchange import MANIFEST_FILE
 from xffl.core.layout import RunLayout
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
@@ -30,18 +36,59 @@ from xffl.jobs.registry import Registry
 METADATA = "ro-crate-metadata.json"
 EMBED_LIMIT = 1 << 20
 XFFL = "https://xffl.dev/terms#"
+REDACTED = "(value left out by xffl provenance)"
+
+
+def embeddable(src: str, limit: int) -> bool:
+    """Whether the crate may hold a copy of the file ``src``: a regular file of at most
+    ``limit`` bytes that is no part of a checkpoint (a global's or an update's bytes)."""
+    path = Path(src)
+    return (path.is_file() and not path.is_symlink() and path.stat().st_size <= limit
+            and path.suffix != ".safetensors" and not (path.parent / MANIFEST_FILE).exists())
 
 
 class _Embedded(dict[str, str]):
-    """StreamFlow's map of files to put in the archive, keeping only the small ones."""
+    """StreamFlow's map of files to put in the archive, keeping only :func:`embeddable` ones."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
 
     def __setitem__(self, src: str, dst: str) -> None:
-        if os.path.isfile(src) and os.path.getsize(src) <= self.limit:
+        if embeddable(src, self.limit):
             super().__setitem__(src, dst)
+
+
+def redact_env(cwl: bytes) -> bytes:
+    """A CWL document with every EnvVarRequirement's values replaced by :data:`REDACTED`
+    (the names kept): the profiles' ``env`` may hold tokens and site paths."""
+    doc = yaml.safe_load(cwl)
+    changed = False
+    for node in _walk(doc):
+        if node.get("class") == "EnvVarRequirement" or "EnvVarRequirement" in node:
+            holder = node if node.get("class") == "EnvVarRequirement" \
+                else node["EnvVarRequirement"]
+            defs = holder.get("envDef") if isinstance(holder, dict) else None
+            if isinstance(defs, dict):
+                holder["envDef"] = dict.fromkeys(defs, REDACTED)
+                changed = True
+            elif isinstance(defs, list):
+                for item in defs:
+                    if isinstance(item, dict) and "envValue" in item:
+                        item["envValue"] = REDACTED
+                        changed = True
+    return yaml.safe_dump(doc, sort_keys=False).encode() if changed else cwl
+
+
+def _walk(node: Any) -> Iterable[dict[str, Any]]:
+    """Every mapping in a YAML document, depth first."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
 
 
 async def _streamflow_crate(layout: RunLayout, out: Path, embed_limit: int) -> None:
@@ -124,15 +171,23 @@ def _manifest_digest(update: Path) -> str | None:
 
 
 def _rewrite(archive: Path, extra: Iterable[dict[str, Any]]) -> None:
-    """Add ``extra`` entities to the crate's metadata (mentioned by its root dataset)."""
+    """Add ``extra`` entities to the crate's metadata (mentioned by its root dataset), with
+    every embedded CWL document's env values redacted (:func:`redact_env`, the metadata's
+    sha1 of each one updated)."""
     tmp = archive.with_suffix(".tmp")
     with zipfile.ZipFile(archive) as src, zipfile.ZipFile(tmp, "w") as dst:
+        redacted = {item.filename: redact_env(src.read(item)) for item in src.infolist()
+                    if item.filename.endswith(".cwl")}
         for item in src.infolist():
-            data = src.read(item)
+            data = redacted.get(item.filename) or src.read(item)
             if item.filename == METADATA:
                 meta = json.loads(data)
                 graph = meta["@graph"]
                 root = next(e for e in graph if e.get("@id") == "./")
+                for entity in graph:
+                    if entity.get("@id") in redacted and "sha1" in entity:
+                        entity["sha1"] = hashlib.sha1(redacted[entity["@id"]],
+                                                      usedforsecurity=False).hexdigest()
                 for entity in extra:
                     graph.append(entity)
                     root.setdefault("mentions", []).append({"@id": entity["@id"]})
