@@ -96,17 +96,18 @@ def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
             hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}."
             return [f"{_at(doc, path, ('model', 'overrides', key))}: unknown model override "
                     f"{key!r}; {hint}"]
-    if model.init is not None and model.entry_point is None:
-        mismatch = _check_init_weights(Path(model.init), base)
-        if mismatch:
-            return [f"{_at(doc, path, ('model', 'init'))}: {mismatch}; the weights must be "
-                    "those of the folder's config.json (re-export the checkpoint)."]
     try:
         config = apply_overrides(base, model.overrides)
     except ValueError as exc:
         return [f"{_at(doc, path, ('model', 'overrides'))}: {exc}; fix the value."]
-    return [*_check_tensor_parallel(doc, spec, path, config),
-            *_check_lora(doc, spec, path, config)]
+    errors = [*_check_tensor_parallel(doc, spec, path, config),
+              *_check_lora(doc, spec, path, config)]
+    if not errors and model.init is not None and model.entry_point is None:
+        mismatch = _check_init_weights(Path(model.init), base)
+        if mismatch:
+            return [f"{_at(doc, path, ('model', 'init'))}: {mismatch}; the weights must be "
+                    "those of the folder's config.json (re-export the checkpoint)."]
+    return errors
 
 
 def _check_init_weights(init: Path, config: ModelConfig) -> str | None:
@@ -138,10 +139,6 @@ def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: ModelConfig) ->
                     "aggregation.lora."]
         return []
     errors = []
-    if spec.training.tensor_parallel > 1:
-        errors.append(f"{_at(doc, path, ('training', 'tensor_parallel'))}: LoRA trains with "
-                      "tensor_parallel: 1 (xffl does not split peft's LoRA layers); set it "
-                      "to 1 and data_parallel: fsdp to shard the frozen base across ranks.")
     if spec.exchange.update == "delta":
         errors.append(f"{_at(doc, path, ('exchange', 'update'))}: a LoRA job sends its "
                       "adapter, which is already small; use exchange.update: weights "
@@ -215,6 +212,9 @@ def load_job(path: Path) -> LoadedJob:
     errors.extend(_check_placeholders(path))
     profiles, profile_errors = _check_profiles(doc, path)
     errors.extend(profile_errors)
+    if spec is not None and spec.model.init is not None:  # where the job file is
+        init = (path.parent / spec.model.init).resolve()
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"init": str(init)})})
     if spec is not None:
         errors.extend(_check_model(doc, spec, path))
         errors.extend(_check_slurm_overrides(doc, spec, path, profiles))

@@ -31,6 +31,13 @@ INIT_VERSION = 3
 SUPPORTED_TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
+def _refusal(exc: Exception) -> str:
+    """The reason in transformers' error, one line (its validators nest the cause last)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text.removeprefix("ValueError: ").rstrip(".")
+
+
 def _transformers_version() -> str:
     """The installed transformers' version (for messages)."""
     import transformers
@@ -46,12 +53,22 @@ class ModelConfig:
 
     @cached_property
     def hf(self) -> PretrainedConfig:
-        """transformers' config object of the family (checked: ValueError if it refuses)."""
+        """transformers' config object of the family (checked: ValueError if it refuses).
+
+        transformers' own warnings about a config stay quiet: xffl's checks speak for it,
+        in one line with the file and the field.
+        """
         from transformers import AutoConfig
+        from transformers.utils import logging
 
         data = dict(self.fields)
         model_type = data.pop("model_type")
-        return AutoConfig.for_model(model_type, **data)
+        level = logging.get_verbosity()
+        logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+        try:
+            return AutoConfig.for_model(model_type, **data)
+        finally:
+            logging.set_verbosity(level)
 
     @property
     def model_type(self) -> str:
@@ -118,12 +135,6 @@ class ModelConfig:
         plan = getattr(self.hf, "base_model_tp_plan", None)
         return dict(plan) if plan else None
 
-    def num_parameters(self) -> int:
-        """Number of parameters (a tied head counted once), from the meta-device model."""
-        from xffl.training.model import meta_model
-
-        return sum(p.numel() for p in meta_model(self).parameters())
-
     def validate(self) -> None:
         """Raise ValueError when the numbers do not describe a buildable model."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -175,8 +186,9 @@ class ModelConfig:
                              if k not in ("_name_or_path", "transformers_version")})
         try:
             config.hf  # noqa: B018 (transformers checks the fields)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise ValueError(f"transformers refuses the {model_type} config: {exc}") from exc
+        except Exception as exc:  # its validators raise their own error types
+            raise ValueError(f"transformers refuses the {model_type} config: "
+                             f"{_refusal(exc)}") from exc
         config.validate()
         return config
 
@@ -286,8 +298,8 @@ def apply_overrides(
     new = ModelConfig({**config.fields, **changes})
     try:
         new.hf  # noqa: B018 (transformers checks the new values)
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise ValueError(f"transformers refuses the overrides: {exc}") from exc
+    except Exception as exc:  # its validators raise their own error types
+        raise ValueError(f"transformers refuses the overrides: {_refusal(exc)}") from exc
     new.validate()
     return new
 

@@ -41,7 +41,8 @@ class ModelSpec(_Strict):
         default_factory=dict,
         description="config.json fields replacing the preset's or init's (hidden_size, ...)")
     init: str | None = Field(default=None, description="Hugging Face checkpoint folder of round 0 "
-                             "(null: seeded weights of the preset)")
+                             "on the coordinator, relative to the job file's folder (null: "
+                             "seeded weights of the preset)")
     entry_point: str | None = Field(
         default=None, description="package.module:function building the model from the config")
 

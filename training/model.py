@@ -41,6 +41,7 @@ __all__ = [
     "meta_model",
     "model_layout",
     "needs_conversion",
+    "num_parameters",
     "prepare",
     "uniform_loss",
 ]
@@ -72,6 +73,11 @@ def meta_model(config: ModelConfig) -> PreTrainedModel:
     """The family's model on the meta device: names, shapes and module types, no memory."""
     with torch.device("meta"):
         return from_config(config)
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Number of parameters (a tied head counted once), from the meta-device model."""
+    return sum(p.numel() for p in meta_model(config).parameters())
 
 
 def linear_modules(config: ModelConfig) -> list[str]:

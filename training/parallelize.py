@@ -19,7 +19,7 @@ checkpoint) costs 1.3 s of CPU to import, half of a one-rank site's start-up, an
 run never needs it: it is imported where FSDP2, tensor parallelism or a mesh's state dict
 needs it. (With a process group, torch's DDP constructor imports ``torch._dynamo``, which
 loads it anyway.) No object can be a DTensor or an FSDP module before that module is
-loaded, which is what :func:`_is_dtensor` and :func:`_is_fsdp` rely on.
+loaded, which is what :func:`is_dtensor` and :func:`_is_fsdp` rely on.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ MESH_DIMS = ("dp", "tp")
 LAYER_PATTERN = "layers.*."  # how transformers' plans name a module of every decoder layer
 
 
-def _is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a DTensor (False while torch.distributed.tensor was never imported)."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
@@ -160,12 +160,12 @@ class ParallelModel:
         groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
         for p in self.module.parameters():
             if p.grad is not None:
-                mesh = p.grad.device_mesh if _is_dtensor(p.grad) else None  # type: ignore[attr-defined]
+                mesh = p.grad.device_mesh if is_dtensor(p.grad) else None  # type: ignore[attr-defined]
                 groups.setdefault(mesh, []).append(p)
         squares: list[Tensor] = []
         for params in groups.values():
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            if _is_dtensor(norm):
+            if is_dtensor(norm):
                 norm = norm.full_tensor()  # type: ignore[attr-defined]
             squares.append(norm.float() ** 2)
         if not squares:
@@ -185,7 +185,7 @@ class ParallelModel:
             kept: dict[str, Tensor] = {}
             for name, param in self.module.named_parameters():  # the same order on every rank
                 if keep(name):
-                    full = param.full_tensor() if _is_dtensor(param) else param  # type: ignore[attr-defined]
+                    full = param.full_tensor() if is_dtensor(param) else param  # type: ignore[attr-defined]
                     kept[name] = full.detach().to("cpu", torch.float32).contiguous()
             return kept if dist.get_rank() == 0 else {}
         if self.mesh is None:

@@ -21,7 +21,7 @@ from xffl.aggregator.shards import open_model
 from xffl.core.errors import CheckpointError
 from xffl.training.arch import ModelConfig
 from xffl.training.model import meta_model, prepare
-from xffl.training.parallelize import ParallelModel, _is_dtensor, parallelize
+from xffl.training.parallelize import ParallelModel, is_dtensor, parallelize
 
 
 def _restore_buffers(model: nn.Module) -> None:
@@ -62,7 +62,7 @@ def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.d
                 raise CheckpointError(f"{model_dir}: tensor {name} has shape "
                                       f"{tuple(full.shape)}, the model expects "
                                       f"{tuple(param.shape)}.")
-            if _is_dtensor(param):
+            if is_dtensor(param):
                 part = distribute_tensor(full, param.device_mesh, param.placements,
                                          src_data_rank=None)
                 param.to_local().copy_(part.to_local())

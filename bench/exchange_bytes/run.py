@@ -57,9 +57,10 @@ def lora_parameters(config: Any, rank: int, targets: tuple[str, ...]) -> int:
 def computed(preset: str, rank: int) -> dict[str, Any]:
     """Bytes per site per round, one way, of each exchange for the preset's shapes."""
     from xffl.training.arch import PRESETS
+    from xffl.training.model import num_parameters
 
     config = PRESETS[preset]
-    n = config.num_parameters()
+    n = num_parameters(config)
     rows = {"fp32 weights": 4 * n, "bf16 delta": 2 * n,
             f"LoRA r={rank} attention": 4 * lora_parameters(config, rank, ATTENTION),
             f"LoRA r={rank} all linear": 4 * lora_parameters(config, rank, ALL_LINEAR)}
@@ -79,6 +80,7 @@ def measured(run_id: str, home: Path | None = None) -> dict[str, Any]:
     from xffl.jobs.registry import Registry
     from xffl.jobs.report import assemble
     from xffl.training.arch import PRESETS
+    from xffl.training.model import num_parameters
 
     registry = Registry()
     run = registry.get_run(run_id)
@@ -88,7 +90,7 @@ def measured(run_id: str, home: Path | None = None) -> dict[str, Any]:
     lora = (spec.get("training") or {}).get("lora")
     rows = [{"round": r.round, "site": s.site, "received_bytes": s.received_bytes,
              "sent_bytes": s.sent_bytes} for r in data.rounds for s in r.sites]
-    tiny = 4 * PRESETS["tiny"].num_parameters()
+    tiny = 4 * num_parameters(PRESETS["tiny"])
     sent = [r["sent_bytes"] for r in rows if r["sent_bytes"]]
     return {"run_id": run_id, "rows": rows, "tiny_fp32_tensor_bytes": tiny,
             "exchange": lora_label(lora) if lora else

@@ -40,7 +40,7 @@ from xffl.training.arch import apply_overrides, build_config
 from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.loop import make_scheduler, run_steps
-from xffl.training.model import ModelConfig, build_model
+from xffl.training.model import ModelConfig, build_model, num_parameters
 from xffl.training.parallelize import parallelize
 from xffl.training.trainer import make_optimizer
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": world, "threads": torch.get_num_threads(),
-        "parameters": config.num_parameters(), "batch": args.batch, "seq": args.seq,
+        "parameters": num_parameters(config), "batch": args.batch, "seq": args.seq,
         "steps": args.steps, "trials": args.trials,
         "plain_tokens_per_s": tokens / statistics.median(times["plain"]),
         "xffl_tokens_per_s": tokens / statistics.median(times["xffl"]),
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["ratio"] = result["xffl_tokens_per_s"] / result["plain_tokens_per_s"]
     if device.type == "cuda":
-        flops_per_token = 6 * config.num_parameters() + 12 * (
+        flops_per_token = 6 * num_parameters(config) + 12 * (
             config.num_hidden_layers * config.hidden_size * args.seq)
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in result["device"]), None)
         for mode in ("plain", "xffl"):
