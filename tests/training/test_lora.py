@@ -217,3 +217,33 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
     assert ddp.keys() == fsdp.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()
     assert all(np.array_equal(ddp[k], fsdp[k]) for k in ddp)
     assert read_manifest(tmp_path / "out" / "fsdp").extra["dp"] == 2
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",
+                                    "tiny-gemma2", "tiny-mixtral"])
+def test_lora_on_every_family(tmp_path: Path, make_job: JobFactory, preset: str) -> None:
+    """peft adapts the attention projections of every family: round 0's adapter has peft's
+    own names and shapes for that family, a site's round trains A and B and leaves the
+    frozen base untouched."""
+    from peft import get_peft_model_state_dict
+
+    spec = LoraSpec(r=2, alpha=4.0, target_modules=["q_proj", "v_proj"])
+    base, adapter0 = tmp_path / "base", tmp_path / "adapter0"
+    init_global("run-test", ModelSpec(preset=preset), 0, base)
+    lora.init_adapter_global("run-test", ModelSpec(preset=preset), spec, 0, adapter0, "base")
+    start = load_file(str(adapter0 / ADAPTER_FILE))
+    wrapped = lora.wrap(load_model(base), spec, freeze_a=False)
+    assert {k: v.shape for k, v in start.items()} == {
+        k: tuple(v.shape) for k, v in get_peft_model_state_dict(wrapped).items()}
+    assert len(adapted_modules(start)) == 2 * 2  # 2 layers x (q_proj, v_proj)
+    job = make_job(tmp_path / "data", steps=2, sequences=16)
+    ensure_synthetic(tmp_path / "data", "alpha", 16, job.training.seq_len)
+    job = job.model_copy(update={"model": ModelSpec(preset=preset),
+                                 "training": job.training.model_copy(update={"lora": spec})})
+    before = read_weights(base)
+    train_round(job, 1, adapter0, Path(job.data.path), tmp_path / "update", base_dir=base)
+    update = load_file(str(tmp_path / "update" / ADAPTER_FILE))
+    assert update.keys() == start.keys()
+    assert all(not np.array_equal(update[k], start[k]) for k in update)
+    after = read_weights(base)
+    assert all(torch.equal(before[k], after[k]) for k in before)
