@@ -178,10 +178,13 @@ def check_update(
     expected_run_id: str | None = None,
     check_finite: bool = True,
     expected_config: Mapping[str, Any] | None = None,
-    bounds: Bounds | None = None,
+    bounds: Bounds | Mapping[str, Bounds] | None = None,
     adapter: bool = False,
 ) -> Manifest:
     """Admit one update or raise UpdateRejected naming its site and the reason.
+
+    ``bounds`` may be one site's, or every site's by name (a run's sites under its job,
+    ``xffl aggregate --run``): an update from a site not among them is then rejected.
 
     ``adapter``: the global is a LoRA adapter, so the update must be one too
     (``adapter_model.safetensors`` and ``adapter_config.json``, peft's names).
@@ -210,6 +213,11 @@ def check_update(
         raise reject(f"kind is '{manifest.kind}', expected 'update'")
     if not manifest.site:
         raise reject("the manifest names no site")
+    if isinstance(bounds, Mapping):
+        if manifest.site not in bounds:
+            raise reject(f"site {manifest.site!r} is not a site of the job "
+                         f"({', '.join(sorted(bounds))})")
+        bounds = bounds[manifest.site]
     if expected_run_id is not None and manifest.run_id != expected_run_id:
         raise reject(f"run id '{manifest.run_id}', expected '{expected_run_id}'")
     if expected_round is not None and manifest.round != expected_round:
@@ -276,13 +284,15 @@ def select_updates(
     expected_run_id: str | None = None,
     check_finite: bool = True,
     workers: int | None = None,
+    bounds: Bounds | Mapping[str, Bounds] | None = None,
 ) -> tuple[list[tuple[Path, Manifest]], list[tuple[Path, str, str]]]:
     """Split update dirs into accepted (dir, manifest), in canonical order, and rejected.
 
     Rejected entries are (dir, site or dir name, reason). Besides :func:`check_update`, every
     update of a site that sent more than one is rejected, and without ``reference_index``
     the first accepted update (canonical order) sets the layout the others must match.
-    Updates are checked in ``workers`` threads (default: one per CPU core).
+    Updates are checked in ``workers`` threads (default: one per CPU core); ``bounds``: as
+    for :func:`check_update`.
     """
     paths = [Path(d) for d in dirs]
 
@@ -295,6 +305,7 @@ def select_updates(
                 reference_index=reference_index,
                 expected_run_id=expected_run_id,
                 check_finite=check_finite,
+                bounds=bounds,
             )
         except UpdateRejected as exc:
             return exc

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import typer
 from typer.testing import CliRunner
 
 from tests.aggregator.conftest import write_checkpoint
+from tests.conftest import FinishedRun
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.safetensors_io import SafetensorsReader
 from xffl.aggregator.shards import MODEL_FILE
@@ -174,3 +176,43 @@ def test_bf16_deltas_by_hand(tmp_path: Path) -> None:
                         (["--previous", str(g0), "--exchange", "delta"], "give UPDATE/DTYPE")):
         bad = runner.invoke(app, [*base, "--force", *argv, *map(str, ups)])
         assert bad.exit_code == 2 and words in bad.output, bad.output
+
+
+def test_a_quickstart_round_aggregated_again_by_hand(tmp_path: Path, quickstart_run: FinishedRun,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`xffl aggregate --run RUN --round R` writes round R's global bit for bit from the
+    updates the run kept (issue 31 item 7): the same files, the same digest. The same
+    updates given by hand without the run's job are refused (they report validation numbers
+    the bare command has no evaluation budget for), and the refusal names --run."""
+    monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
+    run_dir = quickstart_run.run_dir
+    for rnd in (1, 2, 3):
+        out = tmp_path / f"g{rnd}"
+        done = runner.invoke(app, ["aggregate", "--run", quickstart_run.run_id[:14], "--round",
+                                   str(rnd), "-o", str(out), "--json"])
+        assert done.exit_code == 0, done.output
+        original = run_dir / "rounds" / str(rnd) / "global"
+        want, got = read_manifest(original), read_manifest(out)
+        assert json.loads(done.stdout)["global"]["digest"] == want.digest() == got.digest()
+        assert got.files == want.files and (got.round, got.run_id) == (want.round, want.run_id)
+        for name in want.files:
+            assert (out / name).read_bytes() == (original / name).read_bytes(), name
+        assert got.metrics == want.metrics and got.extra["sites"] == want.extra["sites"]
+    kept = sorted((run_dir / "rounds" / "2" / "updates").iterdir())
+    bare = runner.invoke(app, ["aggregate", "-o", str(tmp_path / "bare"),
+                               "--previous", str(run_dir / "rounds" / "1" / "global"),
+                               *map(str, kept)])
+    assert bare.exit_code == 1 and "no data.validation" in bare.stderr
+    assert "--run RUN --round R" in bare.stderr and not (tmp_path / "bare").exists()
+    budget = runner.invoke(app, ["aggregate", "-o", str(tmp_path / "budget"), "--round", "2",
+                                 "--previous", str(run_dir / "rounds" / "1" / "global"),
+                                 "--max-val-samples", "1000", *map(str, kept)])
+    assert budget.exit_code == 0, budget.output
+    assert read_manifest(tmp_path / "budget").files == read_manifest(
+        run_dir / "rounds" / "2" / "global").files
+    for argv, words in ((["--run", "last"], "add --round R"),
+                        (["--run", "last", "--round", "9"], "kept no aggregated updates"),
+                        (["--run", "last", "--round", "1", "--previous", str(kept[0])],
+                         "leave out --previous")):
+        bad = runner.invoke(app, ["aggregate", "-o", str(tmp_path / "x"), *argv])
+        assert bad.exit_code == 2 and words in bad.stderr, bad.output
