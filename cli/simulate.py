@@ -8,7 +8,14 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from xffl.cli.common import JsonOpt, console, err_console, handle_errors, print_json
+from xffl.cli.common import (
+    JsonOpt,
+    TrustOpt,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+)
 from xffl.cli.tables import Rows
 
 
@@ -19,15 +26,15 @@ def _fmt(value: Any, digits: int = 4) -> str:
 def render_summary(summary: dict[str, Any]) -> None:
     """A rounds table and where the results are."""
     table = Rows(("round", "sites", "seconds", "mean site loss", "global loss", "peak RSS MiB"),
-                 title=f"simulation {summary['run_id']}: {summary['sites']} virtual sites, "
+                 title=f"simulation {summary['run_id']}: {summary['num_sites']} virtual sites, "
                        f"{summary['parallel']} at a time")
     for r in summary["rounds"]:
-        table.add(str(r["round"]), str(r["sites"]), _fmt(r["seconds"], 2),
+        table.add(str(r["round"]), str(r["num_sites"]), _fmt(r["wall_s"], 2),
                       _fmt(r["mean_loss"]), _fmt(r["global_loss"]),
                       f"{r['peak_rss_bytes'] / 2**20:.0f}")
     table.print()
     console.print(f"final global model: {summary['final_global']}", soft_wrap=True)
-    console.print(f"numbers: {Path(summary['dir']) / 'simulate.json'}", soft_wrap=True)
+    console.print(f"numbers: {Path(summary['run_dir']) / 'simulate.json'}", soft_wrap=True)
 
 
 @handle_errors
@@ -49,6 +56,7 @@ def simulate(
     keep_updates: Annotated[bool, typer.Option(
         "--keep-updates", help="Keep every site update in rounds/<r>/updates/ instead of "
         "deleting it once folded (disk then grows with N).")] = False,
+    trust_entry_point: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate N sites of JOB on this machine with the real trainer; write every round's global.
@@ -57,12 +65,17 @@ def simulate(
     (a dialect of a synthetic language, or a part of the template's dataset). Each update
     is folded into a running FedAvg as soon as it finishes and then deleted.
 
+    The sites train here: a JOB naming Python (model.entry_point, training.update_fn) is
+    refused unless --trust-entry-point.
+
     Example: xffl simulate jobs/quickstart.yaml --sites 100 --parallel 2 --rounds 1
     """
     from xffl.jobs.load import load_job
+    from xffl.jobs.trust import require_local_consent
     from xffl.workflows.simulate import SimulateOptions, Simulation
 
     loaded = load_job(job)
+    require_local_consent(loaded.path, loaded.spec, trust_entry_point, "simulate")
     opts = SimulateOptions(sites=sites, parallel=parallel, out=output, rounds=rounds,
                            timeout=timeout, keep_updates=keep_updates)
     if as_json:

@@ -180,11 +180,11 @@ class Simulation:
         self.max_shard = parse_size(spec.aggregation.max_shard_size)
         self.summary: dict[str, Any] = {
             "job": str(loaded.path), "name": spec.name, "run_id": self.run_id,
-            "dir": str(self.root), "state": "running", "sites": opts.sites,
+            "run_dir": str(self.root), "state": "running", "num_sites": opts.sites,
             "parallel": self.workers, "threads_per_worker": self.threads,
             "rounds_planned": self.rounds, "strategy": spec.aggregation.strategy,
             "weighting": spec.aggregation.weighting, "site_rule": SITE_RULE,
-            "init_seconds": None, "seconds": None, "peak_rss_bytes": None,
+            "init_s": None, "wall_s": None, "peak_rss_bytes": None,
             "final_global": None, "rounds": [],
         }
 
@@ -206,7 +206,7 @@ class Simulation:
         ok = False
         try:
             previous = self._initial(pool)
-            self.summary["init_seconds"] = round(time.perf_counter() - t0, 4)
+            self.summary["init_s"] = round(time.perf_counter() - t0, 4)
             for rnd in range(1, self.rounds + 1):
                 previous = self._round(pool, rnd, previous)
                 self.summary["final_global"] = str(previous)
@@ -217,7 +217,7 @@ class Simulation:
             raise
         finally:
             pool.close(kill=not ok)
-            self.summary["seconds"] = round(time.perf_counter() - t0, 4)
+            self.summary["wall_s"] = round(time.perf_counter() - t0, 4)
             self.summary["state"] = "completed" if ok else "failed"
             self._save()
         return self.summary
@@ -287,10 +287,10 @@ class Simulation:
         target = self.root / "rounds" / str(rnd) / "global"
         result = self._write_global(agg, rnd, previous, prev, target)
         self.summary["rounds"].append({
-            "round": rnd, "sites": agg.count, "seconds": round(time.perf_counter() - t0, 4),
+            "round": rnd, "num_sites": agg.count, "wall_s": round(time.perf_counter() - t0, 4),
             "mean_loss": loss_sum / loss_count if loss_count else None,
             "global_loss": result.metrics.get("loss"), "num_samples": result.num_samples,
-            "train_seconds_mean": train_sum / agg.count, "peak_rss_bytes": peak_rss_bytes(),
+            "train_s_mean": train_sum / agg.count, "peak_rss_bytes": peak_rss_bytes(),
             "global": str(target), "digest": result.digest(),
         })
         return target

@@ -78,9 +78,9 @@ def run_simulate(job: Path, out: Path, sites: int, parallel: int,
     summary = json.loads((out / "simulate.json").read_text())
     round1 = summary["rounds"][0]
     return {"sites": sites, "parallel": summary["parallel"], "wall_s": wall,
-            "round_s": round1["seconds"], "per_site_s": round1["seconds"] / sites,
+            "round_s": round1["wall_s"], "per_site_s": round1["wall_s"] / sites,
             "peak_rss_mib": summary["peak_rss_bytes"] / 2**20,
-            "train_s": round1["train_seconds_mean"], "mean_loss": round1["mean_loss"],
+            "train_s": round1["train_s_mean"], "mean_loss": round1["mean_loss"],
             "dir": str(out)}
 
 

@@ -47,7 +47,7 @@ def test_simulate_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         summary = json.loads((run_dir / "simulate.json").read_text())
         # the benchmark divides the same numbers from the same simulate.json (JSON
         # round-trips floats exactly): bitwise equal, as are the ratios below
-        assert r["per_site_runs"] == [summary["rounds"][0]["seconds"] / r["sites"]]
+        assert r["per_site_runs"] == [summary["rounds"][0]["wall_s"] / r["sites"]]
         assert r["peak_rss_mib"] == summary["peak_rss_bytes"] / 2**20
         assert (run_dir / "rounds" / "1" / "global" / "manifest.json").is_file()
     assert result["rss_ratio"] == {

@@ -64,7 +64,7 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
     assert result.exit_code == 0, result.output + result.stderr
     summary = check("simulate", json.loads(result.stdout))
     assert summary == json.loads((out / "simulate.json").read_text())
-    assert summary["state"] == "completed" and summary["sites"] == 5
+    assert summary["state"] == "completed" and summary["num_sites"] == 5
     assert summary["parallel"] == 2 and summary["threads_per_worker"] >= 1
     assert [r["round"] for r in summary["rounds"]] == [1, 2]
     names = {"alpha-0", "beta-1", "alpha-2", "beta-3", "alpha-4"}
@@ -73,7 +73,7 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
         rnd = r["round"]
         glob = verify_checkpoint(out / "rounds" / str(rnd) / "global")
         assert glob.kind == "global" and glob.round == rnd and glob.parent == previous.digest()
-        assert r["sites"] == 5 and r["digest"] == glob.digest()
+        assert r["num_sites"] == 5 and r["digest"] == glob.digest()
         assert r["num_samples"] == glob.num_samples == 3 * 64 + 2 * 48
         updates = sorted((out / "rounds" / str(rnd) / "updates").iterdir())
         manifests = [verify_checkpoint(u) for u in updates]
@@ -86,7 +86,7 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
         assert r["mean_loss"] == pytest.approx(sum(losses) / 5, rel=3e-15, abs=0)
         # the global manifest's own loss, read back (JSON round-trips floats exactly)
         assert r["global_loss"] == glob.metrics["loss"]
-        assert r["peak_rss_bytes"] > 0 and r["seconds"] > 0
+        assert r["peak_rss_bytes"] > 0 and r["wall_s"] > 0
         if exchange != "weights/fp32":  # the sites sent bf16 changes from the previous global
             assert {t.dtype for m in manifests for t in m.tensors} == {"BF16"}
         decoding = None if exchange == "weights/fp32" else Decoding(
@@ -120,7 +120,7 @@ def test_simulate_deletes_updates_and_defaults_its_folder(tmp_path: Path,
     assert sim.name.startswith("quickstart-")
     assert "3/3" in result.stderr and "final global model" in result.stdout
     summary = json.loads((sim / "simulate.json").read_text())
-    assert summary["rounds"][0]["sites"] == 3
+    assert summary["rounds"][0]["num_sites"] == 3
     assert not (sim / "rounds" / "1" / "updates").exists()  # folded, then deleted
     verify_checkpoint(sim / "rounds" / "1" / "global")
 
