@@ -2,17 +2,17 @@
 
 The base model stays frozen everywhere; what travels and is aggregated is the adapter, named
 as peft saves it (:mod:`xffl.aggregator.adapter`). The coordinator writes round 0's adapter
-itself (A drawn as peft draws it, Kaiming-uniform with ``a = sqrt(5)``, but from a generator
-seeded by the job's seed and the tensor's name, so that it does not depend on the order of
-peft's module walk; B zero, so the adapted model starts as the base model), and every site
-loads the round's global adapter into a peft model of its base. With ``freeze_a`` the A
+itself (A drawn from peft's distribution, Kaiming-uniform with ``a = sqrt(5)``, by the rule of
+every seeded round-0 tensor, :mod:`xffl.training.seeded`: from the job's seed, the tensor's
+name and position, so that it does not depend on the order of peft's module walk; B zero,
+so the adapted model starts as the base model), and every site loads the round's global
+adapter into a peft model of its base. With ``freeze_a`` the A
 factors are not trained: every site keeps the seeded A, and the aggregate of the products
 B·A is the product of the aggregated B and that A.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -30,6 +30,7 @@ from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.training.arch import ModelConfig, build_config
 from xffl.training.config import LoraSpec, ModelSpec
 from xffl.training.entry import build
+from xffl.training.seeded import TensorInit, seeded_tensor
 
 
 def peft_config(spec: LoraSpec, base: str | None = None) -> Any:
@@ -56,11 +57,6 @@ def adapted_linears(model: nn.Module, spec: LoraSpec) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and spec.matches(name)}
 
 
-def _tensor_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"xffl-lora:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
-
-
 def initial_adapter(config: ModelConfig, entry_point: str | None, spec: LoraSpec,
                     seed: int) -> dict[str, Tensor]:
     """Round 0's adapter tensors: A seeded Kaiming-uniform (peft's init), B zero.
@@ -79,10 +75,10 @@ def initial_adapter(config: ModelConfig, entry_point: str | None, spec: LoraSpec
     tensors: dict[str, Tensor] = {}
     for module, linear in sorted(linears.items()):
         a_name, b_name = factor_names(module)
-        a = torch.empty(spec.r, linear.in_features, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(_tensor_seed(seed, a_name))
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-        tensors[a_name] = a
+        # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
+        bound = 1 / math.sqrt(linear.in_features)
+        tensors[a_name] = seeded_tensor(seed, TensorInit(
+            a_name, (spec.r, linear.in_features), "uniform", bound))
         tensors[b_name] = torch.zeros(linear.out_features, spec.r, dtype=torch.float32)
     return tensors
 
