@@ -3,28 +3,51 @@
 Usage: ``torchrun --nproc-per-node 2 lora_worker.py ADAPTER BASE DATA OUT JOB.json...``:
 in one gloo process group, xffl's trainer runs the round of each TrainJob file in turn
 (their ``training.data_parallel`` differs), from the global adapter ADAPTER on the frozen
-BASE, writing ``OUT/<job file's stem>``. One launch for every job saves a torch and peft
+BASE, writing ``OUT/<job file's stem>``, and what each rank really trained
+(``tp_worker.structure`` of the model the trainer built: FSDP2 modules, DTensor
+parameters and their placements, whether DDP wrapped it) in
+``OUT/<job file's stem>.rank<k>.json``. One launch for every job saves a torch and peft
 start-up per rank and job.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tp_worker import structure  # its sibling: sys.path[0] under torchrun
 
 from xffl.training import distributed as xdist
+from xffl.training import trainer
 from xffl.training.config import TrainJob
-from xffl.training.trainer import train_round
+from xffl.training.parallelize import ParallelModel
 
 
 def main(adapter: Path, base: Path, data: Path, out: Path, jobs: list[Path]) -> None:
     """Train every job's round in turn under one process group."""
     xdist.setup()
+    out.mkdir(parents=True, exist_ok=True)
+    built = trainer.site_model
+    seen: list[ParallelModel] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> ParallelModel:
+        # the trainer's own site_model, unchanged: only what it returns is noted
+        pm = built(*args, **kwargs)
+        seen.append(pm)
+        return pm
+
+    trainer.site_model = recorded
     for path in jobs:
         job = TrainJob.model_validate_json(path.read_bytes())
-        train_round(job, 1, adapter, data, out / path.stem, base_dir=base)
+        trainer.train_round(job, 1, adapter, data, out / path.stem, base_dir=base)
+        (pm,) = seen  # one model per round
+        ran = {**structure(pm), "ddp": isinstance(pm.net, DistributedDataParallel)}
+        (out / f"{path.stem}.rank{dist.get_rank()}.json").write_text(json.dumps(ran))
+        seen.clear()
     dist.barrier()  # every rank leaves together (see tp_worker.py)
     dist.destroy_process_group()
 

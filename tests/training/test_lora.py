@@ -217,6 +217,18 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
     assert ddp.keys() == fsdp.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()
     assert all(np.array_equal(ddp[k], fsdp[k]) for k in ddp)
     assert read_manifest(tmp_path / "out" / "fsdp").extra["dp"] == 2
+    # what ran, not what was asked for (the comparison above holds for DDP against DDP):
+    # FSDP2 made the peft model one FSDPModule (frozen and trainable parameters in one unit)
+    # and every parameter, the frozen base's included, a DTensor sharded on dim 0 over the
+    # 2 ranks; DDP wrapped a model of plain tensors
+    for rank in (0, 1):
+        ran = {m: json.loads((tmp_path / "out" / f"{m}.rank{rank}.json").read_text())
+               for m in ("ddp", "fsdp")}
+        assert ran["fsdp"]["ddp"] is False and int(ran["fsdp"]["fsdp_modules"]) == 1, ran
+        assert ran["fsdp"]["dtensor_params"] == ran["fsdp"]["params"], ran
+        assert ran["fsdp"]["placements"] == "(Shard(dim=0),)", ran
+        assert ran["ddp"]["ddp"] is True and int(ran["ddp"]["fsdp_modules"]) == 0, ran
+        assert int(ran["ddp"]["dtensor_params"]) == 0, ran
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral",

@@ -68,7 +68,7 @@ def mesh_config(preset: str) -> ModelConfig:
     return build_config(mesh_spec(preset))
 
 
-def _structure(pm: ParallelModel) -> dict[str, str]:
+def structure(pm: ParallelModel) -> dict[str, str]:
     """What ran: FSDP2 modules (root and layers) and how the parameters are placed."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -98,7 +98,7 @@ def run_mesh(tp: int, mode: str, preset: str, out: Path) -> None:
     config = mesh_config(base)
     pm = (_sharded(base, tp, mode, out) if sharded else
           parallelize(build_model(config, seed=1), tp, torch.device("cpu"), mode))
-    structure = _structure(pm)
+    ran = structure(pm)
     r, dp = pm.dp_rank, pm.dp_size
     b = GLOBAL // dp
     data = global_batches(config.vocab_size)
@@ -131,7 +131,7 @@ def run_mesh(tp: int, mode: str, preset: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file(record, str(out / f"rank{dist.get_rank()}.safetensors"),
               metadata={"dp_rank": str(r), "dp": str(dp), "tp": str(pm.tp_size),
-                        "mode": mode, **structure})
+                        "mode": mode, **ran})
 
 
 def main(out: Path, meshes: list[str]) -> None:
