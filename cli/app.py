@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Any
 
 import typer
+from typer._click.exceptions import UsageError  # Typer 0.28 vendors click
 
 from xffl.cli import (
     aggregate,
@@ -29,7 +31,8 @@ from xffl.cli import (
     validate,
     watch,
 )
-from xffl.cli.common import XfflCommand, XfflSubGroup, no_env_help, state
+from xffl.cli.common import XfflCommand, XfflSubGroup, error_json, no_env_help, state
+from xffl.core.errors import ExitCode
 from xffl.core.paths import private_files
 
 
@@ -49,8 +52,27 @@ class XfflGroup(XfflSubGroup):
         end = args.index("--") if "--" in args else len(args)
         if "--debug" in args[:end]:
             args = ["--debug", *(a for a in args[:end] if a != "--debug"), *args[end:]]
+        ctx.meta[_JSON_META] = "--json" in args[:end] or _env_true("XFFL_JSON")
         rest: list[str] = super().parse_args(ctx, args)
         return rest
+
+    def invoke(self, ctx: Any) -> Any:  # typer's vendored Context
+        """Run the command; a usage error (an unknown option, a bad value) under ``--json``
+        is also the error object on stdout, as every other error is."""
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            if ctx.meta.get(_JSON_META):
+                error_json(ExitCode.INVALID_INPUT, exc.format_message())
+            raise
+
+
+_JSON_META = "xffl.json"
+
+
+def _env_true(name: str) -> bool:
+    """Whether ``name`` holds a true boolean as click reads one (1, true, yes, on)."""
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "t", "yes", "y", "on"}
 
 
 app = typer.Typer(

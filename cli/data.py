@@ -18,7 +18,7 @@ app = typer.Typer(cls=XfflSubGroup, help="Prepare a site's training data (run it
 def prepare(
     texts: Annotated[list[Path], typer.Argument(
         metavar="TEXT...", help="Text files, tokenized in this order.")],
-    out: Annotated[Path, typer.Option("-o", "--output", "--out",
+    output: Annotated[Path, typer.Option("-o", "--output", "--out",
                                       help="Token-shard directory to create.")],
     tokenizer: Annotated[Path | None, typer.Option(
         help="A Hugging Face tokenizer.json (default: byte-level, 256 tokens).")] = None,
@@ -36,20 +36,20 @@ def prepare(
     """
     from xffl.training.prepare import prepare as run_prepare
 
-    meta = run_prepare(texts, out, tokenizer=tokenizer, eos=eos, force=force,
+    meta = run_prepare(texts, output, tokenizer=tokenizer, eos=eos, force=force,
                        validation_fraction=validation_fraction)
     held = meta.get("validation")
-    summary = {"out": str(out), "num_tokens": meta["num_tokens"],
+    summary = {"out": str(output), "num_tokens": meta["num_tokens"],
                "vocab_size": meta["vocab_size"], "dtype": meta["dtype"],
                "inputs": len(meta["sources"]),
                "validation_tokens": None if held is None else held["num_tokens"],
-               "files": sorted(str(f) for f in out.iterdir() if f.is_file())}
+               "files": sorted(str(f) for f in output.iterdir() if f.is_file())}
     if json_out:
         print_json(summary)
     else:
         console.print(f"wrote {summary['num_tokens']} tokens ({summary['dtype']}, vocabulary "
-                      f"{summary['vocab_size']}) from {summary['inputs']} file(s) to {out}",
+                      f"{summary['vocab_size']}) from {summary['inputs']} file(s) to {output}",
                       soft_wrap=True)  # a path is never cut into lines
         if held is not None:
-            console.print(f"held out {held['num_tokens']} tokens in {out / held['path']}",
+            console.print(f"held out {held['num_tokens']} tokens in {output / held['path']}",
                           soft_wrap=True)

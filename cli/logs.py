@@ -172,8 +172,8 @@ def logs(
     run: RunArg = "last",
     site: Annotated[str | None, typer.Option("--site", help="Show this site's training job "
                                              "output.")] = None,
-    rnd: Annotated[int | None, typer.Option("--round", min=1, help="Round (default: the "
-                                            "latest one the site ran).")] = None,
+    round: Annotated[int | None, typer.Option("--round", min=1, help="Round (default: the "
+                                              "latest one the site ran).")] = None,
     lines: Annotated[int, typer.Option("--lines", "-n", min=1, help="At most this many lines "
                                        "per log.")] = 200,
     as_json: JsonOpt = False,
@@ -183,6 +183,7 @@ def logs(
 
     Example: xffl logs last --site alpha --round 1
     """
+    rnd = round
     if rnd is not None and site is None:
         raise InvalidInput("--round picks a round of one site's training job; add --site SITE "
                            "(`xffl status` lists the sites).")

@@ -15,7 +15,7 @@ from xffl.jobs.registry import Registry
 @handle_errors
 def provenance(
     run: RunArg = "last",
-    out: Annotated[Path | None, typer.Option(
+    output: Annotated[Path | None, typer.Option(
         "-o", "--output", "--out",
         help="The crate to write (default: <run>.crate.zip here).")] = None,
     as_json: JsonOpt = False,
@@ -34,7 +34,7 @@ def provenance(
     if not RunLayout(Path(record.run_dir)).streamflow_db.is_file():
         raise InvalidInput(f"run {record.id} has not started a StreamFlow workflow yet; "
                            "nothing to describe.")
-    target = out if out is not None else Path.cwd() / f"{record.id}.crate.zip"
+    target = output if output is not None else Path.cwd() / f"{record.id}.crate.zip"
     if not target.name.endswith(".zip"):
         raise InvalidInput(f"-o {target}: the crate is a zip file; name it *.crate.zip.")
     path = write_crate(registry, record, target)

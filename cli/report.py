@@ -14,7 +14,7 @@ from xffl.jobs.registry import Registry
 @handle_errors
 def report(
     run: RunArg = "last",
-    out: Annotated[Path | None, typer.Option(
+    output: Annotated[Path | None, typer.Option(
         "-o", "--output", "--out",
         help="Folder to write into (default: <run_dir>/report).")] = None,
     as_json: JsonOpt = False,
@@ -33,7 +33,7 @@ def report(
 
     registry = Registry()
     record = resolve_run(registry, run)
-    data, files = write_report(registry, record, out)
+    data, files = write_report(registry, record, output)
     if as_json:
         print_json({**data.as_dict(), "html": str(files["html"]),
                     "files": [str(v) for v in files.values()]})

@@ -15,7 +15,7 @@ from xffl.cli.common import (
     print_json,
     resolve_run,
 )
-from xffl.core.errors import ExitCode
+from xffl.core.errors import ExitCode, InvalidInput
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.states import RunState
@@ -77,6 +77,20 @@ def outcome(registry: Registry, final: RunRecord, as_json: bool) -> None:
         raise typer.Exit(int(ExitCode.RUN_FAILED))
 
 
+def _something_to_follow(run: RunRecord) -> None:
+    """Refuse (exit 2) a waiting run that no process runs and no cron entry ticks: following
+    it would wait until --timeout (a day by default) for nothing."""
+    from xffl.jobs.schedule import current
+    from xffl.jobs.status import runner_alive
+
+    if run.state != RunState.WAITING or runner_alive(run) or current(run.id) is not None:
+        return
+    raise InvalidInput(
+        f"run {run.id} is waiting and nothing runs it (no runner, no cron entry): "
+        f"`xffl round {run.id}` runs its next round, `xffl schedule {run.id} --cron "
+        f"'*/30 * * * *'` one per tick, `xffl resume {run.id} --wait` all of them.")
+
+
 @handle_errors
 def watch(
     run: RunArg = "last",
@@ -86,12 +100,14 @@ def watch(
     """Follow a run until it ends: a progress bar on a terminal, one line per round in a pipe.
 
     Exit 0 when it completed, 1 when it failed or was cancelled, 4 after --timeout (Ctrl-C
-    stops following, not the run).
+    stops following, not the run); 2 at once for a waiting run that nothing would move (no
+    runner, no cron entry: submitted with --no-start and never scheduled).
 
     Example: xffl watch last
     """
     registry = Registry()
     record = resolve_run(registry, run)
+    _something_to_follow(record)
     if not as_json:
         console.print(f"following run [bold]{record.id}[/bold] (Ctrl-C stops following, not "
                       "the run)", soft_wrap=True)

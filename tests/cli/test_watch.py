@@ -13,6 +13,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.security.processes import lock_holder
 from xffl.cli.app import app
 from xffl.jobs.registry import Registry
 
@@ -28,9 +29,32 @@ def _waiting_run() -> str:
     return run_id
 
 
+def _runner(run_id: str) -> subprocess.Popen[bytes]:
+    """A live process holding the run's round lock, as its runner (a supervisor, a cron
+    tick's `xffl round`) does: something moves the run, so watch follows it."""
+    return lock_holder(Path(Registry().get_run(run_id).run_dir))
+
+
+def test_watch_of_a_run_nothing_moves_says_so(xffl_home: Path) -> None:
+    """A `--no-start` run that no cron entry ticks would wait a day for nothing: exit 2 at
+    once, naming what would move it (issue 31 item 12)."""
+    run_id = _waiting_run()
+    for argv in (["watch"], ["watch", run_id, "--json"]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2, result.output
+        assert "nothing runs it (no runner, no cron entry)" in result.stderr
+        assert f"`xffl round {run_id}`" in result.stderr
+    assert json.loads(result.stdout)["error"]["kind"] == "invalid_input"
+
+
 def test_watch_gives_up_after_its_timeout_and_the_run_goes_on(xffl_home: Path) -> None:
     run_id = _waiting_run()
-    result = runner.invoke(app, ["watch", "last", "--timeout", "0.3"])
+    holder = _runner(run_id)
+    try:
+        result = runner.invoke(app, ["watch", "last", "--timeout", "0.3"])
+    finally:
+        holder.kill()
+        holder.wait()
     assert result.exit_code == 4, result.output
     # not a terminal: plain lines, one per change of state or rounds
     assert result.stdout.splitlines() == [
@@ -58,6 +82,7 @@ def test_submit_refuses_wait_without_start(xffl_home: Path) -> None:
 
 def test_ctrl_c_stops_following_not_the_run(xffl_home: Path) -> None:
     run_id = _waiting_run()
+    holder = _runner(run_id)
     # as from an interactive shell: SIGINT at its default (a pytest-xdist worker ignores it,
     # and a child inherits that; Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([XFFL, "watch", run_id], stdout=subprocess.PIPE,
@@ -74,5 +99,7 @@ def test_ctrl_c_stops_following_not_the_run(xffl_home: Path) -> None:
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+        holder.kill()
+        holder.wait()
     assert proc.returncode == 130 and err == "interrupted\n"
     assert Registry().get_run(run_id).state == "waiting"
