@@ -7,10 +7,19 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+    resolve_run,
+)
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from xffl.jobs.registry import Registry
+from xffl.jobs.states import RunState
 
 
 @handle_errors
@@ -36,6 +45,10 @@ def export(
     adapter_config.json, which peft's PeftModel.from_pretrained loads onto the base, or with
     --merge the base with the adapter folded in, streamed tensor by tensor.
 
+    The default is the last completed round's global; a run that failed or was cancelled
+    before completing any round is refused (its round 0 is the untrained initial model:
+    --round 0 exports it on purpose), and one that stopped later is exported with a warning.
+
     Example: xffl export last --merge -o llama-federated
     """
     from xffl.aggregator.exchange import verify_checkpoint
@@ -51,6 +64,14 @@ def export(
     record = resolve_run(Registry(), run)
     layout = RunLayout(Path(record.run_dir))
     rnd = record.rounds_done if round is None else round  # rounds complete in order
+    if round is None and record.state != RunState.COMPLETED:
+        if rnd == 0:
+            raise InvalidInput(f"run {record.id} is {record.state} and completed no round: its "
+                               "only global is round 0's untrained initial model; give "
+                               "--round 0 to export that anyway.")
+        err_console.print(f"[yellow]warning:[/yellow] run {record.id} is {record.state}: "
+                          f"exporting the global after round {rnd}, its last completed round "
+                          f"of {record.rounds_total}.", soft_wrap=True)
     if not layout.global_dir(rnd).is_dir():
         raise InvalidInput(f"run {record.id} has no global model after round {rnd}; "
                            "`xffl status` shows its completed rounds.")

@@ -48,6 +48,8 @@ def round_(
         final = registry.get_run(record.id)
         message = f"run {record.id}: {final.state}: {final.message}"
     final = registry.get_run(record.id)
+    if final.state.terminal and _unschedule(registry, final.id):
+        message += "; its cron entry is removed (no round is left to run)"
     if as_json:
         print_json({"run_id": final.id, "state": final.state, "rounds_done": final.rounds_done,
                     "message": final.message})
@@ -55,3 +57,19 @@ def round_(
         console.print(markup_safe(message), soft_wrap=True)
     if code:
         raise typer.Exit(int(ExitCode.RUN_FAILED))
+
+
+def _unschedule(registry: Registry, run_id: str) -> bool:
+    """Remove the cron entry of a run that ended (whether there was one); a crontab that
+    cannot be edited is a warning in the run's events, never a failed tick."""
+    from xffl.core.errors import XfflError
+    from xffl.jobs import schedule as cron_table
+
+    try:
+        if cron_table.current(run_id) is None or not cron_table.remove(run_id):
+            return False
+    except (OSError, XfflError) as exc:
+        registry.event(run_id, "schedule", f"cron entry not removed: {exc}")
+        return False
+    registry.event(run_id, "schedule", "cron entry removed: the run ended")
+    return True

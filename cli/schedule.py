@@ -14,7 +14,7 @@ from xffl.jobs.registry import Registry
 @handle_errors
 def schedule(
     run: RunArg,
-    expr: Annotated[str | None, typer.Option(
+    cron: Annotated[str | None, typer.Option(
         "--cron", help="Five-field cron expression, e.g. '*/30 * * * *'.")] = None,
     remove: Annotated[bool, typer.Option("--remove", help="Uninstall the entry.")] = False,
     as_json: JsonOpt = False,
@@ -22,19 +22,19 @@ def schedule(
     """Install a crontab entry that runs `xffl round RUN` (or remove it with --remove).
 
     Each tick runs the next round when the previous one is finished and does nothing while
-    one is in flight; after the last round the run is completed and later ticks do nothing.
+    one is in flight; the tick that ends the run (its last round) removes the entry.
     Output goes to the run's cron.log. Submit with `--no-start` to leave every round to cron.
 
     Example: xffl schedule quickstart-20261122-051000-a3f9 --cron '*/30 * * * *'
     """
-    from xffl.jobs import schedule as cron
+    from xffl.jobs import schedule as cron_table
 
     registry = Registry()
     record = resolve_run(registry, run)
-    if remove == (expr is not None):
+    if remove == (cron is not None):
         raise InvalidInput("give either --cron EXPR or --remove.")
     if remove:
-        removed = cron.remove(record.id)
+        removed = cron_table.remove(record.id)
         registry.event(record.id, "schedule", "cron entry removed" if removed
                        else "no cron entry to remove")
         if as_json:
@@ -43,8 +43,8 @@ def schedule(
             console.print(f"cron entry of {record.id} removed" if removed
                           else f"run {record.id} had no cron entry")
         return
-    assert expr is not None
-    entry = cron.install(record, expr)
+    assert cron is not None
+    entry = cron_table.install(record, cron)
     registry.event(record.id, "schedule", f"cron entry installed: {entry.expr}")
     tick = entry.next_tick()
     if as_json:

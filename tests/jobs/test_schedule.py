@@ -56,9 +56,21 @@ def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Pa
         assert status["rounds_done"] == 1 and status["state"] == "waiting"
         log = (Path(submitted["run_dir"]) / "cron.log").read_text()
         assert f"run {run_id}: waiting: round 1 of 2 done" in log
-    finally:
         removed = runner.invoke(app, ["schedule", run_id, "--remove"])
-    assert removed.exit_code == 0 and "removed" in removed.stdout
+        assert removed.exit_code == 0 and "removed" in removed.stdout
+        assert f"xffl:{run_id}" not in _crontab() and current(run_id) is None
+        # installed again: the tick that runs the last round removes the entry itself
+        assert runner.invoke(app, ["schedule", run_id, "--cron", "*/5 * * * *"]).exit_code == 0
+        tick = subprocess.run(["env", "-i", "/bin/sh", "-c", command], capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert tick.returncode == 0, tick.stderr
+        status = json.loads(runner.invoke(app, ["status", run_id, "--json"]).stdout)
+        assert status["state"] == "completed" and status["schedule"] is None
+        assert f"xffl:{run_id}" not in _crontab() and current(run_id) is None
+        log = (Path(submitted["run_dir"]) / "cron.log").read_text()
+        assert "its cron entry is removed (no round is left to run)" in log
+    finally:
+        runner.invoke(app, ["schedule", run_id, "--remove"])
     assert f"xffl:{run_id}" not in _crontab() and current(run_id) is None
 
 

@@ -80,10 +80,13 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()
 
     _prepare_beta(xffl_home)
-    result = runner.invoke(app, ["resume", status["run_id"], "--json"])
+    # `xffl resume --wait` follows the run to its end, as `xffl submit --wait` does
+    result = runner.invoke(app, ["resume", status["run_id"][:12], "--wait", "--timeout", "300",
+                                 "--json"])
     assert result.exit_code == 0, result.output
-    check("resume", json.loads(result.stdout))
-    final = wait_for_run(Registry(), status["run_id"], 300)
+    resumed = check("status", json.loads(result.stdout))
+    assert resumed["state"] == "completed" and resumed["rounds_done"] == 2, resumed["message"]
+    final = wait_for_run(Registry(), status["run_id"], 0)
     assert final.state == "completed" and final.rounds_done == 2, final.message
     # alpha's round-1 update came back again, the same bytes, without training again
     first, again = admitted(_status(status["run_id"]), 1, "alpha")
