@@ -1,10 +1,11 @@
 """Checkpoints written tensor by tensor, so that a multi-GB model never sits whole in memory.
 
 Round 0 from ``model.init``: the coordinator checks the given checkpoint's names, shapes and
-dtypes against the model built on the meta device, then copies it to fp32 in pieces of a
-fixed size (fp32 tensors byte for byte, bf16/fp16 widened exactly), reading the next piece
-while writing this one: memory is two pieces, not a tensor. (A seeded round 0 is
-written by :mod:`xffl.training.seeded`.) And
+dtypes against the model built on the meta device (a ``model.entry_point`` model is not
+built: its code does not run on the coordinator, and the sites check names and shapes when
+they load it), then copies it to fp32 in pieces of a fixed size (fp32 tensors byte for
+byte, bf16/fp16 widened exactly), reading the next piece while writing this one: memory is
+two pieces, not a tensor. (A seeded round 0 is written by :mod:`xffl.training.seeded`.) And
 ``training.update_fn``, a site's local update computed per tensor instead of by SGD (NVIDIA
 FLARE's large-model tests add a delta the same way), whose memory is the largest tensor.
 """
@@ -78,6 +79,22 @@ def model_layout(config: ModelConfig, entry_point: str | None) -> list[TensorIni
     return out
 
 
+def init_tensors(reader: ModelReader) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a checkpoint's tensors, as round 0 of a ``model.entry_point``
+    model takes them (nothing is built: the user's code never runs on the coordinator);
+    ValueError naming a tensor that is not of a floating-point type."""
+    shapes = {}
+    for name in reader.names():
+        if name.endswith("rotary_emb.inv_freq"):  # recomputed by the model, as check_init
+            continue
+        entry = reader.entry(name)
+        if entry.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{reader.shard_of(name).path.name}: tensor {name} is "
+                             f"{entry.dtype}, not a floating-point type")
+        shapes[name] = tuple(entry.shape)
+    return shapes
+
+
 def _as_f32(reader: ModelReader, name: str) -> Array:
     """One tensor of ``reader`` as a float32 array of its own (bf16 decoded)."""
     dtype = reader.entry(name).dtype
@@ -149,11 +166,15 @@ def copy_init(init: Path, config: ModelConfig, entry_point: str | None, out_dir:
 
     Memory: two pieces of ``piece`` elements (16 MiB in fp32 by default) and their raw
     bytes, whatever the model; fp32 tensors are copied as they are, other float types
-    widened (bf16 and fp16 exactly).
+    widened (bf16 and fp16 exactly). With ``entry_point`` the tensors are ``init``'s own
+    (:func:`init_tensors`): the entry point is not imported.
     """
-    shapes = expected_tensors(config, entry_point)
     with open_model(init) as reader:
-        check_init(reader, shapes)
+        if entry_point is None:
+            shapes = expected_tensors(config, None)
+            check_init(reader, shapes)
+        else:
+            shapes = init_tensors(reader)
         names = sorted(shapes)  # as safetensors orders them
         entries = [(n, "F32", shapes[n]) for n in names]
         with staged_dir(Path(out_dir)) as tmp:

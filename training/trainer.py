@@ -56,7 +56,7 @@ from xffl.training.parallelize import (
 )
 from xffl.training.seeded import write_seeded
 from xffl.training.sharded_load import load_parallel
-from xffl.training.streamed import copy_init, expected_tensors, model_layout
+from xffl.training.streamed import copy_init, expected_tensors, init_tensors, model_layout
 
 T = TypeVar("T")
 
@@ -128,16 +128,22 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
     """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights.
 
     Both are streamed (memory: a few MiB, whatever the model), except the seeded init of a
-    ``model.entry_point`` model, which its own code builds in memory.
+    ``model.entry_point`` model, which its own code builds in memory (the one case that runs
+    the user's code here: callers ask the user first, :mod:`xffl.jobs.trust`). A
+    ``model.entry_point`` model with ``model.init`` is the init's tensors, not built.
     """
     config = build_config(model)
     extra = {"preset": model.preset, "init": model.init, "seed": seed,
              "entry_point": model.entry_point}
     if model.init is not None:  # copied tensor by tensor: a multi-GB init never sits in RAM
-        shapes = expected_tensors(config, model.entry_point)
-        manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
-            **extra, "num_parameters": sum(math.prod(s) for s in shapes.values())})
         try:
+            if model.entry_point is None:
+                shapes = expected_tensors(config, None)
+            else:  # the user's model is not built here: the init's own tensors
+                with open_model(Path(model.init)) as reader:
+                    shapes = init_tensors(reader)
+            manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
+                **extra, "num_parameters": sum(math.prod(s) for s in shapes.values())})
             if model.entry_point is None and needs_conversion(Path(model.init), config):
                 # a checkpoint in a layout transformers converts on load (per-expert MoE
                 # weights into fused stacks): transformers loads it whole, xffl writes it
