@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, TrustOpt, console, handle_errors, print_json
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import new_run_id
 
@@ -23,6 +23,7 @@ def render(
     ] = True,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace a non-empty OUT folder (its files are deleted first).")] = False,
+    trust_entry_point: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Write the plan of JOB into a folder: the same files `xffl submit` runs.
@@ -32,12 +33,18 @@ def render(
     this machine). sbatch/<site>.sh of a SLURM site trains one round when submitted by hand
     from a copy of DIR at the facility (sbatch sbatch/SITE.sh [ROUND] [MODEL] [JOB] [OUT]).
 
+    A JOB whose round 0 needs its model.entry_point (no model.init) is refused unless
+    --trust-entry-point: that Python would run here. --no-init-model runs none of it.
+
     Example: xffl render jobs/quickstart.yaml -o plan/
     """
     from xffl.jobs.load import load_job
+    from xffl.jobs.trust import require_consent
     from xffl.workflows.plan import write_initial_model, write_plan
 
     loaded = load_job(job)
+    if init_model:  # before anything is written
+        require_consent(loaded.path, loaded.spec, trust_entry_point, "render")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise InvalidInput(f"{out}: folder is not empty; choose a new or empty folder for "
@@ -47,7 +54,7 @@ def render(
     layout = write_plan(loaded, run_id, out)
     layout.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
     if init_model:
-        write_initial_model(layout, loaded.spec, run_id)
+        write_initial_model(layout, loaded.spec, run_id, trusted=trust_entry_point)
     root = layout.root
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     if as_json:

@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, markup_safe, print_json
+from xffl.cli.common import (
+    JsonOpt,
+    TrustOpt,
+    console,
+    handle_errors,
+    markup_safe,
+    print_json,
+)
 from xffl.cli.watch import TimeoutOpt, follow, outcome
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
@@ -23,9 +30,13 @@ def submit(
     timeout: TimeoutOpt = 86400.0,
     start: Annotated[bool, typer.Option(
         help="Start the runner now; --no-start leaves the run to `xffl round` (cron).")] = True,
+    trust_entry_point: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Validate JOB, register a run, start its runner in the background; print the run id.
+
+    A JOB whose round 0 needs its model.entry_point (no model.init) is refused unless
+    --trust-entry-point, which the run records: its rounds (resume, cron) may then run it here.
 
     Example: xffl submit jobs/quickstart.yaml --wait
     """
@@ -35,7 +46,8 @@ def submit(
         raise InvalidInput("--wait follows a run this command starts; with --no-start its "
                            "rounds run from `xffl round` (cron): follow them with `xffl watch "
                            "RUN`.")
-    submitted = submit_job(job, name=name, start=start)
+    submitted = submit_job(job, name=name, start=start,
+                           trust_entry_point=trust_entry_point)
     run = submitted.run
     registry = Registry()
     if not wait:

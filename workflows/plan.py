@@ -242,18 +242,22 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
     return staged
 
 
-def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str) -> None:
+def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str,
+                        trusted: bool = False) -> None:
     """Write the round-0 global checkpoint (the seeded initial model) unless it exists.
 
     A seeded model comes from the cache of initial models when an earlier run built it
-    (:mod:`xffl.workflows.init_cache`), else it is built and cached.
+    (:mod:`xffl.workflows.init_cache`), else it is built and cached. When that needs the
+    spec's ``model.entry_point``, only if the user ``trusted`` it (:mod:`xffl.jobs.trust`).
     """
     from xffl.aggregator.exchange import MANIFEST_FILE
     from xffl.core.sizes import parse_size
+    from xffl.jobs.trust import check_round0
 
     lora = spec.training.lora
     if (layout.initial_model / MANIFEST_FILE).is_file():
         return
+    check_round0(spec, trusted)
     # a LoRA job's frozen base is what a whole-model job starts from; its round-0 global is
     # the adapter, written after the base
     base = layout.base_model if lora is not None else layout.initial_model

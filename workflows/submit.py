@@ -15,6 +15,7 @@ from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry, new_run_id
 from xffl.jobs.states import RunState
+from xffl.jobs.trust import record_consent, require_consent
 from xffl.site_profiles.privacy import check_workdir
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.deployments import site_workdir
@@ -30,12 +31,15 @@ class Submitted:
     pid: int | None
 
 
-def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Path) -> None:
+def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Path,
+                    trust_entry_point: bool = False) -> None:
     """Write job.yaml (as submitted), job.json (resolved), the plan and run.json into ``run_dir``.
 
     Everything is written into a temporary sibling first and renamed at the end, so a failure
     leaves no half-written run directory behind. The plan is what ``xffl render`` writes;
-    ``run.json`` registers it, so the plan's steps record the rounds in ``registry``.
+    ``run.json`` registers it, so the plan's steps record the rounds in ``registry``. With
+    ``trust_entry_point`` the user's consent to the spec's entry point is recorded too
+    (:mod:`xffl.jobs.trust`).
     """
     tmp = run_dir.parent / f".{run_dir.name}.tmp"
     if tmp.exists():
@@ -46,20 +50,26 @@ def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Pat
         shutil.copyfile(loaded.path, staged.job_yaml)
         staged.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
         Registration(run_id=run_id, registry=registry).write(staged)
+        if trust_entry_point and loaded.spec.model.entry_point is not None:
+            record_consent(staged.root, loaded.spec)
         tmp.rename(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submitted:
+def submit(job_path: Path, name: str | None = None, start: bool = True,
+           trust_entry_point: bool = False) -> Submitted:
     """Validate ``job_path``, create the run and start its detached runner.
 
     Without ``start`` the run waits for `xffl round` (one round per call, e.g. from cron).
+    A spec whose round 0 needs its ``model.entry_point`` is refused unless
+    ``trust_entry_point`` (the user's consent, recorded for the run's supervisor).
     """
     loaded = load_job(job_path)
     if name is not None and not NAME_RE.match(name):
         raise InvalidInput(f"--name {name!r} is not a valid run name prefix; use {NAME_RULE}.")
+    require_consent(loaded.path, loaded.spec, trust_entry_point, "submit")
     profiles = {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}
     # certificates that will not outlast a round, then host keys and logins of every SSH site,
     # then every site's workdir private (created 0700 if missing), all before anything is
@@ -72,7 +82,7 @@ def submit(job_path: Path, name: str | None = None, start: bool = True) -> Submi
     registry = Registry(registry_file)
     run_id = new_run_id(name or loaded.spec.name)
     run_dir = runs_dir() / run_id
-    prepare_run_dir(loaded, run_id, run_dir, registry_file)
+    prepare_run_dir(loaded, run_id, run_dir, registry_file, trust_entry_point)
     try:
         registry.create_run(run_id, loaded.spec.name, loaded.path, run_dir, loaded.spec.rounds,
                             [s.name for s in loaded.spec.sites])

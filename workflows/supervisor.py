@@ -39,6 +39,7 @@ from xffl.jobs.round_lock import RoundInFlight, round_lock
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RunState
+from xffl.jobs.trust import consented
 from xffl.workflows.aggregate_step import QUORUM_EVENT
 from xffl.workflows.early_stop import read_stopped
 from xffl.workflows.plan import write_execution_inputs, write_initial_model
@@ -232,7 +233,7 @@ def _execute_locked(run_id: str, registry: Registry, spec: JobSpec, layout: RunL
         return 0
     registry.set_state(run_id, RunState.RUNNING, "supervisor started", started=time.time(),
                        runner_pid=os.getpid())
-    write_initial_model(layout, spec, run_id)
+    write_initial_model(layout, spec, run_id, trusted=consented(layout.root, spec))
     finished = completion(run, layout)
     if finished is not None:
         registry.set_state(run_id, RunState.COMPLETED, finished, ended=time.time())
