@@ -45,6 +45,16 @@ def rewrite(out: Path) -> str:
     return name
 
 
+def write_profile(profiles: Path) -> str:
+    """A site profile (in the folder ``profiles``) whose Python is this file; its name."""
+    wrapper = profiles.parent / "jsoneq-python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} \"$@\"\n")
+    wrapper.chmod(0o755)
+    (profiles / "jsoneq.yaml").write_text(
+        f"name: jsoneq\npython: {json.dumps(str(wrapper))}\nlauncher: torchrun\n")
+    return "jsoneq"
+
+
 def main(argv: list[str]) -> int:
     """Run the site's real command, then rewrite the config of the update it wrote."""
     code = subprocess.call([sys.executable, *argv])

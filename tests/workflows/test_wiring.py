@@ -4,7 +4,11 @@ A non-default strategy with its own parameter, token weighting and a small shard
 reach the aggregate step and give, round by round, the globals that FedAdam's formula gives
 (recomputed here with numpy from the kept updates), while per-site budgets and throughput
 balancing set each site's steps; an update that a real round rejects counts against
-failure.min_sites.
+failure.min_sites. In the FedAdam run, site alpha sends its config.json with every integer
+as a float (tests/security/json_equal_site.py): equal to the global's as JSON, so admitted,
+but not loadable by transformers; every global's config must still be the coordinator's
+bytes (alpha sorts first: were the first update's bytes used, beta could not load round 1's
+global), beta trains round 2 and the export loads (issue 30).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART, REPO
+from tests.security.json_equal_site import write_profile
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.cli.app import app
 from xffl.workflows.balance import balanced_steps
@@ -74,9 +79,19 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
     for site in spec["sites"]:
         site.update(ranks=1, budget={"steps": budgets[site["name"]]})  # different tokens
         site["data"]["synthetic_sequences"] = 64
+    (tmp_path / "site_profiles").mkdir()
+    spec["sites"][0]["profile"] = write_profile(tmp_path / "site_profiles")  # alpha: 2.0 for 2
     code, status = _submit(tmp_path, spec)
     assert code == 0, status
     run_dir = Path(status["run_dir"])
+    own = (run_dir / "rounds" / "0" / "global" / "config.json").read_bytes()
+    for rnd in (1, 2):  # alpha's floats were admitted; every global has the coordinator's bytes
+        sent = (run_dir / "rounds" / str(rnd) / "updates" / "alpha" / "config.json").read_bytes()
+        assert b'"num_hidden_layers": 2.0' in sent and json.loads(sent) == json.loads(own)
+        assert (run_dir / "rounds" / str(rnd) / "global" / "config.json").read_bytes() == own
+    # beta trained round 2 from round 1's global
+    assert read_manifest(run_dir / "rounds" / "2" / "updates" / "beta").parent == \
+        read_manifest(run_dir / "rounds" / "1" / "global").digest()
     for site in (s for r in status["rounds"] for s in r["sites"]):  # half the bytes come back
         assert site["sent_bytes"] < 0.55 * site["received_bytes"], site
     steps = {(r, s): verify_checkpoint(run_dir / "rounds" / str(r) / "updates" / s)
@@ -127,6 +142,18 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
             m[name] = m[name].astype(np.float32).astype(np.float64)
             v2[name] = v2[name].astype(np.float32).astype(np.float64)
         x = new_x
+
+    # the final global, exported, is what transformers loads (its config: round 0's bytes)
+    import torch
+    import transformers
+
+    result = runner.invoke(app, ["export", status["run_id"], "-o", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "export" / "config.json").read_bytes() == own
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(32).reshape(2, 16)).logits
+    assert logits.shape[:2] == (2, 16) and torch.isfinite(logits).all()
 
 
 @pytest.mark.slow
