@@ -31,7 +31,15 @@ from xffl.cli import (
     validate,
     watch,
 )
-from xffl.cli.common import XfflCommand, XfflSubGroup, error_json, no_env_help, state
+from xffl.cli.common import (
+    XfflCommand,
+    XfflSubGroup,
+    console,
+    err_console,
+    error_json,
+    no_env_help,
+    state,
+)
 from xffl.core.errors import ExitCode
 from xffl.core.paths import private_files
 
@@ -112,6 +120,8 @@ def _root(
     """Cross-facility federated learning orchestrator."""
     state.debug = debug
     private_files()  # everything a command writes is owner-only
+    for stream in (console, err_console):  # free text folds on a terminal, never in a pipe
+        stream.soft_wrap = not stream.is_terminal
 
 
 app.command(cls=XfflCommand)(init.init)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Annotated
+
+import typer
 
 from xffl.cli.common import JsonOpt, console, handle_errors, print_json
 from xffl.cli.tables import Rows
@@ -14,8 +17,13 @@ def _when(ts: float | None) -> str:
 
 
 @handle_errors
-def runs(as_json: JsonOpt = False) -> None:
-    """List the runs, newest first.
+def runs(
+    as_json: JsonOpt = False,
+    tsv: Annotated[bool, typer.Option("--tsv", help="Print the rows alone, tab-separated, "
+                                      "without the header line.")] = False,
+) -> None:
+    """List the runs, newest first (an 80-column terminal shows run, state, rounds and
+    message; --json or --tsv every field).
 
     Example: xffl runs --json
     """
@@ -27,12 +35,14 @@ def runs(as_json: JsonOpt = False) -> None:
         print_json([run_summary(r) for r in records])
         return
     if not records:
+        if tsv:
+            return
         console.print("no runs yet; try `xffl init demo && xffl submit demo/job.yaml --wait`.",
                       soft_wrap=True)
         return
     table = Rows(("run", "state", "rounds", "sites", "created", "message"),
-                 text=("sites", "message"))
+                 text=("sites", "message"), compact=("run", "state", "rounds", "message"))
     for r in records:
         table.add(r.id, r.state, f"{r.rounds_done}/{r.rounds_total}", ", ".join(r.sites),
                       _when(r.created), r.message)
-    table.print()
+    table.print(tsv)

@@ -9,34 +9,40 @@ import typer
 from xffl.cli.common import (
     JsonOpt,
     RunArg,
-    console,
     handle_errors,
     markup_safe,
     print_json,
     resolve_run,
 )
-from xffl.cli.tables import Markup, Rows
+from xffl.cli.tables import Markup, Rows, say
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
     from xffl.jobs.status import RunStatus
 
 
+# what an 80-column terminal shows of the rounds x sites table (`--json`, `--tsv` or a wider
+# terminal show every column)
+COMPACT = ("round", "site", "state", "samples", "loss", "val loss", "train s")
+
+
 def _num(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def render_status(data: RunStatus) -> None:
-    """Print a run's status as a header and a rounds x sites table."""
+def render_status(data: RunStatus, tsv: bool = False) -> None:
+    """Print a run's status as a header and a rounds x sites table; ``tsv``: the table's
+    rows alone (no header, title or footer lines)."""
     from xffl.jobs.report import fmt, megabytes
 
     run = data.run
-    console.print(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(run.state)} — "
-                  f"{run.rounds_done}/{run.rounds_total} rounds"
-                  + (f" — {markup_safe(run.message)}" if run.message else ""), soft_wrap=True)
+    if not tsv:
+        say(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(run.state)} — "
+            f"{run.rounds_done}/{run.rounds_total} rounds"
+            + (f" — {markup_safe(run.message)}" if run.message else ""))
     table = Rows(("round", "site", "state", "samples", "tokens", "loss", "val loss", "queue s",
                   "start s", "train s", "xfer s", "other s", "agg s", "MB in/out"),
-                 text=("state",))
+                 text=("state",), compact=COMPACT)
     for rnd in data.rounds:
         number = str(rnd.record.round)
         for site in rnd.sites:
@@ -54,7 +60,9 @@ def render_status(data: RunStatus) -> None:
                   _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"),
                   _num(rnd.record.val_loss, "{:.4f}"), "", "", "", "", "",
                   _num(rnd.record.aggregate_seconds, "{:.2f}"), "", end_section=True)
-    table.print()
+    table.print(tsv)
+    if tsv:
+        return
     if data.slurm:
         jobs = Rows(("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s"),
                     title="SLURM jobs", text=("SLURM state",))
@@ -76,11 +84,11 @@ def render_status(data: RunStatus) -> None:
                       if row.waiting else "ready")
         creds.print()
     if data.latest_global:
-        console.print(f"latest global model: {markup_safe(data.latest_global)}", soft_wrap=True)
+        say(f"latest global model: {markup_safe(data.latest_global)}")
     if data.schedule:
-        console.print(f"schedule: `xffl round` at '{data.schedule.cron}', next tick "
-                      f"{data.schedule.next_tick.replace('T', ' ')[:16]}", soft_wrap=True)
-    console.print(f"run directory: {markup_safe(run.run_dir)}", soft_wrap=True)
+        say(f"schedule: `xffl round` at '{data.schedule.cron}', next tick "
+            f"{data.schedule.next_tick.replace('T', ' ')[:16]}")
+    say(f"run directory: {markup_safe(run.run_dir)}")
 
 
 @handle_errors
@@ -89,6 +97,9 @@ def status(
     as_json: JsonOpt = False,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Ask SLURM over SSH about a "
                                        "running run's jobs.")] = True,
+    tsv: Annotated[bool, typer.Option("--tsv", help="Print the rounds x sites rows alone, "
+                                      "tab-separated: no header, title or footer lines "
+                                      "(`xffl status --tsv | cut -f2,6`).")] = False,
 ) -> None:
     """Show a run's state and a rounds x sites table (state, samples, loss, durations).
 
@@ -98,14 +109,17 @@ def status(
     For SLURM sites it also shows each round's job id, SLURM state, queue wait and run time,
     read live over SSH while the run is running (a site that cannot be reached says so).
 
+    An 80-column terminal shows the table's main columns (round, site, state, samples, loss,
+    val loss, train s); a wider one, a pipe, --tsv and --json every column.
+
     Example: xffl status quickstart-20261122-051000-a3f9
     """
     from xffl.jobs.status import run_status
 
     registry = Registry()
     record = resolve_run(registry, run)
-    data = run_status(registry, record, slurm=True, live=live)
+    data = run_status(registry, record, slurm=not tsv, live=live and not tsv)
     if as_json:
         print_json(data.as_json())
     else:
-        render_status(data)
+        render_status(data, tsv)

@@ -78,6 +78,62 @@ def test_a_terminal_of_80_columns_cuts_nothing(finished_run: str, argv: tuple[st
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in _xffl(*argv, terminal=True)]
     text = "\n".join(lines)
     assert "…" not in text  # boxes that fit, else plain rows (the terminal wraps them)
-    for whole in (RUN, "completed", "987654321", "1234567", "3.3546") if argv[0] == "status" \
+    for whole in (RUN, "completed", "1234567", "3.3546") if argv[0] == "status" \
             else (RUN, "completed"):
         assert whole in text, (whole, text)
+
+
+def _on_a_pty(*argv: str) -> list[str]:
+    """What ``xffl ARGV`` shows on an 80-column pseudo-terminal, escapes removed."""
+    import pty
+    import re
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": "80", "LINES": "24", "TERM": "xterm"}
+    for name in ("FORCE_COLOR", "NO_COLOR"):
+        env.pop(name, None)
+    try:
+        proc = subprocess.Popen([XFFL, *argv], stdin=follower, stdout=follower, stderr=follower,
+                                env=env, close_fds=True)
+        os.close(follower)
+        chunks = []
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, b"".join(chunks)
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=60) == 0, b"".join(chunks)
+    finally:
+        os.close(leader)
+    text = b"".join(chunks).decode()
+    return [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in text.split("\r\n")]
+
+
+@pytest.mark.parametrize("argv", [("status", "last", "--no-live"), ("runs",)])
+def test_an_80_column_terminal_gets_the_compact_table(finished_run: str,
+                                                      argv: tuple[str, ...]) -> None:
+    """COLUMNS=80 on a real pty: a boxed table of the main columns, no line over 80, nothing
+    cut (issue 31 item 10; HEAD printed tab-separated rows wider than the terminal)."""
+    lines = _on_a_pty(*argv)
+    text = "\n".join(lines)
+    assert max(len(line) for line in lines) <= 80, text
+    assert "\t" not in text and "…" not in text and "─" in text  # a table, not plain rows
+    for whole in (RUN, "completed") + (("1234567", "3.3546", "5123.4") if argv[0] == "status"
+                                       else ("1/1",)):
+        assert whole in text, (whole, text)
+
+
+def test_tsv_is_the_rows_alone(finished_run: str) -> None:
+    """`xffl status --tsv | cut -f2,6` (and `xffl runs --tsv`): one record per line, no title,
+    header or footer line for cut to pass through."""
+    status = _xffl("status", "--no-live", "--tsv", terminal=False)
+    assert sorted(line.split("\t")[1] for line in status) == ["global", "karolina",
+                                                              "leonardo-boost"]
+    assert all(len(line.split("\t")) == 14 for line in status)
+    assert [line.split("\t")[:3] for line in _xffl("runs", "--tsv", terminal=False)] == [
+        [RUN, "completed", "1/1"]]
