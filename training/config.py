@@ -44,7 +44,8 @@ class ModelSpec(_Strict):
                              "on the coordinator, relative to the job file's folder (null: "
                              "seeded weights of the preset)")
     entry_point: str | None = Field(
-        default=None, description="package.module:function building the model from the config")
+        default=None, description="package.module:function building the model from the "
+        "config; imported at the sites, on the coordinator only with --trust-entry-point")
 
     @field_validator("init")
     @classmethod
