@@ -15,10 +15,12 @@ from xffl.cli.common import (
     RunArg,
     console,
     handle_errors,
+    markup_safe,
     print_json,
     printable,
     resolve_run,
 )
+from xffl.cli.watch import TimeoutOpt
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.records import RunRecord
@@ -167,6 +169,75 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
             "directory": execution["dir"], "lines": out[-lines:]}
 
 
+def _show(line: str) -> None:
+    """One log line as text, at once (a pipe reader sees it now)."""
+    console.print(printable(line), markup=False, soft_wrap=True)
+    console.file.flush()
+
+
+def follow_logs(registry: Registry, run: RunRecord, site: str | None, lines: int,
+           timeout: float) -> None:
+    """Print new log lines as they come until the run ends (exit 4 after ``timeout``).
+
+    Without a site: supervisor.log and streamflow.log. With one: the step lines of its latest
+    training step, read as they are written (a local site's ``steps.log`` in the step's
+    folder; a SLURM site's job output, read over SSH every few seconds); a new round or
+    attempt of the site is announced by a header line and followed in turn.
+    """
+    from xffl.jobs.follow import Tail, wait_for_run
+    from xffl.jobs.slurm_view import load_profiles
+    from xffl.training.progress import STEP_LOG_FILE
+
+    layout = RunLayout(Path(run.run_dir))
+    if site is None:
+        tails = [Tail(layout.supervisor_log), Tail(layout.streamflow_log)]
+        first = [True, True]
+
+        def each_run(_: RunRecord) -> None:
+            for i, source in enumerate(tails):
+                new = source.read()
+                for line in new[-lines:] if first[i] else new:
+                    _show(line)
+                first[i] = False
+
+        wait_for_run(registry, run.id, timeout, on_update=each_run, poll=0.5)
+        return
+    if site not in run.sites:
+        raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
+    profile = load_profiles(layout.root).get(site)
+    remote = profile is not None and profile.slurm is not None \
+        and profile.connector.type == "ssh"
+    current: dict[str, Any] = {"dir": None, "tail": None, "printed": 0, "warned": False}
+
+    def each_step(_: RunRecord) -> None:
+        executions = step_runs(layout.streamflow_log, site)
+        if not executions:
+            return
+        latest = executions[-1]
+        if latest["dir"] != current["dir"]:
+            current.update(dir=latest["dir"], printed=0,
+                           tail=Tail(Path(latest["dir"]) / STEP_LOG_FILE))
+            console.print(f"[bold]== {site} round {latest['round']} attempt "
+                          f"{latest['attempt']} ==[/bold]", soft_wrap=True)
+        if not remote:
+            for line in current["tail"].read():
+                _show(line)
+            return
+        try:
+            out = slurm_step_output(run, site, latest["dir"], int(latest["round"]))
+        except ConnectionFailed as exc:
+            if not current["warned"]:
+                console.print(f"[yellow]{markup_safe(exc)}[/yellow] (trying again)",
+                              soft_wrap=True)
+            current["warned"] = True
+            return
+        for line in out[current["printed"]:]:
+            _show(line)
+        current["printed"] = max(current["printed"], len(out))
+
+    wait_for_run(registry, run.id, timeout, on_update=each_step, poll=5.0 if remote else 0.5)
+
+
 @handle_errors
 def logs(
     run: RunArg = "last",
@@ -176,10 +247,17 @@ def logs(
                                               "latest one the site ran).")] = None,
     lines: Annotated[int, typer.Option("--lines", "-n", min=1, help="At most this many lines "
                                        "per log.")] = 200,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="Print new lines as they come until the run ends (with --site: "
+        "its step lines while it trains).")] = False,
+    timeout: TimeoutOpt = 86400.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Show a run's output: without --site, the tails of supervisor.log and streamflow.log; with
     --site, that site's training job output (a SLURM site's job stdout, read over SSH).
+
+    With -f the lines keep coming until the run ends (or --timeout, exit 4): a site's trainer
+    prints a step line (step, loss, tokens/s, ETA) every 10 s or so.
 
     Example: xffl logs last --site alpha --round 1
     """
@@ -187,8 +265,15 @@ def logs(
     if rnd is not None and site is None:
         raise InvalidInput("--round picks a round of one site's training job; add --site SITE "
                            "(`xffl status` lists the sites).")
+    if follow and (as_json or rnd is not None):
+        raise InvalidInput("--follow prints lines as they come, from the latest round on; "
+                           "leave out --json and --round.")
     registry = Registry()
-    data = collect(resolve_run(registry, run), site, rnd, lines)
+    record = resolve_run(registry, run)
+    if follow:
+        follow_logs(registry, record, site, lines, timeout)
+        return
+    data = collect(record, site, rnd, lines)
     if as_json:
         print_json(data)
         return

@@ -1,10 +1,12 @@
-"""Follow a run until it ends (bounded), reporting progress through a callback."""
+"""Follow a run until it ends (bounded), reporting progress through a callback; the new
+lines of a growing log file (:class:`Tail`)."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from xffl.core.errors import TimedOut
 from xffl.jobs.records import RunRecord
@@ -49,3 +51,26 @@ def wait_for_run(registry: Registry, run_id: str, timeout: float,
             raise TimedOut(f"run {run_id} still {run.state} after {timeout:.0f} s; it goes on "
                            f"in the background: follow it with `xffl status {run_id}`.")
         time.sleep(poll)
+
+
+class Tail:
+    """The complete lines a file gained since the last read (none while it does not exist;
+    a line still being written waits for its newline)."""
+
+    def __init__(self, path: Path) -> None:
+        """Follow ``path`` from its start."""
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[str]:
+        """The new complete lines, decoded (undecodable bytes replaced)."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *done, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode(errors="replace") for line in done]

@@ -6,7 +6,7 @@ decay over the whole job), ``config.round_steps`` (a budget in steps or tokens),
 :func:`prox_snapshot` / the FedProx gradient term ``mu * (w - w_global)`` (the gradient of
 ``mu/2 * ||w - w_global||^2``, added after the data-parallel gradient reduction, so it costs
 no communication), and :func:`run_steps`, which also stops cleanly at a deadline agreed by
-all ranks.
+all ranks and prints a step line now and then (:mod:`xffl.training.progress`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from xffl.training.config import TrainingSpec
 from xffl.training.model import lm_loss
 from xffl.training.parallelize import ParallelModel
+from xffl.training.progress import StepReporter
 
 
 def lr_factor(step: int, total: int, spec: TrainingSpec) -> float:
@@ -95,6 +96,9 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     start = time.perf_counter()
     last = 0.0
     done = 0
+    tokens = 0  # this rank's, so far
+    rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+    reporter = StepReporter.from_env(steps, rank0)
     stopped = False
     for step in range(steps):
         if check_deadline:
@@ -106,6 +110,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
         optimizer.zero_grad(set_to_none=True)
         for micro in range(spec.grad_accum):
             inputs, targets = next(batches)
+            tokens += inputs.numel()
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             last_micro = micro == spec.grad_accum - 1
@@ -125,6 +130,8 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
         scheduler.step()
         done += 1
         last = time.perf_counter() - began
+        if reporter is not None and reporter.due(done):  # rank 0's loss: one number synced
+            reporter.report(done, float(losses[step].item()), tokens * pm.dp_size)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoopResult(losses=losses[:done].cpu(), stopped_early=stopped,
