@@ -9,6 +9,7 @@ where their tests run them.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from tests.aggregator.conftest import write_checkpoint
 from tests.cli.schemas import SCHEMAS, check
 from tests.cli.test_cancel_logs import _execution
 from tests.cli.test_screens import RUN, finished_run  # noqa: F401  (a fixture)
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, REPO, FinishedRun
 from xffl.cli.app import app
 
 runner = CliRunner()
@@ -116,3 +117,17 @@ def test_an_error_under_json_is_the_error_object(xffl_home: Path, tmp_path: Path
     monkeypatch.chdir(tmp_path)
     error = check("error", _json([*argv, "--json"], code=2))["error"]
     assert error["code"] == 2 and error["kind"] == "invalid_input"
+
+
+def test_the_wheel_ships_every_schema(quickstart_run: FinishedRun) -> None:
+    """A user of the wheel has no clone: the schemas of docs/json/ come with xffl, as the
+    package xffl.cli.schemas (issue 31 item 12)."""
+    venv = quickstart_run.home.parent / "venv"
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "from importlib.resources import files; "
+         "print('\\n'.join(sorted(p.name for p in files('xffl.cli.schemas').iterdir() "
+         "if p.name.endswith('.json'))))"],
+        capture_output=True, text=True, timeout=60, check=True, cwd=quickstart_run.home)
+    shipped = done.stdout.split()
+    assert shipped == sorted(p.name for p in (REPO / "docs" / "json").glob("*.schema.json"))
+    assert "status.schema.json" in shipped and "error.schema.json" in shipped
