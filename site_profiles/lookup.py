@@ -91,9 +91,10 @@ def find_profile(name: str, job_dir: Path | None = None, referrer: str = "") -> 
     if name not in profiles:
         close = difflib.get_close_matches(name, list(profiles), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(profiles))}"
+        here, mine = search_path(job_dir)[0], installed_dirs()[0]
         raise InvalidInput(
             f"{prefix}site profile {name!r} not found; {hint} "
-            f"(or add site_profiles/{name}.yaml)."
+            f"(or write {here / f'{name}.yaml'}, or {mine / f'{name}.yaml'} for every job)."
         )
     chosen = profiles[name]
     installed = [d / f"{name}.yaml" for d in installed_dirs()]

@@ -184,3 +184,21 @@ def test_sites_is_the_hidden_old_name_of_profiles() -> None:
                 runner.invoke(full, ["--help"], env={"COLUMNS": "200"}).stdout.splitlines()
                 if line.startswith("  ") and line.strip()]
     assert "profiles" in commands and "sites" not in commands
+
+
+def test_an_unknown_profile_names_where_to_write_it(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal names two places xffl searches, as absolute paths (HEAD named a relative
+    `site_profiles/NAME.yaml`, which from another folder is neither); a profile written at
+    the first is then found (issue 31 item 12)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    result = runner.invoke(app, ["profiles", "check", "mysite"])
+    assert result.exit_code == 2
+    here = tmp_path / "site_profiles" / "mysite.yaml"
+    mine = tmp_path / "config" / "xffl" / "site_profiles" / "mysite.yaml"
+    assert f"(or write {here}, or {mine} for every job)" in " ".join(result.stderr.split())
+    here.parent.mkdir()
+    here.write_text(yaml.safe_dump({"name": "mysite", "connector": {"type": "local"}}))
+    shown = runner.invoke(app, ["profiles", "show", "mysite", "--json"])
+    assert shown.exit_code == 0, shown.output
