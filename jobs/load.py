@@ -89,7 +89,7 @@ def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
         return [f"{_at(doc, path, ('model', 'init'))}: cannot start from {model.init!r} "
                 f"({str(exc).rstrip('.')}); point init at a Hugging Face causal LM "
                 "checkpoint folder (config.json and safetensors weights)."]
-    known = known_fields(base)
+    known = known_fields(base) if model.overrides else []  # (transformers only when needed)
     for key in model.overrides:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)

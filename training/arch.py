@@ -75,8 +75,15 @@ class ModelConfig:
         """The family (``llama``, ``qwen2``, ``mistral``, ``gemma2``, ``mixtral``, ...)."""
         return str(self.fields["model_type"])
 
+    def _field(self, name: str) -> Any:
+        """A config value: the config.json's own when given, else the family's default
+        (which needs transformers, and so torch: a preset answers without them)."""
+        if name in self.fields:
+            return self.fields[name]
+        return getattr(self.hf, name, None)
+
     def _int(self, name: str) -> int:
-        value = getattr(self.hf, name, None)
+        value = self._field(name)
         return int(value) if value is not None else 0
 
     @property
@@ -122,12 +129,12 @@ class ModelConfig:
     @property
     def tie_word_embeddings(self) -> bool:
         """Whether the LM head shares the embedding's weight."""
-        return bool(getattr(self.hf, "tie_word_embeddings", False))
+        return bool(self._field("tie_word_embeddings"))
 
     @property
     def initializer_range(self) -> float:
         """Standard deviation of the seeded initialisation of matrices."""
-        return float(getattr(self.hf, "initializer_range", 0.02) or 0.02)
+        return float(self._field("initializer_range") or 0.02)
 
     @property
     def tp_plan(self) -> dict[str, str] | None:
