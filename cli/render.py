@@ -16,7 +16,7 @@ from xffl.jobs.registry import new_run_id
 @handle_errors
 def render(
     job: Annotated[Path, typer.Argument(metavar="JOB", help="The job spec (YAML).")],
-    out: Annotated[Path, typer.Option("-o", "--output", "--out",
+    output: Annotated[Path, typer.Option("-o", "--output", "--out",
                                       help="Folder to write the plan into.")],
     init_model: Annotated[
         bool, typer.Option(help="Also write the seeded initial model (rounds/0/global).")
@@ -36,7 +36,7 @@ def render(
     A JOB whose round 0 needs its model.entry_point (no model.init) is refused unless
     --trust-entry-point: that Python would run here. --no-init-model runs none of it.
 
-    Example: xffl render jobs/quickstart.yaml -o plan/
+    Example: xffl render demo/job.yaml -o plan/  (demo/: `xffl init demo`)
     """
     from xffl.jobs.load import load_job
     from xffl.jobs.trust import require_consent
@@ -45,13 +45,13 @@ def render(
     loaded = load_job(job)
     if init_model:  # before anything is written
         require_consent(loaded.path, loaded.spec, trust_entry_point, "render")
-    if out.exists() and any(out.iterdir()):
+    if output.exists() and any(output.iterdir()):
         if not force:
-            raise InvalidInput(f"{out}: folder is not empty; choose a new or empty folder for "
+            raise InvalidInput(f"{output}: folder is not empty; choose a new or empty folder for "
                                "-o, or --force to replace it.")
-        shutil.rmtree(out)
+        shutil.rmtree(output)
     run_id = new_run_id(f"render-{loaded.spec.name}")
-    layout = write_plan(loaded, run_id, out)
+    layout = write_plan(loaded, run_id, output)
     layout.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
     if init_model:
         write_initial_model(layout, loaded.spec, run_id, trusted=trust_entry_point)

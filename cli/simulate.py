@@ -68,7 +68,7 @@ def simulate(
     The sites train here: a JOB naming Python (model.entry_point, training.update_fn) is
     refused unless --trust-entry-point.
 
-    Example: xffl simulate jobs/quickstart.yaml --sites 100 --parallel 2 --rounds 1
+    Example: xffl simulate demo/job.yaml --sites 100 --parallel 2 --rounds 1
     """
     from xffl.jobs.load import load_job
     from xffl.jobs.trust import require_local_consent

@@ -38,7 +38,7 @@ def submit(
     A JOB whose round 0 needs its model.entry_point (no model.init) is refused unless
     --trust-entry-point, which the run records: its rounds (resume, cron) may then run it here.
 
-    Example: xffl submit jobs/quickstart.yaml --wait
+    Example: xffl submit demo/job.yaml --wait  (demo/: `xffl init demo`)
     """
     from xffl.workflows.submit import submit as submit_job
 

@@ -18,7 +18,7 @@ def validate(
 ) -> None:
     """Check JOB and its site profiles, compile the plan in a temp folder, validate it with cwltool.
 
-    Example: xffl validate jobs/quickstart.yaml
+    Example: xffl validate demo/job.yaml
     """
     from xffl.jobs.load import load_job
     from xffl.workflows.plan import write_plan

@@ -113,9 +113,10 @@ def test_options_from_the_environment(xffl_home: Path, monkeypatch: pytest.Monke
                                             "--json"]).stdout)["run_id"]
     monkeypatch.setenv("XFFL_JSON", "1")
     assert json.loads(runner.invoke(app, ["status"]).stdout)["run_id"] == run_id
-    monkeypatch.setenv("XFFL_WATCH_TIMEOUT", "0.2")
-    assert runner.invoke(app, ["watch"]).exit_code == 4  # a waiting run: the timeout ends it
-    assert runner.invoke(app, ["watch", "--timeout", "0"]).exit_code == 4
+    monkeypatch.setenv("XFFL_WATCH_TIMEOUT", "-1")  # checked as the option is
+    refused = runner.invoke(app, ["watch"])
+    assert refused.exit_code == 2 and "--timeout" in refused.stderr
+    assert "nothing runs it" in runner.invoke(app, ["watch", "--timeout", "0"]).stderr
     monkeypatch.setenv("XFFL_DEBUG", "1")
     loud = runner.invoke(app, ["status", "nope"])
     assert loud.exit_code == 2 and "Traceback" in loud.stderr
@@ -156,7 +157,7 @@ def test_help_in_a_pipe_is_plain_text(command: str) -> None:
     assert all(line == line.rstrip() and len(line) <= 80 for line in lines)
     assert not any(ch in done.stdout for ch in "╭│╰")
     assert not [line for line in lines if line.strip() in {"+", "1"}]
-    usage = {"status": "[RUN]", "simulate": "JOB", "aggregate": "UPDATE..."}[command]
+    usage = {"status": "[RUN]", "simulate": "JOB", "aggregate": "[UPDATE]..."}[command]
     assert lines[0] == f"Usage: xffl {command} [OPTIONS] {usage}"  # JOB, not Typer's {JOB}
 
 
@@ -175,3 +176,57 @@ def test_no_usage_line_has_braces() -> None:
         result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
         usage = result.stdout.splitlines()[0]
         assert usage.startswith(f"Usage: xffl {' '.join(path)} ") and "{" not in usage, usage
+
+
+def test_every_option_reads_xffl_command_option() -> None:
+    """The environment name of every command option is ``XFFL_<COMMAND>_<OPTION>``, the
+    option's first long name (``XFFL_LOGS_ROUND`` for ``--round``, never the Python name
+    ``XFFL_LOGS_RND``), as docs/cli.md says (issue 31 item 12)."""
+    import typer
+
+    def leaves(cmd: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+        sub = getattr(cmd, "commands", None)
+        return [x for name, c in (sub or {}).items() for x in leaves(c, (*path, name))] \
+            if sub else [(path, cmd)]
+
+    wrong, seen = [], 0
+    for path, cmd in leaves(typer.main.get_command(app), ()):
+        prefix = "XFFL_" + "_".join(path).upper().replace("-", "_")
+        for param in cmd.params:
+            if param.param_type_name != "option" or param.envvar or not param.allow_from_autoenv:
+                continue
+            seen += 1
+            first = next(o for o in param.opts if o.startswith("--"))
+            want = f"{prefix}_{first[2:].upper().replace('-', '_')}"
+            if f"{prefix}_{param.name.upper()}" != want:
+                wrong.append(f"{' '.join(path)} {first}: {prefix}_{param.name.upper()}")
+    assert seen > 50 and wrong == []
+
+
+@pytest.mark.parametrize("argv, env", [
+    (["status", "--json", "--bogus"], {}), (["watch", "--timeout=-2"], {"XFFL_JSON": "1"}),
+    (["profiles", "list", "--json", "--x"], {}), (["nosuch", "--json"], {}),
+    (["aggregate", "--json"], {})])
+def test_usage_errors_under_json_are_json_on_stdout(argv: list[str], env: dict[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Click's own usage errors (an unknown option or command, a value out of range, a
+    missing option) under --json or XFFL_JSON=1: exit 2, the error object on stdout and
+    click's lines on stderr, as for every other error (issue 31 item 12)."""
+    from tests.cli.schemas import check
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    error = check("error", json.loads(result.stdout))["error"]
+    assert error["kind"] == "invalid_input" and error["message"] in result.stderr
+    plain = runner.invoke(app, [a for a in argv if a != "--json"], env={"XFFL_JSON": ""})
+    assert plain.exit_code == 2 and plain.stdout == ""
+
+
+def test_help_examples_use_files_a_wheel_user_has() -> None:
+    """jobs/quickstart.yaml exists only in a clone; examples name demo/job.yaml, which
+    `xffl init demo` writes (issue 31 item 12)."""
+    for command in ("submit", "render", "validate", "simulate"):
+        shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).stdout
+        assert "jobs/quickstart.yaml" not in shown and "demo/job.yaml" in shown, command
