@@ -87,3 +87,17 @@ def test_streaming_memory_is_a_few_blocks_not_the_tensor(tmp_path: Path) -> None
     # the 256 MiB did get written
     assert (tmp_path / "g" / "model.safetensors").stat().st_size > 64 * BLOCK * 4
 
+
+
+def test_bytes_do_not_depend_on_how_far_ahead_blocks_are_drawn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = [TensorInit("w", (3, BLOCK), "normal", 0.02), TensorInit("n.bias", (5,),
+                                                                       "constant", 0.0)]
+    sums = []
+    for ahead, cpus in ((1, 1), (seeded.AHEAD, 8)):
+        monkeypatch.setattr(seeded, "AHEAD", ahead)
+        monkeypatch.setattr(seeded.os, "cpu_count", lambda cpus=cpus: cpus)
+        out = tmp_path / f"g{ahead}"
+        sums.append(write_seeded(layout, 1, out, Manifest(kind="global", run_id="r", round=0),
+                                 b"{}", None).files["model.safetensors"])
+    assert sums[0] == sums[1]
