@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def run_rounds(tmp_path: Path, deployments: dict[str, Any], *, retries: int = 0,
-               min_sites: int = 1, limit: int = 0, rounds: int = 3,
+               retry_delay: float = 0.0, min_sites: int = 1, limit: int = 0, rounds: int = 3,
                failure_manager: bool = True, services: dict[str, str] | None = None,
                start: bool = True, registry: Registry | None = None) -> tuple[int, str, Path]:
     """``streamflow run`` the fixture for ``rounds`` rounds: (exit code, output, run dir).
@@ -74,7 +74,8 @@ def run_rounds(tmp_path: Path, deployments: dict[str, Any], *, retries: int = 0,
             "run_dir": str(tmp_path), "sites": {"site-a": "a", "site-b": "b"}}}
     if failure_manager:
         config["failureManager"] = {"enabled": True, "type": "xffl", "config": {
-            "retries": retries, "retry_delay": 0, "run_dir": str(tmp_path), "sites": SITES}}
+            "retries": retries, "retry_delay": retry_delay, "run_dir": str(tmp_path),
+            "sites": SITES}}
     (tmp_path / "streamflow.yml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir(exist_ok=True)
@@ -116,8 +117,15 @@ def test_a_failed_job_is_retried_and_a_lost_site_is_left_out(tmp_path: Path) -> 
     (ctl / "fail-b-r3").write_text("9")  # b fails round 3 for good: the round goes on
     registry = Registry(tmp_path / "registry.db")
     started = time.time()
-    code, out, run_dir = run_rounds(tmp_path, local_sites(), retries=1, registry=registry)
+    code, out, run_dir = run_rounds(tmp_path, local_sites(), retries=1, retry_delay=1.0,
+                                    registry=registry)
     assert code == 0, out[-3000:]
+    # failure.retry_delay, through StreamFlow's failureManager config: each retry started
+    # at least 1 s after the attempt before it (a lower bound asyncio.sleep guarantees,
+    # never how long anything took); without the delay the retry follows within ~0.1 s
+    for name in ("started-a-r2", "started-b-r3"):
+        starts = [float(t) for t in (ctl / name).read_text().split()]
+        assert len(starts) == 2 and starts[1] - starts[0] >= 1.0, (name, starts)
     # xffl's data manager timed every copy between the coordinator and a site, and nothing
     # else: the model and the tool to each site every round (a's retry reuses them), each
     # update back (b's round 3 never came back)
