@@ -26,12 +26,12 @@ from xffl.core.errors import ExitCode, InvalidInput, RunFailed, XfflError
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
 from xffl.training.__main__ import load_job, prepare_data, run_rank
+from xffl.training.checkpoint import load_model, read_config
 from xffl.training.config import TrainJob
 from xffl.training.data import site_splits
 from xffl.training.distributed import DistEnv
 from xffl.training.evaluate import eval_count, evaluate_net
 from xffl.training.parallelize import check_tensor_parallel, parallelize
-from xffl.training.trainer import load_model, read_config
 
 RESULT_FORMAT = 1
 

@@ -1,4 +1,6 @@
-"""One site's local training round: load the global model, train with DDP, write the update.
+"""One site's local training round: load the global model, train it on the site's mesh,
+evaluate it, write the update (checkpoint I/O: :mod:`checkpoint`; the optimizer:
+:mod:`optimizer`).
 
 Every rank loads the global checkpoint (safetensors only, never torch.load), trains
 ``steps`` AdamW steps on its disjoint share of the site's sequences (DDP averages the
@@ -8,7 +10,6 @@ exchange format of :mod:`xffl.aggregator.exchange`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -19,168 +20,34 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from xffl.aggregator.exchange import (
-    CONFIG_FILE,
     Manifest,
-    finalize_manifest,
-    staged_dir,
     verify_checkpoint,
 )
-from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, MODEL_FILE, open_model
-from xffl.core.errors import CheckpointError, InvalidInput, RunFailed, XfflError
+from xffl.aggregator.shards import ADAPTER_CONFIG_FILE
+from xffl.core.errors import InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training import lora
-from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
+from xffl.training.checkpoint import load_model, read_config, read_weights, save_checkpoint
+from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
 from xffl.training.encode import encode_update
-from xffl.training.entry import build
 from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
-from xffl.training.model import (
-    ModelConfig,
-    build_config,
-    export_state_dict,
-    load_pretrained,
-    load_weights,
-    needs_conversion,
-)
+from xffl.training.model import ModelConfig
+from xffl.training.optimizer import make_optimizer, rank_seed
 from xffl.training.parallelize import (
     ParallelModel,
     check_tensor_parallel,
     data_parallel_mode,
     parallelize,
 )
-from xffl.training.seeded import write_seeded
 from xffl.training.sharded_load import load_parallel
-from xffl.training.streamed import copy_init, expected_tensors, init_tensors, model_layout
 
 T = TypeVar("T")
-
-
-def read_config(model_dir: Path) -> ModelConfig:
-    """The architecture of a checkpoint directory (its config.json)."""
-    path = Path(model_dir) / CONFIG_FILE
-    try:
-        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{model_dir}: no {CONFIG_FILE}.") from exc
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {exc}.") from exc
-
-
-def read_weights(model_dir: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint: model.safetensors or a sharded HF safetensors index."""
-    model_dir = Path(model_dir)
-    try:
-        with open_model(model_dir) as reader:  # checks the index against every shard
-            files = reader.files
-    except CheckpointError as exc:
-        where = "" if exc.message.startswith(str(model_dir)) else f"{model_dir}: "
-        raise CheckpointError(f"{where}{exc.message}") from exc
-    tensors: dict[str, Tensor] = {}
-    for shard in files:
-        tensors.update(load_file(model_dir / shard))
-    return tensors
-
-
-def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
-    """A CPU fp32 model with the weights of a checkpoint directory.
-
-    transformers' model of the checkpoint's family (``from_pretrained``: built on the meta
-    device, loaded tensor by tensor), or the model of ``entry_point`` (package.module:function)
-    when given.
-    """
-    config = read_config(model_dir)
-    if entry_point is None:
-        with open_model(model_dir):  # the index is checked against every shard first
-            pass
-        try:
-            return load_pretrained(Path(model_dir))
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{model_dir}: {exc}.") from exc
-    model = build(config, entry_point)
-    try:
-        load_weights(model, read_weights(model_dir))
-    except ValueError as exc:
-        raise CheckpointError(f"{model_dir}: {exc}.") from exc
-    return model
-
-
-def save_checkpoint(model: nn.Module | dict[str, Tensor], config: ModelConfig, out_dir: Path,
-                    manifest: Manifest) -> Manifest:
-    """Write model.safetensors, config.json and manifest.json atomically into ``out_dir``.
-
-    ``model`` is a module or an already exported HF-named state dict.
-    """
-    state = model if isinstance(model, dict) else export_state_dict(model)
-    with staged_dir(Path(out_dir)) as tmp:
-        save_file(state, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(config.to_json())
-        return finalize_manifest(tmp, manifest)
-
-
-def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
-                max_shard_bytes: int | None = None) -> Manifest:
-    """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights.
-
-    Both are streamed (memory: a few MiB, whatever the model), except the seeded init of a
-    ``model.entry_point`` model, which its own code builds in memory (the one case that runs
-    the user's code here: callers ask the user first, :mod:`xffl.jobs.trust`). A
-    ``model.entry_point`` model with ``model.init`` is the init's tensors, not built.
-    """
-    config = build_config(model)
-    extra = {"preset": model.preset, "init": model.init, "seed": seed,
-             "entry_point": model.entry_point}
-    if model.init is not None:  # copied tensor by tensor: a multi-GB init never sits in RAM
-        try:
-            if model.entry_point is None:
-                shapes = expected_tensors(config, None)
-            else:  # the user's model is not built here: the init's own tensors
-                with open_model(Path(model.init)) as reader:
-                    shapes = init_tensors(reader)
-            manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
-                **extra, "num_parameters": sum(math.prod(s) for s in shapes.values())})
-            if model.entry_point is None and needs_conversion(Path(model.init), config):
-                # a checkpoint in a layout transformers converts on load (per-expert MoE
-                # weights into fused stacks): transformers loads it whole, xffl writes it
-                return save_checkpoint(load_pretrained(Path(model.init)), config,
-                                       Path(out_dir), manifest)
-            return copy_init(Path(model.init), config, model.entry_point, Path(out_dir),
-                             manifest, max_shard_bytes)
-        except (ValueError, CheckpointError) as exc:
-            text = exc.message if isinstance(exc, CheckpointError) else str(exc)
-            raise InvalidInput(f"model.init {model.init}: {text.rstrip('.')}.") from exc
-    if model.entry_point is not None:  # the user's code decides its own initialisation
-        net = build(config, model.entry_point, seed=seed)
-        manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
-            **extra, "num_parameters": sum(p.numel() for p in net.parameters())})
-        return save_checkpoint(net, config, Path(out_dir), manifest)
-    # streamed block by block: a 7B model never sits in memory (xffl.training.seeded)
-    layout = model_layout(config, None)
-    manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
-        **extra, "num_parameters": sum(t.numel for t in layout)})
-    return write_seeded(layout, seed, Path(out_dir), manifest, config.to_json().encode(),
-                        max_shard_bytes)
-
-
-def make_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
-    """AdamW (betas 0.9/0.95); weight decay on matrices only, not on norm weights."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": spec.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=spec.adam_eps)
-
-
-def rank_seed(seed: int, round: int, dp_rank: int) -> int:
-    """The torch seed of one dp rank in one round (a stable hash, not Python's hash())."""
-    digest = hashlib.sha256(f"xffl:{seed}:{round}:{dp_rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
 def _on_main(fn: Callable[[], T], encode: Callable[[T], str],
@@ -229,6 +96,60 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
     except (KeyError, ValueError):
         return None
     return max(0.0, now - launched_at) if math.isfinite(launched_at) else None
+
+
+def _across_ranks(losses: Tensor, seconds: float, device: torch.device) -> tuple[Tensor, float]:
+    """Every rank's step losses averaged and the slowest rank's training seconds."""
+    elapsed = torch.tensor([seconds], dtype=torch.float64)
+    if xdist.is_distributed():
+        losses, elapsed = losses.to(device), elapsed.to(device)
+        dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        losses, elapsed = losses.cpu() / xdist.world_size(), elapsed.cpu()
+    return losses, float(elapsed[0])
+
+
+def _site_data(job: TrainJob, data_dir: Path, config: ModelConfig,
+               world: int) -> tuple[TokenShards, TokenShards | None]:
+    """The site's training and held-out token shards, checked against the model and mesh."""
+    spec = job.training
+    if spec.seq_len > config.max_position_embeddings:
+        raise InvalidInput(
+            f"training.seq_len {spec.seq_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})."
+        )
+    check_tensor_parallel(config, spec.tensor_parallel, world)
+    shards, held_out = site_splits(data_dir, job.data, spec.seq_len)
+    for part in (shards, held_out):
+        if part is not None and part.vocab_size > config.vocab_size:
+            raise InvalidInput(
+                f"{part.path}: vocabulary of {part.vocab_size} tokens does not fit the model's "
+                f"vocab_size {config.vocab_size}."
+            )
+    return shards, held_out
+
+
+def _write_update(job: TrainJob, pm: ParallelModel, model_dir: Path, out_dir: Path,
+                  config: ModelConfig, manifest: Manifest) -> Manifest:
+    """Gather the trained state (collective) and write the update on rank 0; every rank
+    gets its manifest. A LoRA job gathers and writes only the adapter."""
+    if job.training.lora is not None:
+        # collective; only the adapter's tensors are gathered and copied
+        state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
+        adapter_config = (model_dir / ADAPTER_CONFIG_FILE).read_text()
+
+        def save() -> Manifest:
+            return lora.save_adapter(encode_update(state, model_dir, job.exchange),
+                                     adapter_config, out_dir, manifest)
+    else:
+        state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets them
+
+        def save() -> Manifest:
+            return save_checkpoint(encode_update(state, model_dir, job.exchange), config,
+                                   out_dir, manifest)
+    written = _on_main(save, lambda m: m.model_dump_json(), Manifest.model_validate_json)
+    xdist.barrier()
+    return written
 
 
 def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelConfig,
@@ -280,19 +201,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
 
     parent = _on_main(lambda: verify_checkpoint(model_dir).digest(), str, str)
     config = read_config(weights_dir)
-    if spec.seq_len > config.max_position_embeddings:
-        raise InvalidInput(
-            f"training.seq_len {spec.seq_len} exceeds the model's max_position_embeddings "
-            f"({config.max_position_embeddings})."
-        )
-    check_tensor_parallel(config, spec.tensor_parallel, world)
-    shards, held_out = site_splits(data_dir, job.data, spec.seq_len)
-    for part in (shards, held_out):
-        if part is not None and part.vocab_size > config.vocab_size:
-            raise InvalidInput(
-                f"{part.path}: vocabulary of {part.vocab_size} tokens does not fit the model's "
-                f"vocab_size {config.vocab_size}."
-            )
+    shards, held_out = _site_data(job, data_dir, config, world)
     pm = site_model(job, weights_dir, model_dir, config, device)
     torch.manual_seed(rank_seed(spec.seed, round, pm.dp_rank))
     optimizer = make_optimizer(pm.module, spec)
@@ -324,14 +233,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
-    losses = result.losses
-    elapsed = torch.tensor([result.seconds], dtype=torch.float64)
-    if xdist.is_distributed():
-        losses, elapsed = losses.to(device), elapsed.to(device)
-        dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        losses, elapsed = losses.cpu() / world, elapsed.cpu()
-    seconds = float(elapsed[0])
+    losses, seconds = _across_ranks(result.losses, result.seconds, device)
     done = len(losses)
     if done == 0:
         raise RunFailed(f"site {job.site}: no training step fitted before the deadline "
@@ -372,24 +274,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                "seq_len": spec.seq_len, "exchange": job.exchange.label(),
                "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
-    if spec.lora is not None:
-        # collective; only the adapter's tensors are gathered and copied
-        state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
-        adapter_config = (model_dir / ADAPTER_CONFIG_FILE).read_text()
-
-        def save() -> Manifest:
-            return lora.save_adapter(encode_update(state, model_dir, job.exchange),
-                                     adapter_config, out_dir, manifest)
-    else:
-        state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets them
-
-        def save() -> Manifest:
-            return save_checkpoint(encode_update(state, model_dir, job.exchange), config,
-                                   out_dir, manifest)
-    result_manifest = _on_main(save, lambda m: m.model_dump_json(),
-                               Manifest.model_validate_json)
-    xdist.barrier()
-    return result_manifest
+    return _write_update(job, pm, model_dir, out_dir, config, manifest)
 
 
 def evaluate(model_dir: Path, data_dir: Path, seq_len: int, max_batches: int,

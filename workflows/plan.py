@@ -265,7 +265,7 @@ def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str,
         shard_bytes = parse_size(spec.aggregation.max_shard_size)
         key = init_cache.init_key(spec.model, spec.training.seed, shard_bytes)
         if key is None or not init_cache.reuse(key, base, run_id):
-            from xffl.training.trainer import init_global  # torch is heavy: only when needed
+            from xffl.training.checkpoint import init_global  # torch is heavy: only when needed
 
             init_global(run_id, spec.model, spec.training.seed, base, shard_bytes)
             if key is not None:

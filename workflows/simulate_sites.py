@@ -195,7 +195,7 @@ def make_initial(run_id: str, model: ModelSpec, seed: int, out: str,
     """Worker task: write the round-0 global (seeded init or model.init) at ``out``."""
     t0 = time.perf_counter()
     try:
-        from xffl.training.trainer import init_global
+        from xffl.training.checkpoint import init_global
 
         manifest = init_global(run_id, model, seed, Path(out), max_shard_bytes)
         return Outcome(True, time.perf_counter() - t0, digest=manifest.digest())

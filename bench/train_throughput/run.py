@@ -41,8 +41,8 @@ from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import ModelConfig, build_model, num_parameters
+from xffl.training.optimizer import make_optimizer
 from xffl.training.parallelize import parallelize
-from xffl.training.trainer import make_optimizer
 
 SIZES: dict[str, dict[str, int]] = {
     # ~3 M parameters: big enough that compute, not Python, dominates on a CPU core

@@ -283,8 +283,8 @@ def test_verify_admits_sharded_updates_and_rejects_damaged_ones(tmp_path: Path) 
 def test_transformers_loads_a_sharded_global_with_the_same_logits(tmp_path: Path) -> None:
     import transformers
 
+    from xffl.training.checkpoint import init_global, load_model, read_weights
     from xffl.training.config import ModelSpec
-    from xffl.training.trainer import init_global, load_model, read_weights
 
     init_global("hf", ModelSpec(preset="tiny-test"), 1, tmp_path / "g0")
     config = json.loads((tmp_path / "g0" / CONFIG_FILE).read_text())

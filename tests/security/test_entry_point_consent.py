@@ -26,8 +26,8 @@ from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry import Registry
 from xffl.jobs.trust import TRUST_FILE
+from xffl.training.checkpoint import init_global, load_model
 from xffl.training.config import ModelSpec
-from xffl.training.trainer import init_global, load_model
 from xffl.workflows import supervisor
 
 runner = CliRunner()

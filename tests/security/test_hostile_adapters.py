@@ -19,8 +19,8 @@ from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
 from xffl.training import lora
+from xffl.training.checkpoint import init_global
 from xffl.training.config import LoraSpec, ModelSpec
-from xffl.training.trainer import init_global
 from xffl.workflows.admit_step import admit
 
 SPEC = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"])

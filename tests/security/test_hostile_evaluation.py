@@ -25,8 +25,8 @@ from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.lookup import find_profile
+from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
-from xffl.training.trainer import init_global
 from xffl.workflows.evaluate_plan import EvaluationPlan, result_name, write_evaluation
 from xffl.workflows.evaluate_run import Outcome, site_row
 

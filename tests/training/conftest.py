@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from xffl.aggregator.exchange import Manifest
+from xffl.training.checkpoint import init_global
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
-from xffl.training.trainer import init_global
 
 
 def _make_job(data_dir: Path, *, language: str = "alpha", sequences: int = 64, steps: int = 4,

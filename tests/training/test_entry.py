@@ -13,11 +13,12 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.aggregator.fedavg import aggregate
 from xffl.core.errors import InvalidInput
 from xffl.training.arch import build_config
+from xffl.training.checkpoint import init_global
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.entry import build
 from xffl.training.parallelize import parallelize
-from xffl.training.trainer import evaluate, init_global, train_round
+from xffl.training.trainer import evaluate, train_round
 
 ENTRY = "tests.training.custom_model:build"
 SPEC = ModelSpec(preset="tiny-test", entry_point=ENTRY)

@@ -16,8 +16,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from xffl.training.arch import PRESETS
+from xffl.training.checkpoint import init_global, load_model
 from xffl.training.config import ModelSpec
-from xffl.training.trainer import init_global, load_model
 
 FAMILIES = ["tiny", "tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
             "tiny-mixtral"]

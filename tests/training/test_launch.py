@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
+from xffl.training.checkpoint import load_model
 from xffl.training.config import TrainJob
 from xffl.training.data import TokenShards
 from xffl.training.launch import build_command, launch
 from xffl.training.model import export_state_dict, lm_loss
-from xffl.training.trainer import load_model, make_optimizer
+from xffl.training.optimizer import make_optimizer
 
 JobFactory = Callable[..., TrainJob]
 

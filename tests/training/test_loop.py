@@ -20,8 +20,9 @@ from xffl.training.config import ModelSpec, TrainingSpec, TrainJob, round_steps
 from xffl.training.data import ensure_synthetic
 from xffl.training.loop import lr_factor, make_scheduler, prox_snapshot, run_steps
 from xffl.training.model import build_model, lm_loss
+from xffl.training.optimizer import make_optimizer
 from xffl.training.parallelize import ParallelModel
-from xffl.training.trainer import make_optimizer, train_round
+from xffl.training.trainer import train_round
 
 CPU = torch.device("cpu")
 

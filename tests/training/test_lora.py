@@ -25,10 +25,11 @@ from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.aggregator.strategies import run_strategy
 from xffl.core.errors import InvalidInput
 from xffl.training import lora
+from xffl.training.checkpoint import init_global, load_model, read_weights
 from xffl.training.config import LoraSpec, ModelSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.model import build_config
-from xffl.training.trainer import init_global, load_model, read_weights, train_round
+from xffl.training.trainer import train_round
 
 JobFactory = Callable[..., TrainJob]
 SPEC = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])

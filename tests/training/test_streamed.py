@@ -16,10 +16,10 @@ from xffl.aggregator.fedavg import aggregate
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.core.errors import InvalidInput
 from xffl.training.arch import build_config
+from xffl.training.checkpoint import init_global, read_weights
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.model import PRESETS, build_model, export_state_dict
 from xffl.training.streamed import copy_init, delta_value, tensor_update_round
-from xffl.training.trainer import init_global, read_weights
 
 
 def _job(update_fn: str, site: str = "alpha") -> TrainJob:

@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from xffl.aggregator.exchange import Manifest, read_manifest, verify_checkpoint
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.training.__main__ import main as trainer_main
+from xffl.training.checkpoint import init_global, read_config
 from xffl.training.config import ModelSpec, TrainJob
 from xffl.training.data import ensure_synthetic
-from xffl.training.trainer import evaluate, init_global, read_config, train_round
+from xffl.training.trainer import evaluate, train_round
 
 JobFactory = Callable[..., TrainJob]
 

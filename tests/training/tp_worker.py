@@ -25,14 +25,15 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from xffl.training.arch import ModelConfig, build_config
+from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model, lm_loss
+from xffl.training.optimizer import make_optimizer
 from xffl.training.parallelize import ParallelModel, parallelize
 from xffl.training.sharded_load import load_parallel
-from xffl.training.trainer import init_global, make_optimizer
 
 GLOBAL, SEQ, STEPS = 4, 16, 3
 HELD_OUT, EVAL_BATCH = 5, 2  # with dp 2, the last global batch leaves dp rank 1 nothing

@@ -29,8 +29,8 @@ from xffl.jobs.records import RoundRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
+from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
-from xffl.training.trainer import init_global
 from xffl.workflows.evaluate_plan import check_evaluable
 from xffl.workflows.evaluate_result import EvaluationRejected, parse_evaluation
 

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.training.trainer import load_model
+from xffl.training.checkpoint import load_model
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("llama", {"rope_parameters": {
