@@ -166,8 +166,8 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
     threads = rank_threads(child_env, ranks_per_node(ranks, child_env, launcher), usable_cpus())
     if threads is not None:
         child_env[OMP_ENV] = str(threads)
-    if module == TRAINER_MODULE:  # rank 0's step lines, also in the step's folder as it goes
-        child_env[STEP_LOG_ENV] = str(Path.cwd() / STEP_LOG_FILE)
+    if module == TRAINER_MODULE:  # rank 0's step lines, also beside the update as it goes
+        child_env[STEP_LOG_ENV] = str(Path(out_dir).absolute().parent / STEP_LOG_FILE)
     before = _manifest_fingerprint(out_dir)
     existed = Path(out_dir).exists()
     try:

@@ -1,10 +1,11 @@
 """The trainer's step lines: what a site's round is doing while it trains (rank 0 only).
 
 ``step 12/30 loss 3.4512 tokens/s 5120 eta 0:00:07`` on stdout (a SLURM job's output file,
-StreamFlow's log) and appended to the file the launcher names (``XFFL_STEP_LOG``: the
-step's own ``steps.log``, which ``xffl logs --site S -f`` follows for a site on the
-coordinator's machine). Only a round started by :mod:`xffl.training.launch` reports (the
-trainer called in-process, by ``xffl simulate``'s workers or a benchmark, prints nothing).
+StreamFlow's log) and appended to the file the launcher names (``XFFL_STEP_LOG``:
+``steps.log`` beside the update folder, in the step's own folder, which ``xffl logs --site
+S -f`` follows for a site on the coordinator's machine). Only a round started by
+:mod:`xffl.training.launch` reports (the trainer called in-process, by ``xffl simulate``'s
+workers or a benchmark, prints nothing).
 A line for the first step, then one every ``XFFL_STEP_LOG_SECONDS`` seconds (default 10),
 and one for the last step. No torch here: the CLI imports the names.
 """

@@ -129,6 +129,9 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     assert data["source"] == "slurm" and data["round"] == 1
     records = [json.loads(ln) for ln in data["lines"] if ln.startswith("{")]
     assert any(r.get("site") == "beta" and "num_samples" in r for r in records), data
+    # rank 0's step lines (the first and the last step at least) in the job's output
+    steps = [ln.split() for ln in data["lines"] if ln.startswith("step ")]
+    assert len(steps) >= 2 and steps[0][1].startswith("1/") and steps[-1][2] == "loss", data
     result = runner.invoke(app, ["logs", run_id])
     assert result.exit_code == 0 and "streamflow.log" in result.stdout
     result = runner.invoke(app, ["logs", run_id, "--site", "alpha", "--round", "4"])
