@@ -26,18 +26,13 @@ import numpy as np
 
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.dtypes import encode
-from xffl.aggregator.exchange import (
-    Manifest,
-    TensorInfo,
-    finalize_manifest,
-    staged_dir,
-)
+from xffl.aggregator.exchange import Manifest, TensorInfo
 from xffl.aggregator.inputs import (
     Update,
     close_updates,
     open_updates,
     prepare,
-    weighted_metrics,
+    write_global,
 )
 from xffl.aggregator.registry import Weighting
 from xffl.aggregator.safetensors_io import (
@@ -46,7 +41,7 @@ from xffl.aggregator.safetensors_io import (
     bf16_bits_to_f32,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import MODEL_FILE, output_names
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import parse_size
 
@@ -222,26 +217,12 @@ def aggregate(
     try:
         prep = prepare(ups, weights, weighting, run_id, round, parent_digest, config)
         st_meta = {"format": "pt", **(metadata or {})}
-        with staged_dir(Path(out_dir)) as tmp:
-            model_file, config_file = output_names(prep.adapter)
-            sums = _write_average(ups, prep.layout, tmp, st_meta, max_bytes, model_file)
-            if prep.config is not None:
-                (tmp / config_file).write_bytes(prep.config)
-            manifest = Manifest(
-                kind="global",
-                run_id=prep.run_id,
-                round=prep.round,
-                parent=prep.parent,
-                num_samples=sum(u.manifest.num_samples for u in ups),
-                num_tokens=sum(u.manifest.num_tokens for u in ups),
-                metrics=weighted_metrics(ups),
-                extra={
-                    "aggregation": "fedavg",
-                    "weighting": prep.label,
-                    "sites": prep.sites,
-                    **(extra or {}),
-                },
-            )
-            return finalize_manifest(tmp, manifest, checksums=sums)
+
+        def write(tmp: Path, model_file: str) -> dict[str, str]:
+            return _write_average(ups, prep.layout, tmp, st_meta, max_bytes, model_file)
+
+        extra = {"aggregation": "fedavg", "weighting": prep.label, "sites": prep.sites,
+                 **(extra or {})}
+        return write_global(Path(out_dir), ups, prep, extra, write)
     finally:
         close_updates(ups)

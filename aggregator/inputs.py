@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,20 @@ from xffl.aggregator.exchange import (
     SITE_ONLY_METRICS,
     Manifest,
     TensorInfo,
+    finalize_manifest,
     index_of,
     read_manifest,
     read_small_file,
+    staged_dir,
 )
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
-from xffl.aggregator.shards import TensorReader, config_name, is_adapter, open_model
+from xffl.aggregator.shards import (
+    TensorReader,
+    config_name,
+    is_adapter,
+    open_model,
+    output_names,
+)
 from xffl.aggregator.verify import canonical_key, layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 
@@ -263,6 +271,39 @@ def prepare(
         for u in ups
     }
     return Prepared(label, run, rnd, parent, layout, config, is_adapter(ups[0].path), sites)
+
+
+# writes a global's tensors into a staging folder under the given single-file name and
+# returns {file: sha256} of what it wrote
+TensorWriter = Callable[[Path, str], dict[str, str]]
+
+
+def write_global(
+    out_dir: Path, ups: list[Update], prep: Prepared, extra: Mapping[str, Any],
+    write_tensors: TensorWriter,
+) -> Manifest:
+    """Write a global checkpoint at ``out_dir`` atomically, as every strategy does.
+
+    Its tensors come from ``write_tensors`` (named as a model or an adapter, like the
+    updates), its config is the coordinator's (``prep.config``), and its manifest sums the
+    updates' counts, holds the weighted mean of their metrics and ``extra``.
+    """
+    with staged_dir(Path(out_dir)) as tmp:
+        model_file, config_file = output_names(prep.adapter)
+        sums = write_tensors(tmp, model_file)
+        if prep.config is not None:
+            (tmp / config_file).write_bytes(prep.config)
+        manifest = Manifest(
+            kind="global",
+            run_id=prep.run_id,
+            round=prep.round,
+            parent=prep.parent,
+            num_samples=sum(u.manifest.num_samples for u in ups),
+            num_tokens=sum(u.manifest.num_tokens for u in ups),
+            metrics=weighted_metrics(ups),
+            extra=dict(extra),
+        )
+        return finalize_manifest(tmp, manifest, checksums=sums)
 
 
 def close_updates(ups: Sequence[Update]) -> None:

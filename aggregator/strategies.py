@@ -27,14 +27,7 @@ import numpy as np
 
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.dtypes import decode, encode
-from xffl.aggregator.exchange import (
-    Manifest,
-    TensorInfo,
-    finalize_manifest,
-    index_of,
-    read_manifest,
-    staged_dir,
-)
+from xffl.aggregator.exchange import Manifest, TensorInfo, index_of, read_manifest
 from xffl.aggregator.fedavg import SLICE_ELEMENTS, aggregate
 from xffl.aggregator.inputs import (
     Update,
@@ -42,7 +35,7 @@ from xffl.aggregator.inputs import (
     open_updates,
     own_config,
     prepare,
-    weighted_metrics,
+    write_global,
 )
 from xffl.aggregator.registry import Strategy, Weighting, get, resolve_params
 from xffl.aggregator.robust import cap_shares, clip_factors, delta_norm
@@ -53,7 +46,7 @@ from xffl.aggregator.safetensors_io import (
     SafetensorsWriter,
 )
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model, output_names
+from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -176,6 +169,35 @@ def _write(
     return sums
 
 
+def _cap_shares(active: list[Update], sites: dict[str, dict[str, Any]],
+                max_weight_share: float | None) -> dict[str, Any]:
+    """Cap each update's share of the weight (``max_weight_share``), updating the sites'
+    summary; return the bounds the manifest records."""
+    if max_weight_share is None:
+        return {}
+    for u, w in zip(active, cap_shares([u.weight for u in active], max_weight_share),
+                    strict=True):
+        u.weight = w
+    total = math.fsum(u.weight for u in active)
+    for u in active:
+        sites[u.site]["weight"] = u.weight / total
+    return {"max_weight_share": max_weight_share}
+
+
+def _clips(active: list[Update], previous: ModelReader | None, layout: list[TensorInfo],
+           clip_norm: float | None, bounds: dict[str, Any]) -> list[float] | None:
+    """Each update's clip factor under ``clip_norm`` (None: no clipping), recorded in
+    ``bounds``."""
+    if clip_norm is None:
+        return None
+    if previous is None:
+        raise InvalidInput("clip_norm needs the global the round started from.")
+    clips = clip_factors([delta_norm(u.reader, previous, layout) for u in active], clip_norm)
+    bounds["clip_norm"] = clip_norm
+    bounds["clip_factors"] = {u.site: f for u, f in zip(active, clips, strict=True)}
+    return clips
+
+
 def run_strategy(
     name: str,
     updates: Sequence[Path],
@@ -242,66 +264,30 @@ def run_strategy(
     ups = open_updates(updates, decoding)
     try:
         prep = prepare(ups, weights, weighting, run_id, round, parent_digest, config)
-        layout, sites = prep.layout, prep.sites
         active = [u for u in ups if u.weight > 0]
         strategy.check_count(p, len(active))
-        bounds: dict[str, Any] = {}
-        if max_weight_share is not None:
-            for u, w in zip(active, cap_shares([u.weight for u in active], max_weight_share),
-                            strict=True):
-                u.weight = w
-            total = math.fsum(u.weight for u in active)
-            for u in active:
-                sites[u.site]["weight"] = u.weight / total
-            bounds["max_weight_share"] = max_weight_share
+        bounds = _cap_shares(active, prep.sites, max_weight_share)
         with ExitStack() as stack:
             prev = None if previous_global_dir is None else Path(previous_global_dir)
-            prev_model, prev_state, loaded = _open_previous(strategy, prev, layout, stack)
-            clips = None
-            if clip_norm is not None:
-                if prev_model is None:
-                    raise InvalidInput("clip_norm needs the global the round started from.")
-                clips = clip_factors([delta_norm(u.reader, prev_model, layout)
-                                      for u in active], clip_norm)
-                bounds["clip_norm"] = clip_norm
-                bounds["clip_factors"] = {u.site: f for u, f in zip(active, clips, strict=True)}
-            model_file, config_file = output_names(prep.adapter)
-            with staged_dir(Path(out_dir)) as tmp:
-                sums = _write(
-                    strategy,
-                    p,
-                    active,
-                    layout,
-                    tmp,
-                    (prev_model, prev_state),
-                    {"format": "pt", **(metadata or {})},
-                    progress,
-                    max_bytes,
-                    clips,
-                    model_file,
-                )
-                if prep.config is not None:
-                    (tmp / config_file).write_bytes(prep.config)
-                manifest = Manifest(
-                    kind="global",
-                    run_id=prep.run_id,
-                    round=prep.round,
-                    parent=prep.parent,
-                    num_samples=sum(u.manifest.num_samples for u in ups),
-                    num_tokens=sum(u.manifest.num_tokens for u in ups),
-                    metrics=weighted_metrics(ups),
-                    extra={
-                        "aggregation": name,
-                        "params": p,
-                        "weighting": "unweighted" if strategy.robust else prep.label,
-                        "sites": sites,
-                        **({"bounds": bounds} if bounds else {}),
-                        "server_state": {
-                            "files": [state_file(b) for b in strategy.state],
-                            "loaded_from": str(prev) if loaded else None,
-                        },
-                    },
-                )
-                return finalize_manifest(tmp, manifest, checksums=sums)
+            prev_model, prev_state, loaded = _open_previous(strategy, prev, prep.layout, stack)
+            clips = _clips(active, prev_model, prep.layout, clip_norm, bounds)
+
+            def write(tmp: Path, model_file: str) -> dict[str, str]:
+                return _write(strategy, p, active, prep.layout, tmp, (prev_model, prev_state),
+                              {"format": "pt", **(metadata or {})}, progress, max_bytes, clips,
+                              model_file)
+
+            extra = {
+                "aggregation": name,
+                "params": p,
+                "weighting": "unweighted" if strategy.robust else prep.label,
+                "sites": prep.sites,
+                **({"bounds": bounds} if bounds else {}),
+                "server_state": {
+                    "files": [state_file(b) for b in strategy.state],
+                    "loaded_from": str(prev) if loaded else None,
+                },
+            }
+            return write_global(Path(out_dir), ups, prep, extra, write)
     finally:
         close_updates(ups)

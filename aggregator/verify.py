@@ -199,80 +199,109 @@ def check_update(
     """
     directory = Path(update_dir)
     manifest: Manifest | None = None
-
-    def reject(reason: str) -> UpdateRejected:
-        return UpdateRejected(directory, site_label(directory, manifest), reason)
-
     try:
         manifest = read_manifest(directory)
-    except CheckpointError as exc:
-        raise reject(str(exc).rstrip(".")) from exc
-    if manifest.format_version != FORMAT_VERSION:
-        raise reject(f"format version {manifest.format_version}, expected {FORMAT_VERSION}")
-    if manifest.kind != "update":
-        raise reject(f"kind is '{manifest.kind}', expected 'update'")
-    if not manifest.site:
-        raise reject("the manifest names no site")
-    if isinstance(bounds, Mapping):
-        if manifest.site not in bounds:
-            raise reject(f"site {manifest.site!r} is not a site of the job "
-                         f"({', '.join(sorted(bounds))})")
-        bounds = bounds[manifest.site]
-    if expected_run_id is not None and manifest.run_id != expected_run_id:
-        raise reject(f"run id '{manifest.run_id}', expected '{expected_run_id}'")
-    if expected_round is not None and manifest.round != expected_round:
-        raise reject(f"round {manifest.round}, expected round {expected_round}")
-    if expected_parent is not None and manifest.parent != expected_parent:
-        raise reject(
-            f"trained from global {_short(manifest.parent)}, expected {_short(expected_parent)}"
-        )
-    files = manifest.files
-    try:
-        check_listed(files, adapter)
-        if bounds is not None:
-            check_contents(directory, manifest, bounds.side_files)
-        check_reported(manifest, bounds or Bounds())
-        if expected_config is not None:
-            check_config(directory, expected_config,
-                         ADAPTER_CONFIG_FILE if adapter else CONFIG_FILE)
-    except CheckpointError as exc:
-        raise reject(str(exc).rstrip(".")) from exc
-    except OSError as exc:
-        raise reject(f"unreadable ({exc.strerror or exc})") from exc
-    try:
-        for name in files:
-            if not (directory / name).is_file():
-                raise reject(f"{name} is missing")
-        if INDEX_FILE in files and sha256_file(directory / INDEX_FILE) != files[INDEX_FILE]:
-            raise reject(f"checksum mismatch for {INDEX_FILE}")
-        cap = MAX_HEADER if reference_index is None else header_cap(
-            (t.name, t.shape) for t in reference_index)
-        with open_model(directory, cap) as reader:
-            unlisted = [f for f in reader.files if f not in files]
-            if unlisted:
-                raise reject(f"the manifest does not list {unlisted[0]}, named in {INDEX_FILE}")
-            if index_of(reader) != manifest.tensors:
-                raise reject("the tensor index of the model differs from the manifest")
-            if reference_index is not None:
-                diff = layout_difference(manifest.tensors, reference_index)
-                if diff:
-                    raise reject(diff)
-            for name, expected in sorted(files.items()):
-                if name not in reader.shards and sha256_file(directory / name) != expected:
-                    raise reject(f"checksum mismatch for {name}")
-            digests, bad = scan_shards(reader, check_finite=check_finite)
+        site_bounds = _check_fields(manifest, bounds, expected_run_id, expected_round,
+                                    expected_parent)
+        _check_declared(directory, manifest, site_bounds, expected_config, adapter)
+        _check_files(directory, manifest, reference_index, check_finite)
     except UpdateRejected:
         raise
     except CheckpointError as exc:
-        raise reject(str(exc).rstrip(".")) from exc
+        raise UpdateRejected(directory, site_label(directory, manifest),
+                             str(exc).rstrip(".")) from exc
     except OSError as exc:
-        raise reject(f"unreadable ({exc.strerror or exc})") from exc
+        raise UpdateRejected(directory, site_label(directory, manifest),
+                             f"unreadable ({exc.strerror or exc})") from exc
+    return manifest
+
+
+def _check_fields(
+    manifest: Manifest,
+    bounds: Bounds | Mapping[str, Bounds] | None,
+    run_id: str | None,
+    round: int | None,
+    parent: str | None,
+) -> Bounds | None:
+    """The manifest's own fields: format, kind, site (one of ``bounds``' when it names the
+    sites), run, round and parent; returns the site's bounds. Raises CheckpointError."""
+    if manifest.format_version != FORMAT_VERSION:
+        raise CheckpointError(f"format version {manifest.format_version}, expected "
+                              f"{FORMAT_VERSION}")
+    if manifest.kind != "update":
+        raise CheckpointError(f"kind is '{manifest.kind}', expected 'update'")
+    if not manifest.site:
+        raise CheckpointError("the manifest names no site")
+    if isinstance(bounds, Mapping):
+        if manifest.site not in bounds:
+            raise CheckpointError(f"site {manifest.site!r} is not a site of the job "
+                                  f"({', '.join(sorted(bounds))})")
+        bounds = bounds[manifest.site]
+    if run_id is not None and manifest.run_id != run_id:
+        raise CheckpointError(f"run id '{manifest.run_id}', expected '{run_id}'")
+    if round is not None and manifest.round != round:
+        raise CheckpointError(f"round {manifest.round}, expected round {round}")
+    if parent is not None and manifest.parent != parent:
+        raise CheckpointError(
+            f"trained from global {_short(manifest.parent)}, expected {_short(parent)}")
+    return bounds
+
+
+def _check_declared(
+    directory: Path,
+    manifest: Manifest,
+    bounds: Bounds | None,
+    expected_config: Mapping[str, Any] | None,
+    adapter: bool,
+) -> None:
+    """What the site declares beside its tensors: the files listed (and, with ``bounds``,
+    nothing else in the folder), its counts and metrics, its config. Raises CheckpointError."""
+    check_listed(manifest.files, adapter)
+    if bounds is not None:
+        check_contents(directory, manifest, bounds.side_files)
+    check_reported(manifest, bounds or Bounds())
+    if expected_config is not None:
+        check_config(directory, expected_config, ADAPTER_CONFIG_FILE if adapter else CONFIG_FILE)
+
+
+def _check_files(
+    directory: Path,
+    manifest: Manifest,
+    reference_index: Sequence[TensorInfo] | None,
+    check_finite: bool,
+) -> None:
+    """The files themselves: present, the shard index's checksum, the tensor index against
+    the manifest and ``reference_index``, every file's sha256, finite values. Raises
+    CheckpointError."""
+    files = manifest.files
+    for name in files:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{name} is missing")
+    if INDEX_FILE in files and sha256_file(directory / INDEX_FILE) != files[INDEX_FILE]:
+        raise CheckpointError(f"checksum mismatch for {INDEX_FILE}")
+    cap = MAX_HEADER if reference_index is None else header_cap(
+        (t.name, t.shape) for t in reference_index)
+    with open_model(directory, cap) as reader:
+        unlisted = [f for f in reader.files if f not in files]
+        if unlisted:
+            raise CheckpointError(f"the manifest does not list {unlisted[0]}, named in "
+                                  f"{INDEX_FILE}")
+        if index_of(reader) != manifest.tensors:
+            raise CheckpointError("the tensor index of the model differs from the manifest")
+        if reference_index is not None:
+            diff = layout_difference(manifest.tensors, reference_index)
+            if diff:
+                raise CheckpointError(diff)
+        for name, expected in sorted(files.items()):
+            if name not in reader.shards and sha256_file(directory / name) != expected:
+                raise CheckpointError(f"checksum mismatch for {name}")
+        digests, bad = scan_shards(reader, check_finite=check_finite)
     for name, digest in digests.items():
         if digest != files[name]:
-            raise reject(f"checksum mismatch for {name} (corrupted or altered in transfer)")
+            raise CheckpointError(f"checksum mismatch for {name} (corrupted or altered in "
+                                  "transfer)")
     if bad is not None:
-        raise reject(f"tensor '{bad}' holds non-finite values (NaN or Inf)")
-    return manifest
+        raise CheckpointError(f"tensor '{bad}' holds non-finite values (NaN or Inf)")
 
 
 def select_updates(
