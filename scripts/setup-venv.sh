@@ -37,7 +37,7 @@ done
 # modules) took 25 s on both cores. Without it, an environment that sets
 # PYTHONDONTWRITEBYTECODE would compile torch again in every process.
 warm() { env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "$1"; }
-warm 'import torch, torch._dynamo, torch.distributed.run, torch.distributed.fsdp, torch.distributed.tensor.parallel, xffl.training.__main__' &
+warm 'import torch, torch._dynamo, torch.distributed.run, torch.distributed.fsdp, torch.distributed.tensor.parallel, xffl.training.__main__, transformers.models.llama.modeling_llama, transformers.models.auto.modeling_auto' &
 torch_side=$!
 warm 'import streamflow.main, cwltool.main, xffl.cli.app, xffl.workflows.supervisor'
 wait "$torch_side"
