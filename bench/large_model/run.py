@@ -42,26 +42,27 @@ from xffl.aggregator.exchange import CONFIG_FILE, Manifest, finalize_manifest, s
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import open_model
 from xffl.jobs.registry import Registry
-from xffl.training.arch import LlamaConfig
+from xffl.training.arch import ModelConfig
 from xffl.training.streamed import delta_value, expected_tensors
 
 SITES = ("alpha", "beta")
 CHUNK = 1 << 24  # elements generated, compared or written at once
 
 
-def model_config(gib: float) -> LlamaConfig:
+def model_config(gib: float) -> ModelConfig:
     """A LLaMA config of about ``gib`` GiB in fp32 (layers chosen to fit)."""
     hidden, inter, vocab = (2048, 5504, 32000) if gib >= 1 else (256, 688, 8000)
     per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, round((gib * 2**30 / 4 - fixed) / per_layer))
     heads = hidden // 128
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                       num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=heads, max_position_embeddings=2048)
+    return ModelConfig({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+                        "intermediate_size": inter, "num_hidden_layers": layers,
+                        "num_attention_heads": heads, "num_key_value_heads": heads,
+                        "max_position_embeddings": 2048, "tie_word_embeddings": False})
 
 
-def write_w0(out: Path, config: LlamaConfig, seed: int) -> int:
+def write_w0(out: Path, config: ModelConfig, seed: int) -> int:
     """Stream a random fp32 model into ``out`` (a checkpoint directory); return its bytes."""
     shapes = expected_tensors(config, None)
     entries = [(n, "F32", shapes[n]) for n in sorted(shapes)]
@@ -74,7 +75,7 @@ def write_w0(out: Path, config: LlamaConfig, seed: int) -> int:
                     rng = np.random.default_rng([seed, i, k])
                     n = min(CHUNK, numel - lo)
                     writer.write_chunk(name, rng.standard_normal(n, dtype=np.float32) * 0.02)
-        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(config.to_json())
         finalize_manifest(tmp, manifest, checksums=writer.checksums)
     return sum(math.prod(s) * 4 for s in shapes.values())
 
