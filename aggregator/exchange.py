@@ -39,16 +39,6 @@ from xffl.core.errors import CheckpointError
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read only below this
-# what a site measures on its held-out data: the incoming global's loss, its update's, and
-# the sequences behind them; numbers about the site's round, not properties of an aggregate
-VALIDATION_METRICS = ("val_loss", "val_loss_update", "val_samples")
-SITE_ONLY_METRICS = (*VALIDATION_METRICS, "val_tokens", "eval_seconds")
-# what a site's training reports about its round (xffl.training.trainer)
-TRAINING_METRICS = ("loss", "loss_first", "loss_last", "tokens_per_s", "train_seconds", "steps",
-                    "lr_last", "startup_seconds")
-# the only metric names an update may carry: a site cannot fill the global's manifest with
-# names of its own (the global carries the mean of each, and every site's numbers)
-KNOWN_METRICS = frozenset((*TRAINING_METRICS, *SITE_ONLY_METRICS))
 _CHUNK = 8 << 20
 
 

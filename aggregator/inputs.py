@@ -19,7 +19,6 @@ from typing import Any
 
 from xffl.aggregator.decode import DecodedReader, Decoding
 from xffl.aggregator.exchange import (
-    SITE_ONLY_METRICS,
     Manifest,
     TensorInfo,
     finalize_manifest,
@@ -28,6 +27,7 @@ from xffl.aggregator.exchange import (
     read_small_file,
     staged_dir,
 )
+from xffl.aggregator.metrics import SITE_ONLY_METRICS
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
 from xffl.aggregator.shards import (
     TensorReader,

@@ -13,7 +13,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from xffl.aggregator.exchange import KNOWN_METRICS, VALIDATION_METRICS, Manifest
+from xffl.aggregator.exchange import Manifest
+from xffl.aggregator.metrics import (
+    KNOWN_METRICS,
+    VAL_SAMPLES,
+    VALIDATION_LOSSES,
+    VALIDATION_METRICS,
+)
 from xffl.core.errors import CheckpointError
 
 MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
@@ -77,12 +83,12 @@ def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) 
     if len(given) != len(VALIDATION_METRICS):
         missing = [name for name in VALIDATION_METRICS if name not in metrics]
         raise CheckpointError(f"it reports {given[0]!r} without {missing[0]!r}")
-    for name in ("val_loss", "val_loss_update"):
+    for name in VALIDATION_LOSSES:
         if metrics[name] < 0:
             raise CheckpointError(f"metric {name!r} is {metrics[name]!r}; a cross-entropy "
                                   "is never negative")
-    samples = metrics["val_samples"]
+    samples = metrics[VAL_SAMPLES]
     if samples != int(samples) or not 1 <= samples <= max_val_samples:
         shown = int(samples) if samples == int(samples) else samples
-        raise CheckpointError(f"val_samples is {shown!r}, not a whole number from 1 to the "
+        raise CheckpointError(f"{VAL_SAMPLES} is {shown!r}, not a whole number from 1 to the "
                               f"{max_val_samples} its job's evaluation budget allows")

@@ -27,7 +27,6 @@ import numpy as np
 from xffl.aggregator.decode import DecodedReader, Decoding
 from xffl.aggregator.dtypes import STORAGE_DTYPES, Array, bf16_bits_to_f32, encode
 from xffl.aggregator.exchange import (
-    SITE_ONLY_METRICS,
     Manifest,
     TensorInfo,
     finalize_manifest,
@@ -37,6 +36,7 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS
 from xffl.aggregator.inputs import canonical_config, read_config, same_config
+from xffl.aggregator.metrics import SITE_ONLY_METRICS
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import (
     TensorReader,

@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from xffl.aggregator.metrics import LOSS, VAL_LOSS, VAL_LOSS_UPDATE
 from xffl.core.validation import check_path_text
 from xffl.jobs.tracker import Tracker
 from xffl.jobs.tracking_mlflow import MLflowTracker
@@ -104,7 +105,7 @@ def _absolute(path: str, base: Path) -> str:
 def round_scalars(record: RoundRecord, transfers: list[Transfer]) -> dict[str, float]:
     """The numbers of one round by name: global ones plain, a site's as ``<site>/<name>``."""
     values: dict[str, float | int | None] = {
-        "loss": record.loss, "val_loss": record.val_loss,
+        LOSS: record.loss, VAL_LOSS: record.val_loss,
         "aggregate_s": record.aggregate_seconds, "num_samples": record.num_samples,
         "round_s": None if record.started is None or record.ended is None
         else record.ended - record.started,
@@ -117,8 +118,8 @@ def round_scalars(record: RoundRecord, transfers: list[Transfer]) -> dict[str, f
             moved[(t.site, t.direction)] = moved.get((t.site, t.direction), 0) + (t.bytes or 0)
     for s in record.sites:
         values.update({
-            f"{s.site}/loss": s.loss, f"{s.site}/val_loss": s.val_loss,
-            f"{s.site}/val_loss_update": s.val_loss_update, f"{s.site}/train_s": s.train_seconds,
+            f"{s.site}/{LOSS}": s.loss, f"{s.site}/{VAL_LOSS}": s.val_loss,
+            f"{s.site}/{VAL_LOSS_UPDATE}": s.val_loss_update, f"{s.site}/train_s": s.train_seconds,
             f"{s.site}/delivered_s": s.delivered_seconds, f"{s.site}/num_samples": s.num_samples,
         })
         if transfers:  # as the report: 0 for a site that moved nothing in a run that timed copies

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import (
     Manifest,
     verify_checkpoint,
@@ -244,20 +245,21 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     num_samples = len(shards) if job.data.declared_samples is not None else \
         min(len(shards), num_tokens // spec.seq_len)
     metrics = {
-        "loss": float(losses.mean()),
-        "loss_first": float(losses[0]),
-        "loss_last": float(losses[-1]),
-        "tokens_per_s": num_tokens / seconds if seconds > 0 else 0.0,
-        "train_seconds": seconds,
-        "steps": float(done),
-        "lr_last": float(scheduler.get_last_lr()[0]),
+        metric.LOSS: float(losses.mean()),
+        metric.LOSS_FIRST: float(losses[0]),
+        metric.LOSS_LAST: float(losses[-1]),
+        metric.TOKENS_PER_S: num_tokens / seconds if seconds > 0 else 0.0,
+        metric.TRAIN_SECONDS: seconds,
+        metric.STEPS: float(done),
+        metric.LR_LAST: float(scheduler.get_last_lr()[0]),
     }
     if startup is not None:
-        metrics["startup_seconds"] = startup
+        metrics[metric.STARTUP_SECONDS] = startup
     if incoming is not None and trained is not None:
-        metrics.update(val_loss=incoming.loss, val_loss_update=trained.loss,
-                       val_samples=float(incoming.sequences), val_tokens=float(incoming.tokens),
-                       eval_seconds=eval_seconds)
+        metrics.update({metric.VAL_LOSS: incoming.loss, metric.VAL_LOSS_UPDATE: trained.loss,
+                        metric.VAL_SAMPLES: float(incoming.sequences),
+                        metric.VAL_TOKENS: float(incoming.tokens),
+                        metric.EVAL_SECONDS: eval_seconds})
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,

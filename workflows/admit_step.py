@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xffl.aggregator import metrics as metric
 from xffl.aggregator.adapter import frozen_tensors
 from xffl.aggregator.decode import encoded_index, first_overflow
 from xffl.aggregator.exchange import (
@@ -95,13 +96,14 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                        reason=f"could not be checked ({type(exc).__name__}: "
                        f"{str(exc)[:200]})", delivered_at=arrived), None
     metrics = manifest.metrics
+    val_samples = metrics.get(metric.VAL_SAMPLES)
     return Verdict(site=site, round=rnd, state=SiteState.COMPLETED, attempts=attempts,
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
-                   loss=metrics.get("loss"), train_seconds=metrics.get("train_seconds"),
-                   startup_seconds=metrics.get("startup_seconds"),
-                   val_loss=metrics.get("val_loss"),
-                   val_loss_update=metrics.get("val_loss_update"),
-                   val_samples=int(metrics["val_samples"]) if "val_samples" in metrics else None,
+                   loss=metrics.get(metric.LOSS), train_seconds=metrics.get(metric.TRAIN_SECONDS),
+                   startup_seconds=metrics.get(metric.STARTUP_SECONDS),
+                   val_loss=metrics.get(metric.VAL_LOSS),
+                   val_loss_update=metrics.get(metric.VAL_LOSS_UPDATE),
+                   val_samples=None if val_samples is None else int(val_samples),
                    delivered_at=arrived, digest=manifest.digest()), manifest
 
 

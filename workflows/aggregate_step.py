@@ -25,6 +25,7 @@ from typing import Any
 
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import read_manifest
+from xffl.aggregator.metrics import LOSS
 from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.files import link_files
@@ -114,7 +115,7 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
         reg.finish_round(run_id, RoundRecord(
             round=rnd, state=RoundState.COMPLETED, ended=time.time(), aggregate_seconds=seconds,
             global_path=str(target), global_digest=manifest.digest(),
-            num_samples=manifest.num_samples, loss=manifest.metrics.get("loss"),
+            num_samples=manifest.num_samples, loss=manifest.metrics.get(LOSS),
             val_loss=validation.val_loss if validation else None,
             val_samples=validation.val_samples if validation else None,
             sites=[v.site_round() for v in verdicts]))

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 from xffl.aggregator.exchange import MANIFEST_FILE
+from xffl.aggregator.metrics import STEPS, TRAIN_SECONDS
 from xffl.training.config import TrainJob, round_steps
 
 
@@ -34,8 +35,8 @@ def _per_step_seconds(root: Path, rnd: int, site: str) -> float | None:
     # admission refuses non-finite metrics, but this reads a file a site wrote: anything
     # that is not a positive finite speed is no measurement (never an exception here)
     try:
-        steps = float(metrics.get("steps"))
-        seconds = float(metrics.get("train_seconds"))
+        steps = float(metrics.get(STEPS))
+        seconds = float(metrics.get(TRAIN_SECONDS))
         per_step = seconds / steps
     except (AttributeError, TypeError, ValueError, ZeroDivisionError, OverflowError):
         return None

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from xffl.aggregator.metrics import VAL_LOSS
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout
 from xffl.workflows.verdict import Verdict
@@ -59,7 +60,7 @@ def history(layout: RunLayout, last: int) -> list[tuple[int, float]]:
             data = json.loads(layout.validation_file(rnd).read_text())
         except FileNotFoundError:
             continue
-        out.append((rnd, float(data["val_loss"])))
+        out.append((rnd, float(data[VAL_LOSS])))
     return out
 
 

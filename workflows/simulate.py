@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from xffl.aggregator import metrics as metric
 from xffl.aggregator import registry
 from xffl.aggregator.decode import Decoding, encoded_index
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
@@ -278,9 +279,10 @@ class Simulation:
                         decoding)
                 if not self.opts.keep_updates:
                     shutil.rmtree(out)
-                if "loss" in manifest.metrics:
-                    loss_sum, loss_count = loss_sum + manifest.metrics["loss"], loss_count + 1
-                train_sum += manifest.metrics.get("train_seconds", 0.0)
+                if metric.LOSS in manifest.metrics:
+                    loss_sum += manifest.metrics[metric.LOSS]
+                    loss_count += 1
+                train_sum += manifest.metrics.get(metric.TRAIN_SECONDS, 0.0)
                 self.progress(rnd, agg.count, n)
         if not self.opts.keep_updates:
             shutil.rmtree(updates, ignore_errors=True)
@@ -289,7 +291,7 @@ class Simulation:
         self.summary["rounds"].append({
             "round": rnd, "num_sites": agg.count, "wall_s": round(time.perf_counter() - t0, 4),
             "mean_loss": loss_sum / loss_count if loss_count else None,
-            "global_loss": result.metrics.get("loss"), "num_samples": result.num_samples,
+            "global_loss": result.metrics.get(metric.LOSS), "num_samples": result.num_samples,
             "train_s_mean": train_sum / agg.count, "peak_rss_bytes": peak_rss_bytes(),
             "global": str(target), "digest": result.digest(),
         })

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from xffl.aggregator.metrics import LOSS
 from xffl.aggregator.reported import MAX_COUNT
 from xffl.core.errors import ExitCode, InvalidInput, XfflError
 from xffl.core.files import atomic_write
@@ -221,6 +222,6 @@ def run_site(site: VirtualSite, rnd: int, model: str, out: str) -> Outcome:
             data = prepare_site_data(site)
             manifest = train_round(site.job, rnd, Path(model), data, Path(out))
         return Outcome(True, time.perf_counter() - t0, digest=manifest.digest(),
-                       loss=manifest.metrics.get("loss"))
+                       loss=manifest.metrics.get(LOSS))
     except Exception as exc:
         return _failure(exc, t0)

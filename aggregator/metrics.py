@@ -1,0 +1,36 @@
+"""The names of the metrics a site reports in its update's manifest: one place for all.
+
+The trainer (:mod:`xffl.training.trainer`) writes them, admission checks them
+(:mod:`xffl.aggregator.reported`), the aggregators average them, and the run's records,
+status, report and trackers read them: every one of them names a metric through these
+constants, never through a string of its own.
+"""
+
+from __future__ import annotations
+
+# what a site's training reports about its round
+LOSS = "loss"  # mean training loss over the round's steps
+LOSS_FIRST = "loss_first"
+LOSS_LAST = "loss_last"
+TOKENS_PER_S = "tokens_per_s"
+TRAIN_SECONDS = "train_seconds"
+STEPS = "steps"  # optimizer steps done (a float, as every metric)
+LR_LAST = "lr_last"
+STARTUP_SECONDS = "startup_seconds"  # from the launcher's start to the first step
+TRAINING_METRICS = (LOSS, LOSS_FIRST, LOSS_LAST, TOKENS_PER_S, TRAIN_SECONDS, STEPS, LR_LAST,
+                    STARTUP_SECONDS)
+
+# what a site measures on its held-out data: the incoming global's loss, its update's, and
+# the sequences behind them; numbers about the site's round, not properties of an aggregate
+VAL_LOSS = "val_loss"
+VAL_LOSS_UPDATE = "val_loss_update"
+VAL_SAMPLES = "val_samples"
+VAL_TOKENS = "val_tokens"
+EVAL_SECONDS = "eval_seconds"
+VALIDATION_LOSSES = (VAL_LOSS, VAL_LOSS_UPDATE)  # cross-entropies: never negative
+VALIDATION_METRICS = (*VALIDATION_LOSSES, VAL_SAMPLES)  # all of them or none
+SITE_ONLY_METRICS = (*VALIDATION_METRICS, VAL_TOKENS, EVAL_SECONDS)  # never averaged
+
+# the only metric names an update may carry: a site cannot fill the global's manifest with
+# names of its own (the global carries the mean of each, and every site's numbers)
+KNOWN_METRICS = frozenset((*TRAINING_METRICS, *SITE_ONLY_METRICS))
