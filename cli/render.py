@@ -52,7 +52,6 @@ def render(
         shutil.rmtree(output)
     run_id = new_run_id(f"render-{loaded.spec.name}")
     layout = write_plan(loaded, run_id, output)
-    layout.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
     if init_model:
         write_initial_model(layout, loaded.spec, run_id, trusted=trust_entry_point)
     root = layout.root

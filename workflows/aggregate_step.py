@@ -1,15 +1,18 @@
 """The aggregate step of a round, run by the plan on the coordinator.
 
 ``python -m xffl.workflows.aggregate_step --run-dir D --sites a,b --round R --max-rounds M
---previous G --verdict=a=V --update=a=U --job=a=J ... [strategy options]`` takes every site's
-verdict (from its admit step), aggregates the admitted updates tensor by tensor into
-``rounds/<r>/global`` (atomically) when at least ``--min-sites`` were admitted, keeps them in
+--previous G --verdict=a=V --update=a=U --job=a=J ...`` takes every site's verdict (from its
+admit step), aggregates the admitted updates tensor by tensor into ``rounds/<r>/global``
+(atomically) when at least the job's quorum were admitted, keeps them in
 ``rounds/<r>/updates/<site>`` under the coordinator's names, and answers the loop through
 ``cwl.output.json``: the new model, the next round, ``go``, and each site's job file for the
 next round (balanced by throughput when the job asks for it), so the CWL needs no
-JavaScript. In a registered run (``run.json``) it records the round in the registry. Too few
-admitted updates: the round is recorded as failed, with every site's reason, and the step
-exits 1, which ends the workflow.
+JavaScript. What the job asks of aggregation (strategy, weighting, parameters, shard size,
+quorum, influence bounds, exchange, early stop) it reads from the run's ``job.json``, the
+job spec as resolved when the plan was written: one source, not command-line options. In a
+registered run (``run.json``) it records the round in the registry. Too few admitted updates:
+the round is recorded as failed, with every site's reason, and the step exits 1, which ends
+the workflow.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
-from xffl.core.pairs import parse_pairs
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.jobs.records import RoundRecord
 from xffl.jobs.registry import Registry
+from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
 from xffl.training.config import ExchangeSpec
 from xffl.workflows.balance import round_job
@@ -68,18 +71,23 @@ def quorum_message(rnd: int, verdicts: list[Verdict], min_sites: int) -> str:
             f"(failure.min_sites) ({lost or 'no update'})")
 
 
-def decoding_of(label: str, previous: Path) -> Decoding | None:
+def decoding_of(exchange: ExchangeSpec, previous: Path) -> Decoding | None:
     """How the round's updates are read under the job's exchange (None: fp32 weights)."""
-    exchange = ExchangeSpec.parse(label)
     return None if exchange.plain else Decoding(previous, delta=exchange.update == "delta")
 
 
+def run_spec(layout: RunLayout) -> JobSpec:
+    """The job spec the plan was written from (the run's ``job.json``)."""
+    return JobSpec.model_validate_json(layout.job_json.read_text())
+
+
 def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
-                    updates: dict[str, Path], args: argparse.Namespace,
+                    updates: dict[str, Path], spec: JobSpec,
                     registry: tuple[Registry, str] | None) -> Path:
-    """Aggregate the admitted updates into rounds/<rnd>/global; record the round."""
-    if sum(v.accepted for v in verdicts) < args.min_sites:
-        message = quorum_message(rnd, verdicts, args.min_sites)
+    """Aggregate the admitted updates into rounds/<rnd>/global as ``spec`` asks; record the
+    round."""
+    if sum(v.accepted for v in verdicts) < spec.quorum:
+        message = quorum_message(rnd, verdicts, spec.quorum)
         if registry is not None:
             reg, run_id = registry
             reg.finish_round(run_id, RoundRecord(
@@ -94,12 +102,13 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
     parent = read_manifest(previous)
     target = layout.global_dir(rnd)
     t0 = time.perf_counter()
+    agg = spec.aggregation
     run_strategy(
-        args.strategy, [updates[s] for s in admitted], previous, target,
-        weighting=args.weighting, params=parse_pairs(args.param), run_id=parent.run_id,
-        round=rnd, parent_digest=parent.digest(), max_shard_size=args.max_shard_size,
-        clip_norm=args.clip_norm, max_weight_share=args.max_weight_share,
-        decoding=decoding_of(args.exchange, previous),
+        agg.strategy, [updates[s] for s in admitted], previous, target,
+        weighting=agg.weighting, params=dict(agg.params), run_id=parent.run_id,
+        round=rnd, parent_digest=parent.digest(), max_shard_size=agg.max_shard_size,
+        clip_norm=agg.clip_norm, max_weight_share=agg.max_weight_share,
+        decoding=decoding_of(spec.exchange, previous),
     )
     seconds = time.perf_counter() - t0
     failpoint(f"aggregated-round-{rnd}")  # the global is on disk, the registry not updated
@@ -119,19 +128,17 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             val_loss=validation.val_loss if validation else None,
             val_samples=validation.val_samples if validation else None,
             sites=[v.site_round() for v in verdicts]))
-        track(layout, reg, run_id, rnd)
+        track(spec, reg, run_id, rnd)
     print(f"round {rnd}: aggregated {len(admitted)} updates ({', '.join(admitted)}) in "
           f"{seconds:.2f} s", file=sys.stderr)
     return target
 
 
-def track(layout: RunLayout, reg: Registry, run_id: str, rnd: int) -> None:
+def track(spec: JobSpec, reg: Registry, run_id: str, rnd: int) -> None:
     """Log the round just recorded to the job's experiment trackers (``tracking``), from the
     registry; a tracker that fails leaves a ``tracking`` event, never a failed round."""
-    from xffl.jobs.spec import JobSpec
     from xffl.jobs.tracking import log_round
 
-    spec = JobSpec.model_validate_json(layout.job_json.read_text())
     if spec.tracking is None:
         return
     record = next(r for r in reg.rounds(run_id) if r.round == rnd)
@@ -174,8 +181,9 @@ def run_step(args: argparse.Namespace) -> int:
     reg = registration(layout)
     registry = (Registry(reg.registry), reg.run_id) if reg is not None else None
     rnd: int = args.round
+    spec = run_spec(layout)
     try:
-        target = aggregate_round(layout, rnd, Path(args.previous), verdicts, updates, args,
+        target = aggregate_round(layout, rnd, Path(args.previous), verdicts, updates, spec,
                                  registry)
     except QuorumNotMet as exc:
         print(str(exc), file=sys.stderr)
@@ -183,8 +191,9 @@ def run_step(args: argparse.Namespace) -> int:
     here = Path.cwd()
     link_files(target, here / "global", sorted(p.name for p in target.iterdir()))
     go = rnd < args.max_rounds
-    if go and args.stop_patience is not None:  # training.stop_when
-        reason = stop_reason(history(layout, rnd), args.stop_patience, args.stop_min_delta)
+    stop = spec.training.stop_when
+    if go and stop is not None:
+        reason = stop_reason(history(layout, rnd), stop.patience, stop.min_delta)
         if reason is not None:
             write_stopped(layout, Stopped(round=rnd, reason=reason))
             if registry is not None:
@@ -207,17 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xffl.workflows.aggregate_step")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--sites", required=True, help="the plan's sites, comma-separated")
-    parser.add_argument("--weighting", default="samples")
-    parser.add_argument("--strategy", default="fedavg")
-    parser.add_argument("--param", action="append", default=[], help="KEY=NUMBER")
-    parser.add_argument("--max-shard-size", required=True, help="0: one file")
-    parser.add_argument("--min-sites", type=int, required=True)
-    parser.add_argument("--clip-norm", type=float, default=None)
-    parser.add_argument("--max-weight-share", type=float, default=None)
-    parser.add_argument("--exchange", default="weights/fp32", help="the job's update/dtype")
-    parser.add_argument("--stop-patience", type=int, default=None,
-                        help="training.stop_when: rounds without improvement before stopping")
-    parser.add_argument("--stop-min-delta", type=float, default=0.0)
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)

@@ -107,10 +107,11 @@ def admit_tool(run_dir: str, exchange: str = "weights/fp32",
     }
 
 
-def aggregate_tool(run_dir: str, sites: list[str], arguments: list[str]) -> dict[str, Any]:
+def aggregate_tool(run_dir: str, sites: list[str]) -> dict[str, Any]:
     """The CommandLineTool that aggregates a round on the coordinator and answers the loop.
 
-    Each site's inputs are bound under the coordinator's own name for it
+    What the job asks of aggregation the step reads from the run's ``job.json``. Each site's
+    inputs are bound under the coordinator's own name for it
     (``--update=SITE=PATH``), never under a name an update gives itself.
     """
     per_site: dict[str, Any] = {}
@@ -124,7 +125,7 @@ def aggregate_tool(run_dir: str, sites: list[str], arguments: list[str]) -> dict
         "doc": "Aggregate the admitted updates into rounds/<r>/global, record the round, and "
         "decide on the next one (cwl.output.json: model, next_round, go, job files).",
         "baseCommand": [sys.executable, "-m", "xffl.workflows.aggregate_step"],
-        "arguments": ["--run-dir", run_dir, "--sites", ",".join(sites), *arguments],
+        "arguments": ["--run-dir", run_dir, "--sites", ",".join(sites)],
         "inputs": {
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
             "max_rounds": {"type": "int", "inputBinding": {"prefix": "--max-rounds"}},

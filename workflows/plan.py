@@ -40,21 +40,6 @@ def _dump(path: Path, data: Any) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=100))
 
 
-def aggregate_arguments(spec: JobSpec) -> list[str]:
-    """The aggregate step's options from the job spec (strategy, weighting, quorum, ...)."""
-    agg = spec.aggregation
-    bounds = [f"--{flag}={value!r}" for flag, value in (("clip-norm", agg.clip_norm),
-                                                       ("max-weight-share", agg.max_weight_share))
-              if value is not None]
-    stop = spec.training.stop_when
-    if stop is not None:
-        bounds += [f"--stop-patience={stop.patience}", f"--stop-min-delta={stop.min_delta!r}"]
-    return ["--strategy", agg.strategy, "--weighting", agg.weighting,
-            *(f"--param={k}={v!r}" for k, v in sorted(agg.params.items())),
-            f"--max-shard-size={agg.max_shard_size}", "--min-sites", str(spec.quorum), *bounds,
-            "--exchange", spec.exchange.label()]
-
-
 def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None, int | None]:
     """The most tokens, samples and held-out sequences ``site``'s update may report in a round
     (None: unbounded; for held-out sequences: the site has no validation data).
@@ -192,13 +177,16 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
     """Write the complete plan for ``loaded`` into ``out`` and return its layout.
 
     ``run_dir`` is where the plan will finally live (when ``out`` is a staging folder);
-    absolute paths inside the plan point there.
+    absolute paths inside the plan point there. ``job.json`` is the job spec as resolved.
     """
     out = Path(out).resolve()
     final = Path(run_dir).resolve() if run_dir is not None else out
     staged = RunLayout(out)
     spec = loaded.spec
     names = [s.name for s in spec.sites]
+    staged.job_json.parent.mkdir(parents=True, exist_ok=True)
+    # the job as resolved: what the coordinator's steps read it from (one source)
+    staged.job_json.write_text(spec.model_dump_json(indent=2) + "\n")
     envs = site_envs(spec, {s.name: loaded.site_profile(s.name) for s in spec.sites})
     for site in spec.sites:
         profile = loaded.site_profile(site.name)
@@ -226,8 +214,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
     _dump(staged.tool("admit"), cwl.admit_tool(str(final), spec.exchange.label(),
                                                freeze_a=spec.freeze_a))
-    _dump(staged.tool("aggregate"),
-          cwl.aggregate_tool(str(final), names, aggregate_arguments(spec)))
+    _dump(staged.tool("aggregate"), cwl.aggregate_tool(str(final), names))
     lora = spec.training.lora is not None
     _dump(staged.round_cwl, cwl.round_workflow(
         names, {s.name: report_bounds(spec, s) for s in spec.sites}, lora=lora))

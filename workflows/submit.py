@@ -48,7 +48,6 @@ def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Pat
     try:
         staged = write_plan(loaded, run_id, tmp, run_dir=run_dir)
         shutil.copyfile(loaded.path, staged.job_yaml)
-        staged.job_json.write_text(loaded.spec.model_dump_json(indent=2) + "\n")
         Registration(run_id=run_id, registry=registry).write(staged)
         if trust_entry_point and loaded.spec.model.entry_point is not None:
             record_consent(staged.root, loaded.spec)

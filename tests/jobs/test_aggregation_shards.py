@@ -10,7 +10,9 @@ import yaml
 
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
+from xffl.core.sizes import parse_size
 from xffl.jobs.load import load_job
+from xffl.workflows.aggregate_step import run_spec
 from xffl.workflows.plan import write_plan
 
 
@@ -23,19 +25,18 @@ def _job(tmp_path: Path, size: Any) -> Path:
     return f
 
 
-def _aggregate_args(tmp_path: Path, size: Any) -> list[str]:
+def _aggregate_size(tmp_path: Path, size: Any) -> int | None:
+    """The shard size the plan's aggregate step reads (from the plan's job.json), in bytes."""
     paths = write_plan(load_job(_job(tmp_path, size)), "qs-9", tmp_path / "plan")
-    tool = yaml.safe_load((paths.root / "tools" / "aggregate.cwl").read_text())
-    return [a for a in tool["arguments"] if a.startswith("--max-shard-size")]
+    return parse_size(run_spec(paths).aggregation.max_shard_size)
 
 
 # one default for the plan, the initial model and `xffl aggregate`: Hugging Face's 5GB
-@pytest.mark.parametrize(("size", "arg"), [(None, ["--max-shard-size=5GB"]),
-                                           ("2GiB", ["--max-shard-size=2GiB"]),
-                                           (0, ["--max-shard-size=0"])])
+@pytest.mark.parametrize(("size", "expected"), [(None, 5 * 10**9), ("2GiB", 2 * 2**30),
+                                                (0, None)])
 def test_max_shard_size_reaches_the_aggregate_step(tmp_path: Path, size: Any,
-                                                   arg: list[str]) -> None:
-    assert _aggregate_args(tmp_path, size) == arg
+                                                   expected: int | None) -> None:
+    assert _aggregate_size(tmp_path, size) == expected
 
 
 def test_bad_max_shard_size_names_the_field(tmp_path: Path) -> None:

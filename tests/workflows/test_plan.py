@@ -13,6 +13,7 @@ from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.load import load_job
+from xffl.workflows.aggregate_step import run_spec
 from xffl.workflows.plan import write_execution_inputs, write_plan
 from xffl.workflows.validate import validate_cwl
 
@@ -31,7 +32,7 @@ def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> Non
     root = layout.root
     for rel in ["main.cwl", "round.cwl", "tools/train_alpha.cwl", "tools/train_beta.cwl",
                 "tools/admit.cwl", "tools/aggregate.cwl", "inputs.yml", "streamflow.yml",
-                "jobs/alpha.json", "jobs/beta.json", "profiles.json"]:
+                "jobs/alpha.json", "jobs/beta.json", "profiles.json", "job.json"]:
         assert (root / rel).is_file(), rel
     assert not layout.registration.exists()  # a plan is registered only by `xffl submit`
     # cwltool, the reference implementation, accepts the cyclic workflow and its round
@@ -118,13 +119,17 @@ def test_job_spec_reaches_the_aggregate_step_and_the_failure_manager(tmp_path: P
                                       "params": {"eta": 0.05}, "max_shard_size": "1MB"},
                failure={"retries": 2, "retry_delay": 1.5, "min_sites": 1,
                         "round_timeout": 90.5})
-    layout = write_plan(load_job(job), "qs-3", tmp_path / "plan")
+    loaded = load_job(job)
+    layout = write_plan(loaded, "qs-3", tmp_path / "plan")
+    # the aggregate step reads the job from the plan's job.json, the one source: its command
+    # line names the run and its sites, nothing of the job's
     args = yaml.safe_load(layout.tool("aggregate").read_text())["arguments"]
-    assert args[args.index("--strategy") + 1] == "fedyogi"
-    assert args[args.index("--weighting") + 1] == "tokens"
-    assert args[args.index("--min-sites") + 1] == "1"
-    assert args[args.index("--sites") + 1] == "alpha,beta"
-    assert "--param=eta=0.05" in args and "--max-shard-size=1MB" in args
+    assert args == ["--run-dir", str(layout.root), "--sites", "alpha,beta"]
+    spec = run_spec(layout)
+    assert spec == loaded.spec
+    agg = spec.aggregation
+    assert (agg.strategy, agg.weighting, agg.params, agg.max_shard_size, spec.quorum) == \
+        ("fedyogi", "tokens", {"eta": 0.05}, "1MB", 1)
     config = yaml.safe_load(layout.streamflow.read_text())["failureManager"]["config"]
     assert (config["retries"], config["retry_delay"]) == (2, 1.5)
     train = yaml.safe_load(layout.tool("train_beta").read_text())
@@ -135,12 +140,12 @@ def test_job_spec_reaches_the_aggregate_step_and_the_failure_manager(tmp_path: P
 def test_influence_bounds_reach_the_aggregate_step(tmp_path: Path) -> None:
     job = _job(tmp_path, aggregation={"clip_norm": 0.5, "max_weight_share": 0.4})
     layout = write_plan(load_job(job), "qs-5", tmp_path / "plan")
-    args = yaml.safe_load(layout.tool("aggregate").read_text())["arguments"]
-    assert "--clip-norm=0.5" in args and "--max-weight-share=0.4" in args
+    agg = run_spec(layout).aggregation
+    assert (agg.clip_norm, agg.max_weight_share) == (0.5, 0.4)
     (tmp_path / "plain").mkdir()
     plain = write_plan(load_job(_job(tmp_path / "plain")), "qs-6", tmp_path / "plan-plain")
-    args = yaml.safe_load(plain.tool("aggregate").read_text())["arguments"]
-    assert not [a for a in args if a.startswith(("--clip-norm", "--max-weight-share"))]
+    agg = run_spec(plain).aggregation
+    assert (agg.clip_norm, agg.max_weight_share) == (None, None)
 
 
 def test_site_slurm_overrides_reach_both_batch_scripts(tmp_path: Path) -> None:
