@@ -14,55 +14,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.exchange import MANIFEST_FILE, MAX_JSON_BYTES, Manifest, read_small_file
-from xffl.aggregator.shards import (
-    ADAPTER_CONFIG_FILE,
-    ADAPTER_FILE,
-    CONFIG_FILE,
-    INDEX_FILE,
-    MODEL_FILE,
-)
+from xffl.aggregator.kinds import ModelKind
 from xffl.core.errors import CheckpointError
 
-SHARD_NAME = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
 
-
-def check_listed(files: Iterable[str], adapter: bool) -> None:
-    """The manifest lists only files an update of the global's kind holds, and its tensors.
-
-    Raises CheckpointError naming the first file an update of that kind never holds, or the
-    tensor file it lacks.
-    """
+def check_listed(files: Iterable[str], kind: ModelKind) -> None:
+    """The manifest lists only plain file names, those an update of the global's ``kind``
+    holds (its tensors, its config). Raises CheckpointError naming the first file an update
+    of that kind never holds, or the tensor file it lacks."""
     names = set(files)
     for name in sorted(names):
         if name in ("", ".", "..", MANIFEST_FILE) or Path(name).name != name:
             raise CheckpointError(f"the manifest lists {name!r}, which is not a plain file name")
-    if adapter:
-        if ADAPTER_FILE not in names or MODEL_FILE in names or INDEX_FILE in names:
-            raise CheckpointError(f"a LoRA adapter is expected ({ADAPTER_FILE}, not a whole "
-                                  "model)")
-        allowed: set[str] = {ADAPTER_FILE, ADAPTER_CONFIG_FILE}
-        kind = "a LoRA adapter update"
-    else:
-        if ADAPTER_FILE in names:
-            raise CheckpointError("the job trains the whole model, not a LoRA adapter")
-        if MODEL_FILE not in names and INDEX_FILE not in names:
-            raise CheckpointError(f"the manifest lists neither {MODEL_FILE} nor {INDEX_FILE}")
-        if MODEL_FILE in names and INDEX_FILE in names:
-            raise CheckpointError(f"the manifest lists both {MODEL_FILE} and {INDEX_FILE}")
-        allowed = {MODEL_FILE, CONFIG_FILE} if MODEL_FILE in names else {
-            INDEX_FILE, CONFIG_FILE, *(n for n in names if SHARD_NAME.match(n))}
-        kind = "a model update"
-    extra = sorted(names - allowed)
-    if extra:
-        shown = extra[0] if len(extra[0]) <= 64 else extra[0][:64] + "..."
-        raise CheckpointError(f"the manifest lists {shown!r}, which {kind} never holds")
+    kind.check_listed(names)
 
 
 def check_contents(directory: Path, manifest: Manifest, side_files: Mapping[str, int]) -> None:
@@ -88,9 +58,10 @@ def check_contents(directory: Path, manifest: Manifest, side_files: Mapping[str,
                                       f"{cap} allowed")
 
 
-def check_config(directory: Path, expected: Mapping[str, Any], name: str = CONFIG_FILE) -> None:
-    """The update's config.json (``name``) is the global model's (the architecture did not
-    change; for an adapter, adapter_config.json: rank, scaling and targets did not)."""
+def check_config(directory: Path, expected: Mapping[str, Any], kind: ModelKind) -> None:
+    """The update's config file of its ``kind`` is the global model's (config.json: the
+    architecture did not change; adapter_config.json: rank, scaling and targets did not)."""
+    name = kind.config_file
     try:
         got = json.loads(read_small_file(directory / name))
     except FileNotFoundError as exc:

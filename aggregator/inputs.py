@@ -27,15 +27,10 @@ from xffl.aggregator.exchange import (
     read_small_file,
     staged_dir,
 )
+from xffl.aggregator.kinds import ModelKind, kind_of
 from xffl.aggregator.metrics import SITE_ONLY_METRICS
 from xffl.aggregator.registry import WEIGHTINGS, Weighting
-from xffl.aggregator.shards import (
-    TensorReader,
-    config_name,
-    is_adapter,
-    open_model,
-    output_names,
-)
+from xffl.aggregator.shards import TensorReader, open_model
 from xffl.aggregator.verify import canonical_key, layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 
@@ -154,7 +149,7 @@ def _common_layout(ups: list[Update]) -> list[TensorInfo]:
 def read_config(directory: Path, site: str) -> tuple[bytes | None, Any]:
     """An update's config.json (adapter_config.json for an adapter) as bytes and parsed
     (None, None when it has none)."""
-    path = directory / config_name(directory)
+    path = directory / kind_of(directory).config_file
     data = path.read_bytes() if path.is_file() else None
     try:
         return data, None if data is None else json.loads(data)
@@ -178,7 +173,7 @@ def canonical_config(value: Any) -> bytes:
 def own_config(global_dir: Path) -> bytes | None:
     """The config bytes of a global the coordinator holds (config.json, or adapter_config.json
     for an adapter), under the JSON size cap; None when it has none."""
-    path = Path(global_dir) / config_name(Path(global_dir))
+    path = Path(global_dir) / kind_of(global_dir).config_file
     return read_small_file(path) if path.is_file() else None
 
 
@@ -187,9 +182,9 @@ def _common_config(ups: list[Update], reference: bytes | None) -> bytes | None:
     one (equal as JSON values, and to ``reference``'s when given): ``reference`` itself, or
     the coordinator's serialisation of the shared value. An update's bytes never pass on."""
     first = read_config(ups[0].path, ups[0].site)
-    name = config_name(ups[0].path)
+    name = kind_of(ups[0].path).config_file
     for u in ups[1:]:
-        if is_adapter(u.path) != is_adapter(ups[0].path):
+        if kind_of(u.path) != kind_of(ups[0].path):
             raise CheckpointError(f"site '{u.site}' and site '{ups[0].site}' sent different "
                                   "kinds of update (a model and a LoRA adapter).")
         if not same_config(read_config(u.path, u.site), first):
@@ -231,7 +226,7 @@ class Prepared:
     parent: str | None
     layout: list[TensorInfo]  # the tensor index every update shares
     config: bytes | None  # the coordinator's config.json for the global, if any
-    adapter: bool  # the updates are LoRA adapters (written with peft's file names)
+    kind: ModelKind  # of the updates: whole models, or LoRA adapters (peft's file names)
     sites: dict[str, dict[str, Any]]  # per-site summary for the global's manifest
 
 
@@ -270,7 +265,7 @@ def prepare(
         }
         for u in ups
     }
-    return Prepared(label, run, rnd, parent, layout, config, is_adapter(ups[0].path), sites)
+    return Prepared(label, run, rnd, parent, layout, config, kind_of(ups[0].path), sites)
 
 
 # writes a global's tensors into a staging folder under the given single-file name and
@@ -289,10 +284,9 @@ def write_global(
     updates' counts, holds the weighted mean of their metrics and ``extra``.
     """
     with staged_dir(Path(out_dir)) as tmp:
-        model_file, config_file = output_names(prep.adapter)
-        sums = write_tensors(tmp, model_file)
+        sums = write_tensors(tmp, prep.kind.tensor_file)
         if prep.config is not None:
-            (tmp / config_file).write_bytes(prep.config)
+            (tmp / prep.kind.config_file).write_bytes(prep.config)
         manifest = Manifest(
             kind="global",
             run_id=prep.run_id,

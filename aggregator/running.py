@@ -36,15 +36,10 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.fedavg import BLOCK_ELEMENTS
 from xffl.aggregator.inputs import canonical_config, read_config, same_config
+from xffl.aggregator.kinds import WHOLE_MODEL, kind_of
 from xffl.aggregator.metrics import SITE_ONLY_METRICS
 from xffl.aggregator.shard_writer import ShardedWriter
-from xffl.aggregator.shards import (
-    TensorReader,
-    config_name,
-    is_adapter,
-    open_model,
-    output_names,
-)
+from xffl.aggregator.shards import TensorReader, open_model
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -68,7 +63,7 @@ class RunningAggregate:
         self.num_tokens = 0
         self.config: bytes | None = config  # what the result's config file holds
         self._own = config is not None
-        self.adapter = False  # the updates are LoRA adapters
+        self.kind = WHOLE_MODEL  # of the updates folded: whole models or LoRA adapters
         self._config_value: Any = None if config is None else json.loads(config)
         self._seen: tuple[bytes | None, Any] | None = None  # the first update's config
         self._metric_wsum: dict[str, float] = {}
@@ -150,12 +145,13 @@ class RunningAggregate:
 
     def _check_config(self, directory: Path, label: str) -> None:
         config = read_config(directory, label)
-        if self.count and is_adapter(directory) != self.adapter:
+        kind = kind_of(directory)
+        if self.count and kind != self.kind:
             raise CheckpointError(f"site '{label}' sent another kind of update (a model or a "
                                   "LoRA adapter) than the sites before it.")
-        self.adapter = is_adapter(directory)
+        self.kind = kind
         if self._own and config[0] is not None and config[1] != self._config_value:
-            raise CheckpointError(f"{config_name(directory)} of site '{label}' differs from "
+            raise CheckpointError(f"{kind.config_file} of site '{label}' differs from "
                                   "the global model's.")
         if self._seen is None:
             self._seen = config
@@ -163,7 +159,7 @@ class RunningAggregate:
                 self._config_value = config[1]
                 self.config = None if config[0] is None else canonical_config(config[1])
         elif not same_config(config, self._seen):
-            raise CheckpointError(f"{config_name(directory)} of site '{label}' differs from "
+            raise CheckpointError(f"{kind.config_file} of site '{label}' differs from "
                                   "that of the updates folded before it.")
 
     def metrics(self) -> dict[str, float]:
@@ -201,10 +197,9 @@ class RunningAggregate:
         out = {d: np.empty(BLOCK_ELEMENTS, dtype=STORAGE_DTYPES[d]) for d in
                {t.dtype for t in self.layout}}
         with staged_dir(Path(out_dir)) as tmp:
-            model_file, config_file = output_names(self.adapter)
             with ShardedWriter(tmp, entries, {"format": "pt", **(metadata or {})},
                                max_shard_bytes=parse_size(max_shard_size),
-                               single_file=model_file) as writer:
+                               single_file=self.kind.tensor_file) as writer:
                 for t in self.layout:
                     acc = self.sums[t.name]
                     for lo in range(0, max(1, acc.shape[0]), BLOCK_ELEMENTS):
@@ -215,7 +210,7 @@ class RunningAggregate:
                         encode(block, t.dtype, dst, self._f32[: hi - lo])
                         writer.write_chunk(t.name, dst)
             if self.config is not None:
-                (tmp / config_file).write_bytes(self.config)
+                (tmp / self.kind.config_file).write_bytes(self.config)
             manifest = Manifest(
                 kind=kind, run_id=run_id, round=round, site=site, parent=parent,
                 num_samples=self.num_samples, num_tokens=self.num_tokens,

@@ -34,21 +34,6 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 CONFIG_FILE = "config.json"
 
 
-def is_adapter(directory: Path) -> bool:
-    """Whether a checkpoint directory holds a LoRA adapter (peft's file names)."""
-    return (Path(directory) / ADAPTER_FILE).is_file()
-
-
-def config_name(directory: Path) -> str:
-    """The config file of a checkpoint: adapter_config.json for an adapter, else config.json."""
-    return ADAPTER_CONFIG_FILE if is_adapter(directory) else CONFIG_FILE
-
-
-def output_names(adapter: bool) -> tuple[str, str]:
-    """(single tensor file, config file) of a checkpoint written as a model or an adapter."""
-    return (ADAPTER_FILE, ADAPTER_CONFIG_FILE) if adapter else (MODEL_FILE, CONFIG_FILE)
-
-
 def shard_name(index: int, count: int) -> str:
     """Hugging Face's name of shard ``index`` (1-based) of ``count``."""
     return f"model-{index:05d}-of-{count:05d}.safetensors"

@@ -26,7 +26,6 @@ import numpy as np
 from xffl.aggregator.contents import check_config, check_contents, check_listed
 from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
-    CONFIG_FILE,
     FORMAT_VERSION,
     Manifest,
     TensorInfo,
@@ -34,6 +33,7 @@ from xffl.aggregator.exchange import (
     read_manifest,
     sha256_file,
 )
+from xffl.aggregator.kinds import WHOLE_MODEL, ModelKind
 from xffl.aggregator.reported import Bounds, check_reported
 from xffl.aggregator.safetensors_io import (
     MAX_HEADER,
@@ -43,7 +43,6 @@ from xffl.aggregator.safetensors_io import (
     header_cap,
 )
 from xffl.aggregator.shards import (
-    ADAPTER_CONFIG_FILE,
     INDEX_FILE,
     ModelReader,
     open_model,
@@ -179,15 +178,15 @@ def check_update(
     check_finite: bool = True,
     expected_config: Mapping[str, Any] | None = None,
     bounds: Bounds | Mapping[str, Bounds] | None = None,
-    adapter: bool = False,
+    kind: ModelKind = WHOLE_MODEL,
 ) -> Manifest:
     """Admit one update or raise UpdateRejected naming its site and the reason.
 
     ``bounds`` may be one site's, or every site's by name (a run's sites under its job,
     ``xffl aggregate --run``): an update from a site not among them is then rejected.
 
-    ``adapter``: the global is a LoRA adapter, so the update must be one too
-    (``adapter_model.safetensors`` and ``adapter_config.json``, peft's names).
+    ``kind``: the global's (:mod:`xffl.aggregator.kinds`): the update must be of that kind
+    (a LoRA adapter's: ``adapter_model.safetensors`` and ``adapter_config.json``).
 
     Checks, cheapest first: manifest (size capped, no link), format version, kind "update",
     site, run id, round, parent global digest, the folder's contents (with ``bounds``: only
@@ -203,7 +202,7 @@ def check_update(
         manifest = read_manifest(directory)
         site_bounds = _check_fields(manifest, bounds, expected_run_id, expected_round,
                                     expected_parent)
-        _check_declared(directory, manifest, site_bounds, expected_config, adapter)
+        _check_declared(directory, manifest, site_bounds, expected_config, kind)
         _check_files(directory, manifest, reference_index, check_finite)
     except UpdateRejected:
         raise
@@ -252,16 +251,16 @@ def _check_declared(
     manifest: Manifest,
     bounds: Bounds | None,
     expected_config: Mapping[str, Any] | None,
-    adapter: bool,
+    kind: ModelKind,
 ) -> None:
     """What the site declares beside its tensors: the files listed (and, with ``bounds``,
     nothing else in the folder), its counts and metrics, its config. Raises CheckpointError."""
-    check_listed(manifest.files, adapter)
+    check_listed(manifest.files, kind)
     if bounds is not None:
         check_contents(directory, manifest, bounds.side_files)
     check_reported(manifest, bounds or Bounds())
     if expected_config is not None:
-        check_config(directory, expected_config, ADAPTER_CONFIG_FILE if adapter else CONFIG_FILE)
+        check_config(directory, expected_config, kind)
 
 
 def _check_files(

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from xffl.aggregator.adapter import factor_names
 from xffl.aggregator.exchange import Manifest, finalize_manifest, staged_dir
-from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.training.arch import ModelConfig, build_config
 from xffl.training.config import LoraSpec, ModelSpec
@@ -87,8 +87,8 @@ def save_adapter(tensors: Mapping[str, Tensor], adapter_config: str, out_dir: Pa
                  manifest: Manifest) -> Manifest:
     """Write adapter_model.safetensors, adapter_config.json and manifest.json atomically."""
     with staged_dir(Path(out_dir)) as tmp:
-        save_file(dict(tensors), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG_FILE).write_text(adapter_config)
+        save_file(dict(tensors), str(tmp / LORA_ADAPTER.tensor_file), metadata={"format": "pt"})
+        (tmp / LORA_ADAPTER.config_file).write_text(adapter_config)
         return finalize_manifest(tmp, manifest)
 
 

@@ -27,7 +27,7 @@ from xffl.aggregator.exchange import (
     Manifest,
     verify_checkpoint,
 )
-from xffl.aggregator.shards import ADAPTER_CONFIG_FILE
+from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training import lora
@@ -137,7 +137,7 @@ def _write_update(job: TrainJob, pm: ParallelModel, model_dir: Path, out_dir: Pa
     if job.training.lora is not None:
         # collective; only the adapter's tensors are gathered and copied
         state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
-        adapter_config = (model_dir / ADAPTER_CONFIG_FILE).read_text()
+        adapter_config = (model_dir / LORA_ADAPTER.config_file).read_text()
 
         def save() -> Manifest:
             return lora.save_adapter(encode_update(state, model_dir, job.exchange),

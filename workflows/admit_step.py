@@ -31,8 +31,8 @@ from xffl.aggregator.exchange import (
     read_manifest,
     read_small_file,
 )
+from xffl.aggregator.kinds import kind_of
 from xffl.aggregator.reported import Bounds
-from xffl.aggregator.shards import config_name, is_adapter
 from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
@@ -65,14 +65,14 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                        attempts=attempts), None
     arrived = time.time()
     parent = read_manifest(previous)  # the coordinator's own global model
-    adapter = is_adapter(previous)
-    config = json.loads(read_small_file(previous / config_name(previous)))
+    kind = kind_of(previous)  # the coordinator's global decides what an update may be
+    config = json.loads(read_small_file(previous / kind.config_file))
     try:
         reference = parent.tensors if exchange is None or exchange.plain else \
             encoded_index(parent.tensors, exchange.safetensors_dtype)
         manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
                                 reference_index=reference, expected_run_id=parent.run_id,
-                                expected_config=config, adapter=adapter,
+                                expected_config=config, kind=kind,
                                 bounds=bounds or Bounds(side_files=SIDE_FILES))
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 from xffl.aggregator.exchange import read_manifest, staged_dir
+from xffl.aggregator.kinds import kind_of
 from xffl.aggregator.merge import merge_adapter
-from xffl.aggregator.shards import is_adapter
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 
@@ -21,8 +21,7 @@ def export_global(layout: RunLayout, rnd: int, out: Path, *, merge: bool = False
     ``merge``: a LoRA run's adapter folded into its base (``rounds/0/base``).
     """
     source = layout.global_dir(rnd)
-    adapter = is_adapter(source)
-    if merge and not adapter:
+    if merge and not kind_of(source).adapter:
         raise InvalidInput("--merge folds a LoRA adapter into its base, but this run trains "
                            "the whole model; leave --merge out.")
     if merge:
