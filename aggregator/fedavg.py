@@ -29,9 +29,7 @@ from xffl.aggregator.dtypes import encode
 from xffl.aggregator.exchange import Manifest, TensorInfo
 from xffl.aggregator.inputs import (
     Update,
-    close_updates,
-    open_updates,
-    prepare,
+    prepared,
     write_global,
 )
 from xffl.aggregator.registry import Weighting
@@ -42,7 +40,6 @@ from xffl.aggregator.safetensors_io import (
 )
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.core.errors import InvalidInput
 from xffl.core.sizes import parse_size
 
 SLICE_ELEMENTS = 1 << 21  # most elements per slice (8 MiB of fp32 per update)
@@ -210,13 +207,10 @@ def aggregate(
     ``out_dir`` keeps its previous content. Inputs are not verified here: run
     :func:`xffl.aggregator.verify.select_updates` first.
     """
-    if not updates:
-        raise InvalidInput("no updates to aggregate.")
-    max_bytes = parse_size(max_shard_size)
-    ups = open_updates(updates, decoding)
-    try:
-        prep = prepare(ups, weights, weighting, run_id, round, parent_digest, config)
-        st_meta = {"format": "pt", **(metadata or {})}
+    st_meta = {"format": "pt", **(metadata or {})}
+    with prepared(updates, decoding, weights, weighting, run_id, round, parent_digest,
+                  config) as (ups, prep):
+        max_bytes = parse_size(max_shard_size)
 
         def write(tmp: Path, model_file: str) -> dict[str, str]:
             return _write_average(ups, prep.layout, tmp, st_meta, max_bytes, model_file)
@@ -224,5 +218,3 @@ def aggregate(
         extra = {"aggregation": "fedavg", "weighting": prep.label, "sites": prep.sites,
                  **(extra or {})}
         return write_global(Path(out_dir), ups, prep, extra, write)
-    finally:
-        close_updates(ups)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,28 @@ def prepare(
         for u in ups
     }
     return Prepared(label, run, rnd, parent, layout, config, kind_of(ups[0].path), sites)
+
+
+@contextmanager
+def prepared(
+    paths: Sequence[Path],
+    decoding: Decoding | None,
+    weights: Sequence[float] | None,
+    weighting: Weighting | Mapping[str, float],
+    run_id: str | None,
+    round: int | None,
+    parent_digest: str | None,
+    config: bytes | None = None,
+) -> Iterator[tuple[list[Update], Prepared]]:
+    """The updates at ``paths`` opened (:func:`open_updates`) and checked against each other
+    (:func:`prepare`) for the block, closed after it."""
+    if not paths:
+        raise InvalidInput("no updates to aggregate.")
+    ups = open_updates(paths, decoding)
+    try:
+        yield ups, prepare(ups, weights, weighting, run_id, round, parent_digest, config)
+    finally:
+        close_updates(ups)
 
 
 # writes a global's tensors into a staging folder under the given single-file name and

@@ -19,7 +19,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -229,7 +229,36 @@ def header_bytes(
     ]
 
 
-class SafetensorsWriter:
+W = TypeVar("W", bound="AbortingWriter")
+
+
+class AbortingWriter:
+    """A writer used as a context manager: closed when the block ends normally, aborted
+    (what it wrote removed) when it raises."""
+
+    _closed: bool
+
+    def close(self) -> None:
+        """Finish the output."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Remove what was written."""
+        raise NotImplementedError
+
+    def __enter__(self: W) -> W:
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if typ is None:
+            self.close()
+        elif not self._closed:
+            self.abort()
+
+
+class SafetensorsWriter(AbortingWriter):
     """Write a safetensors file header first, then its tensors in header order, piece by piece."""
 
     def __init__(
@@ -331,14 +360,3 @@ class SafetensorsWriter:
         self._closed = True
         self._fh.close()
         self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> SafetensorsWriter:
-        return self
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if typ is None:
-            self.close()
-        elif not self._closed:
-            self.abort()

@@ -12,18 +12,22 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 
-from xffl.aggregator.safetensors_io import Array, SafetensorsWriter, storage_dtype
+from xffl.aggregator.safetensors_io import (
+    AbortingWriter,
+    Array,
+    SafetensorsWriter,
+    storage_dtype,
+)
 from xffl.aggregator.shards import INDEX_FILE, MODEL_FILE, plan_shards, shard_name
 from xffl.core.errors import CheckpointError
 
 Entries = Sequence[tuple[str, str, Sequence[int]]]
 
 
-class ShardedWriter:
+class ShardedWriter(AbortingWriter):
     """Stream a model into ``model.safetensors``, or HF shards plus index json, header first.
 
     Same calls as :class:`SafetensorsWriter`: tensors in declared order, whole or in flat
@@ -168,14 +172,3 @@ class ShardedWriter:
         self._open.clear()
         for file in [*self.shard_files, INDEX_FILE] if self.sharded else []:
             (self.directory / file).unlink(missing_ok=True)
-
-    def __enter__(self) -> ShardedWriter:
-        return self
-
-    def __exit__(
-        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if typ is None:
-            self.close()
-        elif not self._closed:
-            self.abort()

@@ -31,10 +31,8 @@ from xffl.aggregator.exchange import Manifest, TensorInfo, index_of, read_manife
 from xffl.aggregator.fedavg import SLICE_ELEMENTS, aggregate
 from xffl.aggregator.inputs import (
     Update,
-    close_updates,
-    open_updates,
     own_config,
-    prepare,
+    prepared,
     write_global,
 )
 from xffl.aggregator.registry import Strategy, Weighting, get, resolve_params
@@ -258,12 +256,9 @@ def run_strategy(
         if progress is not None:
             progress(len(manifest.tensors), len(manifest.tensors))
         return manifest
-    if not updates:
-        raise InvalidInput("no updates to aggregate.")
-    max_bytes = parse_size(max_shard_size)
-    ups = open_updates(updates, decoding)
-    try:
-        prep = prepare(ups, weights, weighting, run_id, round, parent_digest, config)
+    with prepared(updates, decoding, weights, weighting, run_id, round, parent_digest,
+                  config) as (ups, prep):
+        max_bytes = parse_size(max_shard_size)
         active = [u for u in ups if u.weight > 0]
         strategy.check_count(p, len(active))
         bounds = _cap_shares(active, prep.sites, max_weight_share)
@@ -289,5 +284,3 @@ def run_strategy(
                 },
             }
             return write_global(Path(out_dir), ups, prep, extra, write)
-    finally:
-        close_updates(ups)

@@ -326,15 +326,9 @@ def select_updates(
 
     def attempt(d: Path) -> Manifest | UpdateRejected:
         try:
-            return check_update(
-                d,
-                expected_round=expected_round,
-                expected_parent=expected_parent,
-                reference_index=reference_index,
-                expected_run_id=expected_run_id,
-                check_finite=check_finite,
-                bounds=bounds,
-            )
+            return check_update(d, expected_round=expected_round, expected_parent=expected_parent,
+                                reference_index=reference_index, bounds=bounds,
+                                expected_run_id=expected_run_id, check_finite=check_finite)
         except UpdateRejected as exc:
             return exc
 

@@ -36,6 +36,14 @@ def write_json(final: Path, data: Any) -> None:
     atomic_write(final, (json.dumps(data, indent=2) + "\n").encode())
 
 
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path``, or None when there is no such file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
 def link_files(src: Path, dst: Path, names: list[str]) -> None:
     """Expose ``src/NAME`` as ``dst/NAME`` for each name, by hard link or else by copy."""
     dst.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from xffl.core.files import read_json
+
 
 @dataclass(frozen=True)
 class RunLayout:
@@ -215,8 +217,7 @@ class Registration:
 
 def registration(layout: RunLayout) -> Registration | None:
     """The run's registration, or None for a plan that was only rendered."""
-    try:
-        data = json.loads(layout.registration.read_text())
-    except FileNotFoundError:
+    data = read_json(layout.registration)
+    if data is None:
         return None
     return Registration(run_id=str(data["run_id"]), registry=Path(data["registry"]))

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from xffl.aggregator.metrics import VAL_LOSS
-from xffl.core.files import write_json
+from xffl.core.files import read_json, write_json
 from xffl.core.layout import RunLayout
 from xffl.workflows.verdict import Verdict
 
@@ -95,8 +95,7 @@ def write_stopped(layout: RunLayout, stopped: Stopped) -> None:
 
 def read_stopped(layout: RunLayout) -> Stopped | None:
     """The run's early stop, if it stopped early."""
-    try:
-        data = json.loads(layout.stopped.read_text())
-    except FileNotFoundError:
+    data = read_json(layout.stopped)
+    if data is None:
         return None
     return Stopped(round=int(data["round"]), reason=str(data["reason"]))
