@@ -270,16 +270,10 @@ def prepare(
 
 
 @contextmanager
-def prepared(
-    paths: Sequence[Path],
-    decoding: Decoding | None,
-    weights: Sequence[float] | None,
-    weighting: Weighting | Mapping[str, float],
-    run_id: str | None,
-    round: int | None,
-    parent_digest: str | None,
-    config: bytes | None = None,
-) -> Iterator[tuple[list[Update], Prepared]]:
+def prepared(paths: Sequence[Path], decoding: Decoding | None, weights: Sequence[float] | None,
+             weighting: Weighting | Mapping[str, float], run_id: str | None, round: int | None,
+             parent_digest: str | None, config: bytes | None = None,
+             ) -> Iterator[tuple[list[Update], Prepared]]:
     """The updates at ``paths`` opened (:func:`open_updates`) and checked against each other
     (:func:`prepare`) for the block, closed after it."""
     if not paths:
