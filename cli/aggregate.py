@@ -62,34 +62,23 @@ def aggregate(
         "--run", metavar="RUN", help="Aggregate round --round of this run again: its kept "
         "updates, the global it started from, and its job's strategy, options and bounds on "
         "what each site may report (an option given here replaces the job's).")] = None,
-    strategy: Annotated[
-        str | None, typer.Option("--strategy", click_type=StrategyName(), show_default=False,
-                                 help="A registered strategy (the choices above; default "
-                                 "fedavg, or the run's).")
-    ] = None,
-    previous: Annotated[
-        Path | None,
-        typer.Option(
-            "--previous",
-            help="The global the round started from: updates must name it as parent and "
-            "match its tensors; stateful strategies read their server state from it.",
-        ),
-    ] = None,
+    strategy: Annotated[str | None, typer.Option(
+        "--strategy", click_type=StrategyName(), show_default=False,
+        help="A registered strategy (the choices above; default fedavg, or the run's).")] = None,
+    previous: Annotated[Path | None, typer.Option(
+        "--previous", help="The global the round started from: updates must name it as parent "
+        "and match its tensors; stateful strategies read their server state from it.")] = None,
     parent_digest: Annotated[
         str | None, typer.Option("--parent-digest", help="Without --previous: the digest "
                                  "updates must name as their parent.")] = None,
-    weighting: Annotated[
-        str | None, typer.Option("--weighting", show_default=False,
-                                 help="samples, tokens or uniform (default samples, or the "
-                                 "run's).")
-    ] = None,
+    weighting: Annotated[str | None, typer.Option(
+        "--weighting", show_default=False, help="samples, tokens or uniform (default samples, "
+        "or the run's).")] = None,
     weight: Annotated[
         list[str] | None, typer.Option("--weight", help="Explicit weight of one site, "
                                        "SITE=NUMBER (repeat; replaces --weighting).")] = None,
-    param: Annotated[
-        list[str] | None, typer.Option("--param", help="Strategy parameter KEY=NUMBER (repeat; "
-                                       "replaces the run's).")
-    ] = None,
+    param: Annotated[list[str] | None, typer.Option(
+        "--param", help="Strategy parameter KEY=NUMBER (repeat; replaces the run's).")] = None,
     round: Annotated[int | None, typer.Option(
         "--round", help="Accept only this round (with --run: the round to aggregate).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Accept only this run.")] = None,
@@ -97,15 +86,10 @@ def aggregate(
         "--min-updates", min=1, help="Fail (exit 1) when fewer updates are accepted.")] = 1,
     no_finite_check: Annotated[bool, typer.Option(
         "--no-finite-check", help="Skip the NaN/Inf scan of the update tensors.")] = False,
-    max_shard_size: Annotated[
-        str | None,
-        typer.Option(
-            "--max-shard-size", show_default=False,
-            help="Split a larger global model into Hugging Face shards plus "
-            f"model.safetensors.index.json, e.g. 500MB or 2GiB; 0 never splits (default "
-            f"{DEFAULT_MAX_SHARD_SIZE}, or the run's).",
-        ),
-    ] = None,
+    max_shard_size: Annotated[str | None, typer.Option(
+        "--max-shard-size", show_default=False, help="Split a larger global model into Hugging "
+        "Face shards plus model.safetensors.index.json, e.g. 500MB or 2GiB; 0 never splits "
+        f"(default {DEFAULT_MAX_SHARD_SIZE}, or the run's).")] = None,
     clip_norm: Annotated[float | None, typer.Option(
         "--clip-norm", help="Scale each update's change from --previous to at most this L2 "
         "norm (averaging strategies).")] = None,
@@ -134,22 +118,17 @@ def aggregate(
     """
     if output is None:
         raise InvalidInput("xffl aggregate needs -o/--output: the global checkpoint to write.")
-    if run is not None:
+    params = parse_pairs(param or [])
+    bounds: Any = None if max_val_samples is None else _hand_bounds(max_val_samples)
+    if run is not None:  # the run's job fills in what the command line leaves out
         job = _from_run(run, round, previous, parent_digest)
-        updates = updates or job.updates
-        previous = job.previous
-        strategy = strategy or job.strategy
-        weighting = weighting or job.weighting
-        params = parse_pairs(param) if param else job.params
-        max_shard_size = max_shard_size or job.max_shard_size
+        updates, previous, bounds = updates or job.updates, job.previous, job.bounds
+        strategy, weighting = strategy or job.strategy, weighting or job.weighting
+        params = params if param else job.params
+        max_shard_size, exchange = max_shard_size or job.max_shard_size, exchange or job.exchange
         clip_norm = job.clip_norm if clip_norm is None else clip_norm
         max_weight_share = job.max_weight_share if max_weight_share is None \
             else max_weight_share
-        exchange = exchange or job.exchange
-        bounds: Any = job.bounds
-    else:
-        params = parse_pairs(param or [])
-        bounds = None if max_val_samples is None else _hand_bounds(max_val_samples)
     if not updates:
         raise InvalidInput("give the UPDATE directories to aggregate, or --run RUN --round R "
                            "for a round of a run.")
@@ -158,6 +137,21 @@ def aggregate(
     weights = parse_pairs(weight or [], "--weight", "SITE", "leonardo=2")
     max_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     weighting = weighting or "samples"
+    _check_inputs(updates, output, force, weighting, previous, parent_digest)
+    encoding = _exchange(exchange or "weights/fp32", previous)
+    options = Options(strategy, previous, parent_digest, weights or weighting, params, round,
+                      run_id, min_updates, not no_finite_check, max_bytes, clip_norm,
+                      max_weight_share, encoding, bounds, hint=run is None)
+    report = _aggregate(updates, output, options)
+    if as_json:
+        print_json(report)
+        return
+    _print_report(report, output, strategy)
+
+
+def _check_inputs(updates: list[Path], output: Path, force: bool, weighting: str,
+                  previous: Path | None, parent_digest: str | None) -> None:
+    """InvalidInput for what cannot be aggregated as asked (nothing is read or written)."""
     if weighting not in WEIGHTINGS:
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
     for update in updates:
@@ -170,14 +164,10 @@ def aggregate(
     if previous is not None and parent_digest is not None:
         raise InvalidInput("--previous names the parent already; give --parent-digest only "
                            "without it.")
-    encoding = _exchange(exchange or "weights/fp32", previous)
-    options = Options(strategy, previous, parent_digest, weights or weighting, params, round,
-                      run_id, min_updates, not no_finite_check, max_bytes, clip_norm,
-                      max_weight_share, encoding, bounds, hint=run is None)
-    report = _aggregate(updates, output, options)
-    if as_json:
-        print_json(report)
-        return
+
+
+def _print_report(report: dict[str, Any], output: Path, strategy: str) -> None:
+    """The used and rejected updates and the global written, for people."""
     for u in report["used"]:
         console.print(f"used     {markup_safe(u['site'])} ({u['dir']}): samples "
                       f"{u['num_samples']}, weight {u['weight']:.4f}", soft_wrap=True)
