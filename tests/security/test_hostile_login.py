@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.security.processes import lock_holder
-from tests.stack import stack as stack_mod
+from tests.stack.extra_login import extra_login
 from tests.stack.profiles import write_profile
 from xffl.cli.app import app
 from xffl.jobs import schedule
@@ -59,29 +59,11 @@ def hostile_login(slurm_stack: Any, tmp_path: Path) -> Iterator[tuple[int, Path]
                                   text=True, check=True).stdout.strip()
     (bin_dir / "scancel").write_text(GARBAGE_SCANCEL.format(real=real_scancel))
     (bin_dir / "scancel").chmod(0o755)
-    port = stack_mod._free_port({c.ssh_port for c in slurm_stack.clusters.values()})
-    stock = Path(slurm_stack.sshd_config).read_text().split("\nMatch ", 1)[0].splitlines()
-    lines = [line for line in stock if not line.startswith(("Port ", "PidFile "))]
-    config = tmp_path / "sshd_config"
-    config.write_text("\n".join([
-        *lines, f"Port {port}", f"PidFile {tmp_path / 'sshd.pid'}",
-        f"SetEnv SLURM_CONF={alpha.slurm_conf} XFFL_STACK_CLUSTER=alpha",
-        f'ForceCommand PATH={bin_dir}:$PATH; export PATH; eval "$SSH_ORIGINAL_COMMAND"',
-    ]) + "\n")
-    with open(tmp_path / "sshd.log", "wb") as log:
-        sshd = subprocess.Popen([stack_mod._bin("sshd"), "-D", "-e", "-f", str(config)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 15
-        while not stack_mod._ssh_banner(port, 0.5):
-            assert sshd.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "sshd.log").read_text()
-            time.sleep(0.05)
+    with extra_login(slurm_stack, tmp_path, [
+            f"SetEnv SLURM_CONF={alpha.slurm_conf} XFFL_STACK_CLUSTER=alpha",
+            f'ForceCommand PATH={bin_dir}:$PATH; export PATH; eval "$SSH_ORIGINAL_COMMAND"',
+    ]) as port:
         yield port, bin_dir
-    finally:
-        sshd.terminate()
-        sshd.wait(timeout=15)
 
 
 def _job(tmp_path: Path, stack: Any, port: int) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from streamflow.core.deployment import ExecutionLocation
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.ssh import SSHConnector
 
-from tests.stack import stack as stack_mod
+from tests.stack.extra_login import extra_login
 from xffl.workflows.sf_ssh import XfflSshConnector
 
 NOISE_ERR = "rm: cannot remove '/home/u/.pyenv/shims/tmp.u3vpOfAwYo': No such file or directory"
@@ -35,26 +34,9 @@ def noisy_login(slurm_stack: Any, tmp_path: Path) -> Iterator[str]:
     """``127.0.0.1:PORT`` of an sshd whose login shell prints a line on stderr and stdout first."""
     rc = tmp_path / "noisy-rc.sh"
     rc.write_text(f"echo \"{NOISE_ERR}\" >&2\necho \"{NOISE_OUT}\"\n")
-    port = stack_mod._free_port({c.ssh_port for c in slurm_stack.clusters.values()})
-    stock = Path(slurm_stack.sshd_config).read_text().split("\nMatch ", 1)[0].splitlines()
-    lines = [line for line in stock if not line.startswith(("Port ", "PidFile "))]
-    config = tmp_path / "sshd_config"
-    config.write_text("\n".join([*lines, f"Port {port}", f"PidFile {tmp_path / 'sshd.pid'}",
-                                 f'ForceCommand . {rc}; eval "$SSH_ORIGINAL_COMMAND"']) + "\n")
-    with open(tmp_path / "sshd.log", "wb") as log:
-        sshd = subprocess.Popen([stack_mod._bin("sshd"), "-D", "-e", "-f", str(config)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 15
-        while not stack_mod._ssh_banner(port, 0.5):
-            assert sshd.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "sshd.log").read_text()
-            time.sleep(0.05)
+    with extra_login(slurm_stack, tmp_path,
+                     [f'ForceCommand . {rc}; eval "$SSH_ORIGINAL_COMMAND"']) as port:
         yield f"127.0.0.1:{port}"
-    finally:
-        sshd.terminate()
-        sshd.wait(timeout=15)
 
 
 def _connector(cls: type[SSHConnector], node: str, stack: Any, tmp_path: Path) -> SSHConnector:
