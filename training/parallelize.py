@@ -15,11 +15,12 @@ Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group 
 consecutive (on one node, where SLURM and torchrun place consecutive ranks).
 
 ``torch.distributed.tensor`` (DTensor, FSDP2, the tensor-parallel styles, distributed
-checkpoint) costs 1.3 s of CPU to import, half of a one-rank site's start-up, and a one-rank
-run never needs it: it is imported where FSDP2, tensor parallelism or a mesh's state dict
-needs it. (With a process group, torch's DDP constructor imports ``torch._dynamo``, which
-loads it anyway.) No object can be a DTensor or an FSDP module before that module is
-loaded, which is what :func:`is_dtensor` and :func:`_is_fsdp` rely on.
+checkpoint) costs 1.3 s of CPU to import. transformers' model code imports it anyway, so
+only a ``model.entry_point`` model on one rank goes without it: this module imports it where
+FSDP2, tensor parallelism or a mesh's state dict needs it. (With a process group, torch's
+DDP constructor imports ``torch._dynamo``, which loads it too.) No object can be a DTensor
+or an FSDP module before that module is loaded, which is what :func:`is_dtensor` and
+:func:`_is_fsdp` rely on.
 """
 
 from __future__ import annotations
