@@ -22,6 +22,8 @@ from xffl.training import distributed as xdist
 from xffl.training.config import TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.distributed import DistEnv
+from xffl.training.forked import option_value
+from xffl.training.model import warm_imports as model_warm_imports
 from xffl.training.streamed import tensor_update_round
 from xffl.training.trainer import train_round
 
@@ -131,6 +133,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> int:
                    "num_tokens": manifest.num_tokens, **manifest.metrics}
         print(json.dumps(summary), flush=True)
     return ExitCode.OK
+
+
+def warm_imports(argv: list[str]) -> None:
+    """Import what the ranks of this round will run (the forked launcher, before forking)."""
+    model = option_value(argv, "--base") or option_value(argv, "--model")
+    if model is not None:
+        model_warm_imports(Path(model))
 
 
 def main(argv: list[str] | None = None) -> int:

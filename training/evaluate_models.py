@@ -31,6 +31,8 @@ from xffl.training.config import TrainJob
 from xffl.training.data import site_splits
 from xffl.training.distributed import DistEnv
 from xffl.training.evaluate import eval_count, evaluate_net
+from xffl.training.forked import option_value
+from xffl.training.model import warm_imports as model_warm_imports
 from xffl.training.parallelize import check_tensor_parallel, parallelize
 
 RESULT_FORMAT = 1
@@ -144,6 +146,13 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> int:
         print(f"xffl.training.evaluate_models: site {job.site}: {len(losses)} model(s) on "
               f"{samples} held-out sequences", flush=True)
     return ExitCode.OK
+
+
+def warm_imports(argv: list[str]) -> None:
+    """Import what the evaluating ranks will run (the forked launcher, before forking)."""
+    named = option_value(argv, "--model")
+    if named is not None and "=" in named:
+        model_warm_imports(Path(named.split("=", 1)[1]))
 
 
 def main(argv: list[str] | None = None) -> int:

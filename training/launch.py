@@ -32,6 +32,7 @@ from xffl.core.errors import XfflError
 from xffl.core.files import link_files
 from xffl.core.resources import usable_cpus
 from xffl.training import slurm_job
+from xffl.training.forked import option_value
 from xffl.training.progress import STEP_LOG_ENV, STEP_LOG_FILE
 from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
 
@@ -40,20 +41,30 @@ Launcher = Literal["torchrun", "srun", "none"]
 LAUNCHED_AT_ENV = "XFFL_LAUNCHED_AT"
 TRAINER_MODULE = "xffl.training"
 EVALUATE_MODULE = "xffl.training.evaluate_models"  # cross-site evaluation (xffl evaluate)
+FORKED_MODULE = "xffl.training.forked"
+FORK_ENV = "XFFL_FORK_RANKS"  # "0": exec every rank as torchrun does, even on a CPU machine
+# device files of GPUs a rank could use: NVIDIA, AMD (ROCm's kfd), Intel and other DRM render
+ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dri/renderD*", "accel/*")
 
 
 def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
-                  module: str = TRAINER_MODULE, python: str | None = None) -> list[str]:
+                  module: str = TRAINER_MODULE, python: str | None = None,
+                  fork: bool = False) -> list[str]:
     """The argv that starts ``ranks`` trainer processes with the chosen launcher.
 
     One rank under torchrun needs no rendezvous: it runs as one process (what torchrun would
-    start, without torchrun's own interpreter and its second import of torch).
+    start, without torchrun's own interpreter and its second import of torch). With ``fork``
+    (CPU machines, :func:`forkable`), torchrun's ranks are forked from one interpreter that
+    imported the module once (:mod:`xffl.training.forked`) instead of exec'd one by one.
     """
     py = python or sys.executable
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, got {ranks}")
     if launcher == "torchrun" and ranks == 1:
         launcher = "none"
+    if launcher == "torchrun" and fork:
+        return [py, "-m", FORKED_MODULE, "--nproc-per-node", str(ranks), "-m", module,
+                *trainer_args]
     if launcher == "torchrun":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(ranks), "-m", module, *trainer_args]
@@ -66,6 +77,17 @@ def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
         return [py, "-m", module, *trainer_args]
     known = ", ".join(get_args(Launcher))
     raise ValueError(f"unknown launcher {launcher!r}; choose one of {known}")
+
+
+def forkable(env: Mapping[str, str], devices: Path = Path("/dev")) -> bool:
+    """Whether torchrun's ranks may be forked here: no accelerator a rank could compute on.
+
+    A CUDA (or ROCm, XPU) context does not survive ``fork``, so any GPU device file keeps
+    torchrun's exec'd ranks; ``XFFL_FORK_RANKS=0`` (a site profile's ``env``) does too.
+    """
+    if env.get(FORK_ENV, "").strip() == "0":
+        return False
+    return not any(any(devices.glob(pattern)) for pattern in ACCELERATOR_DEVICES)
 
 
 def _manifest_fingerprint(out_dir: Path) -> str | None:
@@ -136,7 +158,7 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
     """
     launched_at = time.time()
     job = slurm_job.start(slurm_job_name, env)
-    rnd, model = _arg(trainer_args, "--round"), _arg(trainer_args, "--model")
+    rnd, model = option_value(trainer_args, "--round"), option_value(trainer_args, "--model")
     if keep is not None and rnd is not None and model is not None and rnd.isdigit() \
             and reuse_kept(keep, int(rnd), Path(model), out_dir):
         print(f"xffl.training.launch: reusing the update this site trained for round {rnd} "
@@ -161,8 +183,9 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
 def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir: Path, *,
                module: str, env: Mapping[str, str] | None) -> int:
     """Start the ranks and judge the outcome (see the module doc)."""
-    command = build_command(ranks, launcher, trainer_args, module=module)
     child_env = dict(os.environ if env is None else env)
+    command = build_command(ranks, launcher, trainer_args, module=module,
+                            fork=forkable(child_env))
     threads = rank_threads(child_env, ranks_per_node(ranks, child_env, launcher), usable_cpus())
     if threads is not None:
         child_env[OMP_ENV] = str(threads)
@@ -206,16 +229,6 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
     return _exit_code(rc) or 1
 
 
-def _arg(trainer_args: Sequence[str], option: str) -> str | None:
-    """The value of ``option`` among the trainer's arguments, if present."""
-    for i, arg in enumerate(trainer_args):
-        if arg == option and i + 1 < len(trainer_args):
-            return trainer_args[i + 1]
-        if arg.startswith(f"{option}="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: options before ``--`` are the launcher's, after it the trainer's."""
     os.umask(0o077)  # the update and the kept copy at the site are the site user's alone
@@ -241,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="inside a SLURM job: the name the job should carry (renamed with "
                         "scontrol if it differs); its record goes to OUT/slurm_job.json")
     args = parser.parse_args(own)
-    out_arg = _arg(trainer_args, "--out")
+    out_arg = option_value(trainer_args, "--out")
     out_dir = args.out or (Path(out_arg) if out_arg is not None else None)
     if out_dir is None:
         parser.error("the trainer arguments after -- need --out DIR (or pass --out here)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.training.checkpoint import load_model
 from xffl.training.config import TrainJob
 from xffl.training.data import TokenShards
-from xffl.training.launch import build_command, launch
+from xffl.training.launch import FORK_ENV, build_command, forkable, launch
 from xffl.training.model import export_state_dict, lm_loss
 from xffl.training.optimizer import make_optimizer
 
@@ -32,6 +33,10 @@ def test_build_command() -> None:
     srun = build_command(4, "srun", args, python="py")
     assert srun[0] == "srun" and "--ntasks=4" in srun
     assert srun[-5:] == ["py", "-m", "xffl.training", "--job", "j.json"]
+    forked = build_command(2, "torchrun", args, python="py", fork=True)
+    assert forked == ["py", "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+                      "xffl.training", "--job", "j.json"]
+    assert build_command(4, "srun", args, python="py", fork=True) == srun  # srun execs
     assert build_command(1, "none", args, python="py") == ["py", "-m", "xffl.training", *args]
     assert build_command(1, "torchrun", args, python="py") == build_command(1, "none", args,
                                                                              python="py")
@@ -39,6 +44,72 @@ def test_build_command() -> None:
         build_command(2, "none", args)
     with pytest.raises(ValueError, match="launcher"):
         build_command(1, "mpirun", args)  # type: ignore[arg-type]
+
+
+def test_forkable_only_without_accelerator_devices(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    (dev / "dri").mkdir(parents=True)
+    (dev / "null").touch()
+    (dev / "dri" / "card0").touch()  # a display, not a render node
+    assert forkable({}, dev)
+    assert not forkable({FORK_ENV: "0"}, dev)
+    for gpu in ("nvidia0", "kfd", "dri/renderD128"):
+        (dev / gpu).touch()
+        assert not forkable({}, dev), gpu
+        (dev / gpu).unlink()
+
+
+FAKE_RANK = """
+import json, os, sys
+WARMED = []
+
+
+def warm_imports(argv):
+    WARMED.append(list(argv))
+
+
+if __name__ == "__main__":
+    out, mode = sys.argv[1:3]
+    preloaded = sys.modules.get("fake_rank")  # set only in a process that imported it
+    rank = os.environ["RANK"]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump({"world": os.environ["WORLD_SIZE"], "master": os.environ["MASTER_ADDR"],
+                   "warmed": preloaded.WARMED if preloaded else None,
+                   "parent": os.getppid()}, fh)
+    if rank == "1" and mode == "exit3":
+        sys.exit(3)
+    if rank == "1" and mode == "abort":
+        os.abort()
+"""
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_torchrun_ranks_forked_from_one_warmed_interpreter(tmp_path: Path, fork: bool) -> None:
+    """Forked ranks find the module imported and warmed before the fork; exec'd ones do not.
+
+    Both ways torch's elastic agent sets the ranks' rendezvous environment, and a rank's
+    failure is the launcher's exit code (forked: the rank's own; torchrun's exec'd ranks: 1).
+    """
+    (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), FORK_ENV: "1" if fork else "0"}
+    out = tmp_path / "out"
+    out.mkdir()
+    assert launch(2, "torchrun", [str(out), "ok"], out, module="fake_rank", env=env) == 0
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == ["2", "2"]
+    assert ranks[0]["parent"] == ranks[1]["parent"] != os.getpid()
+    if fork:
+        assert [r["warmed"] for r in ranks] == [[[str(out), "ok"]]] * 2
+    else:
+        assert [r["warmed"] for r in ranks] == [None, None]
+    if fork:  # the failing rank's own exit code, or 128 + its signal
+        assert launch(2, "torchrun", [str(out), "exit3"], out, module="fake_rank",
+                      env=env) == 3
+        assert launch(2, "torchrun", [str(out), "abort"], out, module="fake_rank",
+                      env=env) == 128 + 6
+    else:
+        assert launch(2, "torchrun", [str(out), "exit3"], out, module="fake_rank",
+                      env=env) != 0
 
 
 FAKE_TRAINER = """
