@@ -204,7 +204,7 @@ def _from_run(ref: str, rnd: int | None, previous: Path | None,
 def _hand_bounds(max_val_samples: int) -> Bounds:
     """The bounds of ``--max-val-samples`` without a run: validation numbers admitted."""
     from xffl.aggregator.reported import Bounds
-    from xffl.workflows.admit_step import SIDE_FILES
+    from xffl.workflows.steps.admit import SIDE_FILES
 
     return Bounds(side_files=SIDE_FILES, max_val_samples=max_val_samples)
 

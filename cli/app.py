@@ -124,24 +124,12 @@ def _root(
         stream.soft_wrap = not stream.is_terminal
 
 
-app.command(cls=XfflCommand)(init.init)
-app.command(cls=XfflCommand)(submit.submit)
-app.command(cls=XfflCommand)(status.status)
-app.command(cls=XfflCommand)(watch.watch)
-app.command(cls=XfflCommand)(runs.runs)
-app.command(cls=XfflCommand)(render.render)
-app.command(cls=XfflCommand)(validate.validate)
-app.command(cls=XfflCommand)(aggregate.aggregate)
-app.command(cls=XfflCommand)(cancel.cancel)
-app.command(cls=XfflCommand)(logs.logs)
-app.command(cls=XfflCommand)(resume.resume)
-app.command(name="round", cls=XfflCommand)(round.round_)
-app.command(cls=XfflCommand)(schedule.schedule)
-app.command(cls=XfflCommand)(report.report)
-app.command(cls=XfflCommand)(provenance.provenance)
-app.command(cls=XfflCommand)(export.export)
-app.command(cls=XfflCommand)(evaluate.evaluate)
-app.command(cls=XfflCommand)(simulate.simulate)
+# the commands in the order `xffl --help` lists them; each module's function is the command
+for command in (init.init, submit.submit, status.status, watch.watch, runs.runs, render.render,
+                validate.validate, aggregate.aggregate, cancel.cancel, logs.logs, resume.resume,
+                round.round_, schedule.schedule, report.report, provenance.provenance,
+                export.export, evaluate.evaluate, simulate.simulate):
+    app.command(name=command.__name__.rstrip("_"), cls=XfflCommand)(command)
 app.add_typer(profiles.app, name="profiles")
 # the name of xffl <= 0.1 for the same commands, kept for scripts; hidden from the help
 app.add_typer(profiles.app, name="sites", hidden=True, deprecated=True)

@@ -40,7 +40,7 @@ def render(
     """
     from xffl.jobs.load import load_job
     from xffl.jobs.trust import require_consent
-    from xffl.workflows.plan import write_initial_model, write_plan
+    from xffl.workflows.plan.compile import write_initial_model, write_plan
 
     loaded = load_job(job)
     if init_model:  # before anything is written

@@ -21,8 +21,8 @@ def validate(
     Example: xffl validate demo/job.yaml
     """
     from xffl.jobs.load import load_job
-    from xffl.workflows.plan import write_plan
-    from xffl.workflows.validate import validate_cwl
+    from xffl.workflows.plan.compile import write_plan
+    from xffl.workflows.plan.validate import validate_cwl
 
     loaded = load_job(job)
     with tempfile.TemporaryDirectory(prefix="xffl-validate-") as tmp:

@@ -9,7 +9,7 @@ Every figure comes from the run registry. A site's round is broken down as
   (processes, imports, the process group, loading the global model and the data);
 - training is the trainer's own loop time;
 - transfer is what StreamFlow's copies between the coordinator and the site took (timed by
-  :mod:`xffl.workflows.sf_transfers`; copies overlapping in time count once);
+  :mod:`xffl.workflows.extensions.transfers`; copies overlapping in time count once);
 - delivered is when the site's update was in place on the coordinator, counted from the
   round's start; ``other`` is what is left: StreamFlow's scheduling and polling, submitting
   the job, the batch script's own set-up, checking the update.
@@ -39,7 +39,7 @@ FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "val_loss"
            "delivered_s": "{:.1f}"}
 
 
-GLOBAL = "global"  # the global model's column (xffl.workflows.evaluate_plan names it so)
+GLOBAL = "global"  # the global model's column (xffl.workflows.plan.evaluation names it so)
 
 
 def cross_site_matrix(cells: list[EvalCell]) -> dict[str, Any]:

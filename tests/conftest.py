@@ -41,8 +41,8 @@ def xffl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One XDG cache for the whole test run, its pytest-xdist workers included: the seeded
-    initial models (xffl.workflows.init_cache) are built once, not in every run's supervisor.
-    tests/workflows/test_init_cache.py tests that cache with caches of its own."""
+    initial models (xffl.workflows.plan.init_cache) are built once, not in every run's supervisor.
+    tests/workflows/plan/test_init_cache.py tests that cache with caches of its own."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xdg-cache"
     os.environ["XDG_CACHE_HOME"] = str(root)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # The version of the seeded initialisation (training.seeded): cached initial models
-# (xffl.workflows.init_cache) are keyed by it. Bump it whenever that code changes.
+# (xffl.workflows.plan.init_cache) are keyed by it. Bump it whenever that code changes.
 INIT_VERSION = 3
 
 # The tensor-parallel styles of transformers' plans (config.base_model_tp_plan) xffl applies

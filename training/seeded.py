@@ -10,7 +10,7 @@ model of any size into a checkpoint holding a few blocks at a time (the coordina
 with the same values (a small model built in memory equals the one written by streaming).
 numpy documents PCG64 and SeedSequence as stable; ``standard_normal`` and ``random`` may in
 principle change with numpy's version, so cached round-0 models are keyed by it and by
-``training.arch.INIT_VERSION`` (:mod:`xffl.workflows.init_cache`): bump that when the values
+``training.arch.INIT_VERSION`` (:mod:`xffl.workflows.plan.init_cache`): bump that when the values
 given here change.
 """
 

@@ -1,6 +1,6 @@
 """What ``xffl aggregate --run RUN --round R`` takes from a run: the round's kept updates, the
 global the round started from, and the aggregation options and report bounds of its job, as
-the round's own admit and aggregate steps had them (:mod:`xffl.workflows.plan`)."""
+the round's own admit and aggregate steps had them (:mod:`xffl.workflows.plan.compile`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from xffl.aggregator.reported import Bounds
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.spec import JobSpec
-from xffl.workflows.admit_step import SIDE_FILES
-from xffl.workflows.plan import report_bounds
+from xffl.workflows.plan.compile import report_bounds
+from xffl.workflows.steps.admit import SIDE_FILES
 
 
 @dataclass(frozen=True)

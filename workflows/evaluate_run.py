@@ -1,10 +1,10 @@
 """Run a round's cross-site evaluation with StreamFlow, in this process, and record it.
 
-The workflow is the one :mod:`xffl.workflows.evaluate_plan` writes into the run directory,
+The workflow is the one :mod:`xffl.workflows.plan.evaluation` writes into the run directory,
 run with StreamFlow's Python API as the supervisor runs ``main.cwl``
 (:mod:`xffl.workflows.streamflow_run`), as one StreamFlow workflow per evaluation, within a
 bounded time. Each site's file comes back into the execution's output folder; the
-coordinator reads it as untrusted input (:mod:`xffl.workflows.evaluate_result`). A site
+coordinator reads it as untrusted input (:mod:`xffl.workflows.steps.evaluate_result`). A site
 whose evaluation failed, or whose file is rejected, is a failed row with its reason; the
 other rows are recorded in the registry's ``evaluations`` table.
 """
@@ -23,9 +23,13 @@ from xffl.jobs.records import EvalCell, RunRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
-from xffl.workflows.attempts import read_attempts
-from xffl.workflows.evaluate_plan import WORKFLOW, EvaluationPlan, result_name, write_evaluation
-from xffl.workflows.evaluate_result import EvaluationRejected, SiteEvaluation, parse_evaluation
+from xffl.workflows.plan.evaluation import WORKFLOW, EvaluationPlan, result_name, write_evaluation
+from xffl.workflows.steps.attempts import read_attempts
+from xffl.workflows.steps.evaluate_result import (
+    EvaluationRejected,
+    SiteEvaluation,
+    parse_evaluation,
+)
 
 EVENT = "evaluation"
 CANCEL_WAIT_S = 30.0  # for the steps still running when the evaluation ends early

@@ -68,7 +68,7 @@ class Outcome:
 
 def template_source(loaded: LoadedJob, site: SiteSpec) -> Path:
     """Where a template site's own dataset lies on this machine (relative paths: its workdir)."""
-    from xffl.workflows.deployments import site_data_path
+    from xffl.workflows.plan.deployments import site_data_path
 
     return Path(site_data_path(loaded.site_profile(site.name), site.name,
                                site.data.path)).expanduser()

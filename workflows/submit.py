@@ -18,8 +18,8 @@ from xffl.jobs.states import RunState
 from xffl.jobs.trust import record_consent, require_consent
 from xffl.site_profiles.privacy import check_workdir
 from xffl.site_profiles.remote import preflight
-from xffl.workflows.deployments import site_workdir
-from xffl.workflows.plan import write_plan
+from xffl.workflows.plan.compile import write_plan
+from xffl.workflows.plan.deployments import site_workdir
 from xffl.workflows.supervisor import spawn
 
 

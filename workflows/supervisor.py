@@ -12,7 +12,7 @@ The supervisor starts the workflow, watches it (a failed step ends it at once: S
 does not always end a workflow whose loop lost a step), and records the run's state; the
 plan's own steps record the rounds (admit and aggregate write to the registry named in
 ``run.json``). Site failures, retries, quorum and round timeouts happen inside the workflow,
-through xffl's StreamFlow plugin (:mod:`xffl.workflows.sf_failure`).
+through xffl's StreamFlow plugin (:mod:`xffl.workflows.extensions.failure`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RunState
 from xffl.jobs.trust import consented
-from xffl.workflows.aggregate_step import QUORUM_EVENT
-from xffl.workflows.early_stop import read_stopped
-from xffl.workflows.plan import write_execution_inputs, write_initial_model
+from xffl.workflows.plan.compile import write_execution_inputs, write_initial_model
+from xffl.workflows.steps.aggregate import QUORUM_EVENT
+from xffl.workflows.steps.early_stop import read_stopped
 
 
 def spawn(run_id: str, run_dir: Path, registry: Path) -> int:

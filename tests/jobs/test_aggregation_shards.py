@@ -12,8 +12,8 @@ from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import parse_size
 from xffl.jobs.load import load_job
-from xffl.workflows.aggregate_step import run_spec
-from xffl.workflows.plan import write_plan
+from xffl.workflows.plan.compile import write_plan
+from xffl.workflows.steps.aggregate import run_spec
 
 
 def _job(tmp_path: Path, size: Any) -> Path:

@@ -24,8 +24,8 @@ from xffl.core.names import NAME_RE
 from xffl.jobs.load import LoadedJob, load_job
 from xffl.site_profiles.lookup import available
 from xffl.site_profiles.schema import shell_unsafe_char
-from xffl.workflows.deployments import site_data_path
-from xffl.workflows.plan import write_plan
+from xffl.workflows.plan.compile import write_plan
+from xffl.workflows.plan.deployments import site_data_path
 
 BUNDLED = {"local", "leonardo", "karolina", "lumi"}
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,

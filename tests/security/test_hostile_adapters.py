@@ -21,7 +21,7 @@ from xffl.jobs.states import SiteState
 from xffl.training import lora
 from xffl.training.checkpoint import init_global
 from xffl.training.config import LoraSpec, ModelSpec
-from xffl.workflows.admit_step import admit
+from xffl.workflows.steps.admit import admit
 
 SPEC = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
 

@@ -24,7 +24,7 @@ from xffl.aggregator.strategies import run_strategy
 from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
 from xffl.training.slurm_job import read_record
-from xffl.workflows.admit_step import SIDE_FILES, admit
+from xffl.workflows.steps.admit import SIDE_FILES, admit
 
 CONFIG = {"hidden_size": 8, "rope_theta": 10000.0, "tie_word_embeddings": False}
 

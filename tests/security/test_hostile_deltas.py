@@ -12,7 +12,7 @@ from xffl.aggregator.exchange import read_manifest
 from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
 from xffl.training.config import ExchangeSpec
-from xffl.workflows.admit_step import admit
+from xffl.workflows.steps.admit import admit
 
 CONFIG = {"hidden_size": 8}
 

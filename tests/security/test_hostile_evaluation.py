@@ -27,8 +27,8 @@ from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.lookup import find_profile
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
-from xffl.workflows.evaluate_plan import EvaluationPlan, result_name, write_evaluation
 from xffl.workflows.evaluate_run import Outcome, site_row
+from xffl.workflows.plan.evaluation import EvaluationPlan, result_name, write_evaluation
 
 MODELS = ["global", "alpha", "beta"]
 

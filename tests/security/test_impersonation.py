@@ -1,6 +1,6 @@
 """A site cannot speak for another: an update whose manifest names another site is rejected
 where it arrives, by the coordinator's own name for the step (the admit step of
-``workflows/admit_step.py``), not later by the aggregator's duplicate-site refusal.
+``workflows/steps/admit.py``), not later by the aggregator's duplicate-site refusal.
 
 The hostile corpus (tests/security/hostile_site.py, ``_edit(site="honest")``) runs the same
 attack through a real round; this test holds the admission check itself to it.
@@ -19,7 +19,7 @@ from xffl.aggregator.strategies import run_strategy
 from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
-from xffl.workflows.admit_step import admit
+from xffl.workflows.steps.admit import admit
 
 CONFIG = {"hidden_size": 8}
 

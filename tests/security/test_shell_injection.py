@@ -3,7 +3,7 @@
 StreamFlow 0.2.0rc3 builds every command line as ``cd {workdir} && export K="V" && ...``
 (``streamflow.core.utils.create_command``), nothing quoted: a backtick, ``$(``, a ``"`` or a
 newline in a value ran, on the coordinator for a local site. xffl's plugin puts
-:func:`xffl.workflows.sf_shell.create_command` in its place (each value shell-quoted: the
+:func:`xffl.workflows.extensions.shell.create_command` in its place (each value shell-quoted: the
 value arrives as literal text), and the profile schema refuses a workdir that is more than
 plain path text (StreamFlow also joins it, unquoted, into mkdir, tar and sbatch command lines
 at an SSH site) with its file and line. Each payload would ``touch`` a marker file; the
@@ -34,9 +34,9 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.site_profiles.schema import SiteProfile
-from xffl.workflows import sf_shell
-from xffl.workflows.deployments import batch_script
-from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
+from xffl.workflows.extensions import shell as sf_shell
+from xffl.workflows.extensions.connectors import XfflLocalConnector, XfflSlurmConnector
+from xffl.workflows.plan.deployments import batch_script
 
 STREAMFLOW = Path(sys.executable).with_name("streamflow")
 runner = CliRunner()

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
-from xffl.workflows.sf_connectors import XfflSlurmConnector
+from xffl.workflows.extensions.connectors import XfflSlurmConnector
 
 runner = CliRunner()
 

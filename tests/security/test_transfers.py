@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.workflows.test_sf_plugin import final_global, run_rounds
-from xffl.workflows.sf_ssh import (
+from tests.workflows.extensions.test_plugin import final_global, run_rounds
+from xffl.workflows.extensions.ssh import (
     COPY_SLACK_BYTES,
     COPY_SLACK_MEMBERS,
     CopyCaps,

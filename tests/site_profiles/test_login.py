@@ -17,7 +17,7 @@ from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.site_profiles.login import resolve
 from xffl.site_profiles.schema import SshConnector
-from xffl.workflows.deployments import ssh_connection
+from xffl.workflows.plan.deployments import ssh_connection
 
 runner = CliRunner()
 
@@ -129,7 +129,7 @@ def test_sites_check_through_a_host_alias(tmp_path: Path, slurm_stack: Any,
 
 def test_transfer_settings_reach_streamflow(home: Path, tmp_path: Path) -> None:
     from xffl.site_profiles.schema import SiteProfile
-    from xffl.workflows.deployments import site_deployments
+    from xffl.workflows.plan.deployments import site_deployments
 
     profile = SiteProfile.model_validate({
         "name": "slow", "connector": {"type": "ssh", "host": "h", "user": "u",

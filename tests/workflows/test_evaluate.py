@@ -31,8 +31,8 @@ from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
-from xffl.workflows.evaluate_plan import check_evaluable
-from xffl.workflows.evaluate_result import EvaluationRejected, parse_evaluation
+from xffl.workflows.plan.evaluation import check_evaluable
+from xffl.workflows.steps.evaluate_result import EvaluationRejected, parse_evaluation
 
 runner = CliRunner()
 MODELS = ["global", "alpha", "beta"]

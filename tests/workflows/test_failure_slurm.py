@@ -112,7 +112,7 @@ def test_controller_outage_quorum_and_resume(tmp_path: Path,
         try:
             # quorum of one: the round completes on alpha, beta's failure is on record
             # (rounds that go on without a site, round after round:
-            # tests/workflows/test_sf_plugin.py)
+            # tests/workflows/extensions/test_plugin.py)
             result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
             out2, err2 = both.communicate(timeout=300)
         finally:

@@ -27,7 +27,7 @@ from tests.conftest import QUICKSTART, REPO
 from tests.security.json_equal_site import write_profile
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.cli.app import app
-from xffl.workflows.balance import balanced_steps
+from xffl.workflows.steps.balance import balanced_steps
 
 runner = CliRunner()
 
@@ -97,7 +97,7 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
     steps = {(r, s): verify_checkpoint(run_dir / "rounds" / str(r) / "updates" / s)
              .metrics["steps"] for r in (1, 2) for s in budgets}
     assert {s: steps[1, s] for s in budgets} == budgets  # round 1: the budgets as written
-    # the balancing formula is pinned by tests/workflows/test_balance.py; here, that what it
+    # the balancing formula is pinned by tests/workflows/steps/test_balance.py; here, that what it
     # gives from the real round-1 measurements reached the round-2 job files and the trainer
     # obeyed them, within each site's bounds (its budget, at most balance_max times it)
     expected = balanced_steps(run_dir, 2, list(budgets))

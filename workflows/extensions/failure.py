@@ -17,7 +17,7 @@ steps belong to which site (its ``sites`` config):
   default manager does.
 
 Each failed attempt is recorded in ``rounds/<r>/attempts/<site>.json``
-(:mod:`xffl.workflows.attempts`).
+(:mod:`xffl.workflows.steps.attempts`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from streamflow.workflow.step import ExecuteStep, ScheduleStep
 from streamflow.workflow.token import JobToken
 
 from xffl.core.layout import RunLayout
-from xffl.workflows.attempts import SiteAttempts, short_reason, write_attempts
+from xffl.workflows.steps.attempts import SiteAttempts, short_reason, write_attempts
 
 TIMEOUT_MARK = "xffl: round timeout"
 

@@ -1,6 +1,6 @@
 """The aggregate step of a round, run by the plan on the coordinator.
 
-``python -m xffl.workflows.aggregate_step --run-dir D --sites a,b --round R --max-rounds M
+``python -m xffl.workflows.steps.aggregate --run-dir D --sites a,b --round R --max-rounds M
 --previous G --verdict=a=V --update=a=U --job=a=J ...`` takes every site's verdict (from its
 admit step), aggregates the admitted updates tensor by tensor into ``rounds/<r>/global``
 (atomically) when at least the job's quorum were admitted, keeps them in
@@ -40,9 +40,9 @@ from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
 from xffl.training.config import ExchangeSpec
-from xffl.workflows.balance import round_job
-from xffl.workflows.early_stop import Stopped, federated, history, stop_reason, write_stopped
-from xffl.workflows.verdict import Verdict, read_verdict
+from xffl.workflows.steps.balance import round_job
+from xffl.workflows.steps.early_stop import Stopped, federated, history, stop_reason, write_stopped
+from xffl.workflows.steps.verdict import Verdict, read_verdict
 
 QUORUM_EXIT = 1
 QUORUM_EVENT = "quorum"  # the registry event the supervisor reports a failed round with
@@ -153,7 +153,7 @@ def next_jobs(layout: RunLayout, rnd: int, jobs: dict[str, Path], sites: list[st
     """Each site's job file for round ``rnd + 1``, as outputs in ``here``.
 
     The configured job, or the one balanced by the sites' throughput in round ``rnd``
-    (``training.balance``, :mod:`xffl.workflows.balance`).
+    (``training.balance``, :mod:`xffl.workflows.steps.balance`).
     """
     out: dict[str, Path] = {}
     for site in sites:
@@ -213,7 +213,7 @@ def run_step(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's aggregate tool."""
     private_files()  # also when StreamFlow runs the plan by hand
-    parser = argparse.ArgumentParser(prog="xffl.workflows.aggregate_step")
+    parser = argparse.ArgumentParser(prog="xffl.workflows.steps.aggregate")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--sites", required=True, help="the plan's sites, comma-separated")
     parser.add_argument("--round", type=int, required=True)

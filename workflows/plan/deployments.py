@@ -1,7 +1,7 @@
 """A site's side of the plan: its StreamFlow deployments and the batch script of its SLURM jobs.
 
 A SLURM site is an ssh deployment (its login node) wrapped by an ``xffl-slurm`` deployment
-(StreamFlow's SLURM connector with xffl's deadline; see :mod:`xffl.workflows.sf_connectors`)
+(StreamFlow's SLURM connector with xffl's deadline; see :mod:`xffl.workflows.extensions.connectors`)
 whose batch template is ``sbatch/<site>.j2``. That template and the hand-run
 ``sbatch/<site>.sh`` come from one Jinja2 template (``templates/sbatch.sh.j2``) and the
 site's effective SLURM settings (the profile's slurm section with the job spec's per-site
@@ -28,13 +28,12 @@ from xffl.site_profiles.schema import (
     SlurmSpec,
     shell_unsafe_char,
 )
+from xffl.workflows.extensions import (
+    LOCAL_CONNECTOR,
+    SLURM_CONNECTOR,
+    SSH_CONNECTOR,
+)
 
-# the names xffl's StreamFlow plugin registers (xffl.workflows.sf_plugin)
-FAILURE_MANAGER = "xffl"
-DATA_MANAGER = "xffl"
-SLURM_CONNECTOR = "xffl-slurm"
-LOCAL_CONNECTOR = "xffl-local"
-SSH_CONNECTOR = "xffl-ssh"
 TRAIN_SERVICE = "train"
 COORDINATOR = "coordinator"  # the deployment of the steps that run on the coordinator
 SLURM_NAME_OPTION = "--slurm-job-name"  # the launcher's option naming the round's job
@@ -110,7 +109,7 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     slurm = profile.slurm
     assert slurm is not None
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("xffl.workflows", "templates"),
+        loader=jinja2.PackageLoader("xffl.workflows.plan", "templates"),
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
     )
     env.filters["q"] = lambda v: shlex.quote(str(v))

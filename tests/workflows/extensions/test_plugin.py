@@ -106,7 +106,7 @@ def attempts(run_dir: Path, rnd: int, site: str) -> dict[str, Any] | None:
 def test_the_plugin_is_found_by_streamflow() -> None:
     out = subprocess.run([str(STREAMFLOW), "plugin", "list"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    assert "xffl.workflows.sf_plugin.XfflPlugin" in out
+    assert "xffl.workflows.extensions.plugin.XfflPlugin" in out
 
 
 @pytest.mark.slow
@@ -206,7 +206,7 @@ _ATTEMPT = """
 import asyncio, sys
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.deployment.connector.local import LocalConnector
-from xffl.workflows.sf_connectors import XfflLocalConnector
+from xffl.workflows.extensions.connectors import XfflLocalConnector
 cls = {"upstream": LocalConnector, "xffl": XfflLocalConnector}[sys.argv[1]]
 connector = cls(deployment_name="site", config_dir=".")
 location = ExecutionLocation(name="__LOCAL__", deployment="site", local=True)

@@ -1,11 +1,11 @@
 """The admit step of a round: check one site's update on the coordinator as soon as it arrives.
 
-``python -m xffl.workflows.admit_step --run-dir D --site S --round R --previous G [--update U]``
+``python -m xffl.workflows.steps.admit --run-dir D --site S --round R --previous G [--update U]``
 runs once per site and round (``admit_<site>`` in round.cwl), on the coordinator, right after
 StreamFlow has brought the site's update back, so checking overlaps the other sites'
 training. The site's name is the coordinator's own (from the plan), never the update's.
 
-It writes ``verdict.json`` (:mod:`xffl.workflows.verdict`): ``completed`` (the update passed
+It writes ``verdict.json`` (:mod:`xffl.workflows.steps.verdict`): ``completed`` (the update passed
 :func:`xffl.aggregator.verify.check_update` against the round's global model and names this
 site; it is output as ``update/``), ``rejected`` (with the reason), or ``failed`` (no update
 came back: the reasons the failure manager recorded). In a registered run it also records
@@ -40,8 +40,8 @@ from xffl.core.paths import private_files
 from xffl.jobs.states import SiteState
 from xffl.training.config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
-from xffl.workflows.attempts import read_attempts
-from xffl.workflows.verdict import VERDICT_FILE, Verdict
+from xffl.workflows.steps.attempts import read_attempts
+from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict
 
 SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
 
@@ -162,7 +162,7 @@ def run_step(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's admit tool."""
     private_files()  # also when StreamFlow runs the plan by hand
-    parser = argparse.ArgumentParser(prog="xffl.workflows.admit_step")
+    parser = argparse.ArgumentParser(prog="xffl.workflows.steps.admit")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--site", required=True)
     parser.add_argument("--round", type=int, required=True)

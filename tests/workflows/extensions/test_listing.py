@@ -45,7 +45,7 @@ def update(tmp_path: Path) -> Path:
 def test_upstream_lists_and_checksums_a_no_listing_directory(update: Path) -> None:
     import streamflow.cwl.utils as sf_cwl_utils
 
-    from xffl.workflows.sf_listing import install
+    from xffl.workflows.extensions.listing import install
 
     install()
     upstream = sf_cwl_utils.update_file_token.__wrapped__  # type: ignore[attr-defined]
@@ -60,7 +60,7 @@ def test_upstream_lists_and_checksums_a_no_listing_directory(update: Path) -> No
 def test_xffl_leaves_a_no_listing_directory_unlisted(update: Path) -> None:
     import streamflow.cwl.utils as sf_cwl_utils
 
-    from xffl.workflows.sf_listing import install
+    from xffl.workflows.extensions.listing import install
 
     install()
     token = _update_file_token(sf_cwl_utils.update_file_token, update)

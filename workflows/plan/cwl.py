@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from xffl.core.names import slurm_job_name
-from xffl.workflows.deployments import SLURM_NAME_OPTION
+from xffl.workflows.plan.deployments import SLURM_NAME_OPTION
 
 LOOP_NS = "http://commonwl.org/cwltool#"
 CWL_VERSION = "v1.2"
@@ -90,7 +90,7 @@ def admit_tool(run_dir: str, exchange: str = "weights/fp32",
         "class": "CommandLineTool",
         "doc": "Check one site's update against the round's global model; output it with a "
         "verdict (accepted, rejected or failed, and why).",
-        "baseCommand": [sys.executable, "-m", "xffl.workflows.admit_step"],
+        "baseCommand": [sys.executable, "-m", "xffl.workflows.steps.admit"],
         "arguments": ["--run-dir", run_dir, "--exchange", exchange,
                       *(["--freeze-a"] if freeze_a else [])],
         "inputs": {
@@ -124,7 +124,7 @@ def aggregate_tool(run_dir: str, sites: list[str]) -> dict[str, Any]:
         "class": "CommandLineTool",
         "doc": "Aggregate the admitted updates into rounds/<r>/global, record the round, and "
         "decide on the next one (cwl.output.json: model, next_round, go, job files).",
-        "baseCommand": [sys.executable, "-m", "xffl.workflows.aggregate_step"],
+        "baseCommand": [sys.executable, "-m", "xffl.workflows.steps.aggregate"],
         "arguments": ["--run-dir", run_dir, "--sites", ",".join(sites)],
         "inputs": {
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 from streamflow.ext.plugin import StreamFlowPlugin
 
-from xffl.workflows.deployments import (
+from xffl.workflows.extensions import (
     DATA_MANAGER,
     FAILURE_MANAGER,
     LOCAL_CONNECTOR,
     SLURM_CONNECTOR,
     SSH_CONNECTOR,
 )
-from xffl.workflows.sf_connectors import XfflLocalConnector, XfflSlurmConnector
-from xffl.workflows.sf_failure import SiteFailureManager
-from xffl.workflows.sf_listing import install as install_listing_fix
-from xffl.workflows.sf_shell import install as install_shell_quoting
-from xffl.workflows.sf_ssh import XfflSshConnector
-from xffl.workflows.sf_transfers import TransferClock
-from xffl.workflows.sf_translate import install as install_translation_fix
+from xffl.workflows.extensions.connectors import XfflLocalConnector, XfflSlurmConnector
+from xffl.workflows.extensions.failure import SiteFailureManager
+from xffl.workflows.extensions.listing import install as install_listing_fix
+from xffl.workflows.extensions.shell import install as install_shell_quoting
+from xffl.workflows.extensions.ssh import XfflSshConnector
+from xffl.workflows.extensions.transfers import TransferClock
+from xffl.workflows.extensions.translate import install as install_translation_fix
 
 
 class XfflPlugin(StreamFlowPlugin):

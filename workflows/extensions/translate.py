@@ -14,7 +14,7 @@ run (a resume, each cron tick).
 hands the same parsed tool to every port of the check. The checker only reads types from it
 (``convert_stdstreams_to_files``, which it also applies, is idempotent); the cache is
 dropped when the check ends, and ``load_step`` outside a check is upstream's.
-``tests/workflows/test_sf_translate.py`` shows the upstream behaviour beside this one.
+``tests/workflows/extensions/test_translate.py`` shows the upstream behaviour beside this one.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ StreamFlow also renders each batch template with a plain ``jinja2.Template``
 schema refuses Jinja2 statements in the lines a site contributes; ``xffl-slurm`` also renders
 its templates in Jinja2's sandbox (:class:`SandboxedTemplateMap`), so a template that got
 past the schema still cannot reach Python. Its ``streamflow_environment`` and
-``streamflow_workdir`` are shell-quoted (:mod:`xffl.workflows.sf_shell`), and the workdir
+``streamflow_workdir`` are shell-quoted (:mod:`xffl.workflows.extensions.shell`), and the workdir
 it passes to ``sbatch --chdir "..."`` (upstream's double quotes) must be plain path text.
 """
 
@@ -46,8 +46,8 @@ from streamflow.deployment.connector.queue_manager import SlurmConnector
 from streamflow.deployment.template import CommandTemplateMap
 
 from xffl.site_profiles.schema import shell_unsafe_char
-from xffl.workflows.sf_failure import TIMEOUT_MARK
-from xffl.workflows.sf_shell import create_command, environment_words
+from xffl.workflows.extensions.failure import TIMEOUT_MARK
+from xffl.workflows.extensions.shell import create_command, environment_words
 
 KILL_GRACE_S = 10.0
 STDOUT = asyncio.subprocess.STDOUT

@@ -10,7 +10,7 @@ the site's own), so StreamFlow sends them to every site; each step's output is o
 JSON file of numbers (``evaluation-<site>.json``: the workflow's outputs are collected into
 one folder, so each site's file has a name of its own). ``streamflow-evaluate.yml`` binds
 each step to the deployment the site trains on (the plan's own, from
-:func:`xffl.workflows.plan.site_targets`) and ``executions/evaluate-r<r>.yml`` names a
+:func:`xffl.workflows.plan.compile.site_targets`) and ``executions/evaluate-r<r>.yml`` names a
 round's models; ``streamflow run
 streamflow-evaluate.yml`` runs the last evaluation written, as ``xffl evaluate`` does.
 """
@@ -42,14 +42,14 @@ from xffl.jobs.report import GLOBAL  # the round's global model, beside the upda
 from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.launch import EVALUATE_MODULE
-from xffl.workflows.cwl import CWL_VERSION
-from xffl.workflows.deployments import (
-    FAILURE_MANAGER,
+from xffl.workflows.extensions import FAILURE_MANAGER
+from xffl.workflows.plan.compile import report_bounds, site_envs, site_targets
+from xffl.workflows.plan.cwl import CWL_VERSION
+from xffl.workflows.plan.deployments import (
     SLURM_NAME_OPTION,
     site_data_path,
     site_python,
 )
-from xffl.workflows.plan import report_bounds, site_envs, site_targets
 
 WORKFLOW = "evaluate"  # the workflow's name in streamflow-evaluate.yml
 

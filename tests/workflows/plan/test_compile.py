@@ -13,9 +13,9 @@ from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.load import load_job
-from xffl.workflows.aggregate_step import run_spec
-from xffl.workflows.plan import write_execution_inputs, write_plan
-from xffl.workflows.validate import validate_cwl
+from xffl.workflows.plan.compile import write_execution_inputs, write_plan
+from xffl.workflows.plan.validate import validate_cwl
+from xffl.workflows.steps.aggregate import run_spec
 
 
 def _job(tmp_path: Path, **changes: object) -> Path:

@@ -27,7 +27,7 @@ a marker, with the probe's own stderr discarded; a new shell's own stderr is dis
 its stdout read up to a first marker before it is used.
 
 ``tests/security/test_transfers.py`` shows each upstream behaviour beside this one; the login
-shell's, ``tests/workflows/test_sf_ssh.py``.
+shell's, ``tests/workflows/extensions/test_ssh.py``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.ssh import SSHConnector
 
 from tests.stack.extra_login import extra_login
-from xffl.workflows.sf_ssh import XfflSshConnector
+from xffl.workflows.extensions.ssh import XfflSshConnector
 
 NOISE_ERR = "rm: cannot remove '/home/u/.pyenv/shims/tmp.u3vpOfAwYo': No such file or directory"
 NOISE_OUT = "Lmod: 3 modules loaded"

@@ -3,8 +3,8 @@
 The plan is the truth: ``xffl render`` writes it, ``xffl submit`` writes the same files into
 the run directory and runs ``main.cwl`` with StreamFlow, and ``streamflow run
 streamflow.yml`` or ``cwltool --enable-ext main.cwl inputs.yml`` run it as written. CWL and
-YAML are emitted from Python data (:mod:`xffl.workflows.cwl`), never string templates; the
-batch scripts come from one Jinja2 template (:func:`xffl.workflows.deployments.batch_script`).
+YAML are emitted from Python data (:mod:`xffl.workflows.plan.cwl`), never string templates; the
+batch scripts come from one Jinja2 template (:func:`xffl.workflows.plan.deployments.batch_script`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from xffl.jobs.spec import JobSpec, SiteSpec
 from xffl.site_profiles.schema import LocalConnector, SiteProfile
 from xffl.training.config import DataSpec, TrainJob, round_steps
 from xffl.training.threads import LOCAL_RANKS_ENV
-from xffl.workflows import cwl, init_cache
-from xffl.workflows.deployments import (
+from xffl.workflows.extensions import DATA_MANAGER, FAILURE_MANAGER
+from xffl.workflows.plan import cwl, init_cache
+from xffl.workflows.plan.deployments import (
     COORDINATOR,
-    DATA_MANAGER,
-    FAILURE_MANAGER,
     batch_script,
     kept_updates_dir,
     site_data_path,
@@ -234,7 +233,7 @@ def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str,
     """Write the round-0 global checkpoint (the seeded initial model) unless it exists.
 
     A seeded model comes from the cache of initial models when an earlier run built it
-    (:mod:`xffl.workflows.init_cache`), else it is built and cached. When that needs the
+    (:mod:`xffl.workflows.plan.init_cache`), else it is built and cached. When that needs the
     spec's ``model.entry_point``, only if the user ``trusted`` it (:mod:`xffl.jobs.trust`).
     """
     from xffl.aggregator.exchange import MANIFEST_FILE

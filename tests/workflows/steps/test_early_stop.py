@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xffl.workflows.early_stop import stop_reason
+from xffl.workflows.steps.early_stop import stop_reason
 
 
 class KerasEarlyStopping:

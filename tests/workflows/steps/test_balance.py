@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from xffl.jobs.spec import SiteBudget
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
-from xffl.workflows.balance import balanced_steps, round_job
+from xffl.workflows.steps.balance import balanced_steps, round_job
 
 runner = CliRunner()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from xffl.aggregator.metrics import VAL_LOSS
 from xffl.core.files import read_json, write_json
 from xffl.core.layout import RunLayout
-from xffl.workflows.verdict import Verdict
+from xffl.workflows.steps.verdict import Verdict
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 from streamflow.core.deployment import ExecutionLocation
 
 from xffl.core.layout import RunLayout
-from xffl.workflows.sf_transfers import TransferClock
+from xffl.workflows.extensions.transfers import TransferClock
 
 
 def _loc(deployment: str) -> ExecutionLocation:
@@ -53,7 +53,7 @@ def test_a_registry_that_cannot_be_written_never_fails_the_transfer(tmp_path: Pa
 
 
 def test_tree_bytes_counts_regular_files_only(tmp_path: Path) -> None:
-    from xffl.workflows.sf_transfers import tree_bytes
+    from xffl.workflows.extensions.transfers import tree_bytes
 
     (tmp_path / "d" / "sub").mkdir(parents=True)
     (tmp_path / "d" / "a").write_bytes(b"x" * 300)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
-from xffl.workflows.sf_translate import install
+from xffl.workflows.extensions.translate import install
 
 runner = CliRunner()
 

@@ -1,6 +1,6 @@
 """xffl's SLURM connector against StreamFlow's, on the real two-cluster stack.
 
-The same small cyclic workflow as test_sf_plugin.py (sf_fixtures/), with site b's jobs
+The same small cyclic workflow as test_plugin.py (sf_fixtures/), with site b's jobs
 submitted to cluster beta through its login node: what the round's time limit does to a
 job, and what closing StreamFlow does to a job still running.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.workflows.test_sf_plugin import attempts, final_global, run_rounds
+from tests.workflows.extensions.test_plugin import attempts, final_global, run_rounds
 
 SLURM_TIME = "00:10:00"  # the facility's own time limit (minutes in SLURM's records: 10)
 

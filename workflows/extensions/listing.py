@@ -14,7 +14,7 @@ opens every entry and checksums every file (sha1). For xffl that means:
 
 :func:`install` (called by xffl's StreamFlow plugin) wraps the function so that a Directory
 token without a listing on a ``no_listing`` port is left as it is, as the CWL standard says;
-everything else goes to upstream's code unchanged. ``tests/workflows/test_sf_listing.py``
+everything else goes to upstream's code unchanged. ``tests/workflows/extensions/test_listing.py``
 shows the upstream behaviour.
 """
 

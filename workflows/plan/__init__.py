@@ -1,0 +1,1 @@
+"""Compile a job into its plan: the CWL documents, StreamFlow deployments, batch scripts."""

@@ -1,0 +1,1 @@
+"""The coordinator's steps of a round, run by the plan as command-line tools."""
