@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import (
@@ -16,6 +17,7 @@ from pydantic import (
 )
 
 from xffl.aggregator import registry
+from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
 from xffl.jobs.tracking import TrackingSpec
@@ -212,6 +214,11 @@ class JobSpec(_Strict):
     sites: list[SiteSpec] = Field(min_length=1, description="the facilities taking part")
 
     _name = field_validator("name")(check_name)
+
+    @classmethod
+    def of_run(cls, run_dir: Path) -> JobSpec:
+        """The job spec a run's plan was written from (its validated ``job.json``)."""
+        return cls.model_validate_json(RunLayout(run_dir).job_json.read_text())
 
     @property
     def freeze_a(self) -> bool:

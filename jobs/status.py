@@ -9,7 +9,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xffl.core.layout import RunLayout
 from xffl.jobs.profiles_json import may_log_in
 from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
 from xffl.jobs.registry import Registry
@@ -245,7 +244,7 @@ def credential_view(run: RunRecord) -> list[Credential]:
         from xffl.jobs.spec import JobSpec
 
         profiles = load_profiles(run_dir)
-        spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
+        spec = JobSpec.of_run(run_dir)
         creds = site_credentials(profiles)
         blocked = {b.site: b for b in blockers(spec, profiles)}
     except (OSError, ValueError, XfflError) as exc:

@@ -33,7 +33,7 @@ class RoundInputs:
 
 def job_spec(run_dir: Path) -> JobSpec:
     """The run's job spec as resolved at submit (job.json)."""
-    return JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
+    return JobSpec.of_run(run_dir)
 
 
 def site_bounds(spec: JobSpec) -> dict[str, Bounds]:

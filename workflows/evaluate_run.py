@@ -120,7 +120,7 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
                            f"round {rnd} cannot be evaluated" + (
                                " yet" if rnd > record.rounds_done else "") + ".")
     layout = RunLayout(Path(record.run_dir))
-    spec = JobSpec.model_validate_json(layout.job_json.read_text())
+    spec = JobSpec.of_run(layout.root)
     profiles = load_profiles(layout.root)
     if set(profiles) != {s.name for s in spec.sites}:
         raise InvalidInput(f"run {record.id} has no resolved site profiles (profiles.json); "

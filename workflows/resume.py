@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
-from xffl.core.layout import RunLayout
 from xffl.jobs.credential_gate import require_credentials
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
@@ -31,7 +30,7 @@ def resume_run(registry: Registry, run: RunRecord) -> int:
         raise InvalidInput(f"run {run.id} is {run.state} (its supervisor is alive); "
                            f"`xffl cancel {run.id}` first to restart it.")
     run_dir = Path(run.run_dir)
-    spec = JobSpec.model_validate_json(RunLayout(run_dir).job_json.read_text())
+    spec = JobSpec.of_run(run_dir)
     require_credentials(spec, load_profiles(run_dir), then=f"run `xffl resume {run.id}` again")
     registry.set_state(run.id, RunState.SUBMITTED,
                        f"resumed from round {run.rounds_done + 1} (was {run.state})",

@@ -192,7 +192,7 @@ def execute(run_id: str, registry: Registry, *, once: bool = False) -> int:
     run = registry.get_run(run_id)
     layout = RunLayout(Path(run.run_dir))
     try:
-        spec = JobSpec.model_validate_json(layout.job_json.read_text())
+        spec = JobSpec.of_run(layout.root)
         with round_lock(layout.root):
             try:
                 return _execute_locked(run_id, registry, spec, layout, once)

@@ -12,8 +12,8 @@ from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import parse_size
 from xffl.jobs.load import load_job
+from xffl.jobs.spec import JobSpec
 from xffl.workflows.plan.compile import write_plan
-from xffl.workflows.steps.aggregate import run_spec
 
 
 def _job(tmp_path: Path, size: Any) -> Path:
@@ -28,7 +28,7 @@ def _job(tmp_path: Path, size: Any) -> Path:
 def _aggregate_size(tmp_path: Path, size: Any) -> int | None:
     """The shard size the plan's aggregate step reads (from the plan's job.json), in bytes."""
     paths = write_plan(load_job(_job(tmp_path, size)), "qs-9", tmp_path / "plan")
-    return parse_size(run_spec(paths).aggregation.max_shard_size)
+    return parse_size(JobSpec.of_run(paths.root).aggregation.max_shard_size)
 
 
 # one default for the plan, the initial model and `xffl aggregate`: Hugging Face's 5GB

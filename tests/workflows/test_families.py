@@ -5,8 +5,8 @@ Gemma 2 (soft-capping, 1 + w norms) and Mixtral (a mixture of experts, data para
 random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit
 --wait`` runs a round at 2 local sites through StreamFlow, and ``xffl export`` of the global
 it aggregated loads in ``AutoModelForCausalLM.from_pretrained`` (so a second round, which
-would train from that global, adds no family-specific path: one round keeps the suite short). The five runs go at once (their
-torch start-ups overlap their StreamFlow waits).
+would train from that global, adds no family-specific path: one round keeps the suite
+short). The five runs go at once (their torch start-ups overlap their StreamFlow waits).
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on

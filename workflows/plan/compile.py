@@ -211,8 +211,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                 path.write_text(batch_script(run_id, site.name, profile, site.ranks, data_path,
                                              by_hand=by_hand))
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
-    _dump(staged.tool("admit"), cwl.admit_tool(str(final), spec.exchange.label(),
-                                               freeze_a=spec.freeze_a))
+    _dump(staged.tool("admit"), cwl.admit_tool(str(final)))
     _dump(staged.tool("aggregate"), cwl.aggregate_tool(str(final), names))
     lora = spec.training.lora is not None
     _dump(staged.round_cwl, cwl.round_workflow(

@@ -80,19 +80,16 @@ def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int
     }
 
 
-def admit_tool(run_dir: str, exchange: str = "weights/fp32",
-               freeze_a: bool = False) -> dict[str, Any]:
-    """The CommandLineTool that admits (or rejects) one site's update on the coordinator;
-    ``exchange`` is the job's (``delta/bf16``): the encoding every update must be in;
-    ``freeze_a``: a LoRA update's A factors must be the global's."""
+def admit_tool(run_dir: str) -> dict[str, Any]:
+    """The CommandLineTool that admits (or rejects) one site's update on the coordinator (the
+    job's exchange and LoRA rules it reads from the run's ``job.json``)."""
     return {
         "cwlVersion": CWL_VERSION,
         "class": "CommandLineTool",
         "doc": "Check one site's update against the round's global model; output it with a "
         "verdict (accepted, rejected or failed, and why).",
         "baseCommand": [sys.executable, "-m", "xffl.workflows.steps.admit"],
-        "arguments": ["--run-dir", run_dir, "--exchange", exchange,
-                      *(["--freeze-a"] if freeze_a else [])],
+        "arguments": ["--run-dir", run_dir],
         "inputs": {
             "site": {"type": "string", "inputBinding": {"prefix": "--site"}},
             "round": {"type": "int", "inputBinding": {"prefix": "--round"}},

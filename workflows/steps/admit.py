@@ -37,6 +37,7 @@ from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
+from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
 from xffl.training.config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
@@ -141,8 +142,9 @@ def run_step(args: argparse.Namespace) -> int:
     update = Path(args.update) if args.update else None
     bounds = Bounds(max_tokens=args.max_tokens, max_samples=args.max_samples,
                     side_files=SIDE_FILES, max_val_samples=args.max_val_samples)
+    spec = JobSpec.of_run(layout.root)  # the exchange and LoRA rules every update follows
     verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
-                              bounds, ExchangeSpec.parse(args.exchange), args.freeze_a)
+                              bounds, spec.exchange, spec.freeze_a)
     _record(layout, verdict, update)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:
@@ -175,10 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-val-samples", type=int, default=None,
                         help="the most held-out sequences the site evaluates (none: the site "
                         "has no validation data and may report no validation numbers)")
-    parser.add_argument("--freeze-a", action="store_true",
-                        help="LoRA: the update's A matrices must be the global's")
-    parser.add_argument("--exchange", default="weights/fp32",
-                        help="the job's exchange (update/dtype): what the update must hold")
     return run_step(parser.parse_args(argv))
 
 

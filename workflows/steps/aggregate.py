@@ -76,11 +76,6 @@ def decoding_of(exchange: ExchangeSpec, previous: Path) -> Decoding | None:
     return None if exchange.plain else Decoding(previous, delta=exchange.update == "delta")
 
 
-def run_spec(layout: RunLayout) -> JobSpec:
-    """The job spec the plan was written from (the run's ``job.json``)."""
-    return JobSpec.model_validate_json(layout.job_json.read_text())
-
-
 def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
                     updates: dict[str, Path], spec: JobSpec,
                     registry: tuple[Registry, str] | None) -> Path:
@@ -181,7 +176,7 @@ def run_step(args: argparse.Namespace) -> int:
     reg = registration(layout)
     registry = (Registry(reg.registry), reg.run_id) if reg is not None else None
     rnd: int = args.round
-    spec = run_spec(layout)
+    spec = JobSpec.of_run(layout.root)
     try:
         target = aggregate_round(layout, rnd, Path(args.previous), verdicts, updates, spec,
                                  registry)

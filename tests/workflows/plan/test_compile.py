@@ -13,9 +13,9 @@ from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.load import load_job
+from xffl.jobs.spec import JobSpec
 from xffl.workflows.plan.compile import write_execution_inputs, write_plan
 from xffl.workflows.plan.validate import validate_cwl
-from xffl.workflows.steps.aggregate import run_spec
 
 
 def _job(tmp_path: Path, **changes: object) -> Path:
@@ -125,7 +125,7 @@ def test_job_spec_reaches_the_aggregate_step_and_the_failure_manager(tmp_path: P
     # line names the run and its sites, nothing of the job's
     args = yaml.safe_load(layout.tool("aggregate").read_text())["arguments"]
     assert args == ["--run-dir", str(layout.root), "--sites", "alpha,beta"]
-    spec = run_spec(layout)
+    spec = JobSpec.of_run(layout.root)
     assert spec == loaded.spec
     agg = spec.aggregation
     assert (agg.strategy, agg.weighting, agg.params, agg.max_shard_size, spec.quorum) == \
@@ -140,11 +140,11 @@ def test_job_spec_reaches_the_aggregate_step_and_the_failure_manager(tmp_path: P
 def test_influence_bounds_reach_the_aggregate_step(tmp_path: Path) -> None:
     job = _job(tmp_path, aggregation={"clip_norm": 0.5, "max_weight_share": 0.4})
     layout = write_plan(load_job(job), "qs-5", tmp_path / "plan")
-    agg = run_spec(layout).aggregation
+    agg = JobSpec.of_run(layout.root).aggregation
     assert (agg.clip_norm, agg.max_weight_share) == (0.5, 0.4)
     (tmp_path / "plain").mkdir()
     plain = write_plan(load_job(_job(tmp_path / "plain")), "qs-6", tmp_path / "plan-plain")
-    agg = run_spec(plain).aggregation
+    agg = JobSpec.of_run(plain.root).aggregation
     assert (agg.clip_norm, agg.max_weight_share) == (None, None)
 
 
@@ -249,5 +249,6 @@ def test_a_lora_plan_carries_the_frozen_base(tmp_path: Path, xffl_home: Path) ->
     train = yaml.safe_load(layout.tool("train_alpha").read_text())
     assert train["inputs"]["base"] == "Directory"
     assert train["arguments"][-2:] == ["--base", "$(inputs.base.path)"]
-    assert "--freeze-a" in yaml.safe_load(layout.tool("admit").read_text())["arguments"]
+    # the admit step reads the rule from the run's job.json, the plan's one copy of the spec
+    assert JobSpec.of_run(layout.root).freeze_a
     assert json.loads(layout.job_file("alpha").read_text())["freeze_a"] is True
