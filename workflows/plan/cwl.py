@@ -80,28 +80,34 @@ def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int
     }
 
 
+def coordinator_tool(module: str, doc: str, arguments: list[str], inputs: dict[str, Any],
+                     outputs: dict[str, Any]) -> dict[str, Any]:
+    """A CommandLineTool that runs one of xffl's steps (``python -m module``) on the
+    coordinator, with this Python."""
+    return {"cwlVersion": CWL_VERSION, "class": "CommandLineTool", "doc": doc,
+            "baseCommand": [sys.executable, "-m", module], "arguments": arguments,
+            "inputs": inputs, "outputs": outputs}
+
+
+def _bound(kind: str, prefix: str) -> dict[str, Any]:
+    """A tool input of type ``kind`` passed as ``prefix VALUE``."""
+    return {"type": kind, "inputBinding": {"prefix": prefix}}
+
+
 def admit_tool(run_dir: str) -> dict[str, Any]:
     """The CommandLineTool that admits (or rejects) one site's update on the coordinator (the
     job's exchange and LoRA rules it reads from the run's ``job.json``)."""
-    return {
-        "cwlVersion": CWL_VERSION,
-        "class": "CommandLineTool",
-        "doc": "Check one site's update against the round's global model; output it with a "
+    return coordinator_tool(
+        "xffl.workflows.steps.admit",
+        "Check one site's update against the round's global model; output it with a "
         "verdict (accepted, rejected or failed, and why).",
-        "baseCommand": [sys.executable, "-m", "xffl.workflows.steps.admit"],
-        "arguments": ["--run-dir", run_dir],
-        "inputs": {
-            "site": {"type": "string", "inputBinding": {"prefix": "--site"}},
-            "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
-            "model": {"type": "Directory", "inputBinding": {"prefix": "--previous"}},
-            "update": {"type": "Directory?", "inputBinding": {"prefix": "--update"}},
-            "max_tokens": {"type": "long?", "inputBinding": {"prefix": "--max-tokens"}},
-            "max_samples": {"type": "long?", "inputBinding": {"prefix": "--max-samples"}},
-            "max_val_samples": {"type": "long?",
-                                "inputBinding": {"prefix": "--max-val-samples"}},
-        },
-        "outputs": {"update": "Directory?", "verdict": "File"},
-    }
+        ["--run-dir", run_dir],
+        {"site": _bound("string", "--site"), "round": _bound("int", "--round"),
+         "model": _bound("Directory", "--previous"), "update": _bound("Directory?", "--update"),
+         "max_tokens": _bound("long?", "--max-tokens"),
+         "max_samples": _bound("long?", "--max-samples"),
+         "max_val_samples": _bound("long?", "--max-val-samples")},
+        {"update": "Directory?", "verdict": "File"})
 
 
 def aggregate_tool(run_dir: str, sites: list[str]) -> dict[str, Any]:
@@ -116,22 +122,15 @@ def aggregate_tool(run_dir: str, sites: list[str]) -> dict[str, Any]:
         for name, kind in (("update", "Directory?"), ("verdict", "File"), ("job", "File")):
             per_site[f"{name}_{s}"] = {
                 "type": kind, "inputBinding": {"prefix": f"--{name}={s}=", "separate": False}}
-    return {
-        "cwlVersion": CWL_VERSION,
-        "class": "CommandLineTool",
-        "doc": "Aggregate the admitted updates into rounds/<r>/global, record the round, and "
+    return coordinator_tool(
+        "xffl.workflows.steps.aggregate",
+        "Aggregate the admitted updates into rounds/<r>/global, record the round, and "
         "decide on the next one (cwl.output.json: model, next_round, go, job files).",
-        "baseCommand": [sys.executable, "-m", "xffl.workflows.steps.aggregate"],
-        "arguments": ["--run-dir", run_dir, "--sites", ",".join(sites)],
-        "inputs": {
-            "round": {"type": "int", "inputBinding": {"prefix": "--round"}},
-            "max_rounds": {"type": "int", "inputBinding": {"prefix": "--max-rounds"}},
-            "model": {"type": "Directory", "inputBinding": {"prefix": "--previous"}},
-            **per_site,
-        },
-        "outputs": {"model": "Directory", "next_round": "int", "go": "boolean",
-                    **{f"job_{s}": "File" for s in sites}},
-    }
+        ["--run-dir", run_dir, "--sites", ",".join(sites)],
+        {"round": _bound("int", "--round"), "max_rounds": _bound("int", "--max-rounds"),
+         "model": _bound("Directory", "--previous"), **per_site},
+        {"model": "Directory", "next_round": "int", "go": "boolean",
+         **{f"job_{s}": "File" for s in sites}})
 
 
 def round_workflow(sites: list[str], bounds: dict[str, tuple[int | None, ...]],
