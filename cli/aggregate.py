@@ -22,6 +22,7 @@ from xffl.cli.common import (
     err_console,
     handle_errors,
     markup_safe,
+    output_option,
     print_json,
 )
 from xffl.core.errors import InvalidInput, RunFailed
@@ -56,8 +57,7 @@ def aggregate(
     updates: Annotated[list[Path] | None, typer.Argument(
         metavar="[UPDATE]...", help="Update checkpoint directories (with --run: the "
         "round's kept updates unless given).", show_default=False)] = None,
-    output: Annotated[Path | None, typer.Option(
-        "-o", "--output", "--out", help="Global checkpoint to write (required).")] = None,
+    output: Annotated[Path | None, output_option("Global checkpoint to write (required).")] = None,
     run: Annotated[str | None, typer.Option(
         "--run", metavar="RUN", help="Aggregate round --round of this run again: its kept "
         "updates, the global it started from, and its job's strategy, options and bounds on "

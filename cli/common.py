@@ -37,6 +37,11 @@ err_console = _Console(stderr=True, highlight=False)
 
 RunArg = Annotated[str, typer.Argument(metavar="RUN",
                                        help="Run id, an unambiguous prefix, or 'last'.")]
+def output_option(help: str) -> Any:
+    """The ``-o/--output/--out`` option every command that writes a file or folder takes."""
+    return typer.Option("-o", "--output", "--out", help=help)
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
                                        help="Print machine-readable JSON.")]
 #: consent to import the job spec's Python here, given on the command line only (never from

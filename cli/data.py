@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, XfflCommand, XfflSubGroup, console, handle_errors, print_json
+from xffl.cli.common import (
+    JsonOpt,
+    XfflCommand,
+    XfflSubGroup,
+    console,
+    handle_errors,
+    output_option,
+    print_json,
+)
 
 app = typer.Typer(cls=XfflSubGroup, help="Prepare a site's training data (run it at the site).",
                   no_args_is_help=True)
@@ -18,8 +26,7 @@ app = typer.Typer(cls=XfflSubGroup, help="Prepare a site's training data (run it
 def prepare(
     texts: Annotated[list[Path], typer.Argument(
         metavar="TEXT...", help="Text files, tokenized in this order.")],
-    output: Annotated[Path, typer.Option("-o", "--output", "--out",
-                                      help="Token-shard directory to create.")],
+    output: Annotated[Path, output_option("Token-shard directory to create.")],
     tokenizer: Annotated[Path | None, typer.Option(
         help="A Hugging Face tokenizer.json (default: byte-level, 256 tokens).")] = None,
     eos: Annotated[str | None, typer.Option(

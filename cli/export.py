@@ -13,6 +13,7 @@ from xffl.cli.common import (
     console,
     err_console,
     handle_errors,
+    output_option,
     print_json,
     resolve_run,
 )
@@ -25,8 +26,7 @@ from xffl.jobs.states import RunState
 @handle_errors
 def export(
     run: RunArg = "last",
-    output: Annotated[Path | None, typer.Option(
-        "-o", "--output", "--out", help="Folder to write (required).")] = None,
+    output: Annotated[Path | None, output_option("Folder to write (required).")] = None,
     round: Annotated[int | None, typer.Option(
         "--round", min=0, help="The global model after this round (default: the last).")] = None,
     merge: Annotated[bool, typer.Option(

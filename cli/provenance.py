@@ -5,9 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    handle_errors,
+    output_option,
+    print_json,
+    resolve_run,
+)
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
 
@@ -15,9 +21,8 @@ from xffl.jobs.registry import Registry
 @handle_errors
 def provenance(
     run: RunArg = "last",
-    output: Annotated[Path | None, typer.Option(
-        "-o", "--output", "--out",
-        help="The crate to write (default: <run>.crate.zip here).")] = None,
+    output: Annotated[Path | None, output_option(
+        "The crate to write (default: <run>.crate.zip here).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a Workflow Run RO-Crate (zip) of RUN: every StreamFlow execution of its plan,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, TrustOpt, console, handle_errors, print_json
+from xffl.cli.common import JsonOpt, TrustOpt, console, handle_errors, output_option, print_json
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import new_run_id
 
@@ -16,8 +16,7 @@ from xffl.jobs.registry import new_run_id
 @handle_errors
 def render(
     job: Annotated[Path, typer.Argument(metavar="JOB", help="The job spec (YAML).")],
-    output: Annotated[Path, typer.Option("-o", "--output", "--out",
-                                      help="Folder to write the plan into.")],
+    output: Annotated[Path, output_option("Folder to write the plan into.")],
     init_model: Annotated[
         bool, typer.Option(help="Also write the seeded initial model (rounds/0/global).")
     ] = True,

@@ -5,18 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import (
+    JsonOpt,
+    RunArg,
+    console,
+    handle_errors,
+    output_option,
+    print_json,
+    resolve_run,
+)
 from xffl.jobs.registry import Registry
 
 
 @handle_errors
 def report(
     run: RunArg = "last",
-    output: Annotated[Path | None, typer.Option(
-        "-o", "--output", "--out",
-        help="Folder to write into (default: <run_dir>/report).")] = None,
+    output: Annotated[Path | None, output_option(
+        "Folder to write into (default: <run_dir>/report).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write report.html and PNG plots of a run: loss, round-time breakdown, throughput.

@@ -14,6 +14,7 @@ from xffl.cli.common import (
     console,
     err_console,
     handle_errors,
+    output_option,
     print_json,
 )
 from xffl.cli.tables import Rows
@@ -45,8 +46,7 @@ def simulate(
     parallel: Annotated[int | None, typer.Option(
         "--parallel", help="Sites trained at a time K (worker processes; default: one per "
         "core).")] = None,
-    output: Annotated[Path | None, typer.Option(
-        "-o", "--output", "--out", help="Folder for the results (default: "
+    output: Annotated[Path | None, output_option("Folder for the results (default: "
         "$XFFL_HOME/simulations/<job name>-<timestamp>).")] = None,
     rounds: Annotated[int | None, typer.Option(
         "--rounds", help="Rounds to run (default: the job's).")] = None,
