@@ -95,7 +95,7 @@ def run_summary(run: RunRecord) -> dict[str, Any]:
 
 @dataclass
 class SiteStatus(SiteRound):
-    """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.report`).
+    """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.breakdown`).
 
     ``queue_wait_s + startup_seconds + train_seconds + transfer_s + other_s =
     delivered_seconds`` (the time from the round's start until the site's update was in place).
@@ -180,19 +180,14 @@ class RunStatus:
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
     """The run's rounds; each site also has its queue wait, transfer time and throughput."""
-    from xffl.jobs.report import breakdowns
+    from xffl.jobs.breakdown import rounds_broken_down
 
-    records = registry.rounds(run.id)
-    parts = breakdowns(registry, run, records)
     rounds = []
-    for rnd in records:
-        sites = []
-        for site in rnd.sites:
-            b = parts[(rnd.round, site.site)]
-            sites.append(SiteStatus(**asdict(site), queue_wait_s=b.queue_wait_s,
-                                    transfer_s=b.transfer_s, other_s=b.other_s,
-                                    tokens_per_s=b.tokens_per_s,
-                                    received_bytes=b.received_bytes, sent_bytes=b.sent_bytes))
+    for rnd, parts in rounds_broken_down(registry, run):
+        sites = [SiteStatus(**asdict(site), queue_wait_s=b.queue_wait_s,
+                            transfer_s=b.transfer_s, other_s=b.other_s,
+                            tokens_per_s=b.tokens_per_s, received_bytes=b.received_bytes,
+                            sent_bytes=b.sent_bytes) for site, b in parts]
         rounds.append(RoundStatus(record=rnd, sites=sites))
     return rounds
 

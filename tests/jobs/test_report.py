@@ -12,9 +12,10 @@ import PIL.Image
 import pytest
 
 from xffl.jobs import report_render
+from xffl.jobs.breakdown import TransferTimes, busy_seconds, site_breakdown
 from xffl.jobs.records import RoundRecord, SiteRound, Transfer
 from xffl.jobs.registry import Registry
-from xffl.jobs.report import TransferTimes, assemble, busy_seconds, fmt, site_breakdown
+from xffl.jobs.report import assemble, fmt
 from xffl.jobs.report_write import write_report
 from xffl.jobs.status import run_status
 
