@@ -50,6 +50,17 @@ def balanced_steps(root: Path, rnd: int, sites: list[str]) -> dict[str, int]:
     return out
 
 
+def write_round_job(root: Path, site: str, rnd: int, job: TrainJob, steps: int) -> str:
+    """Write ``job`` with ``steps`` per round as the site's job file of round ``rnd``;
+    return its path relative to the run directory."""
+    sized = job.model_copy(update={"training": job.training.model_copy(
+        update={"steps": steps, "tokens": None})})
+    path = root / "rounds" / str(rnd) / "jobs" / f"{site}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sized.model_dump(mode="json"), indent=2) + "\n")
+    return str(path.relative_to(root))
+
+
 def round_job(root: Path, site: str, rnd: int, sites: list[str]) -> str:
     """The job file of ``site`` in round ``rnd``, relative to the run directory."""
     job = configured_job(root, site)
@@ -58,9 +69,4 @@ def round_job(root: Path, site: str, rnd: int, sites: list[str]) -> str:
     steps = balanced_steps(root, rnd, sites).get(site)
     if steps is None:
         return f"jobs/{site}.json"
-    balanced = job.model_copy(update={"training": job.training.model_copy(
-        update={"steps": steps, "tokens": None})})
-    path = root / "rounds" / str(rnd) / "jobs" / f"{site}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(balanced.model_dump(mode="json"), indent=2) + "\n")
-    return str(path.relative_to(root))
+    return write_round_job(root, site, rnd, job, steps)
