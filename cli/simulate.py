@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -17,7 +17,10 @@ from xffl.cli.common import (
     output_option,
     print_json,
 )
-from xffl.cli.tables import Rows
+from xffl.cli.tables import Rows, say
+
+if TYPE_CHECKING:
+    from xffl.jobs.spec import JobSpec
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -56,6 +59,19 @@ def simulate(
     keep_updates: Annotated[bool, typer.Option(
         "--keep-updates", help="Keep every site update in rounds/<r>/updates/ instead of "
         "deleting it once folded (disk then grows with N).")] = False,
+    queue_waits: Annotated[str | None, typer.Option(
+        "--queue-waits", help="Simulate batch queues instead of training: each job's queue "
+        "wait drawn from lognormal:median=S,sigma=X or pareto:scale=S,alpha=X (seconds; "
+        "each site's scale differs), and report the simulated time to a target loss of "
+        "synchronous rounds, round_timeout and round_deadline (docs: queues).")] = None,
+    queue_trace: Annotated[Path | None, typer.Option(
+        "--queue-trace", help="As --queue-waits, with waits drawn from a file of observed "
+        "ones (seconds, one per line).")] = None,
+    seeds: Annotated[int, typer.Option(
+        "--seeds", help="With --queue-waits: seeds 0..N-1, the same for every policy.")] = 3,
+    target_loss: Annotated[float | None, typer.Option(
+        "--target-loss", help="With --queue-waits: the federated validation loss to reach "
+        "(default: 95 % of the way from the initial loss to the optimum).")] = None,
     trust_entry_point: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -75,6 +91,9 @@ def simulate(
     from xffl.workflows.simulate import SimulateOptions, Simulation
 
     loaded = load_job(job)
+    if queue_waits is not None or queue_trace is not None:
+        _queues(loaded.spec, sites, queue_waits, queue_trace, seeds, target_loss, as_json)
+        return
     require_local_consent(loaded.path, loaded.spec, trust_entry_point, "simulate")
     opts = SimulateOptions(sites=sites, parallel=parallel, out=output, rounds=rounds,
                            timeout=timeout, keep_updates=keep_updates)
@@ -97,3 +116,33 @@ def simulate(
     with bar:
         summary = sim.run()
     render_summary(summary)
+
+
+def _queues(spec: JobSpec, sites: int, waits: str | None, trace: Path | None, seeds: int,
+            target: float | None, as_json: bool) -> None:
+    """``--queue-waits``/``--queue-trace``: the three round policies on simulated queues."""
+    from xffl.core.errors import InvalidInput
+    from xffl.jobs.deadline_spec import RoundDeadline
+    from xffl.workflows.queue_sim import compare, parse_queue_waits, read_trace
+
+    if (waits is None) == (trace is None):
+        raise InvalidInput("give --queue-waits or --queue-trace, not both.")
+    if sites < 1 or seeds < 1:
+        raise InvalidInput(f"--sites and --seeds must be at least 1, got {sites} and {seeds}.")
+    model = parse_queue_waits(waits) if waits is not None else read_trace(trace)  # type: ignore[arg-type]
+    deadline = spec.round_deadline or RoundDeadline(seconds=1.0)
+    result = compare(sites, spec.training.steps, deadline, model, list(range(seeds)), target)
+    result["job"] = spec.name
+    result["queue_waits"] = waits or str(trace)
+    if as_json:
+        print_json({k: v for k, v in result.items() if k != "runs"})
+        return
+    table = Rows(("policy", "best setting", "hours to target"),
+                 title=f"{sites} virtual sites, {seeds} seeds, queue waits {result['queue_waits']}")
+    for policy in ("sync", "timeout", "queue_aware"):
+        table.add(policy, result["best"].get(policy, "-"), f"{result['hours'][policy]:.2f}")
+    table.print()
+    saving = result["saving_vs_best_timeout"]
+    if saving is not None:
+        say(f"queue-aware: {100 * abs(saving):.0f} % {'less' if saving >= 0 else 'more'} "
+            "simulated time than the best of synchronous and round_timeout")

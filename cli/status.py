@@ -75,6 +75,14 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
             jobs.add(_num(job.round), job.site, job.job_id or "-", state,
                          _num(job.queue_wait_s, "{:.0f}"), _num(job.run_s, "{:.0f}"))
         jobs.print()
+    if any(e.rounds_seen or e.slurm_estimate_s is not None for e in data.estimates):
+        est = Rows(("site", "queue wait s", "start-up s", "s/step", "rounds", "SLURM seed s"),
+                   title="estimates for the next round (exponentially weighted)")
+        for e in data.estimates:
+            est.add(e.site, _num(e.queue_wait_s, "{:.0f}"), _num(e.startup_s, "{:.1f}"),
+                    _num(e.seconds_per_step, "{:.3f}"), str(e.rounds_seen),
+                    _num(e.slurm_estimate_s, "{:.0f}"))
+        est.print()
     if data.credentials:
         creds = Rows(("site", "login", "next round"), title="SSH credentials",
                      text=("login", "next round"))

@@ -196,6 +196,25 @@ def _check_tensor_parallel(doc: YamlDoc, spec: JobSpec, path: Path,
     return errors
 
 
+def _check_deadline(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
+    """A round deadline must leave every site time beyond its start-up to train."""
+    deadline = spec.round_deadline
+    if deadline is None:
+        return []
+    errors = []
+    for i, site in enumerate(spec.sites):
+        startup = site.startup if site.startup is not None else deadline.startup
+        if startup < deadline.seconds:
+            continue
+        loc: tuple[str | int, ...] = ("sites", i, "startup") if site.startup is not None \
+            else ("round_deadline", "seconds")
+        errors.append(
+            f"{_at(doc, path, loc)}: the round deadline of {deadline.seconds:g} s is not longer "
+            f"than the start-up of site {site.name!r} ({startup:g} s), so no step could be "
+            f"expected by it; raise round_deadline.seconds above {startup:g}.")
+    return errors
+
+
 def load_job(path: Path) -> LoadedJob:
     """Read and validate ``path`` and resolve its site profiles; errors are InvalidInput.
 
@@ -218,6 +237,7 @@ def load_job(path: Path) -> LoadedJob:
     if spec is not None:
         errors.extend(_check_model(doc, spec, path))
         errors.extend(_check_slurm_overrides(doc, spec, path, profiles))
+        errors.extend(_check_deadline(doc, spec, path))
     if errors or spec is None:
         raise InvalidInput(errors[0], lines=errors)
     if spec.tracking is not None:  # where the job file is, not where xffl runs

@@ -78,7 +78,8 @@ class Registry:
         with self._db() as db:
             for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
                                ("events", "run_id"), ("slurm_jobs", "run_id"),
-                               ("transfers", "run_id"), ("evaluations", "run_id")):
+                               ("transfers", "run_id"), ("evaluations", "run_id"),
+                               ("queue_estimates", "run_id")):
                 db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))
 
     def get_run(self, run_id: str) -> RunRecord:
@@ -256,6 +257,22 @@ class Registry:
                 " FROM slurm_jobs WHERE run_id = ? ORDER BY round, site, updated", (run_id,)
             ).fetchall()
         return [dict(r) for r in rows]
+
+    def record_queue_estimate(self, run_id: str, site: str, queue_wait_s: float,
+                              source: str) -> None:
+        """Store a queue-wait estimate of ``site`` taken before its first round (``source``:
+        how, e.g. ``sbatch --test-only``); it seeds the site's queue-wait average."""
+        with self._db() as db:
+            db.execute("INSERT OR REPLACE INTO queue_estimates (run_id, site, queue_wait_s,"
+                       " source, recorded) VALUES (?, ?, ?, ?, ?)",
+                       (run_id, site, queue_wait_s, source, time.time()))
+
+    def queue_estimates(self, run_id: str) -> dict[str, float]:
+        """The run's recorded queue-wait seeds, by site."""
+        with self._db() as db:
+            rows = db.execute("SELECT site, queue_wait_s FROM queue_estimates WHERE run_id = ?",
+                              (run_id,)).fetchall()
+        return {r["site"]: float(r["queue_wait_s"]) for r in rows}
 
     def record_transfer(self, run_id: str, site: str, direction: str, started: float,
                         ended: float, nbytes: int | None = None) -> None:

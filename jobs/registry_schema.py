@@ -39,6 +39,10 @@ CREATE TABLE IF NOT EXISTS evaluations (
     loss REAL NOT NULL, samples INTEGER NOT NULL, recorded REAL NOT NULL,
     PRIMARY KEY (run_id, round, data_site, model)
 );
+CREATE TABLE IF NOT EXISTS queue_estimates (
+    run_id TEXT NOT NULL, site TEXT NOT NULL, queue_wait_s REAL NOT NULL,
+    source TEXT NOT NULL, recorded REAL NOT NULL, PRIMARY KEY (run_id, site)
+);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, ts REAL NOT NULL,
     kind TEXT NOT NULL, message TEXT NOT NULL

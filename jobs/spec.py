@@ -20,6 +20,7 @@ from xffl.aggregator import registry
 from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
+from xffl.jobs.deadline_spec import RoundDeadline
 from xffl.jobs.tracking import TrackingSpec
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
@@ -158,6 +159,9 @@ class SiteSpec(_Strict):
         "(partition, account, qos, time, nodes, ...); only for SLURM profiles")
     budget: SiteBudget | None = Field(
         default=None, description="this site's round budget (steps, tokens or time)")
+    startup: float | None = Field(
+        default=None, gt=0, description="with round_deadline: seconds from this site's job "
+        "start to its first step before one is measured (default round_deadline.startup)")
 
     _name = field_validator("name")(check_name)
 
@@ -205,6 +209,10 @@ class JobSpec(_Strict):
                                    "delta, and in which dtype")
     failure: FailurePolicy = Field(default_factory=FailurePolicy,
                                    description="retries, quorum and round deadline")
+    round_deadline: RoundDeadline | None = Field(
+        default=None, description="size each site's local steps so that its update is "
+        "expected within {seconds: S} of the round's start, from its measured queue wait, "
+        "start-up and speed: {seconds, min_steps, max_steps, startup, staleness}")
     evaluation: EvaluationSpec = Field(
         default_factory=EvaluationSpec, description="how many held-out sequences each site "
         "evaluates every round (sites with data.validation)")

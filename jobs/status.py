@@ -16,6 +16,7 @@ from xffl.jobs.round_lock import holder
 from xffl.jobs.states import RoundState, RunState
 
 if TYPE_CHECKING:
+    from xffl.jobs.estimates import SiteEstimate
     from xffl.jobs.slurm_view import SlurmJob
 
 
@@ -166,6 +167,7 @@ class RunStatus:
     schedule: Schedule | None = None
     credentials: list[Credential] = field(default_factory=list)
     slurm: list[SlurmJob] = field(default_factory=list)
+    estimates: list[SiteEstimate] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """The `xffl status --json` object: the run's fields, then the rest by name."""
@@ -175,7 +177,8 @@ class RunStatus:
                 "events": [json_fields(asdict(e)) for e in self.events],
                 "schedule": None if self.schedule is None else asdict(self.schedule),
                 "credentials": [asdict(c) for c in self.credentials],
-                "slurm": [j.as_dict() for j in self.slurm]}
+                "slurm": [j.as_dict() for j in self.slurm],
+                "estimates": [e.as_dict() for e in self.estimates]}
 
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
@@ -207,6 +210,8 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         if entry is not None:
             schedule = Schedule(entry.expr, entry.next_tick().astimezone()
                                 .isoformat(timespec="seconds"))
+    from xffl.jobs.estimates import site_estimates
+
     jobs: list[SlurmJob] = []
     if slurm and may_log_in(Path(run.run_dir)):
         from xffl.jobs.slurm_view import slurm_view
@@ -219,7 +224,7 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         events=[Event(ts, kind, msg) for ts, kind, msg in registry.events(run.id)],
         schedule=schedule,
         credentials=credential_view(run) if not run.finished else [],
-        slurm=jobs)
+        slurm=jobs, estimates=site_estimates(registry, run))
 
 
 def credential_view(run: RunRecord) -> list[Credential]:

@@ -219,6 +219,14 @@ def _slurm_time(value: str | None) -> str | None:
 _TEXT_FIELDS = ("partition", "account", "qos", "time", "mem", "constraint")
 
 
+# sbatch's long option names and the SlurmSpec field
+SBATCH_OPTIONS = (
+    ("partition", "partition"), ("account", "account"), ("qos", "qos"),
+    ("ntasks-per-node", "ntasks_per_node"), ("gpus-per-node", "gpus_per_node"),
+    ("cpus-per-task", "cpus_per_task"), ("mem", "mem"), ("constraint", "constraint"),
+)
+
+
 class SlurmSpec(_Strict):
     """SLURM defaults of the facility (a job spec may override them per site)."""
 
@@ -238,6 +246,12 @@ class SlurmSpec(_Strict):
     _text = field_validator(*_TEXT_FIELDS)(_slurm_text)
     _lines = field_validator("extra")(_slurm_lines)
     _time = field_validator("time")(_slurm_time)
+
+    def sbatch_options(self) -> list[str]:
+        """The ``--option=value`` sbatch options beyond nodes/ntasks/time, ``extra`` last."""
+        options = [f"--{flag}={getattr(self, field)}" for flag, field in SBATCH_OPTIONS
+                   if getattr(self, field) is not None]
+        return options + list(self.extra)
 
 
 class SlurmOverride(_Strict):

@@ -141,6 +141,10 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
     last = first if once else run.rounds_total
     name = execution_name(run, first, last)
     registry.event(run.id, "execution", f"StreamFlow workflow {name}: rounds {first}-{last}")
+    if first == 1 and spec.round_deadline is not None and not registry.queue_estimates(run.id):
+        from xffl.jobs.slurm_estimate import seed_estimates
+
+        seed_estimates(registry, run, {s.name: s.ranks for s in spec.sites})
 
     def start() -> None:  # the round starts with the workflow (StreamFlow set up before it)
         registry.start_round(run.id, first, run.sites)

@@ -38,13 +38,6 @@ TRAIN_SERVICE = "train"
 COORDINATOR = "coordinator"  # the deployment of the steps that run on the coordinator
 SLURM_NAME_OPTION = "--slurm-job-name"  # the launcher's option naming the round's job
 
-# sbatch's long option names and the SlurmSpec field
-_SBATCH_OPTIONS = (
-    ("partition", "partition"), ("account", "account"), ("qos", "qos"),
-    ("ntasks-per-node", "ntasks_per_node"), ("gpus-per-node", "gpus_per_node"),
-    ("cpus-per-task", "cpus_per_task"), ("mem", "mem"), ("constraint", "constraint"),
-)
-
 
 def site_workdir(profile: SiteProfile, site: str) -> str:
     """The profile's working directory for ``site`` with placeholders substituted.
@@ -81,9 +74,7 @@ def kept_updates_dir(profile: SiteProfile, site: str, run_id: str) -> str:
 
 def sbatch_options(slurm: SlurmSpec) -> list[str]:
     """The ``--option=value`` lines of ``slurm`` beyond nodes/ntasks/time, ``extra`` last."""
-    options = [f"--{flag}={getattr(slurm, field)}" for flag, field in _SBATCH_OPTIONS
-               if getattr(slurm, field) is not None]
-    return options + list(slurm.extra)
+    return slurm.sbatch_options()
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
 from xffl.training.config import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
+from xffl.workflows.steps.deadline import deadline_jobs
 from xffl.workflows.steps.early_stop import Stopped, federated, history, stop_reason, write_stopped
 from xffl.workflows.steps.verdict import Verdict, read_verdict
 
@@ -144,15 +145,17 @@ def track(spec: JobSpec, reg: Registry, run_id: str, rnd: int) -> None:
 
 
 def next_jobs(layout: RunLayout, rnd: int, jobs: dict[str, Path], sites: list[str],
-              here: Path) -> dict[str, Path]:
+              here: Path, fitted: dict[str, str] | None = None) -> dict[str, Path]:
     """Each site's job file for round ``rnd + 1``, as outputs in ``here``.
 
-    The configured job, or the one balanced by the sites' throughput in round ``rnd``
+    ``fitted`` (fit to a round deadline, :mod:`xffl.workflows.steps.deadline`), else the
+    configured job, or the one balanced by the sites' throughput in round ``rnd``
     (``training.balance``, :mod:`xffl.workflows.steps.balance`).
     """
     out: dict[str, Path] = {}
     for site in sites:
-        chosen = layout.root / round_job(layout.root, site, rnd + 1, sites)
+        chosen = layout.root / (fitted[site] if fitted and site in fitted
+                                else round_job(layout.root, site, rnd + 1, sites))
         if chosen == layout.job_file(site):
             chosen = jobs[site]  # as the round was given it
         dst = here / "jobs" / f"{site}.json"
@@ -199,7 +202,10 @@ def run_step(args: argparse.Namespace) -> int:
         registry[0].start_round(registry[1], rnd + 1, sites)
     out: dict[str, Any] = {"model": {"class": "Directory", "path": str(here / "global")},
                            "next_round": rnd + 1, "go": go}
-    for site, path in next_jobs(layout, rnd, jobs, sites, here).items():
+    fitted = None
+    if go and spec.round_deadline is not None and registry is not None:
+        fitted = deadline_jobs(layout.root, rnd + 1, spec, *registry)
+    for site, path in next_jobs(layout, rnd, jobs, sites, here, fitted).items():
         out[f"job_{site}"] = {"class": "File", "path": str(path)}
     (here / "cwl.output.json").write_text(json.dumps(out))
     return 0

@@ -20,27 +20,8 @@ import json
 import math
 from pathlib import Path
 
-from xffl.aggregator.exchange import MANIFEST_FILE
-from xffl.aggregator.metrics import STEPS, TRAIN_SECONDS
+from xffl.jobs.estimates import per_step_seconds
 from xffl.training.config import TrainJob, round_steps
-
-
-def _per_step_seconds(root: Path, rnd: int, site: str) -> float | None:
-    """Seconds per step of ``site``'s aggregated update in round ``rnd`` (None if none)."""
-    manifest = root / "rounds" / str(rnd) / "updates" / site / MANIFEST_FILE
-    try:
-        metrics = json.loads(manifest.read_text()).get("metrics", {})
-    except (OSError, ValueError):
-        return None
-    # admission refuses non-finite metrics, but this reads a file a site wrote: anything
-    # that is not a positive finite speed is no measurement (never an exception here)
-    try:
-        steps = float(metrics.get(STEPS))
-        seconds = float(metrics.get(TRAIN_SECONDS))
-        per_step = seconds / steps
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError, OverflowError):
-        return None
-    return per_step if steps > 0 and math.isfinite(per_step) and per_step > 0 else None
 
 
 def configured_job(root: Path, site: str) -> TrainJob:
@@ -51,7 +32,7 @@ def configured_job(root: Path, site: str) -> TrainJob:
 def balanced_steps(root: Path, rnd: int, sites: list[str]) -> dict[str, int]:
     """Each balanced site's steps for round ``rnd`` (sites left out keep their budget)."""
     jobs = {s: configured_job(root, s) for s in sites}
-    speed = {s: _per_step_seconds(root, rnd - 1, s) for s in sites}
+    speed = {s: per_step_seconds(root, rnd - 1, s) for s in sites}
     planned = {s: round_steps(j.training, 1) for s, j in jobs.items()}  # dp 1: a lower bound
     timed = [planned[s] * v for s, v in speed.items() if v is not None]
     if rnd < 2 or not timed:
@@ -69,6 +50,17 @@ def balanced_steps(root: Path, rnd: int, sites: list[str]) -> dict[str, int]:
     return out
 
 
+def write_round_job(root: Path, site: str, rnd: int, job: TrainJob, steps: int) -> str:
+    """Write ``job`` with ``steps`` per round as the site's job file of round ``rnd``;
+    return its path relative to the run directory."""
+    sized = job.model_copy(update={"training": job.training.model_copy(
+        update={"steps": steps, "tokens": None})})
+    path = root / "rounds" / str(rnd) / "jobs" / f"{site}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sized.model_dump(mode="json"), indent=2) + "\n")
+    return str(path.relative_to(root))
+
+
 def round_job(root: Path, site: str, rnd: int, sites: list[str]) -> str:
     """The job file of ``site`` in round ``rnd``, relative to the run directory."""
     job = configured_job(root, site)
@@ -77,9 +69,4 @@ def round_job(root: Path, site: str, rnd: int, sites: list[str]) -> str:
     steps = balanced_steps(root, rnd, sites).get(site)
     if steps is None:
         return f"jobs/{site}.json"
-    balanced = job.model_copy(update={"training": job.training.model_copy(
-        update={"steps": steps, "tokens": None})})
-    path = root / "rounds" / str(rnd) / "jobs" / f"{site}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(balanced.model_dump(mode="json"), indent=2) + "\n")
-    return str(path.relative_to(root))
+    return write_round_job(root, site, rnd, job, steps)

@@ -1,0 +1,43 @@
+"""A real run with round_deadline: round 2 trains the steps the formula gives from round 1."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.cli.app import app
+from xffl.jobs.estimates import per_step_seconds
+
+runner = CliRunner()
+
+
+@pytest.mark.slow
+def test_round_two_steps_fit_the_deadline(tmp_path: Path, xffl_home: Path) -> None:
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="deadline", rounds=2)
+    spec["round_deadline"] = {"seconds": 6, "min_steps": 2, "max_steps": 400, "startup": 5}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    run_dir = Path(status["run_dir"])
+    first = {s["site"]: s for s in status["rounds"][0]["sites"]}
+    for site in ("alpha", "beta"):
+        # round 1's measures are the estimates' first values (no SLURM: no queue wait)
+        per_step = per_step_seconds(run_dir, 1, site)
+        assert per_step is not None
+        left = 6 - 0.0 - first[site]["startup_s"]
+        expected = max(2, min(400, math.floor(max(0.0, left) / per_step)))
+        written = json.loads((run_dir / "rounds" / "2" / "jobs" / f"{site}.json").read_text())
+        assert written["training"]["steps"] == expected
+        trained = verify_checkpoint(run_dir / "rounds" / "2" / "updates" / site)
+        assert trained.metrics["steps"] == expected  # the trainer obeyed the fitted budget
+    assert [e["rounds_seen"] for e in status["estimates"]] == [2, 2]
