@@ -26,9 +26,9 @@ from typing import Any
 
 from xffl.aggregator.exchange import MANIFEST_FILE
 from xffl.aggregator.metrics import STEPS, TRAIN_SECONDS
+from xffl.jobs.breakdown import QueueWaits
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
-from xffl.jobs.report import QueueWaits
 from xffl.jobs.states import SiteState
 
 ALPHA = 0.5
