@@ -252,9 +252,9 @@ class Simulation:
         agg = RunningAggregate(prev.tensors, own_config(previous))
         exchange = spec.exchange  # each update is sent back as the job's exchange says
         reference = prev.tensors if exchange.plain else encoded_index(
-            prev.tensors, exchange.safetensors_dtype)
-        decoding = None if exchange.plain else Decoding(previous,
-                                                        delta=exchange.update == "delta")
+            prev.tensors, exchange.safetensors_dtype, exchange.codec)
+        decoding = None if exchange.plain else Decoding(
+            previous, delta=exchange.update == "delta", codec=exchange.codec)
         updates = self.root / "rounds" / str(rnd) / "updates"
         deadline = time.monotonic() + self.timeout
         pending: dict[Future[Outcome], tuple[VirtualSite, Path]] = {}
