@@ -46,8 +46,8 @@ def encode_update(state: dict[str, Tensor], parent_dir: Path, exchange: Exchange
         return state
     codec = exchange.codec
     if codec is not None:
-        with open_model(Path(parent_dir)) as parent:
-            return _quantized(state, parent, codec,
+        with open_model(Path(parent_dir)) as reader:
+            return _quantized(state, reader, codec,
                               state_dir if exchange.feedback else None, round)
     target = TORCH_DTYPES[exchange.dtype]
     parent = open_model(Path(parent_dir)) if exchange.update == "delta" else None
