@@ -30,10 +30,11 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "fedadam": {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-9},
     "fedyogi": {"eta": 0.01, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
     "fedadagrad": {"eta": 0.1, "beta_1": 0.0, "tau": 1e-9},
+    "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9},  # Douillard et al. 2023, section 3
     "fedmedian": {},
     "fedtrimmedavg": {"beta": 0.2},
 }
-STATE = {"fedavgm": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"),
+STATE = {"fedavgm": ("momentum",), "diloco": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"),
          "fedadagrad": ("m", "v")}
 
 
@@ -99,6 +100,8 @@ def _ref_step(
     if name == "fedavgm":
         state["momentum"] = p["server_momentum"] * state["momentum"] + (x - mean)
         return x - p["server_learning_rate"] * state["momentum"]
+    if name == "diloco":
+        return _diloco_step(p["outer_lr"], p["outer_momentum"], x, mean, state)
     delta = mean - x
     m = p["beta_1"] * state["m"] + (1 - p["beta_1"]) * delta
     v = state["v"]
@@ -110,6 +113,17 @@ def _ref_step(
         v = v + delta**2
     state["m"], state["v"] = m, v
     return x + p["eta"] * m / (np.sqrt(v) + p["tau"])
+
+
+def _diloco_step(lr: float, mu: float, x: np.ndarray, mean: np.ndarray,
+                 state: dict[str, np.ndarray]) -> np.ndarray:
+    """DiLoCo's outer step (Douillard et al. 2023, Algorithm 1): the outer gradient is the
+    previous global minus the average of the sites' parameters, and OuterOpt is SGD with
+    Nesterov momentum, as torch.optim.SGD(nesterov=True) documents it: b = mu b + g;
+    theta = theta - lr (g + mu b)."""
+    g = x - mean
+    state["momentum"] = mu * state["momentum"] + g
+    return x - lr * (g + mu * state["momentum"])
 
 
 def _reference(
@@ -158,7 +172,7 @@ def test_one_round_matches_formula(
     verify_checkpoint(tmp_path / "g1")
 
 
-@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm", "diloco"])
 def test_three_rounds_reload_state_from_disk(
     name: str, make_update: Any, write_ckpt: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -263,3 +277,55 @@ def test_module_entry_point_takes_strategy_and_params(
     assert m.extra["aggregation"] == "fedadam" and m.extra["params"]["eta"] == 0.5
     assert state_file("m") in m.files and state_file("v") in m.files
     assert main([*argv, "--param", "eta"]) == 2
+
+
+def test_diloco_three_rounds_against_the_paper_and_resumed_bytes(
+    make_update: Any, write_ckpt: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Three DiLoCo outer steps against the paper's algorithm in float64, never rounded; then
+    the same run resumed from round 1's global (its momentum read back from its folder)."""
+    monkeypatch.setattr(strategies, "SLICE_ELEMENTS", 40)  # several slices per tensor
+    lr, mu = DEFAULTS["diloco"]["outer_lr"], DEFAULTS["diloco"]["outer_momentum"]
+    prev, x0 = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    x = {k: v.copy() for k, v in x0.items()}
+    buf = {k: np.zeros(SHAPES[k]) for k in SHAPES}
+    inputs: list[list[Path]] = []
+    for rnd in (1, 2, 3):
+        parent = read_manifest(prev).digest()
+        dirs, data = _updates(make_update, torch.float32, x, rnd, parent, seed=rnd)
+        inputs.append(dirs)
+        out = tmp_path / "a" / f"g{rnd}"
+        m = run_strategy("diloco", dirs, prev, out, round=rnd)
+        assert m.extra["server_state"]["loaded_from"] == (None if rnd == 1 else str(prev))
+        got = _as_np(load_file(str(out / MODEL_FILE)))
+        mom = _as_np(load_file(str(out / state_file("momentum"))))
+        for k in SHAPES:
+            st = {"momentum": buf[k]}
+            x[k] = _diloco_step(lr, mu, x[k], _mean(data, k), st)
+            buf[k] = st["momentum"]
+            # xffl stores x and the momentum b in fp32 each round (relative error <= u =
+            # 2^-24, half an ulp); the paper's float64 run does not. A stored error (ex, eb)
+            # moves the next round's by |d x'/d x| = |1 - lr(1 + mu)| = 0.33, |d x'/d b| =
+            # lr mu^2 = 0.567, |d b'/d x| = 1, |d b'/d b| = mu = 0.9: at most 1.9 times the
+            # larger, plus that round's own rounding. After round r: u M (1 + 1.9 + ...
+            # + 1.9^(r-1)), M the largest |x| or |b| so far; float64 rounding (1e-16) is
+            # far below. Classical momentum in place of Nesterov's misses by lr mu^2 |b|,
+            # orders of magnitude more.
+            size = max(np.abs(x[k]).max(), np.abs(buf[k]).max(), np.abs(got[k]).max())
+            tol = 2.0**-24 * size * sum(1.9**i for i in range(rnd))
+            assert np.abs(got[k] - x[k]).max() <= tol, (rnd, k)
+            assert np.abs(mom[k] - buf[k]).max() <= tol, (rnd, k)
+        prev = out
+    # resumed: round 1's global copied elsewhere (a fresh read of its files), rounds 2-3 again
+    import shutil
+
+    shutil.copytree(tmp_path / "a" / "g1", tmp_path / "b" / "g1")
+    prev = tmp_path / "b" / "g1"
+    for rnd in (2, 3):
+        out = tmp_path / "b" / f"g{rnd}"
+        run_strategy("diloco", inputs[rnd - 1], prev, out, round=rnd)
+        prev = out
+    for name in (MODEL_FILE, state_file("momentum")):
+        assert (tmp_path / "b" / "g3" / name).read_bytes() == \
+            (tmp_path / "a" / "g3" / name).read_bytes()
+    assert read_manifest(tmp_path / "b" / "g3").files == read_manifest(tmp_path / "a" / "g3").files
