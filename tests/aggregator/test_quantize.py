@@ -4,6 +4,7 @@ decoding of a quantized delta."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def bound(kind: str) -> float:
     if kind == "int8":
         return 1 / 254
     levels = sorted(set(PAPER_NF4 if kind == "nf4" else PAPER_FP4))
-    return max(b - a for a, b in zip(levels, levels[1:], strict=False)) / 2
+    return max(b - a for a, b in itertools.pairwise(levels)) / 2
 
 
 def _sample(numel: int, seed: int) -> np.ndarray:

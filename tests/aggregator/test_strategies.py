@@ -34,7 +34,8 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "fedmedian": {},
     "fedtrimmedavg": {"beta": 0.2},
 }
-STATE = {"fedavgm": ("momentum",), "diloco": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"),
+STATE = {"fedavgm": ("momentum",), "diloco": ("momentum",), "fedadam": ("m", "v"),
+         "fedyogi": ("m", "v"),
          "fedadagrad": ("m", "v")}
 
 
