@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from xffl.aggregator.codec import Codec, scale_name
 from xffl.aggregator.contents import check_config, check_contents, check_listed
 from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
@@ -35,7 +34,6 @@ from xffl.aggregator.exchange import (
     sha256_file,
 )
 from xffl.aggregator.kinds import WHOLE_MODEL, ModelKind
-from xffl.aggregator.quantize import dequantize
 from xffl.aggregator.reported import Bounds, check_reported
 from xffl.aggregator.safetensors_io import (
     MAX_HEADER,
@@ -142,23 +140,16 @@ def scan_shards(
 
 
 def first_changed(update_dir: Path, previous_dir: Path, names: Iterable[str], *,
-                  delta: bool = False, codec: Codec | None = None) -> str | None:
+                  delta: bool = False) -> str | None:
     """The first of ``names`` whose value an update changed from the global's (None: none);
     both are already verified, and the update holds the global's tensors.
 
     The update is compared in the exchange's representation: a delta must hold zeros there,
     weights in a narrower dtype the global's values rounded to it as a site encodes them
-    (round to nearest even), weights in the global's dtype its values exactly; a quantized
-    delta (``codec``) must decode to zeros.
+    (round to nearest even), weights in the global's dtype its values exactly.
     """
     with open_model(update_dir) as update, open_model(previous_dir) as previous:
         for name in sorted(names):
-            if codec is not None:
-                numel = previous.entries[name].numel
-                values = dequantize(codec, update.raw(name), update.raw(scale_name(name)), numel)
-                if values.size != numel or values.any():
-                    return name
-                continue
             a, b = update.entries[name], previous.entries[name]
             if a.shape != b.shape:
                 return name

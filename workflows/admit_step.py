@@ -88,8 +88,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                                                    "the global model overflows its dtype")
         if freeze_a:
             changed = first_changed(update, previous, frozen_tensors(parent.tensors),
-                                    delta=exchange is not None and exchange.update == "delta",
-                                    codec=codec)
+                                    delta=exchange is not None and exchange.update == "delta")
             if changed is not None:
                 raise UpdateRejected(update, site, f"it changed {changed!r}, which "
                                      "aggregation.lora: freeze_a keeps at the global's value")

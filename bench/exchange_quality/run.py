@@ -11,7 +11,10 @@ seen in training; the federated validation loss is their mean. Rows:
 - fp32 weights, bf16 delta, int8 delta, nf4 delta with and without error feedback (fedavg);
 - fedavg and diloco (outer lr 0.7, Nesterov momentum 0.9) at 4x the local steps, fp32.
 
-Printed per row: the final federated validation loss, the bytes one site sends per round
+Every row runs once per ``--seeds`` value (``training.seed``: the model's init and the data
+order), because one quantized run differs from the fp32 one by more than its rounding:
+training amplifies any change of trajectory. Printed per row: the mean final federated
+validation loss over the seeds and its range, the bytes one site sends per round
 (the files of its round-1 update: tensors, header, manifest, config) and their ratio to fp32
 weights' (the baseline, measured in the same invocation), and the wall time.
 
@@ -25,6 +28,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,10 +73,11 @@ def held_out_loss(model: Path, site: str, work: Path) -> float:
     return evaluate(model, tail, SEQ_LEN, HELD_OUT // 8, batch_size=8)
 
 
-def job_for(changes: dict[str, Any], name: str) -> dict[str, Any]:
-    """The quickstart's job with ``changes`` merged into its sections."""
+def job_for(changes: dict[str, Any], name: str, seed: int = 0) -> dict[str, Any]:
+    """The quickstart's job with ``changes`` merged into its sections, and ``seed``."""
     spec: dict[str, Any] = yaml.safe_load(QUICKSTART.read_text())
     spec["name"] = name
+    spec["training"]["seed"] = seed
     for section, values in changes.items():
         merged = copy.deepcopy(spec.get(section) or {})
         merged.update(values)
@@ -80,11 +85,11 @@ def job_for(changes: dict[str, Any], name: str) -> dict[str, Any]:
     return spec
 
 
-def run_row(label: str, rounds: int, work: Path) -> dict[str, Any]:
-    """Simulate one row's job for ``rounds`` + 1 rounds; its numbers."""
-    slug = "".join(c if c.isalnum() else "-" for c in label).strip("-")
+def run_row(label: str, rounds: int, work: Path, seed: int = 0) -> dict[str, Any]:
+    """Simulate one row's job for ``rounds`` rounds; its numbers."""
+    slug = "".join(c if c.isalnum() else "-" for c in label).strip("-") + f"-s{seed}"
     job = work / f"{slug}.yaml"
-    job.write_text(yaml.safe_dump(job_for(ROWS[label], "q-" + slug[:40])))
+    job.write_text(yaml.safe_dump(job_for(ROWS[label], "q-" + slug[:40], seed)))
     out = work / slug
     env = {**os.environ, "XFFL_HOME": str(work / "home")}
     t0 = time.perf_counter()
@@ -107,7 +112,7 @@ def run_row(label: str, rounds: int, work: Path) -> dict[str, Any]:
     sent = []
     for site in sorted((out / "rounds" / "1" / "updates").iterdir()):
         sent.append(sum(p.stat().st_size for p in site.iterdir() if p.is_file()))
-    return {"row": label, "final_val_loss": sum(losses) / len(losses),
+    return {"row": label, "seed": seed, "final_val_loss": sum(losses) / len(losses),
             "val_loss_by_site": dict(zip(SITES, losses, strict=True)),
             "bytes_per_site_round": sum(sent) / len(sent), "wall_s": round(wall, 1)}
 
@@ -117,24 +122,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--only", action="append", choices=list(ROWS), default=None)
+    parser.add_argument("--seeds", default="0", help="comma-separated training seeds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = args.only or list(ROWS)
     if "fp32 weights" not in rows:
         rows.insert(0, "fp32 weights")  # the baseline of the byte ratios
+    seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory(prefix="xffl-exchange-quality-") as tmp:
-        results = [run_row(label, args.rounds, Path(tmp)) for label in rows]
-    base = results[0]["bytes_per_site_round"]
-    for r in results:
-        r["vs_fp32_bytes"] = r["bytes_per_site_round"] / base
+        runs = [run_row(label, args.rounds, Path(tmp), seed) for label in rows
+                for seed in seeds]
+    base = runs[0]["bytes_per_site_round"]
+    table = []
+    for label in rows:
+        mine = [r for r in runs if r["row"] == label]
+        losses = [r["final_val_loss"] for r in mine]
+        table.append({"row": label, "mean_val_loss": statistics.fmean(losses),
+                      "min_val_loss": min(losses), "max_val_loss": max(losses),
+                      "bytes_per_site_round": mine[0]["bytes_per_site_round"],
+                      "vs_fp32_bytes": mine[0]["bytes_per_site_round"] / base,
+                      "wall_s": statistics.fmean(r["wall_s"] for r in mine)})
     if args.json:
-        print(json.dumps({"rounds": args.rounds, "rows": results}, indent=2))
+        print(json.dumps({"rounds": args.rounds, "seeds": seeds, "rows": table, "runs": runs},
+                         indent=2))
         return 0
-    print(f"{'row':32} {'final val loss':>15} {'bytes/site/round':>17} {'vs fp32':>8} "
-          f"{'wall s':>7}")
-    for r in results:
-        print(f"{r['row']:32} {r['final_val_loss']:15.4f} {r['bytes_per_site_round']:17,.0f} "
-              f"{r['vs_fp32_bytes']:8.3f} {r['wall_s']:7.1f}")
+    print(f"{args.rounds} rounds, seeds {seeds}")
+    print(f"{'row':30} {'val loss (mean)':>15} {'range':>15} {'bytes/site/round':>17} "
+          f"{'vs fp32':>8} {'wall s':>7}")
+    for r in table:
+        span = f"{r['min_val_loss']:.3f}-{r['max_val_loss']:.3f}"
+        print(f"{r['row']:30} {r['mean_val_loss']:15.4f} {span:>15} "
+              f"{r['bytes_per_site_round']:17,.0f} {r['vs_fp32_bytes']:8.3f} {r['wall_s']:7.1f}")
     return 0
 
 

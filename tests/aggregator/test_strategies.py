@@ -330,3 +330,45 @@ def test_diloco_three_rounds_against_the_paper_and_resumed_bytes(
         assert (tmp_path / "b" / "g3" / name).read_bytes() == \
             (tmp_path / "a" / "g3" / name).read_bytes()
     assert read_manifest(tmp_path / "b" / "g3").files == read_manifest(tmp_path / "a" / "g3").files
+
+
+def test_diloco_steps_a_lora_adapter(tmp_path: Path) -> None:
+    """DiLoCo on a LoRA job's adapters: the same outer step on every factor, and its
+    momentum beside the global adapter."""
+    import json
+
+    from safetensors.numpy import load_file as load_np
+    from safetensors.numpy import save_file as save_np
+
+    from xffl.aggregator.exchange import Manifest, finalize_manifest
+    from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+    from xffl.training import lora
+    from xffl.training.config import LoraSpec, ModelSpec
+
+    glob = tmp_path / "global"
+    lora.init_adapter_global("run-1", ModelSpec(preset="tiny-test"),
+                             LoraSpec(r=4, alpha=8, target_modules=["q_proj"]), 0, glob, "base")
+    x = load_np(str(glob / ADAPTER_FILE))
+    parent = read_manifest(glob)
+    ups, sites = [], {"a": (0.01, 3), "b": (-0.03, 1)}
+    for site, (shift, n) in sites.items():
+        out = tmp_path / site
+        out.mkdir()
+        save_np({k: v + np.float32(shift) for k, v in x.items()}, str(out / ADAPTER_FILE))
+        (out / ADAPTER_CONFIG_FILE).write_text((glob / ADAPTER_CONFIG_FILE).read_text())
+        finalize_manifest(out, Manifest(kind="update", run_id="run-1", round=1, site=site,
+                                        num_samples=n, parent=parent.digest()))
+        ups.append(out)
+    m = run_strategy("diloco", ups, glob, tmp_path / "g1", round=1)
+    assert state_file("momentum") in m.files and ADAPTER_FILE in m.files
+    got = load_np(str(tmp_path / "g1" / ADAPTER_FILE))
+    assert json.loads((tmp_path / "g1" / ADAPTER_CONFIG_FILE).read_text())["r"] == 4
+    for k, v in x.items():
+        w = v.astype(np.float64)
+        sent = [(n, (v + np.float32(s)).astype(np.float64)) for s, n in sites.values()]
+        mean = sum(n * u for n, u in sent) / 4  # the samples-weighted mean, in float64
+        st = {"momentum": np.zeros_like(w)}
+        want = _diloco_step(0.7, 0.9, w, mean, st)
+        # float64 on both sides from the same fp32 inputs, rounded once to fp32: equal, or
+        # one ulp apart where the value sits on a rounding boundary
+        assert np.all(np.abs(got[k] - want) <= np.spacing(np.abs(want).astype(np.float32))), k
