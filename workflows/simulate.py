@@ -9,7 +9,7 @@ into a :class:`xffl.aggregator.running.RunningAggregate` and deletes it at once.
 (FedML Parrot's approach). The next global is then written in the exchange format
 (manifest + checksums) at ``DIR/rounds/<r>/global``; ``DIR/simulate.json`` holds the
 numbers of every round. fedavg is computed by the running aggregate itself; the server
-optimizers (fedavgm, fedadam, fedyogi, fedadagrad) take one step from the running FedAvg;
+optimizers (fedavgm, fedadam, fedyogi, fedadagrad, diloco) take one step from the running FedAvg;
 fedmedian and fedtrimmedavg need every update at once and are refused.
 """
 
