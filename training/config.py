@@ -298,11 +298,17 @@ class ExchangeSpec(_Strict):
     @field_validator("block_size")
     @classmethod
     def _block(cls, value: int | None) -> int | None:
-        if value is not None and not valid_block(value):
+        if value is None or valid_block(value):
+            return value
+        fix = f"use a power of two from {MIN_BLOCK} to {MAX_BLOCK}, e.g. {DEFAULT_BLOCK}"
+        if value < 1 or value & (value - 1):
             raise ValueError(f"block size {value} does not divide the tensors into even "
-                             f"blocks; use a power of two from {MIN_BLOCK} to {MAX_BLOCK}, "
-                             f"e.g. {DEFAULT_BLOCK}")
-        return value
+                             f"blocks; {fix}")
+        if value > MAX_BLOCK:
+            raise ValueError(f"block size {value} is too large: one outlier would set the "
+                             f"scale of {value} elements; {fix}")
+        raise ValueError(f"block size {value} is too small: its float32 scale would add 4 "
+                         f"bytes to every {value} elements; {fix}")
 
     @model_validator(mode="after")
     def _quantized_delta(self) -> ExchangeSpec:
