@@ -89,7 +89,8 @@ def run_row(label: str, rounds: int, work: Path, seed: int = 0) -> dict[str, Any
     """Simulate one row's job for ``rounds`` rounds; its numbers."""
     slug = "".join(c if c.isalnum() else "-" for c in label).strip("-") + f"-s{seed}"
     job = work / f"{slug}.yaml"
-    job.write_text(yaml.safe_dump(job_for(ROWS[label], "q-" + slug[:40], seed)))
+    job.write_text(yaml.safe_dump(job_for(ROWS[label], f"q{list(ROWS).index(label)}-s{seed}",
+                                          seed)))
     out = work / slug
     env = {**os.environ, "XFFL_HOME": str(work / "home")}
     t0 = time.perf_counter()
