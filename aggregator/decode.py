@@ -111,7 +111,7 @@ class DecodedReader:
         if target not in FLOATS or (stored == target and not self.delta):
             return self.update.read_into(name, start, out)
         if self.codec is not None:
-            acc = self._dequantized(name, start, n)
+            acc = self.dequantized(name, start, n)
         else:
             raw = self.update.read_into(name, start, np.empty(n, dtype=storage_dtype(stored)))
             acc = decode(raw, stored)  # float64: exact for every stored float
@@ -122,8 +122,9 @@ class DecodedReader:
             encode(acc, target, out, np.empty(n, dtype=np.float32))
         return out
 
-    def _dequantized(self, name: str, start: int, n: int) -> Array:
-        """Elements ``[start, start + n)`` of a quantized delta, float64."""
+    def dequantized(self, name: str, start: int, n: int) -> Array:
+        """Elements ``[start, start + n)`` of a quantized delta as the coordinator decodes
+        them (float64, before they are added to the global)."""
         from xffl.aggregator.quantize import dequantize
 
         codec = self.codec

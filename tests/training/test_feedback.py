@@ -59,7 +59,7 @@ def _sent_and_received(tmp_path: Path, exchange: ExchangeSpec, tag: str
         with DecodedReader(open_model(sent), open_model(glob), delta=True, codec=codec) as r:
             for k in SHAPES:  # the coordinator's decoding, minus the global it added it to
                 numel = int(np.prod(SHAPES[k]))
-                raw = r._dequantized(k, 0, numel)  # float64, before rounding to the global
+                raw = r.dequantized(k, 0, numel)  # float64, before rounding to the global
                 got[k] += raw.reshape(SHAPES[k])
     return true, got, sent, state_dir
 
