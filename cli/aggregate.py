@@ -103,7 +103,7 @@ def aggregate(
         "--exchange", metavar="UPDATE/DTYPE", show_default=False,
         help="What the updates hold: weights/fp32 (default, or the run's), weights/bf16, "
         "delta/bf16, delta/nf4/128 (a quantized delta and its block size), ... (the job's "
-        "exchange.update/exchange.dtype[/exchange.block_size]); anything but "
+        "exchange.update/exchange.dtype, and its block_size); anything but "
         "weights/fp32 needs --previous, the global the round started from.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace OUT if it exists.")] = False,
