@@ -9,17 +9,21 @@ then work unchanged on any exchange.
 
 Which encoding an update is in is the coordinator's own knowledge (the job spec), never the
 update's word; admission has already checked that the update's tensors have the encoding's
-dtype and the global's names and shapes.
+dtype and the global's names and shapes. A quantized delta (``exchange.dtype: int8 | nf4 |
+fp4``) is dequantized here slice by slice (:mod:`xffl.aggregator.quantize`): a read of
+elements ``[lo, hi)`` reads the codes and scales of the blocks that cover them, nothing more.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from xffl.aggregator.codec import Codec, scale_name
 from xffl.aggregator.dtypes import decode, encode, storage_dtype
 from xffl.aggregator.exchange import TensorInfo
 from xffl.aggregator.safetensors_io import Array, TensorEntry
@@ -36,13 +40,32 @@ class Decoding:
 
     reference: Path
     delta: bool = False
+    codec: Codec | None = None  # a quantized delta's
 
 
-def encoded_index(reference: Sequence[TensorInfo], dtype: str) -> list[TensorInfo]:
+def encoded_index(reference: Sequence[TensorInfo], dtype: str,
+                  codec: Codec | None = None) -> list[TensorInfo]:
     """The tensor index an encoded update must have: the global's names and shapes, every
-    floating-point tensor in ``dtype`` (a safetensors dtype string)."""
-    return [t.model_copy(update={"dtype": dtype}) if t.dtype in FLOATS else t
-            for t in reference]
+    floating-point tensor in ``dtype`` (a safetensors dtype string); with ``codec``, every
+    floating-point tensor as its flat codes and its scales (``name.absmax``, F32)."""
+    if codec is None:
+        return [t.model_copy(update={"dtype": dtype}) if t.dtype in FLOATS else t
+                for t in reference]
+    out: list[TensorInfo] = []
+    names = {t.name for t in reference}
+    for t in reference:
+        if t.dtype not in FLOATS:
+            out.append(t)
+            continue
+        if scale_name(t.name) in names:
+            raise ValueError(f"tensor {t.name!r} of the global model is named like the "
+                             "scales of another; this model cannot be exchanged quantized")
+        numel = math.prod(t.shape)
+        out.append(TensorInfo(name=t.name, dtype=codec.code_dtype,
+                              shape=[codec.code_count(numel)]))
+        out.append(TensorInfo(name=scale_name(t.name), dtype="F32",
+                              shape=[codec.blocks(numel)]))
+    return sorted(out, key=lambda t: t.name)
 
 
 class DecodedReader:
@@ -53,11 +76,14 @@ class DecodedReader:
     models) are read as they are.
     """
 
-    def __init__(self, update: ModelReader, reference: ModelReader, *, delta: bool) -> None:
-        """Wrap two open readers; :meth:`close` closes both."""
+    def __init__(self, update: ModelReader, reference: ModelReader, *, delta: bool,
+                 codec: Codec | None = None) -> None:
+        """Wrap two open readers; :meth:`close` closes both. ``codec``: the update holds a
+        quantized delta."""
         self.update = update
         self.reference = reference
-        self.delta = delta
+        self.delta = delta or codec is not None
+        self.codec = codec
         self.path = update.path
         self.index_file = update.index_file
         self.metadata = update.metadata
@@ -84,14 +110,33 @@ class DecodedReader:
         n = out.shape[0]
         if target not in FLOATS or (stored == target and not self.delta):
             return self.update.read_into(name, start, out)
-        raw = self.update.read_into(name, start, np.empty(n, dtype=storage_dtype(stored)))
-        acc = decode(raw, stored)  # float64: exact for every stored float
+        if self.codec is not None:
+            acc = self.dequantized(name, start, n)
+        else:
+            raw = self.update.read_into(name, start, np.empty(n, dtype=storage_dtype(stored)))
+            acc = decode(raw, stored)  # float64: exact for every stored float
         if self.delta:
             base = self.reference.read_into(name, start, np.empty(n, dtype=storage_dtype(target)))
             np.add(acc, decode(base, target), out=acc)
         with np.errstate(over="ignore"):  # an overflow is inf, which admission looks for
             encode(acc, target, out, np.empty(n, dtype=np.float32))
         return out
+
+    def dequantized(self, name: str, start: int, n: int) -> Array:
+        """Elements ``[start, start + n)`` of a quantized delta as the coordinator decodes
+        them (float64, before they are added to the global)."""
+        from xffl.aggregator.quantize import dequantize
+
+        codec = self.codec
+        assert codec is not None
+        numel = self.reference.entry(name).numel
+        b0, b1, e0, e1 = codec.span(numel, start, start + n)
+        scales = self.update.read_into(scale_name(name), b0, np.empty(b1 - b0, np.float32))
+        c0, c1 = (e0, e1) if codec.bits == 8 else (e0 // 2, (e1 + 1) // 2)
+        codes = self.update.read_into(name, c0, np.empty(
+            c1 - c0, dtype=storage_dtype(codec.code_dtype)))
+        values = dequantize(codec, codes, scales, e1 - e0)
+        return values[start - e0: start - e0 + n]
 
     def raw(self, name: str, start: int = 0, stop: int | None = None) -> Array:
         """Decoded elements ``[start, stop)`` in the global's storage dtype (a new array)."""
@@ -109,7 +154,8 @@ class DecodedReader:
 
     def prefetch(self, name: str, start: int, stop: int) -> None:
         """Start reading ahead in the update and, for a delta, in the global."""
-        self.update.prefetch(name, start, stop)
+        if self.codec is None:
+            self.update.prefetch(name, start, stop)
         if self.delta:
             self.reference.prefetch(name, start, stop)
 
@@ -125,14 +171,15 @@ class DecodedReader:
         self.close()
 
 
-def first_overflow(update: Path, reference: Path) -> str | None:
+def first_overflow(update: Path, reference: Path, codec: Codec | None = None) -> str | None:
     """The first tensor whose delta, added to ``reference``, leaves the global's dtype's
     range (finite values that sum to inf); None when every sum is finite.
 
     Admission checks the stored values are finite; a hostile site could still send a finite
     delta that overflows once added to the global, and poison a mean with inf.
     """
-    with DecodedReader(open_model(update), open_model(reference), delta=True) as reader:
+    with DecodedReader(open_model(update), open_model(reference), delta=True,
+                       codec=codec) as reader:
         for name in reader.names():
             entry = reader.entry(name)
             if entry.dtype not in FLOATS:
@@ -141,4 +188,26 @@ def first_overflow(update: Path, reference: Path) -> str | None:
                 raw = reader.raw(name, lo, min(entry.numel, lo + _SCAN))
                 if not np.isfinite(decode(raw, entry.dtype)).all():
                     return name
+    return None
+
+
+def bad_scales(update: Path, reference: Path, codec: Codec) -> str | None:
+    """Why a quantized delta's block scales do not fit (None when they do): a scale that is
+    negative (an absmax never is), or larger than the global's dtype can hold (the block's
+    decoded values would overflow it). Non-finite scales are admission's finite check's.
+    """
+    with open_model(update) as upd, open_model(reference) as ref:
+        for name in sorted(ref.entries):
+            dtype = ref.entries[name].dtype
+            if dtype not in FLOATS:
+                continue
+            limit = float(np.finfo(np.float16).max) if dtype == "F16" else float(
+                np.finfo(np.float32).max)
+            scales = upd.raw(scale_name(name)).astype(np.float64)
+            if scales.size and scales.min() < 0:
+                return (f"tensor {name!r} has a negative block scale ({scales.min():g} in "
+                        f"{scale_name(name)}); a block's absmax never is")
+            if scales.size and scales.max() > limit:
+                return (f"a block scale of tensor {name!r} ({scales.max():g}) overflows the "
+                        f"global's {dtype}")
     return None

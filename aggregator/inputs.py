@@ -72,7 +72,8 @@ def open_updates(paths: Sequence[Path], decoding: Decoding | None = None) -> lis
                 except BaseException:
                     model.close()
                     raise
-                reader = DecodedReader(model, reference, delta=decoding.delta)
+                reader = DecodedReader(model, reference, delta=decoding.delta,
+                                       codec=decoding.codec)
             opened.append(Update(path, manifest, site, digest, pos, reader))
     except BaseException:
         for u in opened:

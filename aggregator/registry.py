@@ -21,6 +21,13 @@ Federated Optimization", without Adam's bias correction):
   (lr=1.0, momentum=0.0) reduce it to FedAvg; we default to lr=1.0, momentum=0.9 (Hsu et
   al. 2019).
 
+DiLoCo's outer step (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
+Language Models", Algorithm 1): the outer gradient ``g = x - mean`` (the previous global
+minus the weighted mean of the sites' weights after their inner AdamW steps) drives SGD with
+Nesterov momentum as torch.optim.SGD(nesterov=True) computes it, which the paper's code uses:
+``buf = momentum*buf + g``; ``x = x - lr*(g + momentum*buf)``; the paper's outer lr 0.7 and
+momentum 0.9 are the defaults.
+
 FedMedian and FedTrimmedAvg are coordinate-wise and unweighted, as in Flower: the median of
 the updates, and the mean after dropping the ``int(beta*n)`` smallest and largest values of
 each coordinate (Flower's default beta=0.2).
@@ -212,6 +219,35 @@ class FedAdagrad(_FedOpt):
     def second_moment(self, params: Params, v: Array, d2: Array) -> None:
         """``v = v + delta^2``."""
         v += d2
+
+
+@register
+class DiLoCo(Strategy):
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum on the outer gradient."""
+
+    name = "diloco"
+    defaults = MappingProxyType({"outer_lr": 0.7, "outer_momentum": 0.9})
+    state = ("momentum",)
+    summary = "DiLoCo outer step: Nesterov SGD on the pseudo-gradient"
+
+    def check(self, params: Params) -> None:
+        """outer_lr > 0 and outer_momentum in [0, 1)."""
+        if not params["outer_lr"] > 0:
+            raise InvalidInput(f"diloco outer_lr must be > 0, got {params['outer_lr']}.")
+        if not 0 <= params["outer_momentum"] < 1:
+            raise InvalidInput("diloco outer_momentum must be in [0, 1), got "
+                               f"{params['outer_momentum']}.")
+
+    def step(self, params: Params, x: Array, mean: Array,
+             state: MutableMapping[str, Array]) -> Array:
+        """``g = x - mean``; ``buf = mu*buf + g``; ``x - lr*(g + mu*buf)``."""
+        mu = params["outer_momentum"]
+        g = x - mean
+        buf = state["momentum"]
+        buf *= mu
+        buf += g
+        result: Array = x - params["outer_lr"] * (g + mu * buf)
+        return result
 
 
 @register

@@ -104,7 +104,7 @@ class RunningAggregate:
         self._check_config(directory, label)
         model = open_model(directory)
         reader: TensorReader = model if decoding is None else DecodedReader(
-            model, open_model(decoding.reference), delta=decoding.delta)
+            model, open_model(decoding.reference), delta=decoding.delta, codec=decoding.codec)
         with closing(reader):
             diff = layout_difference(index_of(reader), self.layout)
             if diff:

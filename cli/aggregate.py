@@ -102,7 +102,8 @@ def aggregate(
     exchange: Annotated[str | None, typer.Option(
         "--exchange", metavar="UPDATE/DTYPE", show_default=False,
         help="What the updates hold: weights/fp32 (default, or the run's), weights/bf16, "
-        "delta/bf16, ... (the job's exchange.update/exchange.dtype); anything but "
+        "delta/bf16, delta/nf4/128 (a quantized delta and its block size), ... (the job's "
+        "exchange.update/exchange.dtype, and its block_size); anything but "
         "weights/fp32 needs --previous, the global the round started from.")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="Replace OUT if it exists.")] = False,
@@ -240,7 +241,8 @@ def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
         spec = ExchangeSpec.parse(label)
     except ValidationError:
         raise InvalidInput(f"--exchange {label!r}: give UPDATE/DTYPE with UPDATE weights or "
-                           "delta and DTYPE fp32, bf16 or fp16 (e.g. delta/bf16).") from None
+                           "delta and DTYPE fp32, bf16 or fp16, or delta/DTYPE/BLOCK with "
+                           "DTYPE int8, nf4 or fp4 (e.g. delta/bf16, delta/nf4/128).") from None
     if not spec.plain and previous is None:
         raise InvalidInput(f"--exchange {label}: decoding these updates needs the global the "
                            "round started from; give it with --previous DIR.")
@@ -265,8 +267,10 @@ def _aggregate(updates: list[Path], output: Path, o: Options) -> dict[str, Any]:
         if not o.hint:  # a run's round: the global carries the run's id, as the step wrote it
             run_id = run_id or manifest.run_id
         if o.exchange is not None and not o.exchange.plain:
-            reference = encoded_index(reference, o.exchange.safetensors_dtype)
-            decoding = Decoding(o.previous, delta=o.exchange.update == "delta")
+            reference = encoded_index(reference, o.exchange.safetensors_dtype,
+                                      o.exchange.codec)
+            decoding = Decoding(o.previous, delta=o.exchange.update == "delta",
+                                codec=o.exchange.codec)
     accepted, rejected = select_updates(
         updates, expected_round=o.round, expected_parent=parent_digest,
         reference_index=reference, expected_run_id=run_id, check_finite=o.check_finite,

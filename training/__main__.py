@@ -22,6 +22,7 @@ from xffl.training import distributed as xdist
 from xffl.training.config import TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.distributed import DistEnv
+from xffl.training.feedback import state_dir_from_env
 from xffl.training.forked import option_value
 from xffl.training.model import warm_imports as model_warm_imports
 from xffl.training.streamed import tensor_update_round
@@ -126,7 +127,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> int:
         data_dir = args.data if args.data is not None else Path(job.data.path)
         prepare_data(job, data_dir, env.local_rank)
         manifest = train_round(job, args.round, args.model, data_dir, args.out,
-                               base_dir=args.base)
+                               base_dir=args.base, state_dir=state_dir_from_env())
     if env.is_main and manifest is not None:
         summary = {"site": job.site, "round": args.round, "out": str(args.out),
                    "digest": manifest.digest(), "num_samples": manifest.num_samples,

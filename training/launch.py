@@ -10,7 +10,9 @@ warning on stderr); otherwise the launcher's failure code is returned.
 With ``--keep DIR`` a site's round is idempotent: the launcher keeps the update it wrote in
 ``DIR/r<round>`` (hard links, the previous round's removed), and when the same round is run
 again from the same global model (a retry after the transfer failed, ``xffl resume`` after
-the coordinator stopped), it hands that update back instead of training again.
+the coordinator stopped), it hands that update back instead of training again. The ranks get
+``DIR`` as the site's state folder too (``XFFL_SITE_STATE``): a quantized exchange keeps its
+error feedback there (:mod:`xffl.training.feedback`), beside the kept update, never in it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from xffl.core.errors import XfflError
 from xffl.core.files import link_files
 from xffl.core.resources import usable_cpus
 from xffl.training import slurm_job
+from xffl.training.feedback import SITE_STATE_ENV
 from xffl.training.forked import option_value
 from xffl.training.progress import STEP_LOG_ENV, STEP_LOG_FILE
 from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
@@ -168,7 +171,9 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
     else:
         rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module,
                         env={**(os.environ if env is None else env),
-                             LAUNCHED_AT_ENV: repr(launched_at)})
+                             LAUNCHED_AT_ENV: repr(launched_at),
+                             **({} if keep is None else {
+                                 SITE_STATE_ENV: str(Path(keep).absolute())})})
         if rc == 0 and keep is not None and rnd is not None and rnd.isdigit():
             try:
                 keep_update(out_dir, keep, int(rnd))

@@ -131,22 +131,26 @@ def _site_data(job: TrainJob, data_dir: Path, config: ModelConfig,
 
 
 def _write_update(job: TrainJob, pm: ParallelModel, model_dir: Path, out_dir: Path,
-                  config: ModelConfig, manifest: Manifest) -> Manifest:
+                  config: ModelConfig, manifest: Manifest,
+                  state_dir: Path | None = None) -> Manifest:
     """Gather the trained state (collective) and write the update on rank 0; every rank
-    gets its manifest. A LoRA job gathers and writes only the adapter."""
+    gets its manifest. A LoRA job gathers and writes only the adapter. ``state_dir``: the
+    site's own folder (error feedback's residual, :mod:`xffl.training.feedback`)."""
     if job.training.lora is not None:
         # collective; only the adapter's tensors are gathered and copied
         state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
         adapter_config = (model_dir / LORA_ADAPTER.config_file).read_text()
 
         def save() -> Manifest:
-            return lora.save_adapter(encode_update(state, model_dir, job.exchange),
+            return lora.save_adapter(encode_update(state, model_dir, job.exchange, state_dir,
+                                                   manifest.round),
                                      adapter_config, out_dir, manifest)
     else:
         state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets them
 
         def save() -> Manifest:
-            return save_checkpoint(encode_update(state, model_dir, job.exchange), config,
+            return save_checkpoint(encode_update(state, model_dir, job.exchange, state_dir,
+                                                 manifest.round), config,
                                    out_dir, manifest)
     written = _on_main(save, lambda m: m.model_dump_json(), Manifest.model_validate_json)
     xdist.barrier()
@@ -183,13 +187,15 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
 
 
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
-                out_dir: Path, base_dir: Path | None = None) -> Manifest:
+                out_dir: Path, base_dir: Path | None = None,
+                state_dir: Path | None = None) -> Manifest:
     """Train the global model in ``model_dir`` on this site's data; rank 0 writes the update.
 
     Works under an initialised process group (a (dp, tp) mesh of its ranks, see
     :mod:`xffl.training.parallelize`) or in a single process. Returns the update's manifest
     on every rank. A LoRA job (``training.lora``) trains the global adapter in ``model_dir``
-    on the frozen model in ``base_dir`` and writes only the adapter.
+    on the frozen model in ``base_dir`` and writes only the adapter. ``state_dir``: the
+    site's own folder, where a quantized exchange keeps its error feedback.
     """
     spec = job.training
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
@@ -276,7 +282,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                "seq_len": spec.seq_len, "exchange": job.exchange.label(),
                "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
-    return _write_update(job, pm, model_dir, out_dir, config, manifest)
+    return _write_update(job, pm, model_dir, out_dir, config, manifest, state_dir)
 
 
 def evaluate(model_dir: Path, data_dir: Path, seq_len: int, max_batches: int,

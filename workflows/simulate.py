@@ -9,7 +9,7 @@ into a :class:`xffl.aggregator.running.RunningAggregate` and deletes it at once.
 (FedML Parrot's approach). The next global is then written in the exchange format
 (manifest + checksums) at ``DIR/rounds/<r>/global``; ``DIR/simulate.json`` holds the
 numbers of every round. fedavg is computed by the running aggregate itself; the server
-optimizers (fedavgm, fedadam, fedyogi, fedadagrad) take one step from the running FedAvg;
+optimizers (fedavgm, fedadam, fedyogi, fedadagrad, diloco) take one step from the running FedAvg;
 fedmedian and fedtrimmedavg need every update at once and are refused.
 """
 
@@ -252,9 +252,9 @@ class Simulation:
         agg = RunningAggregate(prev.tensors, own_config(previous))
         exchange = spec.exchange  # each update is sent back as the job's exchange says
         reference = prev.tensors if exchange.plain else encoded_index(
-            prev.tensors, exchange.safetensors_dtype)
-        decoding = None if exchange.plain else Decoding(previous,
-                                                        delta=exchange.update == "delta")
+            prev.tensors, exchange.safetensors_dtype, exchange.codec)
+        decoding = None if exchange.plain else Decoding(
+            previous, delta=exchange.update == "delta", codec=exchange.codec)
         updates = self.root / "rounds" / str(rnd) / "updates"
         deadline = time.monotonic() + self.timeout
         pending: dict[Future[Outcome], tuple[VirtualSite, Path]] = {}

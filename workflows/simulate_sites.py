@@ -204,6 +204,11 @@ def make_initial(run_id: str, model: ModelSpec, seed: int, out: str,
         return _failure(exc, t0)
 
 
+def site_state(site: VirtualSite) -> Path:
+    """The virtual site's own folder (error feedback): ``DIR/site-state/<name>``."""
+    return site.data_dir.parent.parent / "site-state" / site.name
+
+
 def run_site(site: VirtualSite, rnd: int, model: str, out: str) -> Outcome:
     """Worker task: train one virtual site for round ``rnd`` from ``model``; update at ``out``.
 
@@ -220,7 +225,8 @@ def run_site(site: VirtualSite, rnd: int, model: str, out: str) -> Outcome:
             from xffl.training.trainer import train_round
 
             data = prepare_site_data(site)
-            manifest = train_round(site.job, rnd, Path(model), data, Path(out))
+            manifest = train_round(site.job, rnd, Path(model), data, Path(out),
+                                   state_dir=site_state(site))
         return Outcome(True, time.perf_counter() - t0, digest=manifest.digest(),
                        loss=manifest.metrics.get(LOSS))
     except Exception as exc:

@@ -4,6 +4,9 @@ Computed from a model preset's shapes (no training), per site and round, one way
 
 - ``fp32 weights``: every parameter in float32 (what xffl exchanges today, both ways);
 - ``bf16 delta``: every parameter's change from the parent global, in bfloat16;
+- ``int8 delta`` / ``nf4 delta`` (block B): the change quantized blockwise
+  (:mod:`xffl.aggregator.quantize`), tensor by tensor: one byte (int8) or half a byte (nf4,
+  fp4) per element plus a float32 absmax per block of ``--block`` elements;
 - ``LoRA r=R attention``: LoRA adapters (A: r x in, B: out x r, float32) on q, k, v and o;
 - ``LoRA r=R all linear``: the same on q, k, v, o, gate, up and down.
 
@@ -54,7 +57,16 @@ def lora_parameters(config: Any, rank: int, targets: tuple[str, ...]) -> int:
     return config.num_hidden_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
 
 
-def computed(preset: str, rank: int) -> dict[str, Any]:
+def quantized_bytes(config: Any, dtype: str, block: int) -> int:
+    """Bytes of a quantized delta of every parameter tensor, scales included."""
+    from xffl.aggregator.codec import Codec
+    from xffl.training.model import meta_model
+
+    codec = Codec(dtype, block)
+    return sum(codec.nbytes(p.numel()) for p in meta_model(config).parameters())
+
+
+def computed(preset: str, rank: int, block: int = 128) -> dict[str, Any]:
     """Bytes per site per round, one way, of each exchange for the preset's shapes."""
     from xffl.training.arch import PRESETS
     from xffl.training.model import num_parameters
@@ -62,10 +74,13 @@ def computed(preset: str, rank: int) -> dict[str, Any]:
     config = PRESETS[preset]
     n = num_parameters(config)
     rows = {"fp32 weights": 4 * n, "bf16 delta": 2 * n,
+            f"int8 delta (block {block})": quantized_bytes(config, "int8", block),
+            f"nf4 delta (block {block})": quantized_bytes(config, "nf4", block),
             f"LoRA r={rank} attention": 4 * lora_parameters(config, rank, ATTENTION),
             f"LoRA r={rank} all linear": 4 * lora_parameters(config, rank, ALL_LINEAR)}
     fp32, bf16 = rows["fp32 weights"], 2 * n
-    return {"preset": preset, "parameters": n, "rank": rank, "bf16_full_bytes": bf16,
+    return {"preset": preset, "parameters": n, "rank": rank, "block": block,
+            "bf16_full_bytes": bf16,
             "rows": [{"exchange": k, "bytes": v, "vs_fp32": v / fp32, "vs_bf16_full": v / bf16}
                      for k, v in rows.items()]}
 
@@ -162,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama2-7b")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--block", type=int, default=128, help="quantization block size")
     parser.add_argument("--run", help="an existing run (in XFFL_HOME) instead of new ones")
     parser.add_argument("--exchanges", default="weights/fp32,delta/bf16,lora:attention,lora:all",
                         help="the quickstart runs to measure, comma-separated update/dtype "
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-run", action="store_true", help="computed numbers only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"computed": computed(args.preset, args.rank)}
+    result: dict[str, Any] = {"computed": computed(args.preset, args.rank, args.block)}
     if args.run:
         result["measured"] = [measured(args.run)]
     elif not args.no_run:

@@ -30,10 +30,12 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "fedadam": {"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-9},
     "fedyogi": {"eta": 0.01, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
     "fedadagrad": {"eta": 0.1, "beta_1": 0.0, "tau": 1e-9},
+    "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9},  # Douillard et al. 2023, section 3
     "fedmedian": {},
     "fedtrimmedavg": {"beta": 0.2},
 }
-STATE = {"fedavgm": ("momentum",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"),
+STATE = {"fedavgm": ("momentum",), "diloco": ("momentum",), "fedadam": ("m", "v"),
+         "fedyogi": ("m", "v"),
          "fedadagrad": ("m", "v")}
 
 
@@ -99,6 +101,8 @@ def _ref_step(
     if name == "fedavgm":
         state["momentum"] = p["server_momentum"] * state["momentum"] + (x - mean)
         return x - p["server_learning_rate"] * state["momentum"]
+    if name == "diloco":
+        return _diloco_step(p["outer_lr"], p["outer_momentum"], x, mean, state)
     delta = mean - x
     m = p["beta_1"] * state["m"] + (1 - p["beta_1"]) * delta
     v = state["v"]
@@ -110,6 +114,17 @@ def _ref_step(
         v = v + delta**2
     state["m"], state["v"] = m, v
     return x + p["eta"] * m / (np.sqrt(v) + p["tau"])
+
+
+def _diloco_step(lr: float, mu: float, x: np.ndarray, mean: np.ndarray,
+                 state: dict[str, np.ndarray]) -> np.ndarray:
+    """DiLoCo's outer step (Douillard et al. 2023, Algorithm 1): the outer gradient is the
+    previous global minus the average of the sites' parameters, and OuterOpt is SGD with
+    Nesterov momentum, as torch.optim.SGD(nesterov=True) documents it: b = mu b + g;
+    theta = theta - lr (g + mu b)."""
+    g = x - mean
+    state["momentum"] = mu * state["momentum"] + g
+    return x - lr * (g + mu * state["momentum"])
 
 
 def _reference(
@@ -158,7 +173,7 @@ def test_one_round_matches_formula(
     verify_checkpoint(tmp_path / "g1")
 
 
-@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm", "diloco"])
 def test_three_rounds_reload_state_from_disk(
     name: str, make_update: Any, write_ckpt: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -263,3 +278,97 @@ def test_module_entry_point_takes_strategy_and_params(
     assert m.extra["aggregation"] == "fedadam" and m.extra["params"]["eta"] == 0.5
     assert state_file("m") in m.files and state_file("v") in m.files
     assert main([*argv, "--param", "eta"]) == 2
+
+
+def test_diloco_three_rounds_against_the_paper_and_resumed_bytes(
+    make_update: Any, write_ckpt: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Three DiLoCo outer steps against the paper's algorithm in float64, never rounded; then
+    the same run resumed from round 1's global (its momentum read back from its folder)."""
+    monkeypatch.setattr(strategies, "SLICE_ELEMENTS", 40)  # several slices per tensor
+    lr, mu = DEFAULTS["diloco"]["outer_lr"], DEFAULTS["diloco"]["outer_momentum"]
+    prev, x0 = _global(write_ckpt, tmp_path / "g0", torch.float32)
+    x = {k: v.copy() for k, v in x0.items()}
+    buf = {k: np.zeros(SHAPES[k]) for k in SHAPES}
+    inputs: list[list[Path]] = []
+    for rnd in (1, 2, 3):
+        parent = read_manifest(prev).digest()
+        dirs, data = _updates(make_update, torch.float32, x, rnd, parent, seed=rnd)
+        inputs.append(dirs)
+        out = tmp_path / "a" / f"g{rnd}"
+        m = run_strategy("diloco", dirs, prev, out, round=rnd)
+        assert m.extra["server_state"]["loaded_from"] == (None if rnd == 1 else str(prev))
+        got = _as_np(load_file(str(out / MODEL_FILE)))
+        mom = _as_np(load_file(str(out / state_file("momentum"))))
+        for k in SHAPES:
+            st = {"momentum": buf[k]}
+            x[k] = _diloco_step(lr, mu, x[k], _mean(data, k), st)
+            buf[k] = st["momentum"]
+            # xffl stores x and the momentum b in fp32 each round (relative error <= u =
+            # 2^-24, half an ulp); the paper's float64 run does not. A stored error (ex, eb)
+            # moves the next round's by |d x'/d x| = |1 - lr(1 + mu)| = 0.33, |d x'/d b| =
+            # lr mu^2 = 0.567, |d b'/d x| = 1, |d b'/d b| = mu = 0.9: at most 1.9 times the
+            # larger, plus that round's own rounding. After round r: u M (1 + 1.9 + ...
+            # + 1.9^(r-1)), M the largest |x| or |b| so far; float64 rounding (1e-16) is
+            # far below. Classical momentum in place of Nesterov's misses by lr mu^2 |b|,
+            # orders of magnitude more.
+            size = max(np.abs(x[k]).max(), np.abs(buf[k]).max(), np.abs(got[k]).max())
+            tol = 2.0**-24 * size * sum(1.9**i for i in range(rnd))
+            assert np.abs(got[k] - x[k]).max() <= tol, (rnd, k)
+            assert np.abs(mom[k] - buf[k]).max() <= tol, (rnd, k)
+        prev = out
+    # resumed: round 1's global copied elsewhere (a fresh read of its files), rounds 2-3 again
+    import shutil
+
+    shutil.copytree(tmp_path / "a" / "g1", tmp_path / "b" / "g1")
+    prev = tmp_path / "b" / "g1"
+    for rnd in (2, 3):
+        out = tmp_path / "b" / f"g{rnd}"
+        run_strategy("diloco", inputs[rnd - 1], prev, out, round=rnd)
+        prev = out
+    for name in (MODEL_FILE, state_file("momentum")):
+        assert (tmp_path / "b" / "g3" / name).read_bytes() == \
+            (tmp_path / "a" / "g3" / name).read_bytes()
+    assert read_manifest(tmp_path / "b" / "g3").files == read_manifest(tmp_path / "a" / "g3").files
+
+
+def test_diloco_steps_a_lora_adapter(tmp_path: Path) -> None:
+    """DiLoCo on a LoRA job's adapters: the same outer step on every factor, and its
+    momentum beside the global adapter."""
+    import json
+
+    from safetensors.numpy import load_file as load_np
+    from safetensors.numpy import save_file as save_np
+
+    from xffl.aggregator.exchange import Manifest, finalize_manifest
+    from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+    from xffl.training import lora
+    from xffl.training.config import LoraSpec, ModelSpec
+
+    glob = tmp_path / "global"
+    lora.init_adapter_global("run-1", ModelSpec(preset="tiny-test"),
+                             LoraSpec(r=4, alpha=8, target_modules=["q_proj"]), 0, glob, "base")
+    x = load_np(str(glob / ADAPTER_FILE))
+    parent = read_manifest(glob)
+    ups, sites = [], {"a": (0.01, 3), "b": (-0.03, 1)}
+    for site, (shift, n) in sites.items():
+        out = tmp_path / site
+        out.mkdir()
+        save_np({k: v + np.float32(shift) for k, v in x.items()}, str(out / ADAPTER_FILE))
+        (out / ADAPTER_CONFIG_FILE).write_text((glob / ADAPTER_CONFIG_FILE).read_text())
+        finalize_manifest(out, Manifest(kind="update", run_id="run-1", round=1, site=site,
+                                        num_samples=n, parent=parent.digest()))
+        ups.append(out)
+    m = run_strategy("diloco", ups, glob, tmp_path / "g1", round=1)
+    assert state_file("momentum") in m.files and ADAPTER_FILE in m.files
+    got = load_np(str(tmp_path / "g1" / ADAPTER_FILE))
+    assert json.loads((tmp_path / "g1" / ADAPTER_CONFIG_FILE).read_text())["r"] == 4
+    for k, v in x.items():
+        w = v.astype(np.float64)
+        sent = [(n, (v + np.float32(s)).astype(np.float64)) for s, n in sites.values()]
+        mean = sum(n * u for n, u in sent) / 4  # the samples-weighted mean, in float64
+        st = {"momentum": np.zeros_like(w)}
+        want = _diloco_step(0.7, 0.9, w, mean, st)
+        # float64 on both sides from the same fp32 inputs, rounded once to fp32: equal, or
+        # one ulp apart where the value sits on a rounding boundary
+        assert np.all(np.abs(got[k] - want) <= np.spacing(np.abs(want).astype(np.float32))), k

@@ -32,6 +32,22 @@ def test_llama2_7b_sizes_and_the_targets(capsys: pytest.CaptureFixture[str]) -> 
     assert rows["bf16 delta"] <= 0.5 * rows["fp32 weights"]
 
 
+@pytest.mark.parametrize("preset", ["llama2-7b", "llama3.1-8b"])
+def test_quantized_delta_rows_meet_the_targets(preset: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """int8 <= 0.27x and nf4 <= 0.14x of fp32 weights, scales included (issue 34)."""
+    assert _bench().main(["--no-run", "--json", "--preset", preset]) == 0
+    got = json.loads(capsys.readouterr().out)["computed"]
+    rows = {r["exchange"]: r["bytes"] for r in got["rows"]}
+    n, fp32 = got["parameters"], rows["fp32 weights"]
+    # by hand: every tensor of these models is a multiple of 128 elements, so the codes are
+    # n bytes (int8) or n/2 (nf4) and the scales 4 bytes per 128 elements
+    assert rows["int8 delta (block 128)"] == n + 4 * n // 128
+    assert rows["nf4 delta (block 128)"] == n // 2 + 4 * n // 128
+    assert rows["int8 delta (block 128)"] <= 0.27 * fp32
+    assert rows["nf4 delta (block 128)"] <= 0.14 * fp32
+
+
 def test_lora_shapes_are_the_models_linear_layers() -> None:
     """The bench's (out, in) per projection equal the model's nn.Linear weights (GQA
     included: k and v are narrower than q)."""

@@ -178,6 +178,38 @@ def test_bf16_deltas_by_hand(tmp_path: Path) -> None:
         assert bad.exit_code == 2 and words in bad.output, bad.output
 
 
+def test_nf4_deltas_by_hand(tmp_path: Path) -> None:
+    """`--exchange delta/nf4/16 --previous G --strategy diloco`: nf4 codes and scales."""
+    import torch
+
+    from xffl.aggregator.quantize import quantize
+    from xffl.training.config import ExchangeSpec
+
+    codec = ExchangeSpec.parse("delta/nf4/16").codec
+    assert codec is not None
+    g0 = write_checkpoint(tmp_path / "g0", _t(0.5), kind="global", site=None, round=0)
+    parent = read_manifest(g0).digest()
+    ups = []
+    for s, d, n in (("alpha", 0.25, 3), ("beta", -1.0, 1)):
+        codes, scales = quantize(codec, np.full(12, d, dtype=np.float32))
+        ups.append(write_checkpoint(tmp_path / s, {"w": torch.from_numpy(codes),
+                                                   "w.absmax": torch.from_numpy(scales)},
+                                    site=s, round=1, parent=parent, num_samples=n))
+    out = tmp_path / "g1"
+    result = runner.invoke(app, ["aggregate", "-o", str(out), "--previous", str(g0),
+                                 "--exchange", "delta/nf4/16", "--strategy", "diloco",
+                                 *map(str, ups)])
+    assert result.exit_code == 0, result.output
+    # a constant block is its absmax times NF4's 1.0 or -1.0: decoded exactly. The mean is
+    # 0.5 + (3 * 0.25 - 1) / 4 = 0.4375, g = 0.0625, DiLoCo's first step 0.5 - 0.7 (1 + 0.9) g
+    with SafetensorsReader(out / MODEL_FILE) as r:
+        np.testing.assert_array_equal(r.read("w"), np.full(
+            (4, 3), np.float32(0.5 - 0.7 * 1.9 * 0.0625), dtype=np.float32))
+    bad = runner.invoke(app, ["aggregate", "-o", str(out), "--force", "--previous", str(g0),
+                              "--exchange", "delta/nf4/100", *map(str, ups)])
+    assert bad.exit_code == 2 and "give UPDATE/DTYPE" in bad.output, bad.output
+
+
 def test_a_quickstart_round_aggregated_again_by_hand(tmp_path: Path, quickstart_run: FinishedRun,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`xffl aggregate --run RUN --round R` writes round R's global bit for bit from the

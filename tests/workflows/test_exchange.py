@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from tests.aggregator.conftest import write_checkpoint
@@ -79,3 +80,61 @@ def test_bf16_delta_globals_within_the_bound(tmp_path: Path,
             assert (diff <= bound).all(), (r, name, float((diff - bound).max()))
             worst = max(worst, float(diff.max()))
     assert worst > 0  # the bf16 rounding does show: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("dtype", ["int8", "nf4"])
+def test_quantized_delta_globals_within_the_blockwise_bound(
+        tmp_path: Path, quickstart_run: FinishedRun, dtype: str) -> None:
+    """The quickstart's trained updates sent as blockwise-quantized deltas (no error
+    feedback: one round's error alone) and aggregated by the streaming fedavg: every element
+    of each global is within the blockwise bound of the fp32 run's global."""
+    run_dir = Path(quickstart_run.status["run_dir"])
+    exchange = ExchangeSpec.parse(f"delta/{dtype}/64")
+    codec = exchange.codec
+    assert codec is not None
+    worst = 0.0
+    for r in (1, 2, 3):
+        parent = run_dir / "rounds" / str(r - 1) / "global"
+        reference = run_dir / "rounds" / str(r) / "global"
+        sites = sorted(p.name for p in (run_dir / "rounds" / str(r) / "updates").iterdir())
+        encoded, absmax = [], []
+        for site in sites:
+            src = run_dir / "rounds" / str(r) / "updates" / site
+            m = read_manifest(src)
+            state = {k: torch.from_numpy(v.astype(np.float32))
+                     for k, v in _widened(src).items()}
+            sent = encode_update(state, parent, exchange)
+            # each element's block absmax, from the scales that were sent
+            absmax.append({k: np.repeat(sent[k + ".absmax"].double().numpy(), 64)[
+                :v.numel()].reshape(v.shape) for k, v in _widened_shapes(src).items()})
+            encoded.append(write_checkpoint(
+                tmp_path / dtype / f"r{r}" / site, sent, site=site, num_samples=m.num_samples,
+                num_tokens=m.num_tokens, round=r, parent=m.parent, run_id=m.run_id,
+                config=json.loads((src / "config.json").read_text())))
+        out = tmp_path / dtype / f"r{r}" / "global"
+        run_strategy("fedavg", encoded, parent, out,
+                     decoding=Decoding(parent, delta=True, codec=codec))
+        p, g, g2 = _widened(parent), _widened(reference), _widened(out)
+        total = float(sum(read_manifest(e).num_samples for e in encoded))
+        omega = [read_manifest(e).num_samples / total for e in encoded]
+        for name in p:
+            # Per site i: d_i = fl32(w_i - p) (|err| <= 2^-24 |d_i|), sent quantized (|err|
+            # <= B a_i, a_i the element's block absmax, B = 1/254 for int8, NF4's half gap
+            # 0.1385); the coordinator's x_i = fl32(p + q(d_i)) and the fp32 run's global are
+            # rounded as in the bf16 test above (2^-24 of the magnitudes, float64 sums 2^-40).
+            mag = sum(o * (np.abs(p[name]) + 2 * a[name]) for o, a in zip(omega, absmax,
+                                                                           strict=True))
+            bound = sum(o * (codec.error_bound() + 2 * U_FP32) * a[name]
+                        for o, a in zip(omega, absmax, strict=True)) \
+                + U_FP32 * mag + U_FP32 * (np.abs(g[name]) + np.abs(g2[name])) + 2**-40 * mag
+            diff = np.abs(g2[name] - g[name])
+            assert (diff <= bound).all(), (r, name, float((diff - bound).max()))
+            worst = max(worst, float((diff / np.maximum(bound, 1e-30)).max()))
+    assert worst > 0.05  # the quantization error shows: the comparison is not vacuous
+
+
+def _widened_shapes(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors (for their shapes)."""
+    import safetensors.torch
+
+    return dict(safetensors.torch.load_file(str(path / MODEL_FILE)))

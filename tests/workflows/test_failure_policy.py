@@ -37,6 +37,12 @@ def _spec(name: str, rounds: int = 2, **failure: object) -> dict:
     return spec
 
 
+def admitted_sites(status: dict, rnd: int) -> list[dict]:
+    """Round ``rnd``'s site rows of a status."""
+    (row,) = [r for r in status["rounds"] if r["round"] == rnd]
+    return list(row["sites"])
+
+
 def _broken_beta(spec: dict) -> dict:
     spec["sites"][1]["data"] = {"path": BETA_DATA}
     return spec
@@ -65,7 +71,12 @@ def _prepare_beta(xffl_home: Path) -> None:
 
 @pytest.mark.slow
 def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
-    code, status = _submit(tmp_path, _broken_beta(_spec("quorum", retries=1)), "--wait")
+    """Also DiLoCo over nf4 deltas with error feedback: resumed, the kept update and the
+    site's residual carry on, and only codes and scales travel."""
+    spec = _broken_beta(_spec("quorum", retries=1))
+    spec.update(exchange={"update": "delta", "dtype": "nf4"},
+                aggregation={"strategy": "diloco"})
+    code, status = _submit(tmp_path, spec, "--wait")
     assert code == 1 and status["state"] == "failed"
     assert "1 valid update(s), the job needs 2 (failure.min_sites)" in status["message"]
     assert "xffl resume" in status["message"]
@@ -94,6 +105,20 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     run_dir = Path(status["run_dir"])
     g1 = verify_checkpoint(run_dir / "rounds" / "1" / "global")
     assert set(g1.extra["sites"]) == {"alpha", "beta"}
+    g2 = verify_checkpoint(run_dir / "rounds" / "2" / "global")
+    assert g2.extra["aggregation"] == "diloco" and "server_momentum.safetensors" in g2.files
+    assert g2.extra["server_state"]["loaded_from"]  # round 1's momentum, read back
+    for site in ("alpha", "beta"):
+        update = run_dir / "rounds" / "2" / "updates" / site
+        sent = verify_checkpoint(update)
+        assert {t.dtype for t in sent.tensors} == {"U8", "F32"}  # nf4 codes, fp32 scales
+        assert sorted(p.name for p in update.iterdir() if p.name != "slurm_job.json") == \
+            sorted(["manifest.json", *sent.files])
+        # the residual stays beside the site's kept update: round 2's and the one it carried
+        feedback = xffl_home / "sites" / site / "kept" / status["run_id"] / "error-feedback"
+        assert sorted(p.name for p in feedback.iterdir()) == ["r1.safetensors", "r2.safetensors"]
+    for site in admitted_sites(resumed, 2):  # an eighth of the bytes, plus headers
+        assert site["sent_bytes"] < 0.2 * site["received_bytes"], site
     again = runner.invoke(app, ["resume", status["run_id"]])
     assert again.exit_code == 2 and "nothing to resume" in again.stderr
 

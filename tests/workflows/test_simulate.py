@@ -20,6 +20,7 @@ from xffl.aggregator.shards import open_model
 from xffl.cli.app import app
 from xffl.core.errors import ExitCode
 from xffl.jobs.load import load_job
+from xffl.training.config import ExchangeSpec
 from xffl.training.data import ensure_synthetic, load_tokens
 from xffl.workflows.simulate_sites import check_templates, ensure_partition, virtual_site
 
@@ -52,7 +53,7 @@ def _one_error_line(result: Any) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("exchange", ["weights/fp32", "delta/bf16"])
+@pytest.mark.parametrize("exchange", ["weights/fp32", "delta/bf16", "delta/nf4"])
 def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
                                                             exchange: str) -> None:
     out = tmp_path / "sim"
@@ -87,10 +88,15 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
         # the global manifest's own loss, read back (JSON round-trips floats exactly)
         assert r["global_loss"] == glob.metrics["loss"]
         assert r["peak_rss_bytes"] > 0 and r["wall_s"] > 0
-        if exchange != "weights/fp32":  # the sites sent bf16 changes from the previous global
+        if exchange == "delta/bf16":  # the sites sent bf16 changes from the previous global
             assert {t.dtype for m in manifests for t in m.tensors} == {"BF16"}
+        codec = ExchangeSpec.parse(exchange).codec
+        if codec is not None:  # nf4 codes and their fp32 block scales, nothing else
+            assert {t.dtype for m in manifests for t in m.tensors} == {"U8", "F32"}
+            assert all(t.dtype == "U8" or t.name.endswith(".absmax")
+                       for m in manifests for t in m.tensors)
         decoding = None if exchange == "weights/fp32" else Decoding(
-            out / "rounds" / str(rnd - 1) / "global", delta=True)
+            out / "rounds" / str(rnd - 1) / "global", delta=True, codec=codec)
         ref = aggregate(updates, tmp_path / f"ref-{rnd}", weighting="samples",
                         decoding=decoding)
         assert ref.num_samples == glob.num_samples
@@ -105,6 +111,11 @@ def test_simulate_five_sites_equals_fedavg_of_their_updates(tmp_path: Path,
             tol = float(np.spacing(np.float32(np.abs(want[name]).max())))
             assert float(np.abs(x.astype(np.float64) - want[name]).max()) <= tol, name
         previous = glob
+    for name in names if ExchangeSpec.parse(exchange).codec else ():
+        # error feedback (on for nf4): round 2's residual, and round 1's it carried, stay at
+        # the site
+        kept = sorted(p.name for p in (out / "site-state" / name / "error-feedback").iterdir())
+        assert kept == ["r1.safetensors", "r2.safetensors"]
     # every virtual site has its own data: alpha-0 and alpha-2 speak different dialects
     a0 = (out / "data" / "site-0" / "train.bin").read_bytes()
     a2 = (out / "data" / "site-2" / "train.bin").read_bytes()

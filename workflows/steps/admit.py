@@ -24,7 +24,7 @@ from typing import Any
 
 from xffl.aggregator import metrics as metric
 from xffl.aggregator.adapter import frozen_tensors
-from xffl.aggregator.decode import encoded_index, first_overflow
+from xffl.aggregator.decode import bad_scales, encoded_index, first_overflow
 from xffl.aggregator.exchange import (
     MANIFEST_FILE,
     Manifest,
@@ -70,7 +70,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     config = json.loads(read_small_file(previous / kind.config_file))
     try:
         reference = parent.tensors if exchange is None or exchange.plain else \
-            encoded_index(parent.tensors, exchange.safetensors_dtype)
+            encoded_index(parent.tensors, exchange.safetensors_dtype, exchange.codec)
         manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
                                 reference_index=reference, expected_run_id=parent.run_id,
                                 expected_config=config, kind=kind,
@@ -78,8 +78,12 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "
                                                f"{manifest.site!r}, not {site!r}")
+        codec = None if exchange is None else exchange.codec
+        scales = None if codec is None else bad_scales(update, previous, codec)
+        if scales is not None:
+            raise UpdateRejected(update, site, scales)
         if exchange is not None and exchange.update == "delta":
-            overflow = first_overflow(update, previous)
+            overflow = first_overflow(update, previous, codec)
             if overflow is not None:
                 raise UpdateRejected(update, site, f"its delta of tensor {overflow!r} added to "
                                                    "the global model overflows its dtype")

@@ -74,7 +74,8 @@ def quorum_message(rnd: int, verdicts: list[Verdict], min_sites: int) -> str:
 
 def decoding_of(exchange: ExchangeSpec, previous: Path) -> Decoding | None:
     """How the round's updates are read under the job's exchange (None: fp32 weights)."""
-    return None if exchange.plain else Decoding(previous, delta=exchange.update == "delta")
+    return None if exchange.plain else Decoding(previous, delta=exchange.update == "delta",
+                                                 codec=exchange.codec)
 
 
 def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
