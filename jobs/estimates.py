@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xffl.aggregator.exchange import MANIFEST_FILE
 from xffl.aggregator.metrics import STEPS, TRAIN_SECONDS
 from xffl.jobs.breakdown import QueueWaits
 from xffl.jobs.records import RunRecord
@@ -54,6 +53,8 @@ def per_step_seconds(run_dir: Path, rnd: int, site: str) -> float | None:
     The manifest was written by the site: anything that is not a positive finite speed is no
     measurement (never an exception here).
     """
+    from xffl.aggregator.exchange import MANIFEST_FILE  # (its numpy: only when one is read)
+
     manifest = Path(run_dir) / "rounds" / str(rnd) / "updates" / site / MANIFEST_FILE
     try:
         metrics = json.loads(manifest.read_text()).get("metrics", {})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -224,7 +225,20 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         events=[Event(ts, kind, msg) for ts, kind, msg in registry.events(run.id)],
         schedule=schedule,
         credentials=credential_view(run) if not run.finished else [],
-        slurm=jobs, estimates=site_estimates(registry, run))
+        slurm=jobs,
+        estimates=site_estimates(registry, run) if uses_deadline(Path(run.run_dir)) else [])
+
+
+def uses_deadline(run_dir: Path) -> bool:
+    """Whether the run's job sizes rounds to a deadline (``round_deadline`` in its job.json),
+    read as plain JSON: `xffl status` validates no spec."""
+    from xffl.core.layout import RunLayout
+
+    try:
+        job = json.loads(RunLayout(run_dir).job_json.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(job, dict) and job.get("round_deadline") is not None
 
 
 def credential_view(run: RunRecord) -> list[Credential]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from xffl.core.layout import RunLayout
 from xffl.jobs.estimates import ewma, site_estimates
 from xffl.jobs.records import RoundRecord, SiteRound
 from xffl.jobs.registry import Registry
@@ -74,8 +75,13 @@ def test_site_estimates_over_a_recorded_run(tmp_path: Path) -> None:
     # lab has no SLURM: its queue wait is 0; start-up 1 -> 2 -> 1.5; s/step .5 -> .75 -> .625
     assert (lab.queue_wait_s, lab.startup_s, lab.seconds_per_step) == (0.0, 1.5, 0.625)
     assert hpc.expected_seconds(10) == 162.5 + 4.0 + 17.5
-    # `xffl status --json` shows them
-    shown = run_status(reg, reg.get_run(run_id)).as_json()["estimates"]
+    # `xffl status --json` shows them for a run whose job sizes rounds to a deadline
+    run = reg.get_run(run_id)
+    assert run_status(reg, run).as_json()["estimates"] == []  # a job without round_deadline
+    layout = RunLayout(Path(run.run_dir))
+    layout.job_json.parent.mkdir(parents=True, exist_ok=True)
+    layout.job_json.write_text(json.dumps({"round_deadline": {"seconds": 600}}))
+    shown = run_status(reg, run).as_json()["estimates"]
     assert shown[0] == {"site": "hpc", "queue_wait_s": 162.5, "startup_s": 4.0,
                         "seconds_per_step": 1.75, "rounds_seen": 3, "slurm_estimate_s": 400.0}
 
