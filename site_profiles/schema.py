@@ -87,6 +87,10 @@ class SshTransfer(_Strict):
                              description="seconds between connection attempts")
     buffer_size: int = Field(default=4 << 20, ge=4096, le=1 << 30,
                              description="bytes per read/write of a file transfer")
+    streams: int = Field(default=4, ge=1, le=64, description="SSH channels one copy "
+                         "uses at once: a checkpoint's files (a large file's byte ranges) move "
+                         "side by side; one channel is bound by its window over the round "
+                         "trip")
     copy_factor: float = Field(
         default=4.0, ge=1, le=1000, description="one copy back from the site (an update) may "
         "hold this many times the files and bytes of the run's round-0 global, plus 64 MiB and "

@@ -172,6 +172,10 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
         # a copy back (an update) is capped by the kind and size of the run's global
         "copyReference": str(RunLayout(final).initial_model),
         "copyFactor": conn.transfer.copy_factor,
+        # a copy's files over several channels, resumed after a dropped connection
+        "copyStreams": conn.transfer.streams, "copyRetries": conn.transfer.retries,
+        # sshd's MaxSessions is 10 per connection: the copy's channels beside the shells
+        "maxConnections": 1 + conn.transfer.streams // 8,
     }
     if conn.known_hosts is not None:  # StreamFlow checks the host key as xffl does
         login["knownHosts"] = str(Path(conn.known_hosts).expanduser())

@@ -1,0 +1,110 @@
+"""A TCP proxy on 127.0.0.1 that delays every byte by half a round trip each way (and may
+cap the rate): an emulated wide-area link in front of a local sshd (no ``tc netem`` here)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+HOST = "127.0.0.1"
+CHUNK = 256 << 10
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float,
+                rate: float | None) -> None:
+    """Forward ``reader`` to ``writer``, each chunk ``delay`` s after it arrived, at most
+    ``rate`` bytes/s."""
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            while data := await reader.read(CHUNK):
+                queue.put_nowait((time.monotonic() + delay, data))
+        finally:  # EOF or a reset: the other side is closed after what came before
+            queue.put_nowait((0.0, b""))
+
+    task = asyncio.ensure_future(read())
+    sent, start = 0, time.monotonic()
+    try:
+        while True:
+            due, data = await queue.get()
+            if not data:
+                break
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            if rate is not None and (wait := start + sent / rate - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+            sent += len(data)
+    finally:
+        task.cancel()
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+async def serve(target_port: int, rtt_s: float, rate: float | None = None,
+                port: int = 0) -> asyncio.Server:
+    """Listen on 127.0.0.1:``port`` (0: any free one) and forward to ``target_port``."""
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection(HOST, target_port)
+        except OSError:
+            client_w.close()
+            return
+        pipes = [asyncio.ensure_future(_pipe(client_r, server_w, rtt_s / 2, rate)),
+                 asyncio.ensure_future(_pipe(server_r, client_w, rtt_s / 2, rate))]
+        await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        for writer in (client_w, server_w):  # one side gone: the link is gone
+            writer.close()
+        await asyncio.gather(*pipes, return_exceptions=True)
+
+    return await asyncio.start_server(handle, HOST, port)
+
+
+@contextlib.contextmanager
+def running(target_port: int, rtt_s: float, rate: float | None = None) -> Iterator[int]:
+    """A proxy in a thread of its own (its own event loop); yields its port."""
+    loop = asyncio.new_event_loop()
+    ready: list[asyncio.Server] = []
+    started = threading.Event()
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+        ready.append(loop.run_until_complete(serve(target_port, rtt_s, rate)))
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    if not started.wait(10):
+        raise RuntimeError("the delaying proxy did not start")
+    try:
+        yield ready[0].sockets[0].getsockname()[1]
+    finally:
+        loop.call_soon_threadsafe(ready[0].close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def main() -> None:
+    """``proxy.py TARGET_PORT RTT_MS [RATE_BYTES_PER_S]``: print the port, serve until killed."""
+    import sys
+
+    target, rtt_ms = int(sys.argv[1]), float(sys.argv[2])
+    rate = float(sys.argv[3]) if len(sys.argv) > 3 else None
+
+    async def run() -> None:
+        server = await serve(target, rtt_ms / 1000, rate)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await server.serve_forever()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
