@@ -5,29 +5,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
 
 HOST = "127.0.0.1"
 CHUNK = 256 << 10
+RATE_SLICE = 16 << 10  # a capped link sends this much at a time
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float,
                 rate: float | None) -> None:
     """Forward ``reader`` to ``writer``, each chunk ``delay`` s after it arrived, at most
     ``rate`` bytes/s."""
-    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+    # a capped link holds little in flight (what is not yet sent stays with the sender, as
+    # behind a slow link); a delaying one holds whatever arrives within the delay
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(4 if rate else 0)
 
     async def read() -> None:
         try:
-            while data := await reader.read(CHUNK):
-                queue.put_nowait((time.monotonic() + delay, data))
+            while data := await reader.read(RATE_SLICE if rate else CHUNK):
+                await queue.put((time.monotonic() + delay, data))
         finally:  # EOF or a reset: the other side is closed after what came before
-            queue.put_nowait((0.0, b""))
+            with contextlib.suppress(asyncio.CancelledError):
+                await queue.put((0.0, b""))
 
     task = asyncio.ensure_future(read())
-    sent, start = 0, time.monotonic()
+    free = time.monotonic()  # when the capped link is free to send again
     try:
         while True:
             due, data = await queue.get()
@@ -35,11 +40,15 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
                 break
             if (wait := due - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
-            if rate is not None and (wait := start + sent / rate - time.monotonic()) > 0:
-                await asyncio.sleep(wait)
-            writer.write(data)
-            await writer.drain()
-            sent += len(data)
+            for at in range(0, len(data), RATE_SLICE if rate else len(data)):
+                piece = data[at:at + RATE_SLICE] if rate else data
+                if rate is not None:  # no burst after a quiet spell: pace from now
+                    free = max(free, time.monotonic())
+                    if (wait := free - time.monotonic()) > 0:
+                        await asyncio.sleep(wait)
+                    free += len(piece) / rate
+                writer.write(piece)
+                await writer.drain()
     finally:
         task.cancel()
         with contextlib.suppress(Exception):
@@ -52,7 +61,12 @@ async def serve(target_port: int, rtt_s: float, rate: float | None = None,
 
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
-            server_r, server_w = await asyncio.open_connection(HOST, target_port)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            if rate is not None:  # a small kernel buffer: the bytes wait at the sender
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RATE_SLICE * 2)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (HOST, target_port))
+            server_r, server_w = await asyncio.open_connection(sock=sock)
         except OSError:
             client_w.close()
             return

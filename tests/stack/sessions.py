@@ -39,14 +39,16 @@ def session_serving(*words: str) -> int | None:
     return None
 
 
-def kill_session_serving(*words: str, timeout: float = 60.0) -> str:
-    """SIGKILL the sshd session serving the first command that holds ``words`` once one
-    runs (polled, at most ``timeout`` s); return that session's command line."""
+def kill_session_serving(*words: str, timeout: float = 60.0, after: float = 0.0) -> str:
+    """SIGKILL the sshd session serving the first command that holds ``words``, ``after``
+    seconds after it is seen running (polled, at most ``timeout`` s); return that session's
+    command line."""
     deadline = time.monotonic() + timeout
     while (pid := session_serving(*words)) is None:
         if time.monotonic() > deadline:
             raise AssertionError(f"no sshd session ran a command with {words} in {timeout} s")
         time.sleep(0.02)
+    time.sleep(after)
     line = _cmdline(pid)
     os.kill(pid, signal.SIGKILL)
-    return line
+    return f"{time.strftime('%H:%M:%S')} {pid} {line}"

@@ -41,8 +41,9 @@ from streamflow.log_handler import logger
 # a large file is cut into ranges of at least this many bytes when there are spare streams
 MIN_RANGE_BYTES = 64 << 20
 # bytes that may have been sent to a site but not written there when a connection dropped:
-# the channel window in flight, the pipe and dd's block; a resumed upload backs off this far
-UPLOAD_SLACK_BYTES = 48 << 20
+# sshd's channel window (OpenSSH: 2 MiB), asyncssh's write buffer and the pipe to dd (64 KiB
+# each); a resumed upload backs off this far, and keeps even that only if its SHA-256 matches
+UPLOAD_SLACK_BYTES = 8 << 20
 
 
 T = TypeVar("T")

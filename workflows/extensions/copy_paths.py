@@ -31,7 +31,7 @@ from xffl.workflows.extensions.copies import (
 # as upstream's `tar chf` follows them; NUL-separated: a name may hold any other byte
 FIND = (r"find -L {src} \( -type d -printf 'd 0 %P\0' \) -o \( -type f -printf 'f %s %P\0' \)"
         r" -o -printf 'x 0 %P\0'")
-_NOFOLLOW_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+_NOFOLLOW_WRITE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
 
 def _inside(path: str, real_dst: str) -> bool:
