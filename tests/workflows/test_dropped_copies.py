@@ -3,9 +3,9 @@
 Beta's login is reached through bench/transfer/proxy.py at 2 MB/s, so that copying its
 12.6 MB update (or the round's global) takes seconds; the test SIGKILLs the sshd session
 process serving that copy (``tail`` of the update at the site, ``dd`` of the global there)
-1.5 s after it started (~3 MB in). With the default failure policy (``failure.retries`` 0) the round completes,
-beta's SLURM job ran once, the copy resumed from what had arrived, and the global is
-bitwise the one of an uninterrupted run of the same job.
+1.5 s after it started (~3 MB in). With the default failure policy (``failure.retries``
+0) the round completes, beta's SLURM job ran once, the copy resumed (the update back from
+what had arrived), and the global is bitwise the one of an uninterrupted run of the job.
 """
 
 from __future__ import annotations
