@@ -107,8 +107,9 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
     return listing
 
 
-def _setup_script(listing: Listing, dst: str) -> str:
-    """The sh script that makes ``dst``'s folders and sizes its files, owner-only."""
+def _setup_script(listing: Listing, dst: str, executable: list[str]) -> str:
+    """The sh script that makes ``dst``'s folders and sizes its files, owner-only (the
+    ``executable`` ones 0700, as upstream's ``tar xpf`` keeps a mode)."""
     q = shlex.quote
     lines = ["set -e", "umask 077",
              f"mkdir -p -- {q(posixpath.dirname(dst) or '/')}"]
@@ -117,6 +118,7 @@ def _setup_script(listing: Listing, dst: str) -> str:
     lines += [f"mkdir -p -- {q(join(dst, d))}" for d in sorted(listing.dirs)]
     lines += [f"truncate -s {size} -- {q(join(dst, rel))}"
               for rel, size in listing.files.items()]
+    lines += [f"chmod 700 -- {q(join(dst, rel))}" for rel in executable]
     return "\n".join(lines) + "\n"
 
 
@@ -124,7 +126,9 @@ async def upload(copier: Copier, src: str, dst: str) -> Listing:
     """Copy the local ``src`` (a file or folder) to the site's ``dst``; return its listing."""
     what = f"{src} to {dst} at the site"
     listing = local_listing(src)
-    script = _setup_script(listing, dst).encode()
+    paths = {rel: os.path.join(src, *rel.split("/")) if rel else src for rel in listing.files}
+    executable = [rel for rel, path in paths.items() if os.stat(path).st_mode & 0o100]
+    script = _setup_script(listing, dst, executable).encode()
 
     async def setup() -> None:
         async with copier.open_process("sh -s", True) as proc:
@@ -135,7 +139,6 @@ async def upload(copier: Copier, src: str, dst: str) -> Listing:
             raise CopyInterrupted(f"making the folders of {dst} exited {status.exit_status}")
 
     await copier.retrying(what, setup)
-    paths = {rel: os.path.join(src, *rel.split("/")) if rel else src for rel in listing.files}
     async with closing_fds(paths, os.O_RDONLY) as fds:
 
         async def move(p: Piece) -> None:

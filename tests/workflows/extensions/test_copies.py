@@ -69,26 +69,30 @@ def _tree(root: Path) -> Path:
     (root / "model.safetensors").write_bytes(os.urandom(300_000))
     (root / "sub" / "config.json").write_text("{}")
     (root / "empty").write_bytes(b"")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
     return root
 
 
-def _same(a: Path, b: Path) -> None:
+def _same(a: Path, b: Path, modes: bool) -> None:
     files = sorted(p.relative_to(a) for p in a.rglob("*"))
     assert files == sorted(p.relative_to(b) for p in b.rglob("*"))
     for rel in files:
         if (a / rel).is_file():
             assert (a / rel).read_bytes() == (b / rel).read_bytes()
             assert (b / rel).stat().st_mode & 0o077 == 0  # owner-only
+            # out to a site an executable stays one; nothing from a site is executable here
+            assert os.access(b / rel, os.X_OK) == (modes and os.access(a / rel, os.X_OK))
 
 
 def test_a_folder_goes_there_and_back(tmp_path: Path) -> None:
     src = _tree(tmp_path / "src")
     asyncio.run(upload(_copier(), str(src), str(tmp_path / "site" / "global")))
-    _same(src, tmp_path / "site" / "global")
+    _same(src, tmp_path / "site" / "global", modes=True)
     got = asyncio.run(download(_copier(streams=1), str(tmp_path / "site" / "global"),
                                str(tmp_path / "back"), 1 << 30, 100))
-    assert got.bytes == 300_002
-    _same(src, tmp_path / "back")
+    assert got.bytes == 300_012
+    _same(src, tmp_path / "back", modes=False)
 
 
 def test_a_large_file_moves_as_ranges_over_the_streams() -> None:
