@@ -126,13 +126,12 @@ def local_listing(src: str) -> Listing:
 
 
 def pieces(files: dict[str, int], streams: int) -> list[Piece]:
-    """The pieces of a copy, largest first: a file per piece, a large file cut into up to
-    ``streams`` ranges (of at least MIN_RANGE_BYTES) when there are fewer files than
-    streams."""
+    """The pieces of a copy, largest first: a file per piece, a file of at least twice
+    MIN_RANGE_BYTES cut into up to ``streams`` ranges (the streams then share its bytes
+    whatever else the copy holds: a checkpoint is one large file and a few small ones)."""
     out: list[Piece] = []
-    spare = max(1, streams - len(files) + 1)
     for rel, size in sorted(files.items(), key=lambda kv: -kv[1]):
-        cuts = max(1, min(spare, size // MIN_RANGE_BYTES))
+        cuts = max(1, min(streams, size // MIN_RANGE_BYTES))
         step = max(1, -(-size // cuts))
         out.extend(Piece(rel, s, min(step, size - s)) for s in range(0, size, step))
         if size == 0:

@@ -102,6 +102,9 @@ def test_a_large_file_moves_as_ranges_over_the_streams() -> None:
     assert len(ranges) == 3 and sum(n for _, n in ranges) == size
     assert [s for s, _ in ranges] == sorted(s for s, _ in ranges)
     assert pieces({"model.safetensors": size}, streams=1)[0].length == size
+    # two streams share the large file beside a small one
+    assert len([p for p in pieces({"model.safetensors": size, "config.json": 10}, streams=2)
+                if p.rel == "model.safetensors"]) == 2
 
 
 @pytest.mark.parametrize(("raw", "why"), [
