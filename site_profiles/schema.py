@@ -121,6 +121,10 @@ class SshConnector(_Strict):
     )
     ssh_config: bool = Field(default=True, description="read ~/.ssh/config for host aliases")
     transfer: SshTransfer = Field(default_factory=SshTransfer)
+    transfer_host: JumpHost | None = Field(
+        default=None, description="the facility's data transfer node ([user@]host[:port]): "
+        "bulk copies go through it, jobs through the login node; user and key_file default "
+        "to the login's, a jump host is the login's too")
     renew: str | None = Field(
         default=None, description="the command that renews the login credential (shown when "
         "it has expired), e.g. the facility's `step ssh certificate ...`")

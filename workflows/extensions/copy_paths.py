@@ -91,6 +91,9 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
                     os.pwrite(fd, chunk, p.start + p.done)
                     p.done += len(chunk)
                     copier.progress.moved += len(chunk)
+                if p.done == p.length and await copier.bounded(proc.stdout.read(1)):
+                    raise CopyRefused(f"refused to copy {join(src, p.rel)!r}: the site sent "
+                                      f"more than the {listing.files[p.rel]} bytes it listed")
                 status = await copier.bounded(proc.wait())
             if p.done < p.length:
                 raise CopyInterrupted(f"{join(src, p.rel)}: {p.done} of {p.length} bytes of "

@@ -26,8 +26,17 @@ first command (``sbatch --parsable``'s job id included). Here the probe reads on
 a marker, with the probe's own stderr discarded; a new shell's own stderr is discarded and
 its stdout read up to a first marker before it is used.
 
+Copies do not take upstream's one ``tar`` stream: :mod:`xffl.workflows.extensions.copies`
+moves a path's files over ``copyStreams`` channels (each with a 16 MiB window) and resumes
+a copy dropped with its connection, ``copyRetries`` times; a listing of what a site sends is
+checked before anything is written (regular files and folders under the copied path, within
+the caps above). With a ``dataTransferConnection`` (a profile's ``transfer_host``) copies go
+through it, while the persistent shell, which upstream also opens there, stays on the login
+node.
+
 ``tests/security/test_transfers.py`` shows each upstream behaviour beside this one; the login
-shell's, ``tests/workflows/extensions/test_ssh.py``.
+shell's, ``tests/workflows/extensions/test_ssh.py``; the copies',
+``tests/workflows/extensions/test_copies.py`` and ``tests/workflows/test_dropped_copies.py``.
 """
 
 from __future__ import annotations
@@ -287,15 +296,18 @@ class XfflSshConnector(SSHConnector):
 
     async def _create_shell(self, command: MutableSequence[str],
                             location: ExecutionLocation) -> Shell:
-        """Upstream's persistent shell, less what the login shell prints before it.
+        """Upstream's persistent shell on the login node, less what the login shell prints
+        before it (upstream opens it on the data transfer node when there is one).
 
         The shell's own stderr is dropped: only the login's start-up files write there (every
         command the shell runs has ``2>&1``), and sshd may forward it after a command's
         output. What they print on stdout comes first, in order, and is read away here.
         """
-        context = self._get_ssh_context_factory(location).get(
-            command=" ".join(command), environment=location.environment,
-            stderr=asyncio.subprocess.DEVNULL, encoding=None)
+        # the login node's connection (upstream would take the data transfer node's)
+        context = self._get_ssh_client_process(
+            location=location.name, command=" ".join(command),
+            environment=location.environment, stderr=asyncio.subprocess.DEVNULL,
+            encoding=None)
         shell: Shell = SSHShell(command=command, buffer_size=self.transferBufferSize,
                                 process=await context.__aenter__(), context=context)
         try:
