@@ -5,12 +5,14 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
 
 * a copy from the site is a tar stream that ``streamflow.deployment.connector.base.
   extract_tar_stream`` extracts with no member filter: names with ``..`` or absolute names
-  land outside the destination, links and devices are created as they come. Here every
-  member must be a regular file or a folder under the copied path, resolved on disk under the
-  destination (a folder there that is a link to elsewhere is refused), files are created
-  without following links, and one copy's bytes and members are capped: by what the run's
-  round-0 global holds (``copyReference``) times ``copyFactor`` plus room for the JSON files,
-  and never above ``maxCopyBytes``/``maxCopyMembers``;
+  land outside the destination, links and devices are created as they come. Here a copy is
+  not a tar stream (see below): the site's listing of the copied path is checked first, and
+  every entry must be a regular file or a folder under the copied path, resolved on disk
+  under the destination (a folder there that is a link to elsewhere is refused), files are
+  created without following links, and one copy's bytes and entries are capped: by what the
+  run's round-0 global holds (``copyReference``) times ``copyFactor`` plus room for the JSON
+  files, and never above ``maxCopyBytes``/``maxCopyMembers``. :func:`safe_extract` applies
+  the same rules to a tar stream (xffl's own copies no longer send one);
 * the job folders StreamFlow creates at the site are ``mkdir -m 777``: another user of the
   facility could swap a job's ``update/`` before it is copied back. Here they are ``700``;
 * host keys are checked against the user's ``~/.ssh/known_hosts`` only; here the site
