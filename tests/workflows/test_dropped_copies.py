@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
-from tests.stack.sessions import kill_session_serving
+from tests.stack.sessions import kill_session_serving, session_serving
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
@@ -91,19 +92,31 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory,
 
 
 def _run_with_a_drop(tmp_path: Path, stack: Any, port: int, name: str,
-                     words: tuple[str, ...]) -> tuple[dict[str, Any], str]:
-    """Submit the job (beta through the proxy), kill the session serving the command with
-    ``words`` once it runs; (the run's status, the killed session's command line)."""
+                     words: tuple[str, ...]) -> tuple[dict[str, Any], str, str]:
+    """Submit the job (beta through the proxy); once a command with ``words`` runs, start
+    `xffl watch` and kill the session serving that command 1.5 s later; (the run's status,
+    the killed session's command line, what `xffl watch` printed meanwhile)."""
     killed: list[str] = []
-    killer = threading.Thread(target=lambda: killed.append(
-        kill_session_serving(*words, timeout=240, after=1.5)), daemon=True)
+    watched: list[str] = []
+
+    def drop() -> None:
+        deadline = time.monotonic() + 240
+        while session_serving(*words) is None:
+            assert time.monotonic() < deadline, f"no command with {words} ran"
+            time.sleep(0.02)
+        watch = subprocess.Popen([str(Path(sys.executable).parent / "xffl"), "watch", "last",
+                                  "--timeout", "3"], stdout=subprocess.PIPE, text=True)
+        killed.append(kill_session_serving(*words, timeout=5, after=1.5))
+        watched.append(watch.communicate(timeout=60)[0])
+
+    killer = threading.Thread(target=drop, daemon=True)
     killer.start()
     result = runner.invoke(app, ["submit", str(_job(tmp_path, stack, name, port)), "--wait",
                                  "--json"])
-    killer.join(timeout=5)
-    assert killed, "the copy was never seen in flight"
+    killer.join(timeout=60)
+    assert killed and watched, "the copy was never seen in flight"
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), killed[0]
+    return json.loads(result.stdout), killed[0], watched[0]
 
 
 def _check(status: dict[str, Any], stack: Any, digest: str) -> str:
@@ -127,9 +140,11 @@ def test_a_copy_back_survives_a_killed_sshd_session(
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
-    status, session = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
-                                       ("tail -c", work, "model.safetensors"))
+    status, session, watched = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
+                                                ("tail -c", work, "model.safetensors"))
     assert "@" in session
+    # `xffl watch` showed the update coming back: bytes so far, MB/s, ETA
+    assert re.search(r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s", watched), watched
     log = _check(status, slurm_stack, uninterrupted)
     # it went on from what had arrived (a prefix whose SHA-256 matched at the site)
     resumed = re.findall(r"RESUMING copy of .*: model\.safetensors bytes 0\+(\d+) from (\d+)", log)
@@ -142,8 +157,9 @@ def test_a_copy_out_survives_a_killed_sshd_session(
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
-    status, session = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropout",
-                                       ("dd of=", work, "model.safetensors"))
+    status, session, watched = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropout",
+                                                ("dd of=", work, "model.safetensors"))
     assert "@" in session
+    assert re.search(r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s", watched), watched
     log = _check(status, slurm_stack, uninterrupted)
     assert "dropped" in log and "attempt 2 of 6" in log, log[-3000:]
