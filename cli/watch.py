@@ -25,6 +25,24 @@ TimeoutOpt = Annotated[float, typer.Option(
     "on).")]
 
 
+def copies(run: RunRecord) -> list[str]:
+    """One line per site's update or global in flight: bytes so far, MB/s, ETA."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for path in sorted(Path(run.run_dir, "transfers").glob("*.json")):
+        try:  # written by this run's coordinator (owner-only); gone once the copy ends
+            p = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        what = "copy-back from" if p["direction"] == "out" else "copy-out to"
+        eta = f", ETA {p['eta_s']:.0f} s" if p.get("eta_s") is not None else ""
+        out.append(f"{what} {p['site']}: {p['bytes'] / 1e6:.1f} of {p['total'] / 1e6:.1f} MB, "
+                   f"{p['mb_s']:.1f} MB/s{eta}")
+    return out
+
+
 def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool = False,
            spawned: int | None = None) -> RunRecord:
     """Wait for ``run`` to end: a progress bar on a terminal, one line per change in a pipe."""
@@ -42,7 +60,9 @@ def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool 
                 seen.append((r.state, r.rounds_done))
                 console.print(f"{r.id} {r.state} {r.rounds_done}/{r.rounds_total} rounds",
                               soft_wrap=True, markup=False)
-                console.file.flush()
+            for text in copies(r):
+                console.print(f"{r.id} {text}", soft_wrap=True, markup=False)
+            console.file.flush()
 
         return wait_for_run(registry, run.id, timeout, on_update=line, spawned=spawned)
     with Progress(TextColumn("{task.description}"), BarColumn(),
@@ -52,6 +72,7 @@ def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool 
 
         def update(r: RunRecord) -> None:
             label = r.state if r.finished else f"{r.state}: round {r.rounds_done + 1}"
+            label = "; ".join([label, *copies(r)])
             progress.update(task, completed=r.rounds_done, description=label)
 
         return wait_for_run(registry, run.id, timeout, on_update=update, spawned=spawned)

@@ -7,7 +7,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import paramiko
@@ -162,6 +162,32 @@ def connect(profile: SiteProfile) -> paramiko.SSHClient:
         raise ConnectionFailed(f"site {profile.name!r} is local; there is nothing to connect to.")
     login = resolve(conn, f"site profile {profile.name}")
     return _open(profile.name, profile, login, known_hosts_path(conn))
+
+
+def transfer_login(profile: SiteProfile) -> Login | None:
+    """The login of the profile's ``transfer_host`` (a data transfer node), if it has one:
+    the login node's user, key and jump hosts unless it names its own."""
+    conn = profile.connector
+    if not isinstance(conn, SshConnector) or conn.transfer_host is None:
+        return None
+    login, dtn = resolve(conn, f"site profile {profile.name}"), conn.transfer_host
+    key = str(Path(dtn.key_file).expanduser()) if dtn.key_file else login.key_file
+    return replace(login, host=dtn.host, port=dtn.port or 22, user=dtn.user or login.user,
+                   key_file=key, certificate=login.certificate if key == login.key_file
+                   else None, alias=None)
+
+
+def connect_transfer_host(profile: SiteProfile) -> paramiko.SSHClient:
+    """Open an SSH connection to the profile's transfer_host (see :func:`connect`)."""
+    login = transfer_login(profile)
+    if login is None:
+        raise ConnectionFailed(f"site profile {profile.name!r} names no transfer_host.")
+    assert isinstance(profile.connector, SshConnector)
+    try:
+        return _open(profile.name, profile, login, known_hosts_path(profile.connector))
+    except ConnectionFailed as exc:
+        raise ConnectionFailed(f"{exc.message.rstrip('.')} (connector.transfer_host of "
+                               f"site_profiles/{profile.name}.yaml).") from None
 
 
 MAX_OUTPUT = 1 << 20  # what xffl keeps of a login-node command's stdout, and of its stderr
@@ -332,6 +358,13 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         rc, out, err = run(client, f"{shlex.quote(python)} -c 'import xffl.training'", 120)
         check.add("xffl importable", rc == 0, python if rc == 0 else
                   f"{python}: {(err.strip().splitlines() or [f'exit {rc}'])[-1]}")
+    dtn = transfer_login(profile)
+    if dtn is not None:
+        try:
+            connect_transfer_host(profile).close()
+            check.add("transfer host", True, f"{dtn.describe()} (host key verified)")
+        except ConnectionFailed as exc:
+            check.add("transfer host", False, exc.message)
     return check
 
 
@@ -348,3 +381,5 @@ def preflight(profiles: dict[str, SiteProfile]) -> None:
             continue
         seen.add(key)
         connect(profile).close()
+        if conn.transfer_host is not None:
+            connect_transfer_host(profile).close()

@@ -70,23 +70,28 @@ def parse_destination(text: str) -> dict[str, Any]:
 class SshTransfer(_Strict):
     """StreamFlow's SSH settings that decide whether multi-GB checkpoints cross slow links.
 
-    The defaults carry a 14 GB checkpoint over a 10 MB/s link (~23 minutes each way):
-    StreamFlow streams files through SSH in ``buffer_size`` pieces, so the buffer sets the
-    number of round trips, not the memory used; a dropped connection is retried
-    ``retries`` times ``retry_delay`` seconds apart before the site's step fails (and the
-    round's own ``failure.retries`` take over). Transfers run after the SLURM job, so they
-    do not count against its time limit, but they do count against
+    xffl's SSH connector moves a checkpoint's files (a large file's byte ranges) over
+    ``streams`` channels at once, in ``buffer_size`` pieces; a copy whose connection drops
+    (or moves nothing for ``connect_timeout`` seconds) goes on from its checksummed prefix,
+    up to ``retries`` times ``retry_delay`` seconds apart, before the site's step fails (and
+    the round's own ``failure.retries`` take over). Transfers run after the SLURM job, so
+    they do not count against its time limit, but they do count against
     ``failure.round_timeout``.
     """
 
     connect_timeout: int = Field(default=60, ge=1, le=3600,
                                  description="seconds to establish one SSH connection")
     retries: int = Field(default=5, ge=0, le=100,
-                         description="consecutive connection errors before giving up")
+                         description="resumptions of one dropped copy, and consecutive "
+                         "connection errors, before giving up")
     retry_delay: int = Field(default=10, ge=0, le=3600,
                              description="seconds between connection attempts")
     buffer_size: int = Field(default=4 << 20, ge=4096, le=1 << 30,
                              description="bytes per read/write of a file transfer")
+    streams: int = Field(default=4, ge=1, le=64, description="SSH channels one copy "
+                         "uses at once: a checkpoint's files (a large file's byte ranges) move "
+                         "side by side; one channel is bound by its window over the round "
+                         "trip")
     copy_factor: float = Field(
         default=4.0, ge=1, le=1000, description="one copy back from the site (an update) may "
         "hold this many times the files and bytes of the run's round-0 global, plus 64 MiB and "
@@ -116,6 +121,10 @@ class SshConnector(_Strict):
     )
     ssh_config: bool = Field(default=True, description="read ~/.ssh/config for host aliases")
     transfer: SshTransfer = Field(default_factory=SshTransfer)
+    transfer_host: JumpHost | None = Field(
+        default=None, description="the facility's data transfer node ([user@]host[:port]): "
+        "bulk copies go through it, jobs through the login node; user and key_file default "
+        "to the login's, a jump host is the login's too")
     renew: str | None = Field(
         default=None, description="the command that renews the login credential (shown when "
         "it has expired), e.g. the facility's `step ssh certificate ...`")

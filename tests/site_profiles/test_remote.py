@@ -144,6 +144,27 @@ def test_refused_port(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_an_unreachable_transfer_host_is_one_line(tmp_path: Path,
+                                                  slurm_stack) -> None:  # type: ignore[no-untyped-def]
+    """The login node answers, the transfer_host does not: `profiles check` has a failed
+    row and preflight (what submit runs first) stops, each one line naming the field."""
+    path = write_profile(tmp_path, slurm_stack)
+    data = yaml.safe_load(path.read_text())
+    data["connector"]["transfer_host"] = "127.0.0.1:1"
+    path.write_text(yaml.safe_dump(data))
+    profile = load_profile_file(path)
+    result = check_site("alpha", profile)
+    (row,) = [r for r in result.rows if r[0] == "transfer host"]
+    assert not result.ok and row[1] is False
+    why = re.escape("127.0.0.1:1") + r".*\(connector\.transfer_host of site_profiles/"
+    assert re.search(why, row[2]) and "\n" not in row[2], row
+    with pytest.raises(ConnectionFailed, match=why):
+        preflight({"alpha": profile})
+    assert [r[0] for r in check_site("alpha", load_profile_file(
+        write_profile(tmp_path, slurm_stack))).rows][-1] == "xffl importable"
+
+
+@pytest.mark.slow
 def test_submit_stops_before_writing(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
                                      xffl_home: Path) -> None:
     port = slurm_stack.clusters["alpha"].ssh_port

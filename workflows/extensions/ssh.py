@@ -5,12 +5,14 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
 
 * a copy from the site is a tar stream that ``streamflow.deployment.connector.base.
   extract_tar_stream`` extracts with no member filter: names with ``..`` or absolute names
-  land outside the destination, links and devices are created as they come. Here every
-  member must be a regular file or a folder under the copied path, resolved on disk under the
-  destination (a folder there that is a link to elsewhere is refused), files are created
-  without following links, and one copy's bytes and members are capped: by what the run's
-  round-0 global holds (``copyReference``) times ``copyFactor`` plus room for the JSON files,
-  and never above ``maxCopyBytes``/``maxCopyMembers``;
+  land outside the destination, links and devices are created as they come. Here a copy is
+  not a tar stream (see below): the site's listing of the copied path is checked first, and
+  every entry must be a regular file or a folder under the copied path, resolved on disk
+  under the destination (a folder there that is a link to elsewhere is refused), files are
+  created without following links, and one copy's bytes and entries are capped: by what the
+  run's round-0 global holds (``copyReference``) times ``copyFactor`` plus room for the JSON
+  files, and never above ``maxCopyBytes``/``maxCopyMembers``. :func:`safe_extract` applies
+  the same rules to a tar stream (xffl's own copies no longer send one);
 * the job folders StreamFlow creates at the site are ``mkdir -m 777``: another user of the
   facility could swap a job's ``update/`` before it is copied back. Here they are ``700``;
 * host keys are checked against the user's ``~/.ssh/known_hosts`` only; here the site
@@ -26,20 +28,29 @@ first command (``sbatch --parsable``'s job id included). Here the probe reads on
 a marker, with the probe's own stderr discarded; a new shell's own stderr is discarded and
 its stdout read up to a first marker before it is used.
 
+Copies do not take upstream's one ``tar`` stream: :mod:`xffl.workflows.extensions.copies`
+moves a path's files over ``copyStreams`` channels (each with a 16 MiB window) and resumes
+a copy dropped with its connection, ``copyRetries`` times; a listing of what a site sends is
+checked before anything is written (regular files and folders under the copied path, within
+the caps above). With a ``dataTransferConnection`` (a profile's ``transfer_host``) copies go
+through it, while the persistent shell, which upstream also opens there, stays on the login
+node.
+
 ``tests/security/test_transfers.py`` shows each upstream behaviour beside this one; the login
-shell's, ``tests/workflows/extensions/test_ssh.py``.
+shell's, ``tests/workflows/extensions/test_ssh.py``; the copies',
+``tests/workflows/extensions/test_copies.py`` and ``tests/workflows/test_dropped_copies.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import posixpath
-import tarfile
 import urllib.parse
-from collections.abc import MutableMapping, MutableSequence
+from collections.abc import AsyncIterator, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +58,7 @@ import asyncssh
 from streamflow.core.deployment import ExecutionLocation, Shell
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.core.scheduling import Hardware, Storage
+from streamflow.core.utils import get_local_to_remote_destination
 from streamflow.deployment import aiotarstream
 from streamflow.deployment.connector.base import FS_TYPES_TO_SKIP
 from streamflow.deployment.connector.ssh import (
@@ -58,6 +70,9 @@ from streamflow.deployment.connector.ssh import (
     parse_hostname,
 )
 from streamflow.log_handler import logger
+
+from xffl.workflows.extensions.copies import Copier, Progress
+from xffl.workflows.extensions.copy_paths import download, upload
 
 MAX_COPY_BYTES = 4 << 40  # 4 TiB: far above a checkpoint, far below a full disk's worth
 MAX_COPY_MEMBERS = 100_000  # files and folders of one copy; a checkpoint has a few hundred
@@ -72,6 +87,10 @@ _PROBE = ("nproc && free | grep Mem | awk '{print $2}' && df -aT | tail -n +2 | 
           "awk 'NF == 1 {device = $1; getline; $0 = device $0} {print $7, $2, $5}'")
 _MARK = "XFFL_OUTPUT_FOLLOWS"
 SHELL_START_TIMEOUT_S = 60  # for a login shell to get through its start-up files
+COPY_WINDOW = 16 << 20  # a channel's receive window: 320 MB/s per stream at 50 ms
+COPY_PACKET = 256 << 10  # the largest packet a site may send (fewer, larger packets)
+DEFAULT_STREAMS = 4
+DEFAULT_COPY_RETRIES = 5
 
 
 class UnsafeArchive(WorkflowExecutionException):
@@ -159,24 +178,31 @@ async def safe_extract(tar: aiotarstream.AioTarStream, src: str, dst: str,
 
 
 class _KnownHostsContext(SSHContext):
-    """An SSH connection whose host key is checked against the node's own known_hosts file."""
+    """An SSH connection whose host key is checked against the node's own known_hosts file,
+    and whose channels take ``COPY_WINDOW`` bytes in flight (asyncssh's default, 2 MiB, holds
+    one stream to 40 MB/s at 50 ms round trip)."""
 
     async def _get_connection(self, config: SSHConfig | None) -> Any:
+        if config is None:
+            return None
         known = getattr(config, "known_hosts", None)
-        if config is None or known is None or not config.check_host_key:
-            return await super()._get_connection(config)
-        # upstream's call, with the known_hosts file given instead of asyncssh's default
+        if not config.check_host_key:
+            known_hosts: Any = None
+        else:  # upstream's () is asyncssh's default (~/.ssh/known_hosts)
+            known_hosts = known if known is not None else ()
+        # upstream's call, with the known_hosts file and the channel window
         hostname, port = parse_hostname(config.hostname)
         return await asyncssh.connect(
             client_keys=config.client_keys, compression_algs=None,
             encryption_algs=["aes128-gcm@openssh.com", "aes256-ctr", "aes192-ctr",
                              "aes128-ctr"],
-            known_hosts=known, host=hostname,
+            known_hosts=known_hosts, host=hostname,
             passphrase=get_param_from_file(config.ssh_key_passphrase_file,
                                            self._streamflow_config_dir),
             password=get_param_from_file(config.password_file, self._streamflow_config_dir),
             port=port, tunnel=await self._get_connection(config.tunnel),
-            username=config.username, connect_timeout=config.connect_timeout)
+            username=config.username, connect_timeout=config.connect_timeout,
+            window=COPY_WINDOW, max_pktsize=COPY_PACKET)
 
 
 class XfflSshConnector(SSHConnector):
@@ -185,9 +211,14 @@ class XfflSshConnector(SSHConnector):
     def __init__(self, *args: Any, knownHosts: str | None = None,
                  maxCopyBytes: int = MAX_COPY_BYTES, maxCopyMembers: int = MAX_COPY_MEMBERS,
                  copyReference: str | None = None, copyFactor: float = DEFAULT_COPY_FACTOR,
+                 copyStreams: int = DEFAULT_STREAMS, copyRetries: int = DEFAULT_COPY_RETRIES,
                  **kwargs: Any) -> None:
-        """As SSHConnector, with ``knownHosts`` and the caps of a copy from the site."""
+        """As SSHConnector, with ``knownHosts``, the caps of a copy from the site, the
+        channels of one copy and the times a dropped copy is resumed."""
         self.knownHosts = knownHosts
+        self.copyStreams = copyStreams
+        self.copyRetries = copyRetries
+        self.progress: dict[str, Progress] = {}  # copies in flight, by path
         self.maxCopyBytes = maxCopyBytes
         self.maxCopyMembers = maxCopyMembers
         self.copyReference = copyReference
@@ -228,6 +259,11 @@ class XfflSshConnector(SSHConnector):
                                   "caps a copy from the site"},
                 "copyFactor": {"type": "number", "minimum": 1, "description": "the multiple "
                                "of copyReference one copy may hold"},
+                "copyStreams": {"type": "integer", "minimum": 1, "maximum": 64,
+                                "description": "SSH channels one copy uses at once"},
+                "copyRetries": {"type": "integer", "minimum": 0, "maximum": 100,
+                                "description": "times one copy is resumed after a dropped "
+                                "connection before it fails"},
             },
             "unevaluatedProperties": False,
         })
@@ -262,15 +298,18 @@ class XfflSshConnector(SSHConnector):
 
     async def _create_shell(self, command: MutableSequence[str],
                             location: ExecutionLocation) -> Shell:
-        """Upstream's persistent shell, less what the login shell prints before it.
+        """Upstream's persistent shell on the login node, less what the login shell prints
+        before it (upstream opens it on the data transfer node when there is one).
 
         The shell's own stderr is dropped: only the login's start-up files write there (every
         command the shell runs has ``2>&1``), and sshd may forward it after a command's
         output. What they print on stdout comes first, in order, and is read away here.
         """
-        context = self._get_ssh_context_factory(location).get(
-            command=" ".join(command), environment=location.environment,
-            stderr=asyncio.subprocess.DEVNULL, encoding=None)
+        # the login node's connection (upstream would take the data transfer node's)
+        context = self._get_ssh_client_process(
+            location=location.name, command=" ".join(command),
+            environment=location.environment, stderr=asyncio.subprocess.DEVNULL,
+            encoding=None)
         shell: Shell = SSHShell(command=command, buffer_size=self.transferBufferSize,
                                 process=await context.__aenter__(), context=context)
         try:
@@ -291,22 +330,69 @@ class XfflSshConnector(SSHConnector):
             self._caps = caps
         return caps
 
+    def _copier(self, location: ExecutionLocation) -> Copier:
+        """A copier whose channels are this location's (its data transfer connection's)."""
+        factory = self._get_ssh_context_factory(location)
+
+        @contextlib.asynccontextmanager
+        async def open_process(command: str, upload: bool) -> AsyncIterator[Any]:
+            pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
+            context = factory.get(command=command, environment=location.environment,
+                                  stdin=pipe if upload else null,
+                                  stdout=null if upload else pipe, stderr=null, encoding=None)
+            proc = await context.__aenter__()
+            try:
+                yield proc
+            finally:
+                with contextlib.suppress(Exception):
+                    await context.__aexit__(None, None, None)
+
+        async def recover() -> None:
+            # upstream reconnects only once a new channel fails to open on the dead
+            # connection, and counts that as a connection attempt: forget it here instead
+            for context in factory._contexts:
+                conn = context._ssh_connection
+                if conn is not None and conn.is_closed():
+                    await context.close()
+                    context._connect_event.clear()
+
+        return Copier(open_process, recover, self.copyStreams, self.copyRetries,
+                      float(self.retryDelay), self.transferBufferSize,
+                      stall_s=float(self.connectTimeout))
+
     async def copy_remote_to_local(self, src: str, dst: str, location: ExecutionLocation,
                                    read_only: bool = False) -> None:
-        """Upstream's tar-over-SSH copy, extracted with :func:`safe_extract`."""
+        """The site's ``src`` to ``dst`` here: checked listing, parallel resumable pieces."""
         logger.info(f"COPYING from {src} on location {location} to {dst} on local file-system")
-        command = ["tar", "chf", "-", "-C", *posixpath.split(src)]
-        async with await self.get_stream_reader(command=command, location=location) as reader:
-            try:
-                async with aiotarstream.open(stream=reader, mode="r",
-                                             copybufsize=self.transferBufferSize) as tar:
-                    await safe_extract(tar, src, dst, self.transferBufferSize,
-                                       self.copy_caps())
-            except tarfile.TarError as exc:
-                raise WorkflowExecutionException(
-                    f"FAILED copy from {src} from location {location} to {dst}: {exc}") from exc
+        copier = self._copier(location)
+        caps = self.copy_caps()
+        self.progress[src] = copier.progress
+        try:
+            await download(copier, src, dst, caps.bytes, caps.members)
+        finally:
+            self.progress.pop(src, None)
         logger.info(f"COMPLETED copy from {src} on location {location} to {dst} on local "
-                    "file-system")
+                    f"file-system ({copier.progress.attempts} attempt(s))")
+
+    async def copy_local_to_remote(self, src: str, dst: str,
+                                   locations: MutableSequence[ExecutionLocation],
+                                   read_only: bool = False) -> None:
+        """``src`` here to ``dst`` at each location: parallel resumable pieces, owner-only."""
+        dst = await get_local_to_remote_destination(self, locations[0], src, dst)
+
+        async def one(location: ExecutionLocation) -> None:
+            logger.info(f"COPYING from {src} on local file-system to {dst} on location "
+                        f"{location}")
+            copier = self._copier(location)
+            self.progress[src] = copier.progress
+            try:
+                await upload(copier, src, dst)
+            finally:
+                self.progress.pop(src, None)
+            logger.info(f"COMPLETED copy from {src} on local file-system to {dst} on location "
+                        f"{location} ({copier.progress.attempts} attempt(s))")
+
+        await asyncio.gather(*(one(location) for location in locations))
 
     async def run(self, location: ExecutionLocation, command: MutableSequence[str],
                   environment: MutableMapping[str, str] | None = None,

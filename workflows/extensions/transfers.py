@@ -8,7 +8,10 @@ report attributes a transfer to the round during which it started (rounds run on
 other) and shows the transfer time apart from the queue wait, the start-up and the training.
 Each transfer's size is that of its files on the coordinator's side (the source of what
 goes to a site, the destination of what comes back): the bytes on the wire, less the tar
-framing. Copies inside one deployment (the coordinator's hard links) are not timed. A
+framing. While a transfer moves, its bytes so far, MB/s and ETA are written every
+``PROGRESS_S`` seconds to ``transfers/<site>-<in|out>.json`` in the run directory (what
+xffl-ssh's copies of that site have moved), which ``xffl watch`` shows; the file goes when
+the transfer ends. Copies inside one deployment (the coordinator's hard links) are not timed. A
 transfer that StreamFlow satisfies with a link to the copy the site already holds (a LoRA
 job's frozen base model from the second round on) moves nothing and is recorded with 0
 bytes.
@@ -16,6 +19,9 @@ bytes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import sqlite3
 import stat
@@ -23,6 +29,7 @@ import time
 from collections.abc import MutableSequence
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 from streamflow.core.context import StreamFlowContext
 from streamflow.core.data import DataType
@@ -31,6 +38,13 @@ from streamflow.data.manager import DefaultDataManager
 from streamflow.log_handler import logger
 
 from xffl.core.layout import RunLayout, registration
+
+PROGRESS_S = 0.5
+
+
+def progress_file(layout: RunLayout, site: str, direction: str) -> Path:
+    """Where the progress of a site's transfer in ``direction`` (in, out) is kept."""
+    return layout.root / "transfers" / f"{site}-{direction}.json"
 
 
 def tree_bytes(path: Path) -> int | None:
@@ -87,13 +101,45 @@ class TransferClock(DefaultDataManager):
         """StreamFlow's transfer, timed when it crosses between the coordinator and a site."""
         started = time.time()
         held = self.held_at_destination(src_path, dst_locations)
-        await super().transfer_data(src_location, src_path, dst_locations, dst_path, writable)
         which = self.direction(src_location, dst_locations)
+        reporter = None
+        if which is not None and self.layout is not None:
+            deployment = (dst_locations[0] if which[1] == "in" else src_location).deployment
+            reporter = asyncio.ensure_future(self.report(deployment, *which))
+        try:
+            await super().transfer_data(src_location, src_path, dst_locations, dst_path,
+                                        writable)
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
         if which is not None:
             site, direction = which
             here = src_path if direction == "in" else dst_path  # the coordinator's side
             self.record(site, direction, started, time.time(),
                         0 if held else tree_bytes(Path(here)))
+
+    async def report(self, deployment: str, site: str, direction: str) -> None:
+        """Write the progress of ``deployment``'s copies until cancelled; then remove it."""
+        assert self.layout is not None
+        path = progress_file(self.layout, site, direction)
+        conn = copying_connector(self.context.deployment_manager.get_connector(deployment))
+        try:
+            while conn is not None:
+                await asyncio.sleep(PROGRESS_S)
+                copies = list(conn.progress.values())
+                if not copies:
+                    continue
+                moved, total = sum(c.moved for c in copies), sum(c.total for c in copies)
+                seconds = time.monotonic() - min(c.started for c in copies)
+                rate = moved / seconds if seconds > 0 else 0.0
+                write_private(path, {"site": site, "direction": direction, "bytes": moved,
+                                     "total": total, "mb_s": rate / 1e6,
+                                     "eta_s": (total - moved) / rate if rate else None})
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def held_at_destination(self, src_path: str,
                             dst_locations: MutableSequence[ExecutionLocation]) -> bool:
@@ -117,3 +163,29 @@ class TransferClock(DefaultDataManager):
                                                    nbytes)
         except (OSError, sqlite3.Error) as exc:  # timing is never worth failing a round
             logger.warning(f"xffl: could not record a transfer of site {site}: {exc}")
+
+
+def copying_connector(conn: Any) -> Any:
+    """The xffl-ssh connector (its ``progress``) under ``conn``, if there is one: StreamFlow
+    hands out a FutureConnector, and a SLURM connector wraps the SSH one."""
+    for _ in range(8):
+        if conn is None or isinstance(getattr(conn, "progress", None), dict):
+            return conn
+        inner = getattr(conn, "_connector", None)  # a FutureConnector, once deployed
+        if inner is None:
+            try:
+                inner = conn.connector  # a ConnectorWrapper's inner connector
+            except Exception:
+                return None
+        conn = inner
+    return None
+
+
+def write_private(path: Path, data: dict[str, object]) -> None:
+    """Replace ``path`` with ``data`` as JSON, owner-only, in one step."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(data, out)
+    os.replace(tmp, path)

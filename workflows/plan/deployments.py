@@ -163,7 +163,18 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
         # a copy back (an update) is capped by the kind and size of the run's global
         "copyReference": str(RunLayout(final).initial_model),
         "copyFactor": conn.transfer.copy_factor,
+        # a copy's files over several channels, resumed after a dropped connection
+        "copyStreams": conn.transfer.streams, "copyRetries": conn.transfer.retries,
+        # sshd's MaxSessions is 10 per connection: the copy's channels beside the shells
+        "maxConnections": 1 + conn.transfer.streams // 8,
     }
+    if conn.transfer_host is not None:  # StreamFlow's data transfer connection: the DTN
+        dtn = conn.transfer_host
+        login["dataTransferConnection"] = {
+            "hostname": f"{dtn.host}:{dtn.port or 22}", "checkHostKey": True,
+            "username": dtn.user or login["username"],
+            **({"sshKey": str(Path(dtn.key_file).expanduser())} if dtn.key_file else
+               {"sshKey": login["sshKey"]} if "sshKey" in login else {})}
     if conn.known_hosts is not None:  # StreamFlow checks the host key as xffl does
         login["knownHosts"] = str(Path(conn.known_hosts).expanduser())
     deployments: dict[str, Any] = {  # xffl-ssh: safe extraction, owner-only job folders

@@ -1,0 +1,31 @@
+"""The transfer benchmark, small: every method moves the same bytes through the stack's sshd
+(directly and through the delaying proxy), and its last lines are the script-readable ratios."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from tests.bench.scripts import load_bench
+
+
+@pytest.mark.slow
+def test_a_small_update_both_ways(slurm_stack: Any,  # type: ignore[no-untyped-def]
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("transfer")
+    argv = ["--stack-dir", slurm_stack.dir, "--size-mib", "2", "--rtt", "0", "10",
+            "--streams", "1", "2"]
+    assert bench.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    methods = {(r["direction"], r["rtt_ms"], r["method"]) for r in rows}
+    for direction in ("back", "out"):
+        for rtt in (0, 10):
+            assert {(direction, rtt, m) for m in ("scp", "xffl 1", "xffl 2")} <= methods
+    assert len({r["bytes"] for r in rows}) == 1
+    lines = bench.summary(rows)
+    ratio = re.compile(r"^copy-(back|out) rtt=(0|10)ms ([12]) streams?: \d+\.\d\dx scp, "
+                       r"CPU \d+\.\d\dx scp's$")
+    assert sum(bool(ratio.match(line)) for line in lines) == 8, lines

@@ -1,0 +1,158 @@
+"""xffl-ssh's copies against a hostile site: what its listing and its streams may not do.
+
+The site's side runs as real local processes (``sh -c``, the commands xffl-ssh sends over
+SSH), with a PATH of the test's own where a compromised facility account would have one;
+copies over the real sshd, and dropped mid-flight, are in tests/workflows/test_dropped_copies.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from xffl.workflows.extensions.copies import (
+    MIN_RANGE_BYTES,
+    Copier,
+    CopyRefused,
+    Listing,
+    check_listing,
+    pieces,
+)
+from xffl.workflows.extensions.copy_paths import _local_targets, download, upload
+
+
+class _Status:
+    def __init__(self, code: int | None) -> None:
+        self.exit_status = code
+
+
+class _Proc:
+    """A local process with the parts of asyncssh's SSHClientProcess a copy uses."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+        self.stdout, self.stdin = proc.stdout, proc.stdin
+
+    async def wait(self) -> _Status:
+        return _Status(await self._proc.wait())
+
+
+def _copier(path: str | None = None, streams: int = 2) -> Copier:
+    env = dict(os.environ, PATH=f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"])
+
+    @contextlib.asynccontextmanager
+    async def open_process(command: str, upload: bool) -> AsyncIterator[_Proc]:
+        pipe, null = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
+        proc = await asyncio.create_subprocess_shell(
+            command, stdin=pipe if upload else null, stdout=null if upload else pipe, env=env)
+        try:
+            yield _Proc(proc)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    async def recover() -> None:
+        """Nothing to reconnect."""
+
+    return Copier(open_process, recover, streams, retries=0, retry_delay=0,
+                  buffer_size=1 << 16, stall_s=30)
+
+
+def _tree(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "model.safetensors").write_bytes(os.urandom(300_000))
+    (root / "sub" / "config.json").write_text("{}")
+    (root / "empty").write_bytes(b"")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    return root
+
+
+def _same(a: Path, b: Path, modes: bool) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*"))
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*"))
+    for rel in files:
+        if (a / rel).is_file():
+            assert (a / rel).read_bytes() == (b / rel).read_bytes()
+            assert (b / rel).stat().st_mode & 0o077 == 0  # owner-only
+            # out to a site an executable stays one; nothing from a site is executable here
+            assert os.access(b / rel, os.X_OK) == (modes and os.access(a / rel, os.X_OK))
+
+
+def test_a_folder_goes_there_and_back(tmp_path: Path) -> None:
+    src = _tree(tmp_path / "src")
+    asyncio.run(upload(_copier(), str(src), str(tmp_path / "site" / "global")))
+    _same(src, tmp_path / "site" / "global", modes=True)
+    got = asyncio.run(download(_copier(streams=1), str(tmp_path / "site" / "global"),
+                               str(tmp_path / "back"), 1 << 30, 100))
+    assert got.bytes == 300_012
+    _same(src, tmp_path / "back", modes=False)
+
+
+def test_a_large_file_moves_as_ranges_over_the_streams() -> None:
+    size = 3 * MIN_RANGE_BYTES + 5
+    cut = pieces({"model.safetensors": size, "config.json": 10}, streams=4)
+    ranges = [(p.start, p.length) for p in cut if p.rel == "model.safetensors"]
+    assert len(ranges) == 3 and sum(n for _, n in ranges) == size
+    assert [s for s, _ in ranges] == sorted(s for s, _ in ranges)
+    assert pieces({"model.safetensors": size}, streams=1)[0].length == size
+    # two streams share the large file beside a small one
+    assert len([p for p in pieces({"model.safetensors": size, "config.json": 10}, streams=2)
+                if p.rel == "model.safetensors"]) == 2
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"d 0 \0f 3 ../outside\0", "not a path under it"),
+    (b"d 0 \0f 3 /etc/passwd\0", "not a path under it"),
+    (b"d 0 \0f 3 sub/../../x\0", "not a path under it"),
+    (b"d 0 \0x 0 link\0", "not a regular file or folder"),
+    (b"d 0 \0f -3 neg\0", "not a regular file or folder"),
+    (b"d 0 \0f 2000 big\0", "exceeds 1000 bytes"),
+    (b"d 0 \0" + b"".join(b"f 1 f%d\0" % i for i in range(11)), "more than 10 files"),
+])
+def test_a_hostile_listing_is_refused(raw: bytes, why: str) -> None:
+    with pytest.raises(CopyRefused, match=why):
+        check_listing(raw, "update", max_bytes=1000, max_members=10)
+
+
+def test_a_link_in_the_destination_is_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dst = tmp_path / "update"
+    dst.mkdir()
+    (dst / "sub").symlink_to(outside)  # left there by anyone who could write there
+    listing = Listing(dirs=["sub"], files={"sub/model.safetensors": 3})
+    with pytest.raises(CopyRefused, match="leads outside"):
+        _local_targets(listing, str(dst))
+    assert list(outside.iterdir()) == []
+
+
+def test_a_site_that_sends_more_than_it_listed_is_refused(tmp_path: Path) -> None:
+    src = _tree(tmp_path / "site")
+    bin_dir = tmp_path / "bin"  # the account's `head` ignores its limit
+    bin_dir.mkdir()
+    (bin_dir / "head").write_text("#!/bin/sh\ncat; printf 'more bytes than listed'\n")
+    (bin_dir / "head").chmod(0o700)
+    with pytest.raises(CopyRefused, match="sent more than the"):
+        asyncio.run(download(_copier(str(bin_dir), streams=1), str(src),
+                             str(tmp_path / "back"), 1 << 30, 100))
+
+
+def test_a_hostile_find_cannot_name_a_path_outside(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"  # the account's `find` lists a file above the copied folder
+    bin_dir.mkdir()
+    (bin_dir / "find").write_text("#!/bin/sh\nprintf 'd 0 \\0f 3 ../../victim\\0'\n")
+    (bin_dir / "find").chmod(0o700)
+    (tmp_path / "site").mkdir()
+    with pytest.raises(CopyRefused, match="not a path under it"):
+        asyncio.run(download(_copier(str(bin_dir)), str(tmp_path / "site"),
+                             str(tmp_path / "back"), 1 << 30, 100))
+    assert not (tmp_path / "back").exists() and not (tmp_path / "victim").exists()
+
+

@@ -1,0 +1,165 @@
+"""A dropped SSH connection in the middle of a copy, on the real two-cluster stack.
+
+Beta's login is reached through bench/transfer/proxy.py at 2 MB/s, so that copying its
+12.6 MB update (or the round's global) takes seconds; the test SIGKILLs the sshd session
+process serving that copy (``tail`` of the update at the site, ``dd`` of the global there)
+1.5 s after it started (~3 MB in). With the default failure policy (``failure.retries``
+0) the round completes, beta's SLURM job ran once, the copy resumed (the update back from
+what had arrived), and the global is bitwise the one of an uninterrupted run of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import QUICKSTART
+from tests.stack.profiles import write_profile
+from tests.stack.sessions import kill_session_serving, session_serving
+from xffl.aggregator.exchange import verify_checkpoint
+from xffl.cli.app import app
+from xffl.core.layout import RunLayout
+
+runner = CliRunner()
+PROXY = Path(__file__).resolve().parents[2] / "bench" / "transfer" / "proxy.py"
+RATE = 2_000_000  # bytes/s each way: the 12.6 MB update takes ~6 s, a command's kB ~1 ms
+
+
+def _job(tmp_path: Path, stack: Any, name: str, beta_port: int | None = None) -> Path:
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir(exist_ok=True)
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name=name, rounds=1)
+    # a wider MLP: a 12.6 MB update, far more than the socket buffers on the way hold
+    spec["model"]["overrides"] = {"intermediate_size": 8192}
+    spec["training"].update(steps=2, batch_size=4)
+    for site in spec["sites"]:
+        site["ranks"] = 1
+        site["profile"] = write_profile(profiles, stack.clusters[site["name"]], stack)
+        site["data"]["path"] = str(tmp_path / "data" / site["name"])
+        site["data"]["synthetic_sequences"] = 64
+    if beta_port is not None:  # beta through the proxy: its port, its host key there
+        known = tmp_path / "known_hosts"
+        key = Path(stack.host_key_pub).read_text().split()[:2]
+        known.write_text(f"[127.0.0.1]:{beta_port} {' '.join(key)}\n")
+        path = profiles / f"{spec['sites'][1]['profile']}.yaml"
+        profile = yaml.safe_load(path.read_text())
+        profile["connector"].update(port=beta_port, known_hosts=str(known))
+        profile["connector"]["transfer"] = {"retry_delay": 1}
+        path.write_text(yaml.safe_dump(profile))
+    job = tmp_path / f"{name}.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return job
+
+
+@pytest.fixture
+def slow_beta(slurm_stack: Any) -> Iterator[int]:  # type: ignore[no-untyped-def]
+    """The port of a 100 kB/s proxy in front of beta's login port."""
+    proc = subprocess.Popen([sys.executable, str(PROXY),
+                             str(slurm_stack.clusters["beta"].ssh_port), "0", str(RATE)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory,
+                  slurm_stack: Any) -> str:  # type: ignore[no-untyped-def]
+    """The digest of the round-1 global of the job, run without a drop (nor the proxy)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", slurm_stack.ssh_home)
+        result = runner.invoke(app, ["submit", str(_job(tmp_path, slurm_stack, "nodrop")),
+                                     "--wait", "--json"])
+    assert result.exit_code == 0, result.output
+    status = json.loads(result.stdout)
+    return verify_checkpoint(Path(status["run_dir"]) / "rounds" / "1" / "global").digest()
+
+
+def _run_with_a_drop(tmp_path: Path, stack: Any, port: int, name: str,
+                     words: tuple[str, ...]) -> tuple[dict[str, Any], str, str]:
+    """Submit the job (beta through the proxy); once a command with ``words`` runs, start
+    `xffl watch` and kill the session serving that command 1.5 s later; (the run's status,
+    the killed session's command line, what `xffl watch` printed meanwhile)."""
+    killed: list[str] = []
+    watched: list[str] = []
+
+    def drop() -> None:
+        deadline = time.monotonic() + 240
+        while session_serving(*words) is None:
+            assert time.monotonic() < deadline, f"no command with {words} ran"
+            time.sleep(0.02)
+        watch = subprocess.Popen([str(Path(sys.executable).parent / "xffl"), "watch", "last",
+                                  "--timeout", "3"], stdout=subprocess.PIPE, text=True)
+        killed.append(kill_session_serving(*words, timeout=5, after=1.5))
+        watched.append(watch.communicate(timeout=60)[0])
+
+    killer = threading.Thread(target=drop, daemon=True)
+    killer.start()
+    result = runner.invoke(app, ["submit", str(_job(tmp_path, stack, name, port)), "--wait",
+                                 "--json"])
+    killer.join(timeout=60)
+    assert killed and watched, "the copy was never seen in flight"
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), killed[0], watched[0]
+
+
+def _check(status: dict[str, Any], stack: Any, digest: str) -> str:
+    """The run completed, beta's job ran once, its global is ``digest``; the run's log."""
+    assert status["state"] == "completed" and status["rounds_done"] == 1, status["message"]
+    (r,) = status["rounds"]
+    assert {s["site"]: s["state"] for s in r["sites"]} == {"alpha": "completed",
+                                                           "beta": "completed"}
+    assert {s["site"]: s["attempts"] for s in r["sites"]} == {"alpha": 1, "beta": 1}
+    name = f"xffl-{status['run_id']}-beta-r1"
+    jobs = [rec["JobState"] for rec in stack.jobcomp_records("beta") if rec.get("Name") == name]
+    assert jobs == ["COMPLETED"]
+    run_dir = Path(status["run_dir"])
+    assert verify_checkpoint(run_dir / "rounds" / "1" / "global").digest() == digest
+    return RunLayout(run_dir).streamflow_log.read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_a_copy_back_survives_a_killed_sshd_session(
+        tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
+        uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    work = slurm_stack.clusters["beta"].work_dir
+    status, session, watched = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
+                                                ("tail -c", work, "model.safetensors"))
+    assert "@" in session
+    # `xffl watch` showed the update coming back: bytes so far, MB/s, ETA
+    assert re.search(r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s", watched), watched
+    log = _check(status, slurm_stack, uninterrupted)
+    # it went on from what had arrived (a prefix whose SHA-256 matched at the site)
+    resumed = re.findall(r"RESUMING copy of .*: model\.safetensors bytes 0\+(\d+) from (\d+)", log)
+    assert resumed and 0 < int(resumed[0][1]) < int(resumed[0][0]), (session, log[-3000:])
+
+
+@pytest.mark.slow
+def test_a_copy_out_survives_a_killed_sshd_session(
+        tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
+        uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    work = slurm_stack.clusters["beta"].work_dir
+    status, session, watched = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropout",
+                                                ("dd of=", work, "model.safetensors"))
+    assert "@" in session
+    assert re.search(r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s", watched), watched
+    log = _check(status, slurm_stack, uninterrupted)
+    assert "dropped" in log and "attempt 2 of 6" in log, log[-3000:]

@@ -1,0 +1,276 @@
+"""xffl-ssh's copies: files over several SSH channels, resumed after a dropped connection.
+
+StreamFlow 0.2.0rc3 copies a folder as one ``tar`` stream over one SSH channel: one stream
+is bound by the channel window over the round-trip time, and a dropped connection fails
+the whole copy (and with it the site's step). Here a copy is a list of *pieces* (a file, or
+a byte range of a large one) that move over ``streams`` concurrent channels:
+
+* site -> coordinator: one ``find`` lists the copied path (``f SIZE NAME``/``d 0 NAME``,
+  NUL-separated); the list is checked before anything is written (:func:`check_listing`:
+  regular files and folders under the copied path only, within the copy's caps); each
+  piece is then ``tail -c +START FILE | head -c LENGTH``, written at its offset into a file
+  created without following links, and never longer than the listing said;
+* coordinator -> site: one command makes the folders and sizes the files (``umask 077``),
+  then each piece is written by ``dd ... seek=START oflag=seek_bytes conv=notrunc``.
+
+When a channel or the connection drops (a killed sshd, a reset link), each unfinished piece
+is resumed from what arrived, once the prefix is shown equal on both sides (SHA-256 of
+``head -c`` at the site against the local bytes; otherwise the piece starts again from 0),
+after ``retry_delay`` seconds, at most ``retries`` times in one copy. Only then does the copy
+fail, with the reason. Nothing of this decides what is admitted: the coordinator checks an
+update's manifest checksums after the copy, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import posixpath
+import shlex
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import asyncssh
+from streamflow.core.exception import WorkflowExecutionException
+from streamflow.log_handler import logger
+
+# a large file is cut into ranges of at least this many bytes when there are spare streams
+MIN_RANGE_BYTES = 64 << 20
+# bytes that may have been sent to a site but not written there when a connection dropped:
+# sshd's channel window (OpenSSH: 2 MiB), asyncssh's write buffer and the pipe to dd (64 KiB
+# each); a resumed upload backs off this far, and keeps even that only if its SHA-256 matches
+UPLOAD_SLACK_BYTES = 8 << 20
+
+
+T = TypeVar("T")
+
+
+class CopyInterrupted(Exception):
+    """A piece's stream ended early, or its remote command failed: worth another attempt."""
+
+
+# what a dropped connection, channel or remote command looks like to the copying side
+RETRYABLE = (CopyInterrupted, asyncssh.Error, ConnectionError, asyncio.IncompleteReadError,
+             TimeoutError)
+
+
+class CopyRefused(WorkflowExecutionException):
+    """The site listed something that a copy never holds (see :func:`check_listing`)."""
+
+
+@dataclass
+class Piece:
+    """Bytes ``[start, start + length)`` of the file ``rel`` (under the copied path)."""
+
+    rel: str
+    start: int
+    length: int
+    done: int = 0  # bytes of this piece known to be at the destination
+
+
+@dataclass
+class Listing:
+    """The folders and files (relative names, sizes) of one copy."""
+
+    dirs: list[str] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of all files."""
+        return sum(self.files.values())
+
+
+def check_listing(raw: bytes, what: str, max_bytes: int, max_members: int) -> Listing:
+    """The listing ``find -printf '%y %s %P\\0'`` printed, refused if it names anything but
+    folders and regular files under the copied path, or more than the caps."""
+    out = Listing()
+    entries = [e for e in raw.split(b"\0") if e]
+    if len(entries) > max_members:
+        raise CopyRefused(f"refused to copy {what}: it holds more than {max_members} files "
+                          "and folders")
+    for entry in entries:
+        kind, size, name = [*entry.decode("utf-8", "surrogateescape").split(" ", 2), "", ""][:3]
+        parts = name.split("/")
+        if name.startswith("/") or (any(p in ("", ".", "..") for p in parts) and name != ""):
+            raise CopyRefused(f"refused to copy {name!r} of {what}: not a path under it")
+        if kind == "d":
+            if name:
+                out.dirs.append(name)
+        elif kind == "f" and size.isdigit():
+            out.files[name] = int(size)
+        else:
+            raise CopyRefused(f"refused to copy {name!r} of {what}: not a regular file or "
+                              "folder")
+    if out.bytes > max_bytes:
+        raise CopyRefused(f"refused to copy {what}: it exceeds {max_bytes} bytes")
+    return out
+
+
+def local_listing(src: str) -> Listing:
+    """The listing of a local file or folder (links followed, as ``tar h`` does)."""
+    if not os.path.isdir(src):
+        return Listing(files={"": os.path.getsize(src)})
+    out = Listing()
+    for folder, dirs, names in os.walk(src, followlinks=True):
+        rel = os.path.relpath(folder, src)
+        base = "" if rel == "." else rel
+        out.dirs.extend(posixpath.join(base, d) for d in dirs)
+        for n in names:
+            out.files[posixpath.join(base, n)] = os.path.getsize(os.path.join(folder, n))
+    return out
+
+
+def pieces(files: dict[str, int], streams: int) -> list[Piece]:
+    """The pieces of a copy, largest first: a file per piece, a file of at least twice
+    MIN_RANGE_BYTES cut into up to ``streams`` ranges (the streams then share its bytes
+    whatever else the copy holds: a checkpoint is one large file and a few small ones)."""
+    out: list[Piece] = []
+    for rel, size in sorted(files.items(), key=lambda kv: -kv[1]):
+        cuts = max(1, min(streams, size // MIN_RANGE_BYTES))
+        step = max(1, -(-size // cuts))
+        out.extend(Piece(rel, s, min(step, size - s)) for s in range(0, size, step))
+        if size == 0:
+            out.append(Piece(rel, 0, 0))
+    return out
+
+
+def join(root: str, rel: str) -> str:
+    """``root/rel`` (``root`` itself for the empty name)."""
+    return posixpath.join(root, rel) if rel else root
+
+
+Open = Callable[..., contextlib.AbstractAsyncContextManager[Any]]
+
+
+@dataclass
+class Progress:
+    """Bytes moved so far by one copy, for whoever reports it."""
+
+    total: int = 0
+    moved: int = 0
+    started: float = field(default_factory=time.monotonic)
+    attempts: int = 1
+
+
+class Copier:
+    """One copy's pieces, moved over ``streams`` channels and resumed up to ``retries`` times.
+
+    ``open_process(command, upload)`` opens a remote command (stdin a pipe when ``upload``)
+    as an asyncssh process; ``recover()`` is awaited after a drop (it drops dead
+    connections so that the next channel reconnects).
+    """
+
+    async def bounded(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``, or TimeoutError after ``stall_s`` seconds without its result."""
+        return await asyncio.wait_for(awaitable, self.stall_s)
+
+    def __init__(self, open_process: Open, recover: Callable[[], Any], streams: int,
+                 retries: int, retry_delay: float, buffer_size: int,
+                 stall_s: float = 60.0) -> None:
+        """A copier with the given channels and retry policy; a stream that moves nothing
+        for ``stall_s`` seconds counts as dropped (a link can die without a word)."""
+        self.stall_s = stall_s
+        self.open_process = open_process
+        self.recover = recover
+        self.streams = max(1, streams)
+        self.retries = retries
+        self.retry_delay = retry_delay
+        self.buffer_size = buffer_size
+        self.progress = Progress()
+
+    async def output(self, command: str) -> bytes:
+        """The stdout of a short command at the site (it must exit 0)."""
+        async with self.open_process(command, False) as proc:
+            data = await self.bounded(proc.stdout.read())
+            status = await self.bounded(proc.wait())
+        if status.exit_status != 0:
+            raise CopyInterrupted(f"`{command[:80]}` exited {status.exit_status}")
+        return bytes(data)
+
+    async def retrying(self, what: str, attempt: Callable[[], Any]) -> Any:
+        """``attempt()``, again after each dropped connection, at most ``retries`` more times."""
+        for n in range(self.retries + 1):
+            try:
+                return await attempt()
+            except RETRYABLE as exc:
+                if n == self.retries:
+                    raise WorkflowExecutionException(
+                        f"FAILED copy of {what} after {n + 1} attempt(s): "
+                        f"{type(exc).__name__}: {exc}") from exc
+                self.progress.attempts += 1
+                logger.warning(f"copy of {what} dropped ({type(exc).__name__}: {exc}); "
+                               f"attempt {n + 2} of {self.retries + 1} in "
+                               f"{self.retry_delay:g} s")
+                await asyncio.sleep(self.retry_delay)
+                await self.recover()
+        raise AssertionError("unreachable")
+
+    async def run(self, what: str, todo: Sequence[Piece],
+                  move: Callable[[Piece], Any], verify: Callable[[Piece], Any]) -> None:
+        """Move every piece; after a drop, verify each started piece's prefix, then go on."""
+        self.progress.total = sum(p.length for p in todo)
+        first = True
+
+        async def attempt() -> None:
+            nonlocal first
+            if not first:
+                for p in todo:
+                    if 0 < p.done < p.length:
+                        await verify(p)
+                        logger.info(f"RESUMING copy of {what}: {p.rel or '.'} bytes "
+                                    f"{p.start}+{p.length} from {p.start + p.done}")
+            first = False
+            gate = asyncio.Semaphore(self.streams)
+
+            async def one(p: Piece) -> None:
+                async with gate:
+                    if p.done < p.length or p.length == 0:
+                        await move(p)
+
+            tasks = [asyncio.ensure_future(one(p)) for p in todo]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        await self.retrying(what, attempt)
+
+
+async def remote_sha256(copier: Copier, path: str, start: int, length: int) -> str:
+    """The SHA-256 of bytes ``[start, start + length)`` of ``path`` at the site."""
+    out = await copier.output(f"tail -c +{start + 1} {shlex.quote(path)} | head -c {length} "
+                              "| sha256sum")
+    return out.decode("ascii", "replace").split(" ")[0]
+
+
+def local_sha256(fd: int, start: int, length: int) -> str:
+    """The SHA-256 of bytes ``[start, start + length)`` of the open file ``fd``."""
+    h = hashlib.sha256()
+    pos, end = start, start + length
+    while pos < end:
+        chunk = os.pread(fd, min(8 << 20, end - pos), pos)
+        if not chunk:
+            break
+        h.update(chunk)
+        pos += len(chunk)
+    return h.hexdigest()
+
+
+@contextlib.asynccontextmanager
+async def closing_fds(paths: dict[str, str], flags: int) -> AsyncIterator[dict[str, int]]:
+    """Open each local path (``rel -> path``) with ``flags``; close them all at the end."""
+    fds: dict[str, int] = {}
+    try:
+        for rel, path in paths.items():
+            fds[rel] = os.open(path, flags, 0o600)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)

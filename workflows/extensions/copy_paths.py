@@ -1,0 +1,179 @@
+"""The two directions of an xffl-ssh copy: a site's path to the coordinator, and back out.
+
+Both move :class:`~xffl.workflows.extensions.copies.Piece` s through a
+:class:`~xffl.workflows.extensions.copies.Copier` (parallel channels, resumed after a drop);
+see :mod:`xffl.workflows.extensions.copies` for the commands run at the site.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shlex
+
+from xffl.workflows.extensions.copies import (
+    UPLOAD_SLACK_BYTES,
+    Copier,
+    CopyInterrupted,
+    CopyRefused,
+    Listing,
+    Piece,
+    check_listing,
+    closing_fds,
+    join,
+    local_listing,
+    local_sha256,
+    pieces,
+    remote_sha256,
+)
+
+# regular files and folders as themselves, anything else as 'x' (refused); links followed,
+# as upstream's `tar chf` follows them; NUL-separated: a name may hold any other byte
+FIND = (r"find -L {src} \( -type d -printf 'd 0 %P\0' \) -o \( -type f -printf 'f %s %P\0' \)"
+        r" -o -printf 'x 0 %P\0'")
+_NOFOLLOW_WRITE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+
+
+def _inside(path: str, real_dst: str) -> bool:
+    """Whether ``path``, its links resolved on disk, is ``real_dst`` or under it."""
+    return os.path.commonpath([os.path.realpath(path), real_dst]) == real_dst
+
+
+def _local_targets(listing: Listing, dst: str) -> dict[str, str]:
+    """Make ``dst``'s folders (owner-only) and return each file's local path; a folder on the
+    way that a link leads out of ``dst`` is refused before anything is written there."""
+    if "" in listing.files:  # the copied path is a file: dst is its name (StreamFlow's)
+        return {"": dst}
+    os.makedirs(dst, mode=0o700, exist_ok=True)
+    real_dst = os.path.realpath(dst)
+    for rel in sorted(listing.dirs, key=lambda d: d.count("/")):
+        target = os.path.join(real_dst, *rel.split("/"))
+        if not _inside(os.path.dirname(target), real_dst):
+            raise CopyRefused(f"refused to copy {rel!r}: a link on its way leads outside {dst}")
+        os.makedirs(target, mode=0o700, exist_ok=True)
+        if not _inside(target, real_dst):
+            raise CopyRefused(f"refused to copy {rel!r}: a link on its way leads outside {dst}")
+    out = {}
+    for rel in listing.files:
+        target = os.path.join(real_dst, *rel.split("/"))
+        if not _inside(os.path.dirname(target), real_dst):
+            raise CopyRefused(f"refused to copy {rel!r}: a link on its way leads outside {dst}")
+        out[rel] = target
+    return out
+
+
+async def download(copier: Copier, src: str, dst: str, max_bytes: int,
+                   max_members: int) -> Listing:
+    """Copy the site's ``src`` (a file or folder) to the local ``dst``; return its listing."""
+    what = f"{src} from the site"
+    raw = await copier.retrying(
+        what, lambda: copier.output(FIND.format(src=shlex.quote(src))))
+    listing = check_listing(raw, src, max_bytes, max_members)
+    targets = _local_targets(listing, dst)
+    todo = pieces(listing.files, copier.streams)
+    async with closing_fds(targets, _NOFOLLOW_WRITE) as fds:
+
+        async def move(p: Piece) -> None:
+            if p.length == 0:
+                return
+            fd, pos = fds[p.rel], p.start + p.done
+            left = p.length - p.done
+            command = f"tail -c +{pos + 1} {shlex.quote(join(src, p.rel))} | head -c {left}"
+            async with copier.open_process(command, False) as proc:
+                while p.done < p.length:
+                    chunk = await copier.bounded(proc.stdout.read(copier.buffer_size))
+                    if not chunk:
+                        break
+                    if len(chunk) > p.length - p.done:
+                        raise CopyRefused(f"refused to copy {join(src, p.rel)!r}: the site "
+                                          f"sent more than the {listing.files[p.rel]} bytes "
+                                          "it listed")
+                    os.pwrite(fd, chunk, p.start + p.done)
+                    p.done += len(chunk)
+                    copier.progress.moved += len(chunk)
+                if p.done == p.length and await copier.bounded(proc.stdout.read(1)):
+                    raise CopyRefused(f"refused to copy {join(src, p.rel)!r}: the site sent "
+                                      f"more than the {listing.files[p.rel]} bytes it listed")
+                status = await copier.bounded(proc.wait())
+            if p.done < p.length:
+                raise CopyInterrupted(f"{join(src, p.rel)}: {p.done} of {p.length} bytes of "
+                                      f"a piece arrived (exit {status.exit_status})")
+
+        async def verify(p: Piece) -> None:
+            here = local_sha256(fds[p.rel], p.start, p.done)
+            there = await remote_sha256(copier, join(src, p.rel), p.start, p.done)
+            if here != there:
+                copier.progress.moved -= p.done
+                p.done = 0
+
+        await copier.run(what, todo, move, verify)
+    return listing
+
+
+def _setup_script(listing: Listing, dst: str, executable: list[str]) -> str:
+    """The sh script that makes ``dst``'s folders and sizes its files, owner-only (the
+    ``executable`` ones 0700, as upstream's ``tar xpf`` keeps a mode)."""
+    q = shlex.quote
+    lines = ["set -e", "umask 077",
+             f"mkdir -p -- {q(posixpath.dirname(dst) or '/')}"]
+    if "" not in listing.files:
+        lines.append(f"mkdir -p -- {q(dst)}")
+    lines += [f"mkdir -p -- {q(join(dst, d))}" for d in sorted(listing.dirs)]
+    lines += [f"truncate -s {size} -- {q(join(dst, rel))}"
+              for rel, size in listing.files.items()]
+    lines += [f"chmod 700 -- {q(join(dst, rel))}" for rel in executable]
+    return "\n".join(lines) + "\n"
+
+
+async def upload(copier: Copier, src: str, dst: str) -> Listing:
+    """Copy the local ``src`` (a file or folder) to the site's ``dst``; return its listing."""
+    what = f"{src} to {dst} at the site"
+    listing = local_listing(src)
+    paths = {rel: os.path.join(src, *rel.split("/")) if rel else src for rel in listing.files}
+    executable = [rel for rel, path in paths.items() if os.stat(path).st_mode & 0o100]
+    script = _setup_script(listing, dst, executable).encode()
+
+    async def setup() -> None:
+        async with copier.open_process("sh -s", True) as proc:
+            proc.stdin.write(script)
+            proc.stdin.write_eof()
+            status = await copier.bounded(proc.wait())
+        if status.exit_status != 0:
+            raise CopyInterrupted(f"making the folders of {dst} exited {status.exit_status}")
+
+    await copier.retrying(what, setup)
+    async with closing_fds(paths, os.O_RDONLY) as fds:
+
+        async def move(p: Piece) -> None:
+            if p.length == 0:
+                return
+            fd, pos = fds[p.rel], p.start + p.done
+            command = (f"dd of={shlex.quote(join(dst, p.rel))} bs=4M seek={pos} "
+                       "oflag=seek_bytes conv=notrunc status=none")
+            async with copier.open_process(command, True) as proc:
+                while p.done < p.length:
+                    chunk = os.pread(fd, min(copier.buffer_size, p.length - p.done),
+                                     p.start + p.done)
+                    if not chunk:
+                        raise CopyInterrupted(f"{paths[p.rel]} shrank while it was copied")
+                    proc.stdin.write(chunk)
+                    await copier.bounded(proc.stdin.drain())
+                    p.done += len(chunk)
+                    copier.progress.moved += len(chunk)
+                proc.stdin.write_eof()
+                status = await copier.bounded(proc.wait())
+            if status.exit_status != 0:
+                raise CopyInterrupted(f"writing {join(dst, p.rel)} at the site exited "
+                                      f"{status.exit_status}")
+
+        async def verify(p: Piece) -> None:
+            # what was sent but not yet written there when the link dropped is not known:
+            # back off by what can be in flight, and keep the rest only if it is equal
+            keep = max(0, p.done - UPLOAD_SLACK_BYTES)
+            same = keep > 0 and local_sha256(fds[p.rel], p.start, keep) == \
+                await remote_sha256(copier, join(dst, p.rel), p.start, keep)
+            copier.progress.moved -= p.done - (keep if same else 0)
+            p.done = keep if same else 0
+
+        await copier.run(what, pieces(listing.files, copier.streams), move, verify)
+    return listing
