@@ -22,7 +22,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +195,7 @@ class Options:
     """What `xffl data prepare` was asked for beyond the inputs and the tokenizer."""
 
     fmt: Format = "text"
-    fields: Fields = Fields()
+    fields: Fields = field(default_factory=Fields)
     train_on: TrainOn = "response"
     seq_len: int | None = None  # padded to seq_len + 1 tokens a window when set
     validation_fraction: float | None = None

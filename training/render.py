@@ -81,7 +81,7 @@ class Renderer:
         return segments
 
     def _render(self, messages: list[dict[str, str]], generation: bool) -> str:
-        if not messages:
+        if not messages or self.template is None:
             return ""
         text = self.template.apply_chat_template(messages, tokenize=False,
                                                  add_generation_prompt=generation)
