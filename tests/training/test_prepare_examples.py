@@ -20,7 +20,8 @@ runner = CliRunner()
 WORDS = ["hello", "world", "a", "b", "c", "say", "reverse", "the", "words", "ok", "sure"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHATS = [
-    [{"role": "user", "content": "say hello world"}, {"role": "assistant", "content": "hello world"}],
+    [{"role": "user", "content": "say hello world"},
+     {"role": "assistant", "content": "hello world"}],
     [{"role": "system", "content": "reverse the words"}, {"role": "user", "content": "a b c"},
      {"role": "assistant", "content": "c b a"}, {"role": "user", "content": "b a"},
      {"role": "assistant", "content": "a b ok"}],
