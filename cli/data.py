@@ -46,7 +46,7 @@ def prepare(
     tokenizer: Annotated[Path | None, typer.Option(
         help="A model folder (its tokenizer and chat template) or a tokenizer.json "
         "(default: byte-level, 256 tokens).")] = None,
-    fmt: Annotated[FormatOpt, typer.Option(
+    format: Annotated[FormatOpt, typer.Option(
         "--format", help="What an example holds: text (one field), instruction (prompt and "
         "response fields) or chat (a list of role/content messages).")] = "text",
     text_field: Annotated[str, typer.Option(help="--format text: the text's field.")] = "text",
@@ -87,7 +87,7 @@ def prepare(
 
     _check(inputs, output, force, validation_fraction, pack, seq_len)
     texts = all(p.is_file() and p.suffix.lower() == ".txt" for p in inputs)
-    if texts and fmt == "text" and pack:
+    if texts and format == "text" and pack:
         meta = run_prepare(inputs, output, tokenizer=tokenizer, eos=eos, force=force,
                            validation_fraction=validation_fraction)
     else:
@@ -98,7 +98,7 @@ def prepare(
         fields = Fields(text_field, instruction_field, input_field, response_field,
                         messages_field)
         meta = prepare_examples(inputs, output, tokenizer, eos, Options(
-            fmt, fields, train_on, None if pack else seq_len, validation_fraction, seed))
+            format, fields, train_on, None if pack else seq_len, validation_fraction, seed))
     _report(meta, output, json_out)
 
 

@@ -36,7 +36,7 @@ from xffl.training.sources import examples
 
 BATCH = 256  # examples tokenized together (the tokenizer's batch runs on all cores)
 VALIDATION_DIR = "validation"
-_SPLIT_SALT = int.from_bytes(hashlib.sha256(b"xffl-example-split").digest()[:8], "big")
+SPLIT_SALT = int.from_bytes(hashlib.sha256(b"xffl-example-split").digest()[:8], "big")
 
 
 class Encoder:
@@ -214,7 +214,7 @@ def prepare_examples(inputs: Sequence[Path], out: Path, tokenizer: Path | None,
     dtype = np.uint16 if encoder.vocab_size <= 1 << 16 else np.uint32
     layout = Layout(None if options.seq_len is None else options.seq_len + 1, encoder.pad_id)
     fraction = options.validation_fraction
-    rng = np.random.default_rng([_SPLIT_SALT, options.seed])
+    rng = np.random.default_rng([SPLIT_SALT, options.seed])
     with staged_dir(out) as tmp:
         train = _Sink(tmp, dtype, layout)
         held = None if fraction is None else _Sink(tmp / VALIDATION_DIR, dtype, layout)

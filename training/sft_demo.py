@@ -39,7 +39,7 @@ def write_tokenizer(folder: Path) -> Path:
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCABULARY)},
                                          unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",  # type: ignore[no-untyped-call]
                                   unk_token="<unk>", pad_token="<pad>")
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))

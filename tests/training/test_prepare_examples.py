@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.training.data import LOSS, START, TokenShards, load_flags, load_tokens, read_meta
-from xffl.training.prepare_examples import _SPLIT_SALT, Options, prepare_examples
+from xffl.training.prepare_examples import SPLIT_SALT, Options, prepare_examples
 from xffl.training.render import ALPACA_PROMPT
 
 runner = CliRunner()
@@ -182,7 +182,7 @@ def test_validation_is_a_seeded_draw_of_examples(tmp_path: Path) -> None:
     runs = [prepare_examples([src], tmp_path / name, None, None,
                              Options(validation_fraction=0.25, seed=seed))
             for name, seed in (("a", 0), ("b", 0), ("c", 1))]
-    held = int(np.count_nonzero(np.random.default_rng([_SPLIT_SALT, 0]).random(200) < 0.25))
+    held = int(np.count_nonzero(np.random.default_rng([SPLIT_SALT, 0]).random(200) < 0.25))
     assert runs[0]["validation"]["examples"] == held and runs[0]["examples"] == 200 - held
     assert (tmp_path / "a" / "validation" / "train.bin").read_bytes() == \
         (tmp_path / "b" / "validation" / "train.bin").read_bytes()

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xffl.training.prepare_examples import _SPLIT_SALT
+from xffl.training.prepare_examples import SPLIT_SALT
 
 XFFL = str(Path(sys.executable).with_name("xffl"))
 
@@ -23,7 +23,7 @@ def _held_out(jsonl: Path, fraction: float) -> list[dict[str, Any]]:
     """The examples `xffl data prepare` holds out, by its documented rule: example i when
     the i-th draw of numpy's default_rng([salt, seed 0]) is below the fraction."""
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    draws = np.random.default_rng([_SPLIT_SALT, 0]).random(len(records))
+    draws = np.random.default_rng([SPLIT_SALT, 0]).random(len(records))
     return [r for r, d in zip(records, draws, strict=True) if d < fraction]
 
 
