@@ -89,6 +89,15 @@ class Renderer:
 
     def _chat(self, src: str, where: str, messages: list[dict[str, str]]) -> list[Segment]:
         """Segments of a conversation: each assistant turn in the loss, the rest out."""
+        try:
+            return self._turns(src, where, messages)
+        except InvalidInput:
+            raise
+        except Exception as exc:  # the template's own raise_exception, or a jinja error
+            raise InvalidInput(f"{src}: {where}: field {self.fields.messages!r}: the chat "
+                               f"template refused the conversation ({exc}).") from exc
+
+    def _turns(self, src: str, where: str, messages: list[dict[str, str]]) -> list[Segment]:
         full = self._render(messages, False)
         segments: list[Segment] = []
         done = 0

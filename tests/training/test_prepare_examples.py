@@ -253,3 +253,22 @@ def test_chat_needs_a_template(tmp_path: Path) -> None:
                     "tokenizer has one.")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_template_that_refuses_a_conversation_is_one_line(tmp_path: Path) -> None:
+    """A template's own raise_exception (roles must alternate) names the line and field."""
+    folder = word_tokenizer(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('user first') }}"
+        "{% endif %}" + template)
+    assert config  # the folder is a transformers tokenizer with its template beside it
+    src = _jsonl(tmp_path / "c.jsonl", [CHAT_OK, {"messages": [
+        {"role": "assistant", "content": "a"}]}])
+    result = runner.invoke(app, ["data", "prepare", str(src), "--format", "chat",
+                                 "--tokenizer", str(folder), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {src}: line 2: field 'messages': the chat "
+                                     "template refused the conversation (user first).")
+    assert not (tmp_path / "out").exists()
