@@ -10,15 +10,26 @@ import torch
 import torch.nn.functional as F
 
 from tests.training.test_prepare_examples import word_tokenizer
+from xffl.aggregator.exchange import Manifest
+from xffl.aggregator.metrics import VAL_TOKENS
 from xffl.training.arch import build_config
-from xffl.training.config import ModelSpec, TrainingSpec
-from xffl.training.data import LOSS, TOKENS_FILE, TokenShards, positions
+from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
+from xffl.training.data import (
+    IGNORE,
+    LOSS,
+    TOKENS_FILE,
+    TokenShards,
+    index_batches,
+    positions,
+    site_splits,
+)
 from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model
 from xffl.training.optimizer import make_optimizer
 from xffl.training.parallelize import ParallelModel
 from xffl.training.prepare_examples import Options, prepare_examples
+from xffl.training.trainer import train_round
 
 CPU = torch.device("cpu")
 SEQ_LEN = 8
@@ -152,3 +163,22 @@ def test_evaluation_is_the_mean_over_the_targets_in_the_loss(tmp_path: Path) -> 
     assert got.tokens == count
     assert abs(got.loss - total / count) <= 5e-4
     assert abs(float(torch.cat(everything).mean()) - total / count) > 1e-2
+
+
+def test_a_rounds_token_counts_are_the_targets_in_the_loss(
+        tmp_path: Path, global0: tuple[Path, Manifest]) -> None:
+    """num_tokens (the FedAvg weight under weighting: tokens) is the number of targets in the
+    loss of the windows the round dealt; val_tokens those of the held-out windows."""
+    data = _chat_shards(tmp_path)
+    spec = TrainingSpec(steps=3, batch_size=2, seq_len=SEQ_LEN)
+    job = TrainJob(run_id="run-test", site="site-a", model=ModelSpec(preset="tiny-test"),
+                   training=spec, data={"path": str(data),  # type: ignore[arg-type]
+                                        "validation": {"fraction": 0.2}})
+    manifest = train_round(job, 1, global0[0], data, tmp_path / "update")
+    train, held = site_splits(data, job.data, SEQ_LEN)
+    dealt = index_batches(len(train), 2, 0, 1, spec.seed, 1)
+    expected = sum(int((train.batch(next(dealt))[1] != IGNORE).sum()) for _ in range(3))
+    assert manifest.num_tokens == expected < 3 * 2 * SEQ_LEN
+    assert held is not None
+    count = int((held.batch(np.arange(len(held)))[1] != IGNORE).sum())
+    assert manifest.metrics[VAL_TOKENS] == count < len(held) * SEQ_LEN
