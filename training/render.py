@@ -105,7 +105,8 @@ class Renderer:
             if message["role"] != "assistant":
                 continue
             prompt = self._render(messages[:k], True)
-            end_text = self._render(messages[:k + 1], False)
+            last = k == len(messages) - 1  # its end is the whole rendering's
+            end_text = full if last else self._render(messages[:k + 1], False)
             start = len(prompt)
             if not (full.startswith(prompt) and full.startswith(end_text)
                     and done <= start <= len(end_text)):
