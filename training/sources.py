@@ -103,6 +103,12 @@ def _json(path: Path) -> Iterator[tuple[str, Record]]:
             pos += 1
         if pos < len(buf) and buf[pos] == "]":
             return
+        if pos == len(buf):  # between elements at the end of the buffer: read on
+            more = next(chunks, None)
+            if not more:
+                raise InvalidInput(f"{path}: element {number + 1}: the array is not closed.")
+            buf, pos = more, 0
+            continue
         try:
             value, end = decoder.raw_decode(buf, pos)
         except ValueError as exc:
@@ -113,7 +119,7 @@ def _json(path: Path) -> Iterator[tuple[str, Record]]:
             continue
         number += 1
         yield f"element {number}", _object(path, f"element {number}", value)
-        buf, pos = buf[end:], 0
+        pos = end  # the buffer is cut only when it is refilled (no copy per element)
 
 
 def _arrow_batches(path: Path, what: str) -> Iterator[tuple[str, Record]]:

@@ -272,3 +272,18 @@ def test_a_template_that_refuses_a_conversation_is_one_line(tmp_path: Path) -> N
     assert result.stderr.strip() == (f"error: {src}: line 2: field 'messages': the chat "
                                      "template refused the conversation (user first).")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_json_array_is_read_across_reads(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elements, and UTF-8 characters, cut by the reads of 7 bytes are read whole."""
+    from xffl.training import sources
+
+    monkeypatch.setattr(sources, "READ_BYTES", 7)
+    records = [{"text": "é" * (i % 5) + "ü", "n": i} for i in range(50)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+    assert [r for _, r in sources.examples(path)] == records
+    path.write_text(json.dumps(records)[:-1])
+    with pytest.raises(InvalidInput, match="element 51: the array is not closed"):
+        list(sources.examples(path))
