@@ -143,20 +143,28 @@ class _Sink:
         self.flags = (directory / FLAGS_FILE).open("wb")
         self.num_tokens = self.loss_tokens = self.examples = self.truncated = 0
 
-    def add(self, ids: np.ndarray, flags: np.ndarray) -> None:
-        """Append one example (cut or padded to the window when padded)."""
+    def add(self, examples: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Append examples, (ids, flags) each (cut or padded to the window when padded), in
+        one write of each file."""
+        if not examples:
+            return
         width = self.layout.pad_to
         if width is not None:
-            if len(ids) > width:
-                ids, flags, self.truncated = ids[:width], flags[:width], self.truncated + 1
-            fill = width - len(ids)
-            ids = np.concatenate([ids, np.full(fill, self.layout.pad_id, dtype=np.int64)])
-            flags = np.concatenate([flags, np.zeros(fill, dtype=np.uint8)])
+            padded = []
+            for ids, flags in examples:
+                if len(ids) > width:
+                    ids, flags, self.truncated = ids[:width], flags[:width], self.truncated + 1
+                fill = width - len(ids)
+                padded.append((np.concatenate([ids, np.full(fill, self.layout.pad_id)]),
+                               np.concatenate([flags, np.zeros(fill, dtype=np.uint8)])))
+            examples = padded
+        ids = np.concatenate([e[0] for e in examples])
+        flags = np.concatenate([e[1] for e in examples])
         self.tokens.write(ids.astype(self.dtype).tobytes())
         self.flags.write(flags.tobytes())
         self.num_tokens += len(ids)
         self.loss_tokens += int(np.count_nonzero(flags & LOSS))
-        self.examples += 1
+        self.examples += len(examples)
 
     def finish(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Close the files and write meta.json with the counts; return it."""
@@ -224,11 +232,14 @@ def prepare_examples(inputs: Sequence[Path], out: Path, tokenizer: Path | None,
             for batch in _batches(src):
                 segments = [renderer.segments(str(src), where, rec) for where, rec in batch]
                 encoded = encoder.encode(["".join(t for t, _ in segs) for segs in segments])
-                draws = rng.random(len(batch)) if fraction is not None else None
-                for i, (segs, (ids, starts)) in enumerate(zip(segments, encoded, strict=True)):
-                    sink = held if draws is not None and draws[i] < fraction else train
-                    assert sink is not None
-                    sink.add(ids, token_flags(segs, starts))
+                done = [(ids, token_flags(segs, starts))
+                        for segs, (ids, starts) in zip(segments, encoded, strict=True)]
+                if held is None or fraction is None:
+                    train.add(done)
+                else:
+                    drawn = (rng.random(len(batch)) < fraction).tolist()
+                    train.add([d for d, h in zip(done, drawn, strict=True) if not h])
+                    held.add([d for d, h in zip(done, drawn, strict=True) if h])
                 count += len(batch)
             if count == 0:
                 raise InvalidInput(f"{src}: no example in it (an empty input); name inputs "

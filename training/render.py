@@ -50,6 +50,11 @@ class Renderer:
                  eos_text: str) -> None:
         self.fmt, self.fields, self.train_on = fmt, fields, train_on
         self.template, self.eos_text = template, eos_text
+        # what apply_chat_template(tokenize=False) renders with: the tokenizer's template and
+        # its special tokens, by transformers' own renderer (called directly: half the
+        # time of apply_chat_template, whose message normalization plain dicts do not need)
+        self._source = None if template is None else template.get_chat_template()
+        self._variables = {} if template is None else dict(template.special_tokens_map)
 
     def segments(self, src: str, where: str, record: dict[str, Any]) -> list[Segment]:
         """The example's segments, concatenated: its whole text (InvalidInput if malformed)."""
@@ -81,11 +86,16 @@ class Renderer:
         return segments
 
     def _render(self, messages: list[dict[str, str]], generation: bool) -> str:
-        if not messages or self.template is None:
+        if not messages or self._source is None:
             return ""
-        text = self.template.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=generation)
-        return str(text)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        # it returns (the renderings, the generation spans), though typed as a str
+        rendered: Any = render_jinja_template(conversations=[messages],
+                                              chat_template=self._source,
+                                              add_generation_prompt=generation,
+                                              **self._variables)
+        return str(rendered[0][0])
 
     def _chat(self, src: str, where: str, messages: list[dict[str, str]]) -> list[Segment]:
         """Segments of a conversation: each assistant turn in the loss, the rest out."""

@@ -2,7 +2,7 @@
 
 Writes a JSON-lines file of synthetic instruction examples (Alpaca's fields, words of the
 sft-lora starter's tiny chat tokenizer) of ``--size-mb`` MB in a temporary folder, then, each
-in a process of its own whose peak resident memory (ru_maxrss, from wait4) is read:
+in a process of its own that reports its peak resident memory (VmHWM) as it exits:
 
 - ``xffl data prepare FILE --format instruction --tokenizer TOK -o OUT`` (streamed: the
   target is a peak RSS under 500 MB however large the file);
@@ -31,8 +31,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET_RSS_MB = 500
-PREPARE = "from xffl.cli.app import main; main()"
-DATASETS_MAP = """
+# each process writes its own peak RSS (VmHWM, which starts afresh at exec) when it exits:
+# wait4's ru_maxrss would also count the parent's pages at fork time, which for a parent
+# that imported torch (a test) alone exceed the target
+PEAK = """
+import atexit, os
+def _peak():
+    with open("/proc/self/status") as fh:
+        kb = next(line.split()[1] for line in fh if line.startswith("VmHWM:"))
+    with open(os.environ["XFFL_BENCH_PEAK"], "w") as out:
+        out.write(kb)
+atexit.register(_peak)
+"""
+PREPARE = PEAK + "from xffl.cli.app import main; main()"
+DATASETS_MAP = PEAK + """
 import sys
 import datasets
 from transformers import AutoTokenizer
@@ -77,20 +89,16 @@ def write_jsonl(path: Path, size_mb: int, seed: int = 0) -> int:
     return count
 
 
-def measure(argv: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in MB, stdout) of one process, its RSS from wait4."""
+def measure(argv: list[str], peak: Path) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in MB, stdout) of one process (its RSS written to ``peak``)."""
     began = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.perf_counter() - began
-        out.seek(0)
-        err.seek(0)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(argv[:3])} failed ({proc.returncode}): "
-                             f"{err.read()[-800:]}")
-        return seconds, usage.ru_maxrss / 1024, out.read()  # Linux: ru_maxrss in KiB
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False,
+                          env={**os.environ, "XFFL_BENCH_PEAK": str(peak)})
+    seconds = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:3])} failed ({done.returncode}): "
+                         f"{done.stderr[-800:]}")
+    return seconds, int(peak.read_text()) / 1024, done.stdout  # VmHWM is in kB
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         tok = write_tokenizer(root / "tokenizer")
         seconds, rss, out = measure([sys.executable, "-c", PREPARE, "data", "prepare",
                                      str(src), "--format", "instruction", "--tokenizer",
-                                     str(tok), "-o", str(root / "out"), "--json"])
+                                     str(tok), "-o", str(root / "out"), "--json"],
+                                    root / "peak-xffl")
         tokens = json.loads(out)["num_tokens"]
         result = {"size_mb": round(src.stat().st_size / (1 << 20), 1), "examples": examples,
                   "tokens": tokens, "xffl": {"seconds": round(seconds, 2),
@@ -118,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "tokens_per_s": round(tokens / seconds)}}
         if not args.no_datasets:
             seconds, rss, out = measure([sys.executable, "-c", DATASETS_MAP, str(src),
-                                         str(tok), str(root / "hf-cache")])
+                                         str(tok), str(root / "hf-cache")],
+                                        root / "peak-datasets")
             result["datasets_map"] = {"seconds": round(seconds, 2),
                                       "peak_rss_mb": round(rss, 1),
                                       "tokens_per_s": round(tokens / seconds),
