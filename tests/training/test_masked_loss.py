@@ -182,3 +182,17 @@ def test_a_rounds_token_counts_are_the_targets_in_the_loss(
     assert held is not None
     count = int((held.batch(np.arange(len(held)))[1] != IGNORE).sum())
     assert manifest.metrics[VAL_TOKENS] == count < len(held) * SEQ_LEN
+
+
+def test_a_simulated_part_keeps_its_loss_mask(tmp_path: Path) -> None:
+    """`xffl simulate`'s parts of a masked dataset carry their slice of flags.bin."""
+    from xffl.workflows.simulate_sites import ensure_partition
+
+    data = _chat_shards(tmp_path)
+    ensure_partition(data, tmp_path / "part", 1, 2, SEQ_LEN)
+    whole, part = TokenShards(data, SEQ_LEN), TokenShards(tmp_path / "part", SEQ_LEN)
+    half = len(whole) // 2
+    assert len(part) == len(whole) - half
+    rows = np.arange(len(part))
+    for got, want in zip(part.batch(rows), whole.batch(rows + half), strict=True):
+        assert torch.equal(got, want)
