@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -18,8 +20,15 @@ TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     "two-facilities": ("llama2-7b-two-facilities.yaml", ("leonardo", "karolina")),
     "llama3-8b": ("llama3.1-8b-two-facilities.yaml", ("leonardo", "karolina")),
     "llama3-8b-lora": ("llama3.1-8b-lora.yaml", ("leonardo", "karolina")),
+    "sft-lora": ("sft-lora.yaml", ()),
 }
-Template = Literal["quickstart", "two-facilities", "llama3-8b", "llama3-8b-lora"]
+Template = Literal["quickstart", "two-facilities", "llama3-8b", "llama3-8b-lora", "sft-lora"]
+DATA_PLACEHOLDER = re.compile(r"DATA_DIR(/[A-Za-z0-9_/]+)")
+
+
+def _with_data(text: str, data: Path) -> str:
+    """The sft-lora job with its data paths (DATA_DIR/...) made absolute, quoted for YAML."""
+    return DATA_PLACEHOLDER.sub(lambda m: json.dumps(str(data) + m.group(1)), text)
 
 
 @handle_errors
@@ -29,7 +38,9 @@ def init(
     template: Annotated[Template, typer.Option(
         "--template", "-t", help="quickstart: two sites on this machine; two-facilities: "
         "LLaMA-2 7B on Leonardo and Karolina (the xFFL paper's setting); llama3-8b: Llama 3.1 "
-        "8B there, the whole model, tp 4; llama3-8b-lora: its LoRA fine-tuning."
+        "8B there, the whole model, tp 4; llama3-8b-lora: its LoRA fine-tuning; sft-lora: "
+        "LoRA instruction tuning of a tiny chat model on this machine (data written to "
+        "DIR/data)."
     )] = "quickstart",
     force: Annotated[bool, typer.Option("--force", help="Replace FOLDER/job.yaml if it "
                                         "exists.")] = False,
@@ -50,8 +61,14 @@ def init(
         raise InvalidInput(f"{job} exists; choose another folder, or --force to replace it.")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     # a new file renamed over the name: a link made meanwhile is replaced, never followed
-    atomic_write(job, (resources.files("xffl.jobs") / spec_file).read_bytes())
+    text = (resources.files("xffl.jobs") / spec_file).read_bytes()
     written, kept = [str(job)], []
+    if template == "sft-lora":
+        from xffl.training.sft_demo import write_demo
+
+        written += [str(p) for p in write_demo(folder.resolve())]
+        text = _with_data(text.decode(), folder.resolve() / "data").encode()
+    atomic_write(job, text)
     for name in profiles:  # the user's own profiles folder: a job's folder cannot shadow them
         mine = installed_dirs()[0] / f"{name}.yaml"
         if mine.exists():

@@ -6,6 +6,13 @@ A dataset directory holds ``train.bin`` (the token stream, uint16 as nanoGPT kee
 each epoch they are permuted from (seed, round, epoch) and dealt disjointly to the dp ranks.
 A site's held-out windows (``data.validation.fraction``, :func:`validation_indices`) are a
 fixed set, the same every round and run, that the training sampler never deals.
+
+Instruction and chat data (:mod:`xffl.training.prepare_examples`) add ``flags.bin``, one
+uint8 a token (meta.json's ``"flags"``): LOSS marks a token that is a target of the loss,
+START an example's first token. A batch's targets are then IGNORE where the target token is
+not in the loss (the loss and the counts skip them), and its position ids restart at every
+START (:meth:`TokenShards.positions`). A directory without flags (text) trains on every token,
+as before.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from xffl.training.config import DataSpec
 
 TOKENS_FILE = "train.bin"
 META_FILE = "meta.json"
+FLAGS_FILE = "flags.bin"
+LOSS, START = 1, 2  # bits of flags.bin: the token is a target of the loss; an example starts
+IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index default)
 GENERATOR_VERSION = 1
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -202,6 +212,29 @@ def load_tokens(path: Path) -> np.ndarray:
     return np.memmap(tokens_path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
 
 
+def load_flags(path: Path, num_tokens: int) -> np.ndarray | None:
+    """The LOSS/START flags of a dataset directory as a read-only memmap; None without."""
+    meta = read_meta(Path(path))
+    if "flags" not in meta:
+        return None
+    flags_path = Path(path) / FLAGS_FILE
+    if meta["flags"] != FLAGS_FILE or not flags_path.is_file() \
+            or flags_path.stat().st_size != num_tokens:
+        raise InvalidInput(f"{flags_path}: meta.json promises {num_tokens} flags (one byte a "
+                           "token); prepare the data again.")
+    if num_tokens == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(flags_path, dtype=np.uint8, mode="r", shape=(num_tokens,))
+
+
+def positions(starts: np.ndarray) -> np.ndarray:
+    """Position ids of rows whose examples begin where ``starts`` is true: each position
+    counts from the last start at or before it (from the row's first token if none)."""
+    index = np.broadcast_to(np.arange(starts.shape[1]), starts.shape)
+    last = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return index - last
+
+
 def num_samples(path: Path, seq_len: int) -> int:
     """Number of training sequences (windows of seq_len + 1 tokens) at the site."""
     return int(read_meta(Path(path))["num_tokens"]) // (seq_len + 1)
@@ -279,7 +312,12 @@ class TokenShards:
         self.path = Path(path)
         self.seq_len = seq_len
         self.tokens = load_tokens(self.path)
-        self.vocab_size = int(read_meta(self.path).get("vocab_size", 256))
+        self.flags = load_flags(self.path, len(self.tokens))
+        meta = read_meta(self.path)
+        self.vocab_size = int(meta.get("vocab_size", 256))
+        if meta.get("layout") == "padded" and meta.get("seq_len") != seq_len:
+            raise InvalidInput(f"{self.path}: examples padded to seq_len {meta.get('seq_len')}"
+                               f", the job's training.seq_len is {seq_len}; make them agree.")
         self.num_windows = len(self.tokens) // (seq_len + 1)
         self.windows = windows
         self.num_sequences = self.num_windows if windows is None else len(windows)
@@ -292,19 +330,38 @@ class TokenShards:
         """The window numbers of sequences ``indices`` in the token stream."""
         return np.asarray(indices) if self.windows is None else self.windows[indices]
 
-    def batch(self, indices: np.ndarray) -> tuple[Tensor, Tensor]:
-        """(inputs, targets) int64 tensors of shape (len(indices), seq_len)."""
+    def _rows(self, data: np.ndarray, indices: np.ndarray) -> np.ndarray:
         width = self.seq_len + 1
-        rows = np.stack([np.asarray(self.tokens[i * width:(i + 1) * width])
+        return np.stack([np.asarray(data[i * width:(i + 1) * width])
                          for i in self.window(indices)])
-        data = torch.from_numpy(rows.astype(np.int64))
-        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def batch(self, indices: np.ndarray) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) int64 tensors of shape (len(indices), seq_len); a target out of
+        the loss (flags without LOSS) is IGNORE."""
+        data = torch.from_numpy(self._rows(self.tokens, indices).astype(np.int64))
+        targets = data[:, 1:].contiguous()
+        if self.flags is not None:
+            keep = torch.from_numpy(self._rows(self.flags, indices)[:, 1:] & LOSS != 0)
+            targets[~keep] = IGNORE
+        return data[:, :-1].contiguous(), targets
+
+    def positions(self, indices: np.ndarray) -> Tensor | None:
+        """Position ids of the inputs of ``indices``, restarting at each example's first
+        token; None when no example starts inside a row (the model's own 0..seq_len-1)."""
+        if self.flags is None:
+            return None
+        starts = self._rows(self.flags, indices)[:, :-1] & START != 0
+        if not starts[:, 1:].any():
+            return None
+        return torch.from_numpy(positions(starts).astype(np.int64))
 
     def batches(self, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                round: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """Endless (inputs, targets) batches for one dp rank (see index_batches)."""
+                round: int) -> Iterator[tuple[Tensor, ...]]:
+        """Endless (inputs, targets) batches for one dp rank (see index_batches), with the
+        position ids as a third tensor when examples are packed in them."""
         for idx in index_batches(self.num_sequences, batch_size, dp_rank, dp_size, seed, round):
-            yield self.batch(idx)
+            pos = self.positions(idx)
+            yield self.batch(idx) if pos is None else (*self.batch(idx), pos)
 
 
 def site_splits(data_dir: Path, data: DataSpec,

@@ -7,6 +7,9 @@ of a global batch, and a rank left without one still runs the forward (on a sequ
 not count), so that every rank runs the same collectives (FSDP2 gathers, tensor-parallel
 reductions). The sums of token losses and of tokens are all-reduced in float64; each dp
 group's sums arrive once per tensor-parallel rank, in both, so their ratio is the mean.
+Only targets in the loss count (instruction and chat data: the responses; a target of
+-100 is skipped in the sum and the count), so the loss is their mean and ``tokens`` their
+number.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xffl.training.config import EvaluationSpec, TrainingSpec
-from xffl.training.data import TokenShards
+from xffl.training.data import IGNORE, TokenShards
 from xffl.training.loop import autocast
 
 
@@ -55,16 +58,17 @@ def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: 
         for start in range(0, count, per_batch):
             mine = np.arange(start, min(start + per_batch, count))[dp_rank::dp_size]
             counted = len(mine) > 0
-            inputs, targets = held_out.batch(mine if counted else np.zeros(1, dtype=np.int64))
+            rows = mine if counted else np.zeros(1, dtype=np.int64)
+            inputs, targets = held_out.batch(rows)
+            pos = held_out.positions(rows)
+            extra = {} if pos is None else {"position_ids": pos.to(device)}
             inputs, targets = inputs.to(device), targets.to(device)
             with autocast(device, precision):
-                logits = net(inputs)
+                logits = net(inputs, **extra)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   targets.reshape(-1), reduction="sum")
+                                   targets.reshape(-1), reduction="sum", ignore_index=IGNORE)
             if counted:
-                sums += torch.stack([loss.double(), torch.tensor(float(targets.numel()),
-                                                                 dtype=torch.float64,
-                                                                 device=device)])
+                sums += torch.stack([loss.double(), (targets != IGNORE).sum().double()])
     finally:
         net.train(was_training)
     if dist.is_available() and dist.is_initialized():
@@ -73,4 +77,5 @@ def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: 
     else:
         tp = 1
     total, tokens = (float(v) for v in sums.cpu())
-    return Evaluation(loss=total / tokens, sequences=count, tokens=round(tokens / tp))
+    # no target in the loss among them (a held-out part of prompts only): no loss to report
+    return Evaluation(loss=total / max(tokens, 1.0), sequences=count, tokens=round(tokens / tp))

@@ -7,6 +7,13 @@ decay over the whole job), ``config.round_steps`` (a budget in steps or tokens),
 ``mu/2 * ||w - w_global||^2``, added after the data-parallel gradient reduction, so it costs
 no communication), and :func:`run_steps`, which also stops cleanly at a deadline agreed by
 all ranks and prints a step line now and then (:mod:`xffl.training.progress`).
+
+The loss of a step is the mean cross-entropy over the step's targets in the loss, on all dp
+ranks and micro-batches together: each micro-batch contributes its sum over its targets in
+the loss, divided by the step's count of them (with ``masked`` data an all-reduce of one
+number counts them; without a mask every target counts), times dp_size, which the data-
+parallel gradient mean divides out again. Targets out of the loss (-100) add nothing to the
+loss, its gradient or the count, which the loop returns (``loss_tokens``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from xffl.training.config import TrainingSpec
-from xffl.training.model import lm_loss
+from xffl.training.data import IGNORE
+from xffl.training.model import lm_loss_sum
 from xffl.training.parallelize import ParallelModel
 from xffl.training.progress import StepReporter
 
@@ -69,6 +77,7 @@ class LoopResult:
     losses: Tensor  # float64, one per optimizer step taken, on CPU
     stopped_early: bool
     seconds: float
+    loss_tokens: int = 0  # targets in the loss over the steps taken, all dp ranks together
 
 
 def _agree_to_stop(want: bool, device: torch.device) -> bool:
@@ -80,12 +89,27 @@ def _agree_to_stop(want: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
+def _step_targets(micro: list[tuple[Tensor, ...]], masked: bool, pm: ParallelModel,
+                  device: torch.device) -> int:
+    """Targets in the loss of one step on all dp ranks (collective when ``masked``)."""
+    local = sum(int((m[1] != IGNORE).sum()) for m in micro)
+    if not masked or not dist.is_available() or not dist.is_initialized():
+        return local * pm.dp_size
+    count = torch.tensor([local], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)  # each dp group's count once per tp rank
+    return round(float(count.item()) / pm.tp_size)
+
+
 def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-              batches: Iterator[tuple[Tensor, Tensor]], steps: int, spec: TrainingSpec,
+              batches: Iterator[tuple[Tensor, ...]], steps: int, spec: TrainingSpec,
               device: torch.device, *, deadline: float | None = None,
               check_deadline: bool = False,
-              prox: list[tuple[torch.nn.Parameter, Tensor]] | None = None) -> LoopResult:
+              prox: list[tuple[torch.nn.Parameter, Tensor]] | None = None,
+              masked: bool = False) -> LoopResult:
     """Run up to ``steps`` optimizer steps of ``grad_accum`` micro-batches each.
+
+    A batch is (inputs, targets) or (inputs, targets, position ids); ``masked`` (the same on
+    every rank) when targets may be -100 (out of the loss).
 
     With ``check_deadline`` (the same on every rank), the ranks agree before each step
     whether it still fits before ``deadline`` (a time.time() value, known on any rank;
@@ -97,6 +121,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     last = 0.0
     done = 0
     tokens = 0  # this rank's, so far
+    loss_tokens = 0
     rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
     reporter = StepReporter.from_env(steps, rank0)
     stopped = False
@@ -108,15 +133,19 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
                 break
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        for micro in range(spec.grad_accum):
-            inputs, targets = next(batches)
+        micro_batches = [next(batches) for _ in range(spec.grad_accum)]
+        counted = _step_targets(micro_batches, masked, pm, device)
+        loss_tokens += counted
+        scale = pm.dp_size / max(counted, 1)  # no target in the loss: the step moves nothing
+        for micro, (inputs, targets, *rest) in enumerate(micro_batches):
             tokens += inputs.numel()
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
+            extra = {"position_ids": rest[0].to(device)} if rest else {}
             last_micro = micro == spec.grad_accum - 1
             with nullcontext() if last_micro else pm.no_sync():  # backward included (FSDP2)
                 with autocast(device, spec.precision):
-                    loss = lm_loss(pm.net(inputs), targets) / spec.grad_accum
+                    loss = lm_loss_sum(pm.net(inputs, **extra), targets) * scale
                 torch.autograd.backward(loss)
             losses[step] += loss.detach().double()
         if prox is not None:
@@ -135,4 +164,4 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoopResult(losses=losses[:done].cpu(), stopped_early=stopped,
-                      seconds=time.perf_counter() - start)
+                      seconds=time.perf_counter() - start, loss_tokens=loss_tokens)

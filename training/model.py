@@ -37,6 +37,7 @@ __all__ = [
     "from_config",
     "linear_modules",
     "lm_loss",
+    "lm_loss_sum",
     "load_pretrained",
     "load_weights",
     "meta_model",
@@ -237,8 +238,15 @@ def load_weights(model: nn.Module, tensors: Mapping[str, Tensor]) -> None:
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy; ``targets`` are the inputs shifted left by one."""
+    """Mean next-token cross-entropy; ``targets`` are the inputs shifted left by one (a
+    target of -100, out of the loss, is skipped)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def lm_loss_sum(logits: Tensor, targets: Tensor) -> Tensor:
+    """The sum of the next-token cross-entropies of the targets in the loss (not -100)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           reduction="sum")
 
 
 def uniform_loss(vocab_size: int) -> float:

@@ -236,7 +236,8 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     deadline = _on_main(lambda: round_deadline(spec, reserve=eval_seconds), json.dumps,
                         json.loads)
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
-                       deadline=deadline, check_deadline=deadline is not None, prox=prox)
+                       deadline=deadline, check_deadline=deadline is not None, prox=prox,
+                       masked=shards.flags is not None)
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
@@ -245,16 +246,20 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     if done == 0:
         raise RunFailed(f"site {job.site}: no training step fitted before the deadline "
                         "(time_budget or the SLURM time limit minus time_margin).")
-    num_tokens = done * spec.batch_size * spec.grad_accum * spec.seq_len * pm.dp_size
+    read = done * spec.batch_size * spec.grad_accum * pm.dp_size  # sequences the round read
+    tokens_read = read * spec.seq_len
+    # the tokens the round trained on: the targets in the loss (every target of text data;
+    # of instruction and chat data, the responses), the FedAvg weight under weighting: tokens
+    num_tokens = result.loss_tokens
     # a site's FedAvg weight: its dataset's size where the job declares it (the coordinator
     # bounds the report by that), else the samples the round read, which it can bound
     num_samples = len(shards) if job.data.declared_samples is not None else \
-        min(len(shards), num_tokens // spec.seq_len)
+        min(len(shards), read)
     metrics = {
         metric.LOSS: float(losses.mean()),
         metric.LOSS_FIRST: float(losses[0]),
         metric.LOSS_LAST: float(losses[-1]),
-        metric.TOKENS_PER_S: num_tokens / seconds if seconds > 0 else 0.0,
+        metric.TOKENS_PER_S: tokens_read / seconds if seconds > 0 else 0.0,
         metric.TRAIN_SECONDS: seconds,
         metric.STEPS: float(done),
         metric.LR_LAST: float(scheduler.get_last_lr()[0]),

@@ -34,7 +34,14 @@ from xffl.core.files import atomic_write
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import SiteSpec
 from xffl.training.config import DataSpec, ModelSpec, TrainJob
-from xffl.training.data import META_FILE, TOKENS_FILE, load_tokens, read_meta
+from xffl.training.data import (
+    FLAGS_FILE,
+    META_FILE,
+    TOKENS_FILE,
+    load_flags,
+    load_tokens,
+    read_meta,
+)
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,9 @@ def ensure_partition(source: Path, dest: Path, part: int, parts: int, seq_len: i
     tokens = load_tokens(source)[lo * width:hi * width]
     dest.mkdir(parents=True, exist_ok=True)
     atomic_write(dest / TOKENS_FILE, tokens.tobytes())
+    flags = load_flags(source, meta["num_tokens"])  # instruction and chat data: its loss mask
+    if flags is not None:
+        atomic_write(dest / FLAGS_FILE, bytes(flags[lo * width:hi * width]))
     out = {k: v for k, v in meta.items() if k != "synthetic"}
     out.update(num_tokens=(hi - lo) * width, partition=wanted)
     atomic_write(dest / META_FILE, (json.dumps(out, indent=2) + "\n").encode())

@@ -23,8 +23,9 @@ def test_prepare_bytes_json(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     out = tmp_path / "d"
     assert json.loads(result.stdout) == {
-        "out": str(out), "num_tokens": 22, "vocab_size": 256, "dtype": "uint16", "inputs": 1,
-        "validation_tokens": None, "files": sorted(str(f) for f in out.iterdir())}
+        "out": str(out), "num_tokens": 22, "loss_tokens": 22, "examples": None,
+        "vocab_size": 256, "dtype": "uint16", "inputs": 1, "validation_tokens": None,
+        "files": sorted(str(f) for f in out.iterdir())}
     assert {Path(f).name for f in json.loads(result.stdout)["files"]} >= {"meta.json"}
     assert bytes(load_tokens(tmp_path / "d").astype("uint8")) == b"hello federated world\n"
 
@@ -54,11 +55,11 @@ def test_prepare_validation_fraction_json(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("fraction", "message"), [
     ("0", "--validation-fraction must be between 0 and 1 (got 0.0); pass e.g. 0.05 to hold "
-          "out the last 5% of each file."),
+          "out 5%."),
     ("1", "--validation-fraction must be between 0 and 1 (got 1.0); pass e.g. 0.05 to hold "
-          "out the last 5% of each file."),
+          "out 5%."),
     ("-0.2", "--validation-fraction must be between 0 and 1 (got -0.2); pass e.g. 0.05 to "
-             "hold out the last 5% of each file."),
+             "hold out 5%."),
     ("0.01", "--validation-fraction 0.01 leaves no validation text; choose a fraction that "
              "leaves text on both sides."),
 ])
@@ -78,7 +79,7 @@ def test_prepare_bad_input_exit_2(tmp_path: Path) -> None:
                                  str(tmp_path / "d")])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope.txt'}: no such "
-                                                  "file; name existing text files."]
+                                                  "file or folder; name existing inputs."]
     assert "Traceback" not in result.output and not (tmp_path / "d").exists()
 
 

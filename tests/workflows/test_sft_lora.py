@@ -1,0 +1,118 @@
+"""`xffl init -t sft-lora` runs: instruction tuning with LoRA on this machine, three rounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xffl.training.prepare_examples import SPLIT_SALT
+
+XFFL = str(Path(sys.executable).with_name("xffl"))
+
+
+def _held_out(jsonl: Path, fraction: float) -> list[dict[str, Any]]:
+    """The examples `xffl data prepare` holds out, by its documented rule: example i when
+    the i-th draw of numpy's default_rng([salt, seed 0]) is below the fraction."""
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    draws = np.random.default_rng([SPLIT_SALT, 0]).random(len(records))
+    return [r for r, d in zip(records, draws, strict=True) if d < fraction]
+
+
+def _masked_mean(model: Any, tok: Any,
+                 examples: list[dict[str, Any]]) -> tuple[float, int, float]:
+    """Mean -log p of the response tokens, each example alone (no padding, no packing), the
+    response found by rendering the prompt with the generation prompt (float64); their
+    count; the mean over every target (the prompts' too)."""
+    total, count, every, targets = 0.0, 0, 0.0, 0
+    for ex in examples:
+        prompt = ex["instruction"] + (f"\n\n{ex['input']}" if ex["input"] else "")
+        messages = [{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": ex["output"]}]
+        ids = torch.tensor(tok.apply_chat_template(messages, return_dict=False))
+        start = len(tok.apply_chat_template(messages[:1], add_generation_prompt=True,
+                                            return_dict=False))
+        with torch.no_grad():
+            logp = F.log_softmax(model(input_ids=ids[None, :-1]).logits[0].double(), dim=-1)
+        nll = -logp[torch.arange(len(ids) - 1), ids[1:]]
+        total += float(nll[start - 1:].sum())  # targets start..end: the response, its </s>
+        count += len(ids) - start
+        every, targets = every + float(nll.sum()), targets + len(nll)
+    return total / count, count, every / targets
+
+
+@pytest.mark.slow
+def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> None:
+    """Three rounds of the template; the federated validation loss falls every round and is,
+    each round, the sites' masked means weighted by their held-out examples, recomputed here
+    from the JSON lines; the final adapter loads in peft on the base and generates.
+
+    Tolerance of the recomputation: xffl evaluates in fp32 (batches of padded windows), this
+    test in float64, one example at a time; the padding follows each example, so under
+    causal attention it changes none of its logits, and only fp32 rounding differs. A
+    worst-case bound (2 n u S per linear, u = 2^-24, n <= 172 terms, S = sum |x| |W| <= 490
+    with the base's weights of std 0.3) is ~0.1 over the 11 linears on the path, too loose
+    to test anything; rounding errors of independent sums grow as sqrt(n) u S (3.8e-4 per
+    linear, on logits below 9) and enter a site's mean of ~300 targets with signs of their
+    own: 1e-3 holds with a wide margin (measured: 1e-7). Counting the prompts' targets too
+    moves a site's mean by > 0.1 (asserted). The federated number is then checked against
+    the sites' own reported means, exactly up to float64 sums (1e-12): weighting them by
+    their response tokens instead of their examples moves it by ~6e-3 here.
+    """
+    from peft import PeftModel
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    env = {**os.environ, "XFFL_HOME": str(tmp_path / "home"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}
+
+    def xffl(*argv: str) -> str:
+        done = subprocess.run([XFFL, *argv], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=400)
+        assert done.returncode == 0, (argv, done.stdout, done.stderr)
+        return done.stdout
+
+    xffl("init", "-t", "sft-lora", "demo")
+    status = json.loads(xffl("submit", "demo/job.yaml", "--wait", "--json", "--timeout", "400"))
+    assert status["state"] == "completed", status
+    run = Path(status["run_dir"]) / "rounds"
+    data = tmp_path / "demo" / "data"
+    federated = [json.loads((run / str(r) / "validation.json").read_text()) for r in (1, 2, 3)]
+    losses = [v["val_loss"] for v in federated]
+    assert losses[0] > losses[1] > losses[2], losses
+
+    tok = AutoTokenizer.from_pretrained(str(data / "tokenizer"))
+    held = {site: _held_out(data / f"{site}.jsonl", 0.1) for site in ("alpha", "beta")}
+    for r, record in zip((1, 2, 3), federated, strict=True):
+        base = LlamaForCausalLM.from_pretrained(str(run / "0" / "base"), dtype=torch.float64)
+        model = PeftModel.from_pretrained(base, str(run / str(r - 1) / "global")).eval()
+        model = model.double()
+        means = {site: _masked_mean(model, tok, ex) for site, ex in held.items()}
+        reported = record["sites"]
+        for site, (mean, _, every) in means.items():
+            assert abs(reported[site] - mean) <= 1e-3, (r, site, record, mean)
+            assert abs(every - mean) > 0.1  # what an unmasked evaluation would report
+        n = {site: len(ex) for site, ex in held.items()}
+        assert record["val_samples"] == sum(n.values())
+        expected = sum(reported[s] * n[s] for s in n) / sum(n.values())
+        assert abs(record["val_loss"] - expected) <= 1e-12, (r, record, expected)
+        by_tokens = sum(reported[s] * means[s][1] for s in n) / sum(m[1] for m in
+                                                                     means.values())
+        assert abs(by_tokens - expected) > 1e-4  # the weights tell the two apart
+
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "reverse the words\n\nban kol mit"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=6, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    new = out[0, prompt["input_ids"].shape[1]:]
+    assert 1 <= len(new) <= 6 and int(new.max()) < len(tok)
+    assert tok.decode(new, skip_special_tokens=True).strip() != ""
