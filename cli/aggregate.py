@@ -44,10 +44,12 @@ class StrategyName(ParamType):  # Typer 0.28 vendors click (typer._click)
     name = "strategy"
 
     def get_metavar(self, param: Any, ctx: Any) -> str:
-        """``[fedavg|fedavgm|...]`` as the registry holds them now, or ``NAME`` when that
-        would not fit an 80-column help line (the help names the usual ones)."""
-        choices = "[" + "|".join(strategy_names()) + "]"
-        return choices if len(choices) <= 60 else "NAME"
+        """``NAME``: the choices are in the help, where they wrap."""
+        return "NAME"
+
+    def fill_help(self, text: str) -> str:
+        """The option's help with ``{strategies}`` replaced by the registry's names now."""
+        return text.replace("{strategies}", ", ".join(strategy_names()))
 
     def convert(self, value: Any, param: Any, ctx: Any) -> str:
         """The name as given (checked against the registry when the command runs)."""
@@ -66,9 +68,7 @@ def aggregate(
         "what each site may report (an option given here replaces the job's).")] = None,
     strategy: Annotated[str | None, typer.Option(
         "--strategy", click_type=StrategyName(), show_default=False,
-        help="A registered strategy: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, diloco, "
-        "fedmedian, fedtrimmedavg or one a plugin registers (default fedavg, or the "
-        "run's).")] = None,
+        help="A registered strategy: {strategies} (default fedavg, or the run's).")] = None,
     previous: Annotated[Path | None, typer.Option(
         "--previous", help="The global the round started from: updates must name it as parent "
         "and match its tensors; stateful strategies read their server state from it.")] = None,

@@ -74,6 +74,16 @@ class XfflCommand(TyperCommand):
         pieces: list[str] = super().collect_usage_pieces(ctx)
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
 
+    def get_params(self, ctx: Any) -> list[Any]:  # typer's vendored Context and Parameter
+        """The parameters; an option whose type can name its choices (``fill_help``) has them
+        in its help, as they are when the help is drawn (a plugin's included)."""
+        params: list[Any] = super().get_params(ctx)
+        for param in params:
+            fill = getattr(param.type, "fill_help", None)
+            if callable(fill) and getattr(param, "help", None):
+                param.help = fill(param.help)
+        return params
+
 
 class XfflSubGroup(TyperGroup):
     """A command group under ``xffl`` (``profiles``, ``data``): its ``--help`` is never set

@@ -45,7 +45,8 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
 
     Tokens: steps x batch x accumulation x sequence length x ranks, steps as many as the
     budget allows (a token budget with one data-parallel rank, the most steps), times
-    ``balance_max`` when throughput balancing may raise them. Samples: the dataset size the
+    ``balance_max`` when throughput balancing may raise them, or a round deadline's most
+    steps. Samples: the dataset size the
     job declares (``data.max_samples``, a synthetic corpus's size), or the samples of the
     round's steps if more; with real data and no declared size, the samples of the round's
     steps (what the site's trainer then reports): a site's weight is never unbounded.
@@ -55,6 +56,11 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
     steps = round_steps(training, 1)
     if training.balance == "throughput":
         steps = math.floor(steps * training.balance_max)
+    if spec.round_deadline is not None:
+        from xffl.workflows.steps.deadline import most_steps
+
+        steps = max(steps, most_steps(spec.round_deadline, round_steps(training, 1),
+                                      training.balance_max))
     samples = steps * training.batch_size * training.grad_accum * site.ranks
     declared = site.data.declared_samples
     held_out = spec.evaluation.sequences(training) if site.data.validation else None

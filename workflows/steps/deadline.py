@@ -33,10 +33,15 @@ from xffl.training.config import TrainJob, round_steps
 from xffl.workflows.steps.balance import configured_job, write_round_job
 
 
+def most_steps(deadline: RoundDeadline, planned: int, balance_max: float) -> int:
+    """The most steps a site's round may have under the deadline (``planned``: configured)."""
+    return deadline.max_steps or max(deadline.min_steps, math.floor(planned * balance_max))
+
+
 def fit_steps(deadline: RoundDeadline, planned: int, balance_max: float,
               estimate: SiteEstimate, startup: float) -> int:
     """One site's steps for the next round (``planned``: its configured steps)."""
-    high = deadline.max_steps or max(deadline.min_steps, math.floor(planned * balance_max))
+    high = most_steps(deadline, planned, balance_max)
     per_step = estimate.seconds_per_step
     if per_step is None:
         return max(deadline.min_steps, min(high, planned))

@@ -19,6 +19,7 @@ from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState, SiteState
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
+from xffl.workflows.plan.compile import report_bounds
 from xffl.workflows.steps.deadline import deadline_jobs, fit_steps
 
 runner = CliRunner()
@@ -119,3 +120,18 @@ def test_a_sites_own_startup_longer_than_the_deadline(tmp_path: Path) -> None:
                      "startup: 900")
     assert ("sites[1].startup: the round deadline of 600 s is not longer than the start-up of "
             "site 'beta' (900 s)") in first
+
+
+def test_admission_allows_the_most_steps_a_deadline_may_fit() -> None:
+    """The admit step's token bound covers a deadline's most steps: an update trained to the
+    fitted steps is not refused as over its budget (the quickstart's 30 steps x 8 x 64 x 2
+    ranks = 30,720 tokens; a deadline may raise them to max_steps = 100)."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["round_deadline"] = {"seconds": 600, "max_steps": 100}
+    job_spec = JobSpec.model_validate(spec)
+    site = job_spec.sites[0]
+    assert report_bounds(job_spec, site)[0] == 100 * 8 * 64 * 2
+    spec["round_deadline"] = {"seconds": 600}  # max_steps: 30 x balance_max (4.0) = 120
+    assert report_bounds(JobSpec.model_validate(spec), site)[0] == 120 * 8 * 64 * 2
+    del spec["round_deadline"]
+    assert report_bounds(JobSpec.model_validate(spec), site)[0] == 30 * 8 * 64 * 2
