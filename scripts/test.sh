@@ -25,7 +25,7 @@ docs=$!
 # third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
 # timeout (2 workers: 8:18 here, 3: 8:10); XFFL_TEST_WORKERS=0 runs everything in this process
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-4}" --durations=15 \
+.venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 \
   --dist loadgroup "$@"
 tests=$?
 wait "$typecheck"
