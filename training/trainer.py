@@ -186,6 +186,30 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
     return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel)
 
 
+def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: float,
+                   startup: float | None, incoming: Evaluation | None,
+                   trained: Evaluation | None, eval_seconds: float) -> dict[str, float]:
+    """The update manifest's metrics of a round: losses, speed, start-up, and the held-out
+    losses of the global it started from and of the update (when the site holds data out)."""
+    metrics = {
+        metric.LOSS: float(losses.mean()),
+        metric.LOSS_FIRST: float(losses[0]),
+        metric.LOSS_LAST: float(losses[-1]),
+        metric.TOKENS_PER_S: tokens_read / seconds if seconds > 0 else 0.0,
+        metric.TRAIN_SECONDS: seconds,
+        metric.STEPS: float(len(losses)),
+        metric.LR_LAST: lr_last,
+    }
+    if startup is not None:
+        metrics[metric.STARTUP_SECONDS] = startup
+    if incoming is not None and trained is not None:
+        metrics.update({metric.VAL_LOSS: incoming.loss, metric.VAL_LOSS_UPDATE: trained.loss,
+                        metric.VAL_SAMPLES: float(incoming.sequences),
+                        metric.VAL_TOKENS: float(incoming.tokens),
+                        metric.EVAL_SECONDS: eval_seconds})
+    return metrics
+
+
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 out_dir: Path, base_dir: Path | None = None,
                 state_dir: Path | None = None) -> Manifest:
@@ -255,22 +279,8 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     # bounds the report by that), else the samples the round read, which it can bound
     num_samples = len(shards) if job.data.declared_samples is not None else \
         min(len(shards), read)
-    metrics = {
-        metric.LOSS: float(losses.mean()),
-        metric.LOSS_FIRST: float(losses[0]),
-        metric.LOSS_LAST: float(losses[-1]),
-        metric.TOKENS_PER_S: tokens_read / seconds if seconds > 0 else 0.0,
-        metric.TRAIN_SECONDS: seconds,
-        metric.STEPS: float(done),
-        metric.LR_LAST: float(scheduler.get_last_lr()[0]),
-    }
-    if startup is not None:
-        metrics[metric.STARTUP_SECONDS] = startup
-    if incoming is not None and trained is not None:
-        metrics.update({metric.VAL_LOSS: incoming.loss, metric.VAL_LOSS_UPDATE: trained.loss,
-                        metric.VAL_SAMPLES: float(incoming.sequences),
-                        metric.VAL_TOKENS: float(incoming.tokens),
-                        metric.EVAL_SECONDS: eval_seconds})
+    metrics = _round_metrics(losses, seconds, tokens_read, float(scheduler.get_last_lr()[0]),
+                             startup, incoming, trained, eval_seconds)
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,

@@ -53,14 +53,13 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
     Held-out sequences: the job's evaluation budget.
     """
     training = site.budget.apply(spec.training) if site.budget else spec.training
-    steps = round_steps(training, 1)
+    planned = steps = round_steps(training, 1)
     if training.balance == "throughput":
-        steps = math.floor(steps * training.balance_max)
+        steps = math.floor(planned * training.balance_max)
     if spec.round_deadline is not None:
         from xffl.workflows.steps.deadline import most_steps
 
-        steps = max(steps, most_steps(spec.round_deadline, round_steps(training, 1),
-                                      training.balance_max))
+        steps = max(steps, most_steps(spec.round_deadline, planned, training.balance_max))
     samples = steps * training.batch_size * training.grad_accum * site.ranks
     declared = site.data.declared_samples
     held_out = spec.evaluation.sequences(training) if site.data.validation else None
