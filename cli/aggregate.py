@@ -16,15 +16,8 @@ from typer._click.types import ParamType
 from xffl.aggregator.registry import WEIGHTINGS
 from xffl.aggregator.registry import get as get_strategy
 from xffl.aggregator.registry import names as strategy_names
-from xffl.cli.common import (
-    JsonOpt,
-    console,
-    err_console,
-    handle_errors,
-    markup_safe,
-    output_option,
-    print_json,
-)
+from xffl.cli.common import console, err_console, handle_errors, markup_safe, print_json
+from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput, RunFailed
 from xffl.core.pairs import parse_pairs
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size

@@ -7,8 +7,6 @@ from dataclasses import asdict
 import typer
 
 from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
     console,
     err_console,
     handle_errors,
@@ -16,6 +14,7 @@ from xffl.cli.common import (
     print_json,
     resolve_run,
 )
+from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry
 

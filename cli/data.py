@@ -7,15 +7,8 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    XfflCommand,
-    XfflSubGroup,
-    console,
-    handle_errors,
-    output_option,
-    print_json,
-)
+from xffl.cli.common import XfflCommand, XfflSubGroup, console, handle_errors, print_json
+from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput
 
 app = typer.Typer(cls=XfflSubGroup, help="Prepare a site's training data (run it at the site).",
@@ -28,19 +21,14 @@ TrainOnOpt = Literal["response", "prompt+response"]
 def _check(inputs: list[Path], output: Path, force: bool, fraction: float | None,
            pack: bool, seq_len: int | None) -> None:
     """InvalidInput unless the inputs exist, OUT may be written and the options agree."""
-    for src in inputs:
-        if not src.exists():
-            raise InvalidInput(f"{src}: no such file or folder; name existing inputs.")
-    if fraction is not None and not 0 < fraction < 1:
-        raise InvalidInput(f"--validation-fraction must be between 0 and 1 (got {fraction}); "
-                           "pass e.g. 0.05 to hold out 5%.")
+    from xffl.training.prepare import check_inputs
+
+    check_inputs(inputs, output, force, fraction)
     if not pack and seq_len is None:
         raise InvalidInput("--pad needs --seq-len N (the job's training.seq_len): each example "
                            "is padded to N + 1 tokens.")
     if seq_len is not None and seq_len < 1:
         raise InvalidInput(f"--seq-len must be a positive number of tokens (got {seq_len}).")
-    if output.exists() and any(output.iterdir()) and not force:
-        raise InvalidInput(f"{output} is not empty; choose a new directory or pass --force.")
 
 
 @app.command("prepare", cls=XfflCommand)

@@ -6,15 +6,8 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
-    console,
-    err_console,
-    handle_errors,
-    print_json,
-    resolve_run,
-)
+from xffl.cli.common import console, err_console, handle_errors, print_json, resolve_run
+from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry
 

@@ -7,16 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
-    console,
-    err_console,
-    handle_errors,
-    output_option,
-    print_json,
-    resolve_run,
-)
+from xffl.cli.common import console, err_console, handle_errors, print_json, resolve_run
+from xffl.cli.options import JsonOpt, RunArg, output_option
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from xffl.jobs.registry import Registry

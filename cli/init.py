@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import console, handle_errors, print_json
+from xffl.cli.options import JsonOpt
 from xffl.core.errors import InvalidInput
 from xffl.core.files import atomic_write
 

@@ -10,16 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
-    console,
-    handle_errors,
-    markup_safe,
-    print_json,
-    printable,
-    resolve_run,
-)
+from xffl.cli.common import console, handle_errors, markup_safe, print_json, printable, resolve_run
+from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.watch import TimeoutOpt
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.core.layout import RunLayout

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, XfflCommand, XfflSubGroup, console, handle_errors, print_json
+from xffl.cli.common import XfflCommand, XfflSubGroup, console, handle_errors, print_json
+from xffl.cli.options import JsonOpt
 from xffl.cli.tables import Markup, Rows
 from xffl.core.errors import ExitCode
 

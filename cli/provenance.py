@@ -5,15 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
-    console,
-    handle_errors,
-    output_option,
-    print_json,
-    resolve_run,
-)
+from xffl.cli.common import console, handle_errors, print_json, resolve_run
+from xffl.cli.options import JsonOpt, RunArg, output_option
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
 

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, TrustOpt, console, handle_errors, output_option, print_json
+from xffl.cli.common import console, handle_errors, print_json
+from xffl.cli.options import JsonOpt, TrustOpt, output_option
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import new_run_id
 

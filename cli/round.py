@@ -7,15 +7,8 @@ import sys
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
-    console,
-    handle_errors,
-    markup_safe,
-    print_json,
-    resolve_run,
-)
+from xffl.cli.common import console, handle_errors, markup_safe, print_json, resolve_run
+from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode
 from xffl.jobs.registry import Registry
 

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, console, handle_errors, print_json
+from xffl.cli.common import console, handle_errors, print_json
+from xffl.cli.options import JsonOpt
 from xffl.cli.tables import Rows
 from xffl.jobs.registry import Registry
 

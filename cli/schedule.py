@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import JsonOpt, RunArg, console, handle_errors, print_json, resolve_run
+from xffl.cli.common import console, handle_errors, print_json, resolve_run
+from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry
 

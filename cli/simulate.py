@@ -8,15 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from xffl.cli.common import (
-    JsonOpt,
-    TrustOpt,
-    console,
-    err_console,
-    handle_errors,
-    output_option,
-    print_json,
-)
+from xffl.cli.common import console, err_console, handle_errors, print_json
+from xffl.cli.options import JsonOpt, TrustOpt, output_option
 from xffl.cli.tables import Rows, say
 
 if TYPE_CHECKING:

@@ -6,14 +6,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    RunArg,
-    handle_errors,
-    markup_safe,
-    print_json,
-    resolve_run,
-)
+from xffl.cli.common import handle_errors, markup_safe, print_json, resolve_run
+from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.tables import Markup, Rows, say
 from xffl.jobs.registry import Registry
 

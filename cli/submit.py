@@ -7,14 +7,8 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import (
-    JsonOpt,
-    TrustOpt,
-    console,
-    handle_errors,
-    markup_safe,
-    print_json,
-)
+from xffl.cli.common import console, handle_errors, markup_safe, print_json
+from xffl.cli.options import JsonOpt, TrustOpt
 from xffl.cli.watch import TimeoutOpt, follow, outcome
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import Registry

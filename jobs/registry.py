@@ -59,6 +59,11 @@ class Registry:
         finally:
             conn.close()
 
+    def _select(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """The rows of one query, read in its own transaction."""
+        with self._db() as db:
+            return db.execute(sql, args).fetchall()
+
     def create_run(self, run_id: str, name: str, job_path: Path, run_dir: Path,
                    rounds_total: int, sites: list[str]) -> RunRecord:
         """Insert a new run in state ``submitted``."""
@@ -92,17 +97,14 @@ class Registry:
 
     def find_runs(self, prefix: str) -> list[RunRecord]:
         """Runs whose id starts with ``prefix`` (to accept unambiguous abbreviations)."""
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT * FROM runs WHERE id LIKE ? ESCAPE '\\' ORDER BY created",
-                (prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",),
-            ).fetchall()
+        rows = self._select(
+            "SELECT * FROM runs WHERE id LIKE ? ESCAPE '\\' ORDER BY created",
+            (prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",))
         return [_run_from_row(r) for r in rows]
 
     def list_runs(self) -> list[RunRecord]:
         """All runs, newest first."""
-        with self._db() as db:
-            rows = db.execute("SELECT * FROM runs ORDER BY created DESC").fetchall()
+        rows = self._select("SELECT * FROM runs ORDER BY created DESC")
         return [_run_from_row(r) for r in rows]
 
     def set_state(self, run_id: str, state: RunState, message: str = "",
@@ -184,9 +186,8 @@ class Registry:
     def rounds(self, run_id: str) -> list[RoundRecord]:
         """Every recorded round of a run with its sites, in order."""
         with self._db() as db:
-            rows = db.execute(
-                "SELECT * FROM rounds WHERE run_id = ? ORDER BY round", (run_id,)
-            ).fetchall()
+            rows = db.execute("SELECT * FROM rounds WHERE run_id = ? ORDER BY round",
+                              (run_id,)).fetchall()
             site_rows = db.execute(
                 "SELECT * FROM site_rounds WHERE run_id = ? ORDER BY round, site", (run_id,)
             ).fetchall()
@@ -251,11 +252,9 @@ class Registry:
 
     def slurm_jobs(self, run_id: str) -> list[dict[str, Any]]:
         """Every SLURM job recorded for a run, by round and site."""
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT round, site, job_id, name, nodes, state, queue_wait_s, run_s, updated"
-                " FROM slurm_jobs WHERE run_id = ? ORDER BY round, site, updated", (run_id,)
-            ).fetchall()
+        rows = self._select(
+            "SELECT round, site, job_id, name, nodes, state, queue_wait_s, run_s, updated"
+            " FROM slurm_jobs WHERE run_id = ? ORDER BY round, site, updated", (run_id,))
         return [dict(r) for r in rows]
 
     def record_queue_estimate(self, run_id: str, site: str, queue_wait_s: float,
@@ -269,9 +268,8 @@ class Registry:
 
     def queue_estimates(self, run_id: str) -> dict[str, float]:
         """The run's recorded queue-wait seeds, by site."""
-        with self._db() as db:
-            rows = db.execute("SELECT site, queue_wait_s FROM queue_estimates WHERE run_id = ?",
-                              (run_id,)).fetchall()
+        rows = self._select(
+            "SELECT site, queue_wait_s FROM queue_estimates WHERE run_id = ?", (run_id,))
         return {r["site"]: float(r["queue_wait_s"]) for r in rows}
 
     def record_transfer(self, run_id: str, site: str, direction: str, started: float,
@@ -285,10 +283,9 @@ class Registry:
 
     def transfers(self, run_id: str) -> list[Transfer]:
         """Every recorded transfer of a run, in the order they started."""
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT site, direction, started, ended, bytes FROM transfers WHERE run_id = ?"
-                " ORDER BY started", (run_id,)).fetchall()
+        rows = self._select(
+            "SELECT site, direction, started, ended, bytes FROM transfers WHERE run_id = ?"
+            " ORDER BY started", (run_id,))
         return [Transfer(r["site"], r["direction"], r["started"], r["ended"], r["bytes"])
                 for r in rows]
 
@@ -304,19 +301,16 @@ class Registry:
 
     def evaluations(self, run_id: str) -> list[EvalCell]:
         """Every recorded cross-site evaluation cell of a run, by round, data site, model."""
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT round, data_site, model, loss, samples FROM evaluations WHERE"
-                " run_id = ? ORDER BY round, data_site, model", (run_id,)).fetchall()
+        rows = self._select(
+            "SELECT round, data_site, model, loss, samples FROM evaluations WHERE"
+            " run_id = ? ORDER BY round, data_site, model", (run_id,))
         return [EvalCell(r["round"], r["data_site"], r["model"], r["loss"], r["samples"])
                 for r in rows]
 
     def events(self, run_id: str) -> list[tuple[float, str, str]]:
         """The run's event log: (time, kind, message)."""
-        with self._db() as db:
-            rows = db.execute(
-                "SELECT ts, kind, message FROM events WHERE run_id = ? ORDER BY id", (run_id,)
-            ).fetchall()
+        rows = self._select(
+            "SELECT ts, kind, message FROM events WHERE run_id = ? ORDER BY id", (run_id,))
         return [(r["ts"], r["kind"], r["message"]) for r in rows]
 
     def event(self, run_id: str, kind: str, message: str) -> None:

@@ -187,17 +187,17 @@ def _fsync_files(directory: Path) -> None:
             os.close(fd)
 
 
-def _check_inputs(inputs: Sequence[Path], out: Path, force: bool,
-                  fraction: float | None) -> None:
+def check_inputs(inputs: Sequence[Path], out: Path, force: bool,
+                 fraction: float | None) -> None:
     """InvalidInput unless the inputs exist, ``out`` may be written and the fraction is sane."""
     if not inputs:
-        raise InvalidInput("no input text files; name one or more .txt files.")
+        raise InvalidInput("no inputs; name one or more files to prepare.")
     for src in inputs:
-        if not src.is_file():
-            raise InvalidInput(f"{src}: no such file; name existing text files.")
+        if not src.exists():
+            raise InvalidInput(f"{src}: no such file or folder; name existing inputs.")
     if fraction is not None and not 0 < fraction < 1:
         raise InvalidInput(f"--validation-fraction must be between 0 and 1 (got {fraction}); "
-                           "pass e.g. 0.05 to hold out the last 5% of each file.")
+                           "pass e.g. 0.05 to hold out 5%.")
     if out.exists() and any(out.iterdir()) and not force:
         raise InvalidInput(f"{out} is not empty; choose a new directory or pass --force.")
 
@@ -221,7 +221,10 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: Path | None = None,
     when complete.
     """
     out, srcs, fraction = Path(out), [Path(s) for s in inputs], validation_fraction
-    _check_inputs(srcs, out, force, fraction)
+    check_inputs(srcs, out, force, fraction)
+    for src in srcs:
+        if not src.is_file():
+            raise InvalidInput(f"{src} is a folder; name the text files in it.")
     encoder = _Encoder(tokenizer, eos)
     dtype = np.uint16 if encoder.vocab_size <= 1 << 16 else np.uint32
     sizes = [src.stat().st_size for src in srcs]

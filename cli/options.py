@@ -1,0 +1,26 @@
+"""The options and arguments commands share: RUN, --json, -o/--output, --trust-entry-point."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+RunArg = Annotated[str, typer.Argument(metavar="RUN",
+                                       help="Run id, an unambiguous prefix, or 'last'.")]
+
+
+def output_option(help: str) -> Any:
+    """The ``-o/--output/--out`` option every command that writes a file or folder takes."""
+    return typer.Option("-o", "--output", "--out", help=help)
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
+                                       help="Print machine-readable JSON.")]
+#: consent to import the job spec's Python here, given on the command line only (never from
+#: XFFL_* in the environment: a standing consent would cover specs not yet read).
+TrustOpt = Annotated[bool, typer.Option(
+    "--trust-entry-point", allow_from_autoenv=False,
+    help="Allow Python the job spec names to be imported and run on this machine: "
+    "model.entry_point where round 0 needs it (no model.init, or LoRA), and for simulate "
+    "also training.update_fn. Read that code first.")]
