@@ -25,7 +25,7 @@ from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 if TYPE_CHECKING:
     from xffl.aggregator.exchange import Manifest
     from xffl.aggregator.reported import Bounds
-    from xffl.training.config import ExchangeSpec
+    from xffl.training.exchange_config import ExchangeSpec
     from xffl.workflows.aggregate_run import RoundInputs
 
 
@@ -232,7 +232,7 @@ def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
     """``--exchange`` as a spec (exit 2 when it names none, or lacks --previous)."""
     from pydantic import ValidationError
 
-    from xffl.training.config import ExchangeSpec  # pydantic: only when aggregating
+    from xffl.training.exchange_config import ExchangeSpec  # pydantic: only when aggregating
 
     try:
         spec = ExchangeSpec.parse(label)

@@ -26,10 +26,10 @@ from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
     DataSpec,
     EvaluationSpec,
-    ExchangeSpec,
     ModelSpec,
     TrainingSpec,
 )
+from xffl.training.exchange_config import ExchangeSpec
 
 _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 

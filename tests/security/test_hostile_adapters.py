@@ -117,7 +117,7 @@ def test_freeze_a_admits_honest_updates_in_a_narrower_exchange(tmp_path: Path) -
 
     from xffl.aggregator.decode import Decoding
     from xffl.aggregator.strategies import run_strategy
-    from xffl.training.config import ExchangeSpec
+    from xffl.training.exchange_config import ExchangeSpec
 
     glob = tmp_path / "global"
     lora.init_adapter_global("run-1", ModelSpec(preset="tiny-test"), SPEC, 0, glob, "base")

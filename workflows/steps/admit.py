@@ -39,7 +39,7 @@ from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
-from xffl.training.config import ExchangeSpec
+from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict

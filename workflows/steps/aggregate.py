@@ -39,7 +39,7 @@ from xffl.jobs.records import RoundRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
-from xffl.training.config import ExchangeSpec
+from xffl.training.exchange_config import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
 from xffl.workflows.steps.deadline import deadline_jobs
 from xffl.workflows.steps.early_stop import Stopped, federated, history, stop_reason, write_stopped
