@@ -95,18 +95,19 @@ def _environment(changes: Mapping[str, str | None]) -> Iterator[None]:
     """``os.environ`` with ``changes`` (None: unset) while the block runs."""
     saved = {key: os.environ.get(key) for key in changes}
     try:
-        for key, value in changes.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(changes)
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(saved)
+
+
+def _set_environment(values: Mapping[str, str | None]) -> None:
+    """Set each variable of ``values`` in ``os.environ``; unset those whose value is None."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @contextmanager
