@@ -65,12 +65,12 @@ def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> N
     linear, on logits below 9) and enter a site's mean of ~200 targets (216 and 174) with
     signs of their own: 1e-3 holds with a wide margin (measured: 4e-7 a site, 3e-7 pooled).
     The pooled mean is a convex combination of the sites' means, so its error is no larger
-    than theirs. Counting the
-    prompts' targets too moves a site's mean by > 0.1 (asserted). Each site's val_tokens
-    must be the response tokens counted here, exactly, and the federated number the sites'
-    reported means weighted by them, exactly up to float64 sums (1e-12); weighting them by
-    their held-out examples instead, as Flower's weighted_loss_avg does with example
-    counts, moves it by 6e-3 to 2e-2 here (their 42 and 30 examples; asserted > 1e-4).
+    than theirs. Counting the prompts' targets too moves a site's mean by > 0.1 (asserted).
+    Each site's val_tokens must be the response tokens counted here, exactly, and the
+    federated number the sites' reported means weighted by them, exactly up to float64 sums
+    (1e-12); weighting them by their held-out examples instead, as Flower's
+    weighted_loss_avg does with example counts, moves it by 6e-3 to 2e-2 here (their 42
+    and 30 examples; asserted > 1e-4).
     """
     from peft import PeftModel
     from transformers import AutoTokenizer, LlamaForCausalLM
