@@ -20,16 +20,17 @@ STARTUP_SECONDS = "startup_seconds"  # from the launcher's start to the first st
 TRAINING_METRICS = (LOSS, LOSS_FIRST, LOSS_LAST, TOKENS_PER_S, TRAIN_SECONDS, STEPS, LR_LAST,
                     STARTUP_SECONDS)
 
-# what a site measures on its held-out data: the incoming global's loss, its update's, and
-# the sequences behind them; numbers about the site's round, not properties of an aggregate
+# what a site measures on its held-out data: the incoming global's loss, its update's, the
+# sequences behind them and their targets in the loss (the site's weight in the federated
+# validation loss); numbers about the site's round, not properties of an aggregate
 VAL_LOSS = "val_loss"
 VAL_LOSS_UPDATE = "val_loss_update"
 VAL_SAMPLES = "val_samples"
 VAL_TOKENS = "val_tokens"
 EVAL_SECONDS = "eval_seconds"
 VALIDATION_LOSSES = (VAL_LOSS, VAL_LOSS_UPDATE)  # cross-entropies: never negative
-VALIDATION_METRICS = (*VALIDATION_LOSSES, VAL_SAMPLES)  # all of them or none
-SITE_ONLY_METRICS = (*VALIDATION_METRICS, VAL_TOKENS, EVAL_SECONDS)  # never averaged
+VALIDATION_METRICS = (*VALIDATION_LOSSES, VAL_SAMPLES, VAL_TOKENS)  # all of them or none
+SITE_ONLY_METRICS = (*VALIDATION_METRICS, EVAL_SECONDS)  # never averaged
 
 # the only metric names an update may carry: a site cannot fill the global's manifest with
 # names of its own (the global carries the mean of each, and every site's numbers)

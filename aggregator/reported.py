@@ -17,6 +17,7 @@ from xffl.aggregator.exchange import Manifest
 from xffl.aggregator.metrics import (
     KNOWN_METRICS,
     VAL_SAMPLES,
+    VAL_TOKENS,
     VALIDATION_LOSSES,
     VALIDATION_METRICS,
 )
@@ -45,7 +46,9 @@ class Bounds:
     # held-out sequences the site's evaluation reads at most (its job's evaluation budget);
     # None: the job gives the site no validation data, so it reports no validation numbers
     max_val_samples: int | None = None
-
+    # targets one held-out sequence holds (the job's training.seq_len): val_tokens is at most
+    # val_samples x this, so at most max_val_samples x seq_len; None: no bound but MAX_COUNT
+    val_seq_len: int | None = None
 
 
 def check_reported(manifest: Manifest, bounds: Bounds) -> None:
@@ -66,14 +69,17 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
             shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
             raise CheckpointError(f"{what} is {shown}, more than the {limit} the site's job "
                                   "allows")
-    check_validation(manifest.metrics, bounds.max_val_samples)
+    check_validation(manifest.metrics, bounds.max_val_samples, bounds.val_seq_len)
 
 
 
-def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) -> None:
-    """Validation numbers are all there or none, losses are not negative, and the sequences
-    they were measured on are a whole number within the job's evaluation budget (a site
-    cannot outweigh the others in the federated validation loss by claiming more)."""
+def check_validation(metrics: Mapping[str, float], max_val_samples: int | None,
+                     seq_len: int | None = None) -> None:
+    """Validation numbers are all there or none, losses are not negative, the sequences they
+    were measured on are a whole number within the job's evaluation budget, and their
+    targets in the loss (``val_tokens``, the site's weight in the federated validation loss)
+    a whole number no larger than those sequences hold (``seq_len`` each): a site cannot
+    outweigh the others by claiming more of either."""
     given = [name for name in VALIDATION_METRICS if name in metrics]
     if not given:
         return
@@ -92,3 +98,11 @@ def check_validation(metrics: Mapping[str, float], max_val_samples: int | None) 
         shown = int(samples) if samples == int(samples) else samples
         raise CheckpointError(f"{VAL_SAMPLES} is {shown!r}, not a whole number from 1 to the "
                               f"{max_val_samples} its job's evaluation budget allows")
+    tokens = metrics[VAL_TOKENS]
+    most = MAX_COUNT if seq_len is None else int(samples) * seq_len
+    if tokens != int(tokens) or not 0 <= tokens <= most:
+        shown = int(tokens) if tokens == int(tokens) else tokens
+        held = "" if seq_len is None else (f" its {int(samples)} held-out sequences of "
+                                           f"{seq_len} targets hold")
+        raise CheckpointError(f"{VAL_TOKENS} is {shown!r}, not a whole number from 0 to the "
+                              f"{most}{held}")

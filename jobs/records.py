@@ -50,10 +50,13 @@ class SiteRound:
     # group, loading the global model and the data)
     startup_seconds: float | None = None
     # mean token loss on the site's held-out sequences of the global model the round started
-    # from, and of the site's own trained update; how many sequences were evaluated
+    # from, and of the site's own trained update; how many sequences were evaluated, and
+    # how many of their targets are in the loss (every one of text data; the responses of
+    # instruction and chat data): the site's weight in the federated validation loss
     val_loss: float | None = None
     val_loss_update: float | None = None
     val_samples: int | None = None
+    val_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,12 @@ class RoundRecord:
     global_digest: str | None = None
     num_samples: int | None = None
     loss: float | None = None
-    # the federated validation loss of the global model the round started from: the sites'
-    # val_loss weighted by their evaluated sequences (val_samples, their sum)
+    # the federated validation loss of the global model the round started from: the mean
+    # over every site's held-out targets in the loss, i.e. the sites' val_loss weighted by
+    # their val_tokens (val_tokens: their sum; val_samples: the sequences behind them)
     val_loss: float | None = None
     val_samples: int | None = None
+    val_tokens: int | None = None
     sites: list[SiteRound] = field(default_factory=list)
 
 

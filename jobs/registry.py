@@ -151,12 +151,12 @@ class Registry:
             db.execute(
                 "INSERT OR REPLACE INTO rounds (run_id, round, state, started, ended,"
                 " aggregate_seconds, global_path, global_digest, num_samples, loss, val_loss,"
-                " val_samples) VALUES (?, ?, ?, COALESCE(?, (SELECT started FROM rounds WHERE"
-                " run_id = ? AND round = ?)), ?, ?, ?, ?, ?, ?, ?, ?)",
+                " val_samples, val_tokens) VALUES (?, ?, ?, COALESCE(?, (SELECT started FROM rounds"
+                " WHERE run_id = ? AND round = ?)), ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, record.round, RoundState(record.state).value, record.started, run_id,
                  record.round, record.ended, record.aggregate_seconds, record.global_path,
                  record.global_digest, record.num_samples, record.loss, record.val_loss,
-                 record.val_samples),
+                 record.val_samples, record.val_tokens),
             )
             for s in record.sites:
                 # a site that delivered keeps the delivery time marked when its update arrived
@@ -170,11 +170,12 @@ class Registry:
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
-                    " startup_seconds, val_loss, val_loss_update, val_samples)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " startup_seconds, val_loss, val_loss_update, val_samples, val_tokens)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
                      s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
-                     s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples),
+                     s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples,
+                     s.val_tokens),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -199,14 +200,16 @@ class Registry:
                           train_seconds=s["train_seconds"], reason=s["reason"],
                           attempts=s["attempts"], delivered_seconds=s["delivered_seconds"],
                           startup_seconds=s["startup_seconds"], val_loss=s["val_loss"],
-                          val_loss_update=s["val_loss_update"], val_samples=s["val_samples"])
+                          val_loss_update=s["val_loss_update"], val_samples=s["val_samples"],
+                          val_tokens=s["val_tokens"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],
                         ended=r["ended"], aggregate_seconds=r["aggregate_seconds"],
                         global_path=r["global_path"], global_digest=r["global_digest"],
                         num_samples=r["num_samples"], loss=r["loss"], val_loss=r["val_loss"],
-                        val_samples=r["val_samples"], sites=by_round.get(r["round"], []))
+                        val_samples=r["val_samples"], val_tokens=r["val_tokens"],
+                        sites=by_round.get(r["round"], []))
             for r in rows
         ]
 

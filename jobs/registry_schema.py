@@ -14,7 +14,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS rounds (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, state TEXT NOT NULL,
     started REAL, ended REAL, aggregate_seconds REAL, global_path TEXT, global_digest TEXT,
-    num_samples INTEGER, loss REAL, val_loss REAL, val_samples INTEGER,
+    num_samples INTEGER, loss REAL, val_loss REAL, val_samples INTEGER, val_tokens INTEGER,
     PRIMARY KEY (run_id, round)
 );
 CREATE TABLE IF NOT EXISTS site_rounds (
@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
     reason TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
     delivered_seconds REAL, startup_seconds REAL, val_loss REAL, val_loss_update REAL,
-    val_samples INTEGER, PRIMARY KEY (run_id, round, site)
+    val_samples INTEGER, val_tokens INTEGER, PRIMARY KEY (run_id, round, site)
 );
 CREATE TABLE IF NOT EXISTS transfers (
     run_id TEXT NOT NULL, site TEXT NOT NULL, direction TEXT NOT NULL,
@@ -54,8 +54,9 @@ CREATE TABLE IF NOT EXISTS events (
 _ADDED_COLUMNS = {
     "site_rounds": [("attempts", "INTEGER NOT NULL DEFAULT 1"), ("delivered_seconds", "REAL"),
                     ("startup_seconds", "REAL"), ("val_loss", "REAL"),
-                    ("val_loss_update", "REAL"), ("val_samples", "INTEGER")],
-    "rounds": [("val_loss", "REAL"), ("val_samples", "INTEGER")],
+                    ("val_loss_update", "REAL"), ("val_samples", "INTEGER"),
+                    ("val_tokens", "INTEGER")],
+    "rounds": [("val_loss", "REAL"), ("val_samples", "INTEGER"), ("val_tokens", "INTEGER")],
     "transfers": [("bytes", "INTEGER")],
     "slurm_jobs": [("name", "TEXT NOT NULL DEFAULT ''"), ("nodes", "TEXT NOT NULL DEFAULT ''")],
 }

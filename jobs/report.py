@@ -79,6 +79,7 @@ class SiteRow:
     val_loss: float | None = None  # of the global model the round started from
     val_loss_update: float | None = None  # of the site's own update
     val_samples: int | None = None
+    val_tokens: int | None = None  # the held-out targets in the loss: its federated weight
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RoundRow:
     sites: list[SiteRow]
     val_loss: float | None = None  # federated, of the global model the round started from
     val_samples: int | None = None
+    val_tokens: int | None = None
 
 
 @dataclass
@@ -132,13 +134,15 @@ def assemble(registry: Registry, run: RunRecord) -> ReportData:
         rows = [SiteRow(site=s.site, state=s.state, num_samples=s.num_samples,
                         num_tokens=s.num_tokens, loss=s.loss, attempts=s.attempts,
                         reason=s.reason, **asdict(b), val_loss=s.val_loss,
-                        val_loss_update=s.val_loss_update, val_samples=s.val_samples)
+                        val_loss_update=s.val_loss_update, val_samples=s.val_samples,
+                        val_tokens=s.val_tokens)
                 for s, b in sites]
         wall = (rnd.ended - rnd.started
                 if rnd.ended is not None and rnd.started is not None else None)
         rounds.append(RoundRow(round=rnd.round, state=rnd.state, num_samples=rnd.num_samples,
                                loss=rnd.loss, aggregate_s=rnd.aggregate_seconds, wall_s=wall,
-                               sites=rows, val_loss=rnd.val_loss, val_samples=rnd.val_samples))
+                               sites=rows, val_loss=rnd.val_loss, val_samples=rnd.val_samples,
+                               val_tokens=rnd.val_tokens))
     return ReportData(run_id=run.id, name=run.name, state=run.state, message=run.message,
                       rounds_done=run.rounds_done, rounds_total=run.rounds_total,
                       sites=list(run.sites), run_dir=run.run_dir, rounds=rounds,

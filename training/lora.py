@@ -103,10 +103,16 @@ def wrap(model: nn.Module, spec: LoraSpec, freeze_a: bool) -> nn.Module:
 
 
 def load_adapter(peft_model: nn.Module, tensors: Mapping[str, Tensor], where: Path) -> None:
-    """Put a global adapter's tensors into ``peft_model``; every factor must be given."""
+    """Put a global adapter's tensors into ``peft_model``; every factor must be given.
+
+    With ``lm_head`` (or ``embed_tokens``) among the targets peft's state dict would also
+    hold that layer's whole base weight (``save_embedding_layers="auto"``); the base is
+    frozen and never travels, so the adapter is its factors alone, here and in
+    :func:`adapter_state`.
+    """
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    own = get_peft_model_state_dict(peft_model)
+    own = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:
         raise CheckpointError(f"{where}: the adapter does not fit the model: missing "
@@ -121,11 +127,12 @@ def load_adapter(peft_model: nn.Module, tensors: Mapping[str, Tensor], where: Pa
 
 def adapter_state(peft_model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The adapter's tensors, named as peft saves them, out of a full state dict of
-    ``peft_model`` (its module names)."""
+    ``peft_model`` (its module names): the factors only, never a base weight."""
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().to("cpu", torch.float32).contiguous()
-            for k, v in get_peft_model_state_dict(peft_model, state_dict=dict(state)).items()}
+            for k, v in get_peft_model_state_dict(peft_model, state_dict=dict(state),
+                                                  save_embedding_layers=False).items()}
 
 
 def is_adapter_param(name: str) -> bool:

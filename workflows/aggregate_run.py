@@ -40,9 +40,9 @@ def site_bounds(spec: JobSpec) -> dict[str, Bounds]:
     """What each site's update may report in a round of ``spec`` (its admit step's bounds)."""
     out: dict[str, Bounds] = {}
     for site in spec.sites:
-        tokens, samples, held_out = report_bounds(spec, site)
+        tokens, samples, held_out, seq_len = report_bounds(spec, site)
         out[site.name] = Bounds(max_tokens=tokens, max_samples=samples, side_files=SIDE_FILES,
-                                max_val_samples=held_out)
+                                max_val_samples=held_out, val_seq_len=seq_len)
     return out
 
 

@@ -9,8 +9,9 @@ checkpoint folder (a global or a site's update: a folder with a manifest) and no
 ``embed_limit``; they stay where they are, named by their checksums in the metadata. The
 profiles' ``env`` values stay out too: the embedded CWL tools keep each variable's name, its
 value replaced by :data:`REDACTED`. xffl then adds what StreamFlow does not know: every
-round's global model and every site's update with their sha256 digests, and the SLURM job
-that trained each update, from the run registry.
+round's global model and every site's update with their sha256 digests, the SLURM job that
+trained each update, and the validation numbers (each site's ``val_loss`` and ``val_tokens``,
+the federated loss of the global a round started from), from the run registry.
 """
 
 from __future__ import annotations
@@ -153,13 +154,17 @@ def xffl_entities(registry: Registry, run: RunRecord) -> list[dict[str, Any]]:
                 update_id, "Dataset", name=f"update of {site.site}, round {rnd.round}",
                 description=site.reason or None, identifier=job_ids or None,
                 **{f"{XFFL}site": site.site, f"{XFFL}state": site.state,
-                   f"{XFFL}sha256": digest, f"{XFFL}num_samples": site.num_samples}))
+                   f"{XFFL}sha256": digest, f"{XFFL}num_samples": site.num_samples,
+                   f"{XFFL}num_tokens": site.num_tokens, f"{XFFL}val_loss": site.val_loss,
+                   f"{XFFL}val_tokens": site.val_tokens}))
             updates.append({"@id": update_id})
         entities.append(_entity(
             global_id, "Dataset", name=f"global model after round {rnd.round}",
             contentUrl=rnd.global_path, isBasedOn=updates,
             **{f"{XFFL}round": rnd.round, f"{XFFL}state": rnd.state,
-               f"{XFFL}sha256": rnd.global_digest}))
+               f"{XFFL}sha256": rnd.global_digest,
+               # the federated validation loss the round measured, of the global before it
+               f"{XFFL}incoming_val_loss": rnd.val_loss, f"{XFFL}val_tokens": rnd.val_tokens}))
     return entities
 
 

@@ -242,13 +242,15 @@ def test_validation_numbers_stay_out_of_the_aggregate(tmp_path: Path,
                                                      make_update: MakeUpdate) -> None:
     """A site's validation loss measures the round's incoming global on its held-out data:
     the global's manifest averages the training metrics only (the federated validation
-    loss, weighted by held-out sequences, is the aggregate step's)."""
+    loss, weighted by held-out targets in the loss, is the aggregate step's)."""
     ups = [make_update(f"s{i}", {"w": np.full(3, float(i), np.float32)}, num_samples=1 + i,
                        metrics={"loss": loss, "val_loss": val, "val_loss_update": val,
-                                "val_samples": 8.0, "eval_seconds": 0.5})
+                                "val_samples": 8.0, "val_tokens": 64.0,
+                                "eval_seconds": 0.5})
            for i, (loss, val) in enumerate(((2.0, 3.0), (4.0, 5.0)))]
     out = tmp_path / "global"
     aggregate(ups, out)
     metrics = read_manifest(out).metrics
     assert metrics["loss"] == (1 * 2.0 + 2 * 4.0) / 3
-    assert not {"val_loss", "val_loss_update", "val_samples", "eval_seconds"} & set(metrics)
+    assert not {"val_loss", "val_loss_update", "val_samples", "val_tokens",
+                "eval_seconds"} & set(metrics)

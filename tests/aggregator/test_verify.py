@@ -165,7 +165,7 @@ def test_validation_numbers_only_from_a_site_the_job_gives_held_out_data() -> No
     from xffl.aggregator.reported import check_validation
     from xffl.core.errors import CheckpointError
 
-    numbers = {"val_loss": 2.0, "val_loss_update": 1.5, "val_samples": 8.0}
+    numbers = {"val_loss": 2.0, "val_loss_update": 1.5, "val_samples": 8.0, "val_tokens": 40.0}
     check_validation(numbers, 8)  # within the budget: admitted
     check_validation({"loss": 1.0}, None)  # no validation numbers, none expected
     with pytest.raises(CheckpointError, match=r"gives the site no data\.validation"):
@@ -173,3 +173,24 @@ def test_validation_numbers_only_from_a_site_the_job_gives_held_out_data() -> No
     with pytest.raises(CheckpointError, match="val_samples is 8, not a whole number from 1 "
                                               "to the 7"):
         check_validation(numbers, 7)
+
+
+def test_validation_tokens_within_what_the_sequences_hold() -> None:
+    """``val_tokens`` weighs a site in the federated validation loss: a whole number from 0
+    (held-out sequences of prompts only) to val_samples x seq_len (text data: every target),
+    so at most the evaluation budget's sequences x seq_len, and never left out."""
+    from xffl.aggregator.reported import check_validation
+    from xffl.core.errors import CheckpointError
+
+    losses = {"val_loss": 2.0, "val_loss_update": 1.5}
+    for tokens in (0.0, 40.0, 8 * 16.0):  # none, some responses, every target of 8 x 16
+        check_validation({**losses, "val_samples": 8.0, "val_tokens": tokens}, 8, 16)
+    for samples, tokens, expected in (
+            (8.0, 8 * 16 + 1.0, "val_tokens is 129, not a whole number from 0 to the 128 its "
+                                "8 held-out sequences of 16 targets hold"),
+            (8.0, 1e9, "val_tokens is 1000000000, not a whole number from 0 to the 128"),
+            (8.0, 2.5, "val_tokens is 2.5"), (8.0, -1.0, "val_tokens is -1")):
+        with pytest.raises(CheckpointError, match=expected):
+            check_validation({**losses, "val_samples": samples, "val_tokens": tokens}, 8, 16)
+    with pytest.raises(CheckpointError, match="it reports 'val_loss' without 'val_tokens'"):
+        check_validation({**losses, "val_samples": 8.0}, 8, 16)

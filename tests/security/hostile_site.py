@@ -274,12 +274,25 @@ VARIANTS: list[tuple[Attack, str | None]] = [
     (_metric("loss", 3e38), "metric 'loss' is 3e+38"),
     (_edit(num_samples=-5), "invalid manifest"),
     # validation numbers steer the federated validation loss and the early stop
-    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=10**6),
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=10**6, val_tokens=16),
      "val_samples is 1000000, not a whole number from 1 to the 32"),
-    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=2.5), "val_samples is 2.5"),
-    (_validation(val_loss=-1.0, val_loss_update=0.1, val_samples=8),
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=2.5, val_tokens=16),
+     "val_samples is 2.5"),
+    (_validation(val_loss=-1.0, val_loss_update=0.1, val_samples=8, val_tokens=16),
      "'val_loss' is -1.0; a cross-entropy is never negative"),
     (_validation(val_loss=0.1), "it reports 'val_loss' without 'val_loss_update'"),
+    # the federated validation loss weighs a site by its held-out targets in the loss: more
+    # than its sequences hold (8 x seq_len 16), or than the budget's 32 sequences do, or no
+    # count at all (which would leave its weight to a default)
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=8, val_tokens=129),
+     "val_tokens is 129, not a whole number from 0 to the 128 its 8 held-out sequences of "
+     "16 targets hold"),
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=32, val_tokens=10**9),
+     "val_tokens is 1000000000, not a whole number from 0 to the 512"),
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=8, val_tokens=2.5),
+     "val_tokens is 2.5"),
+    (_validation(val_loss=0.1, val_loss_update=0.1, val_samples=8),
+     "it reports 'val_loss' without 'val_tokens'"),
     (_edit(run_id="another-run"), "run id 'another-run'"),
     (_edit(round=7), "round 7, expected round 1"),
     (_edit(parent="0" * 64), "trained from global 000000000000"),

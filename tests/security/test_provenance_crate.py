@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import FinishedRun
 from xffl.cli.app import app
-from xffl.workflows.provenance import REDACTED, redact_env
+from xffl.workflows.provenance import REDACTED, XFFL, redact_env
 
 runner = CliRunner()
 
@@ -51,6 +51,18 @@ def test_the_crate_holds_no_checkpoint_and_no_env_value(
         assert env and set(env.values()) == {REDACTED}, env  # names kept, values left out
         entity = next(e for e in meta["@graph"] if e["@id"] == tool)
         assert entity["sha1"] == hashlib.sha1(members[tool], usedforsecurity=False).hexdigest()
+    # each update carries its site's validation numbers, each global the federated loss
+    # of the global its round started from, as the registry has them
+    graph = {e["@id"]: e for e in meta["@graph"]}
+    shown = json.loads(runner.invoke(app, ["status", quickstart_run.run_id, "--json"]).stdout)
+    for rnd in shown["rounds"]:
+        glob = graph[f"#xffl-global-r{rnd['round']}"]
+        assert glob[f"{XFFL}incoming_val_loss"] == rnd["val_loss"]
+        assert glob[f"{XFFL}val_tokens"] == rnd["val_tokens"]
+        for site in rnd["sites"]:
+            update = graph[f"#xffl-update-r{rnd['round']}-{site['site']}"]
+            assert (update[f"{XFFL}val_loss"], update[f"{XFFL}val_tokens"]) == (
+                site["val_loss"], site["val_tokens"])
 
 
 def test_redact_env_both_cwl_forms() -> None:

@@ -264,3 +264,59 @@ def test_lora_on_every_family(tmp_path: Path, make_job: JobFactory, preset: str)
     assert all(not np.array_equal(update[k], start[k]) for k in update)
     after = read_weights(base)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("preset", ["tiny-test", "tiny-qwen2"])  # lm_head untied, then tied
+def test_an_adapter_of_lm_head_loads_in_peft_and_merges(tmp_path: Path, make_job: JobFactory,
+                                                        preset: str) -> None:
+    """LoRA with ``lm_head`` among the targets: a site loads round 0's adapter and trains it
+    (peft's own state dict of such a model also holds lm_head's whole base weight, which is
+    not the adapter's), the update holds the factors only, it loads in peft on the base and
+    generates, and its logits are those of the adapter merged into the base (`xffl export
+    --merge`), also when the base ties lm_head to the input embedding (its checkpoint has no
+    lm_head.weight: the merged one gets its own, untied).
+
+    Tolerance: both models run in float64 on the same float32 values, except that the
+    merged weights W + (alpha/r) B A are rounded once to float32 (relative error u = 2^-24
+    per element). A logit then moves by at most u sum_j |W'_ij x_j| per merged linear;
+    with |W'| <= 0.5 and |x_j| <= 8 (RMS-normed hidden states of width 64) that is below
+    64 x 0.5 x 8 x 6e-8 = 1.5e-5 for lm_head, and the q_proj errors reach the logits
+    damped by attention's softmax and the head: 1e-4 holds with a wide margin, while the
+    adapter moves the logits by more than 1e-2 (asserted; measured: 0.1 apart, 2e-8 merged).
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from xffl.aggregator.merge import merge_adapter
+
+    spec = LoraSpec(r=2, alpha=4.0, target_modules=["q_proj", "lm_head"])
+    base, adapter0 = tmp_path / "base", tmp_path / "adapter0"
+    init_global("run-test", ModelSpec(preset=preset), 0, base)
+    lora.init_adapter_global("run-test", ModelSpec(preset=preset), spec, 0, adapter0, "base")
+    job = make_job(tmp_path / "data", steps=3, sequences=16, lr=1e-2)
+    ensure_synthetic(tmp_path / "data", "alpha", 16, job.training.seq_len)
+    job = job.model_copy(update={"model": ModelSpec(preset=preset),
+                                 "training": job.training.model_copy(update={"lora": spec})})
+    update = tmp_path / "update"
+    train_round(job, 1, adapter0, Path(job.data.path), update, base_dir=base)
+    tensors = load_file(str(update / ADAPTER_FILE))
+    assert tensors.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()
+    assert "lm_head" in adapted_modules(tensors)
+    assert tensors[factor_names("lm_head")[1]].any()  # lm_head's B trained
+
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 129, 200]])
+    plain = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64).eval()
+    with torch.no_grad():
+        before = plain(input_ids=ids).logits
+    adapted = PeftModel.from_pretrained(plain, str(update)).eval()
+    merge_adapter(base, update, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
+                                                  dtype=torch.float64).eval()
+    with torch.no_grad():
+        peft_logits, merged_logits = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+        generated = adapted.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        merged_generated = merged.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert float((peft_logits - before).abs().max()) > 1e-2  # the adapter is not a no-op
+    assert float((peft_logits - merged_logits).abs().max()) <= 1e-4
+    assert generated.shape == (1, ids.shape[1] + 4)
+    assert torch.equal(generated, merged_generated)

@@ -149,24 +149,32 @@ def test_federated_validation_every_round(quickstart_run: FinishedRun,
                                                 s["data"]["validation"]["fraction"]))
                 for s in spec["sites"]}
     assert held_out == {"alpha": 77, "beta": 52}  # all of them: under the 16 x 8 budget
+    seq_len = spec["training"]["seq_len"]
     for rnd in rounds:
         assert rnd["state"] == "completed"
         sites = {s["site"]: s for s in rnd["sites"]}
         for name, site in sites.items():
             assert site["val_samples"] == held_out[name]
+            # text data: every target of every held-out window is in the loss
+            assert site["val_tokens"] == held_out[name] * seq_len
             assert site["val_loss_update"] > 0 and 0 < site["val_loss"] < math.log(256) + 0.5
-        # the sample-weighted mean: math.fsum is correctly rounded whatever the order, and
-        # the division rounds once, so the same inputs give the same float64, bit for bit
-        total = sum(s["val_samples"] for s in sites.values())
-        assert rnd["val_samples"] == total
-        assert rnd["val_loss"] == math.fsum(s["val_loss"] * s["val_samples"]
+        # the mean over all the sites' held-out targets: each site's mean weighted by its
+        # targets; math.fsum is correctly rounded whatever the order, and the division
+        # rounds once, so the same inputs give the same float64, bit for bit
+        total = sum(s["val_tokens"] for s in sites.values())
+        assert (rnd["val_tokens"], rnd["val_samples"]) == (total, sum(held_out.values()))
+        assert rnd["val_loss"] == math.fsum(s["val_loss"] * s["val_tokens"]
                                             for s in sites.values()) / total
+        # for text data that is the sequence-weighted mean of before, bit for bit: every
+        # token count is 64 = 2^6 times the sequence count, an exact scaling in float64
+        assert rnd["val_loss"] == math.fsum(s["val_loss"] * s["val_samples"]
+                                            for s in sites.values()) / rnd["val_samples"]
         # and what the run directory holds (the early stop reads it)
         on_disk = json.loads((quickstart_run.run_dir / "rounds" / str(rnd["round"])
                               / "validation.json").read_text())
         assert on_disk["val_loss"] == rnd["val_loss"]
+        assert on_disk["site_tokens"] == {n: s["val_tokens"] for n, s in sites.items()}
     # round 2 started from round 1's global: its validation loss at alpha, again
-    seq_len = spec["training"]["seq_len"]
     data_dir = quickstart_run.home / "sites" / "alpha" / "data" / "alpha"
     tokens = np.fromfile(data_dir / "train.bin", dtype=np.uint16).astype(np.int64)
     n = len(tokens) // (seq_len + 1)

@@ -27,11 +27,11 @@ def _held_out(jsonl: Path, fraction: float) -> list[dict[str, Any]]:
     return [r for r, d in zip(records, draws, strict=True) if d < fraction]
 
 
-def _masked_mean(model: Any, tok: Any,
-                 examples: list[dict[str, Any]]) -> tuple[float, int, float]:
-    """Mean -log p of the response tokens, each example alone (no padding, no packing), the
-    response found by rendering the prompt with the generation prompt (float64); their
-    count; the mean over every target (the prompts' too)."""
+def _masked_sum(model: Any, tok: Any,
+                examples: list[dict[str, Any]]) -> tuple[float, int, float]:
+    """The sum of -log p over the response tokens, each example alone (no padding, no
+    packing), the response found by rendering the prompt with the generation prompt
+    (float64); their count; the mean over every target (the prompts' too)."""
     total, count, every, targets = 0.0, 0, 0.0, 0
     for ex in examples:
         prompt = ex["instruction"] + (f"\n\n{ex['input']}" if ex["input"] else "")
@@ -46,14 +46,15 @@ def _masked_mean(model: Any, tok: Any,
         total += float(nll[start - 1:].sum())  # targets start..end: the response, its </s>
         count += len(ids) - start
         every, targets = every + float(nll.sum()), targets + len(nll)
-    return total / count, count, every / targets
+    return total, count, every / targets
 
 
 @pytest.mark.slow
 def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> None:
     """Three rounds of the template; the federated validation loss falls every round and is,
-    each round, the sites' masked means weighted by their held-out examples, recomputed here
-    from the JSON lines; the final adapter loads in peft on the base and generates.
+    each round, the masked mean over every held-out response token of both sites, pooled,
+    recomputed here from the JSON lines; the final adapter loads in peft on the base and
+    generates.
 
     Tolerance of the recomputation: xffl evaluates in fp32 (batches of padded windows), this
     test in float64, one example at a time; the padding follows each example, so under
@@ -61,11 +62,15 @@ def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> N
     worst-case bound (2 n u S per linear, u = 2^-24, n <= 172 terms, S = sum |x| |W| <= 490
     with the base's weights of std 0.3) is ~0.1 over the 11 linears on the path, too loose
     to test anything; rounding errors of independent sums grow as sqrt(n) u S (3.8e-4 per
-    linear, on logits below 9) and enter a site's mean of ~300 targets with signs of their
-    own: 1e-3 holds with a wide margin (measured: 1e-7). Counting the prompts' targets too
-    moves a site's mean by > 0.1 (asserted). The federated number is then checked against
-    the sites' own reported means, exactly up to float64 sums (1e-12): weighting them by
-    their response tokens instead of their examples moves it by ~6e-3 here.
+    linear, on logits below 9) and enter a site's mean of ~200 targets (216 and 174) with
+    signs of their own: 1e-3 holds with a wide margin (measured: 4e-7 a site, 3e-7 pooled).
+    The pooled mean is a convex combination of the sites' means, so its error is no larger
+    than theirs. Counting the prompts' targets too moves a site's mean by > 0.1 (asserted).
+    Each site's val_tokens must be the response tokens counted here, exactly, and the
+    federated number the sites' reported means weighted by them, exactly up to float64 sums
+    (1e-12); weighting them by their held-out examples instead, as Flower's
+    weighted_loss_avg does with example counts, moves it by 6e-3 to 2e-2 here (their 42
+    and 30 examples; asserted > 1e-4).
     """
     from peft import PeftModel
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -94,18 +99,26 @@ def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> N
         base = LlamaForCausalLM.from_pretrained(str(run / "0" / "base"), dtype=torch.float64)
         model = PeftModel.from_pretrained(base, str(run / str(r - 1) / "global")).eval()
         model = model.double()
-        means = {site: _masked_mean(model, tok, ex) for site, ex in held.items()}
-        reported = record["sites"]
-        for site, (mean, _, every) in means.items():
-            assert abs(reported[site] - mean) <= 1e-3, (r, site, record, mean)
-            assert abs(every - mean) > 0.1  # what an unmasked evaluation would report
+        sums = {site: _masked_sum(model, tok, ex) for site, ex in held.items()}
+        pooled = sum(t for t, _, _ in sums.values()) / sum(c for _, c, _ in sums.values())
+        assert abs(record["val_loss"] - pooled) <= 1e-3, (r, record, pooled)
+        reported, tokens = record["sites"], record["site_tokens"]
+        for site, (total, count, every) in sums.items():
+            assert tokens[site] == count, (r, site, record)  # the response tokens, exactly
+            assert abs(reported[site] - total / count) <= 1e-3, (r, site, record)
+            assert abs(every - total / count) > 0.1  # what an unmasked evaluation would report
         n = {site: len(ex) for site, ex in held.items()}
         assert record["val_samples"] == sum(n.values())
-        expected = sum(reported[s] * n[s] for s in n) / sum(n.values())
-        assert abs(record["val_loss"] - expected) <= 1e-12, (r, record, expected)
-        by_tokens = sum(reported[s] * means[s][1] for s in n) / sum(m[1] for m in
-                                                                     means.values())
-        assert abs(by_tokens - expected) > 1e-4  # the weights tell the two apart
+        assert record["val_tokens"] == sum(tokens.values())
+        by_tokens = sum(reported[s] * tokens[s] for s in n) / sum(tokens.values())
+        assert abs(record["val_loss"] - by_tokens) <= 1e-12, (r, record, by_tokens)
+        by_examples = sum(reported[s] * n[s] for s in n) / sum(n.values())
+        assert abs(by_examples - by_tokens) > 1e-4  # the weights tell the two apart
+        # xffl status shows what the run directory holds
+        shown = next(x for x in status["rounds"] if x["round"] == r)
+        assert (shown["val_loss"], shown["val_tokens"]) == (record["val_loss"],
+                                                            record["val_tokens"])
+        assert {s["site"]: s["val_tokens"] for s in shown["sites"]} == tokens
 
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "reverse the words\n\nban kol mit"}],

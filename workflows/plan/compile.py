@@ -39,9 +39,11 @@ def _dump(path: Path, data: Any) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=100))
 
 
-def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None, int | None]:
-    """The most tokens, samples and held-out sequences ``site``'s update may report in a round
-    (None: unbounded; for held-out sequences: the site has no validation data).
+def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None, int | None,
+                                                          int | None]:
+    """The most tokens, samples and held-out sequences ``site``'s update may report in a round,
+    and the targets one held-out sequence holds (None: unbounded; for the last two: the site
+    has no validation data).
 
     Tokens: steps x batch x accumulation x sequence length x ranks, steps as many as the
     budget allows (a token budget with one data-parallel rank, the most steps), times
@@ -50,7 +52,8 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
     job declares (``data.max_samples``, a synthetic corpus's size), or the samples of the
     round's steps if more; with real data and no declared size, the samples of the round's
     steps (what the site's trainer then reports): a site's weight is never unbounded.
-    Held-out sequences: the job's evaluation budget.
+    Held-out sequences: the job's evaluation budget, each of ``seq_len`` targets (the
+    held-out targets in the loss, ``val_tokens``, are at most their product).
     """
     training = site.budget.apply(spec.training) if site.budget else spec.training
     planned = steps = round_steps(training, 1)
@@ -64,7 +67,7 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
     declared = site.data.declared_samples
     held_out = spec.evaluation.sequences(training) if site.data.validation else None
     return (samples * training.seq_len, samples if declared is None else max(declared, samples),
-            held_out)
+            held_out, None if held_out is None else training.seq_len)
 
 
 def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:

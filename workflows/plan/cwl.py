@@ -106,7 +106,8 @@ def admit_tool(run_dir: str) -> dict[str, Any]:
          "model": _bound("Directory", "--previous"), "update": _bound("Directory?", "--update"),
          "max_tokens": _bound("long?", "--max-tokens"),
          "max_samples": _bound("long?", "--max-samples"),
-         "max_val_samples": _bound("long?", "--max-val-samples")},
+         "max_val_samples": _bound("long?", "--max-val-samples"),
+         "val_seq_len": _bound("long?", "--val-seq-len")},
         {"update": "Directory?", "verdict": "File"})
 
 
@@ -137,15 +138,17 @@ def round_workflow(sites: list[str], bounds: dict[str, tuple[int | None, ...]],
                    lora: bool = False) -> dict[str, Any]:
     """One round: train at every site, admit each update, aggregate.
 
-    ``bounds``: each site's (max tokens, max samples, max held-out sequences) its admission
-    checks the update's report against (None: no bound; for the last, no validation).
+    ``bounds``: each site's (max tokens, max samples, max held-out sequences, targets of a
+    held-out sequence) its admission checks the update's report against (None: no bound;
+    for the last two, no validation).
     ``lora``: the sites also take the frozen ``base``.
     """
     base = {"base": "base"} if lora else {}
     steps: dict[str, Any] = {}
     for s in sites:
         limits = {name: {"default": value} for name, value
-                  in zip(("max_tokens", "max_samples", "max_val_samples"), bounds[s],
+                  in zip(("max_tokens", "max_samples", "max_val_samples", "val_seq_len"),
+                         bounds[s],
                          strict=True)
                   if value is not None}
         steps[train_step(s)] = {

@@ -101,7 +101,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                        reason=f"could not be checked ({type(exc).__name__}: "
                        f"{str(exc)[:200]})", delivered_at=arrived), None
     metrics = manifest.metrics
-    val_samples = metrics.get(metric.VAL_SAMPLES)
+    val_samples, val_tokens = metrics.get(metric.VAL_SAMPLES), metrics.get(metric.VAL_TOKENS)
     return Verdict(site=site, round=rnd, state=SiteState.COMPLETED, attempts=attempts,
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
                    loss=metrics.get(metric.LOSS), train_seconds=metrics.get(metric.TRAIN_SECONDS),
@@ -109,6 +109,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                    val_loss=metrics.get(metric.VAL_LOSS),
                    val_loss_update=metrics.get(metric.VAL_LOSS_UPDATE),
                    val_samples=None if val_samples is None else int(val_samples),
+                   val_tokens=None if val_tokens is None else int(val_tokens),
                    delivered_at=arrived, digest=manifest.digest()), manifest
 
 
@@ -145,7 +146,8 @@ def run_step(args: argparse.Namespace) -> int:
     layout = RunLayout(Path(args.run_dir))
     update = Path(args.update) if args.update else None
     bounds = Bounds(max_tokens=args.max_tokens, max_samples=args.max_samples,
-                    side_files=SIDE_FILES, max_val_samples=args.max_val_samples)
+                    side_files=SIDE_FILES, max_val_samples=args.max_val_samples,
+                    val_seq_len=args.val_seq_len)
     spec = JobSpec.of_run(layout.root)  # the exchange and LoRA rules every update follows
     verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
                               bounds, spec.exchange, spec.freeze_a)
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-val-samples", type=int, default=None,
                         help="the most held-out sequences the site evaluates (none: the site "
                         "has no validation data and may report no validation numbers)")
+    parser.add_argument("--val-seq-len", type=int, default=None,
+                        help="the targets one held-out sequence holds (the job's seq_len): "
+                        "val_tokens is at most val_samples times this")
     return run_step(parser.parse_args(argv))
 
 

@@ -124,6 +124,7 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             num_samples=manifest.num_samples, loss=manifest.metrics.get(LOSS),
             val_loss=validation.val_loss if validation else None,
             val_samples=validation.val_samples if validation else None,
+            val_tokens=validation.val_tokens if validation else None,
             sites=[v.site_round() for v in verdicts]))
         track(spec, reg, run_id, rnd)
     print(f"round {rnd}: aggregated {len(admitted)} updates ({', '.join(admitted)}) in "

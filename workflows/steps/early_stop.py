@@ -2,10 +2,14 @@
 
 In round ``r`` every site with held-out data evaluates the global model it receives (the
 global of round ``r - 1``) before training; the aggregate step combines the admitted sites'
-numbers into the federated validation loss of that global, ``sum(n_s L_s) / sum(n_s)`` with
-``n_s`` the sequences site ``s`` evaluated (Flower's ``weighted_loss_avg``), and writes it to
-``rounds/<r>/validation.json``. The run directory, not the registry, is what the stop rule
-reads, so a plan run by ``streamflow run`` or ``cwltool`` stops where ``xffl submit`` does.
+numbers into the federated validation loss of that global, ``sum(t_s L_s) / sum(t_s)`` with
+``L_s`` site ``s``'s mean over its held-out targets in the loss and ``t_s`` their number
+(``val_tokens``): the mean over every site's targets in the loss, as if one evaluator had
+read all the sites' held-out data (Flower's ``weighted_loss_avg`` with tokens for examples;
+for text data every sequence has ``seq_len`` targets, so it is the sequence-weighted mean),
+and writes it to ``rounds/<r>/validation.json``. The run directory, not the registry, is what
+the stop rule reads, so a plan run by ``streamflow run`` or ``cwltool`` stops where ``xffl
+submit`` does.
 
 The stop rule is Keras's EarlyStopping on that series: a value improves on the best so far
 when it is lower by more than ``min_delta``; after ``patience`` values in a row that do not,
@@ -31,8 +35,10 @@ class FederatedValidation:
 
     round: int  # the round that measured it: the global is round - 1's
     val_loss: float
-    val_samples: int
+    val_samples: int  # held-out sequences behind it, all sites'
+    val_tokens: int  # their targets in the loss, all sites': the mean's denominator
     sites: dict[str, float]  # each admitted site's own val_loss
+    site_tokens: dict[str, int]  # each admitted site's val_tokens: its weight
 
     def write(self, path: Path) -> None:
         """Store as JSON (atomically)."""
@@ -40,16 +46,20 @@ class FederatedValidation:
 
 
 def federated(rnd: int, verdicts: list[Verdict]) -> FederatedValidation | None:
-    """The admitted sites' validation losses weighted by their evaluated sequences (None:
-    no admitted site reported one)."""
-    measured = [(v.site, v.val_loss, v.val_samples) for v in verdicts
-                if v.accepted and v.val_loss is not None and v.val_samples]
+    """The admitted sites' validation losses weighted by their held-out targets in the loss
+    (None: no admitted site measured any; a site whose held-out sequences hold no target in
+    the loss weighs nothing, and its loss of no target is left out)."""
+    measured: list[tuple[str, float, int, int]] = [
+        (v.site, v.val_loss, v.val_samples or 0, v.val_tokens) for v in verdicts
+        if v.accepted and v.val_loss is not None and v.val_tokens]
     if not measured:
         return None
-    total = sum(n for _, _, n in measured)
-    loss = math.fsum(value * n for _, value, n in measured) / total
-    return FederatedValidation(round=rnd, val_loss=loss, val_samples=total,
-                               sites={site: value for site, value, _ in measured})
+    total = sum(t for *_, t in measured)
+    loss = math.fsum(value * t for _, value, _, t in measured) / total
+    return FederatedValidation(round=rnd, val_loss=loss,
+                               val_samples=sum(n for *_, n, _ in measured), val_tokens=total,
+                               sites={s: value for s, value, *_ in measured},
+                               site_tokens={s: t for s, *_, t in measured})
 
 
 def history(layout: RunLayout, last: int) -> list[tuple[int, float]]:

@@ -35,6 +35,7 @@ class Verdict:
     val_loss: float | None = None  # the incoming global's, on the site's held-out data
     val_loss_update: float | None = None  # the site's trained update's
     val_samples: int | None = None  # held-out sequences those were measured on
+    val_tokens: int | None = None  # their targets in the loss: the site's federated weight
     delivered_at: float | None = None  # epoch time the update was on the coordinator
     digest: str | None = None  # the admitted update's manifest digest
 
@@ -50,7 +51,7 @@ class Verdict:
                          train_seconds=self.train_seconds, reason=self.reason,
                          attempts=self.attempts, startup_seconds=self.startup_seconds,
                          val_loss=self.val_loss, val_loss_update=self.val_loss_update,
-                         val_samples=self.val_samples)
+                         val_samples=self.val_samples, val_tokens=self.val_tokens)
 
     def write(self, path: Path) -> None:
         """Store as JSON."""

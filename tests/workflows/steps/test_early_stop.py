@@ -17,7 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xffl.workflows.steps.early_stop import stop_reason
+from xffl.jobs.states import SiteState
+from xffl.workflows.steps.early_stop import federated, stop_reason
+from xffl.workflows.steps.verdict import Verdict
 
 
 class KerasEarlyStopping:
@@ -97,3 +99,36 @@ def test_same_as_keras(values: list[float], patience: int, min_delta: float) -> 
     Keras's EarlyStopping stops, with its wait and best."""
     ours, theirs = first_stops(values, patience, min_delta)
     assert ours == theirs, (values, patience, min_delta)
+
+
+def _measured(site: str, loss: float, samples: int, tokens: int,
+              state: SiteState = SiteState.COMPLETED) -> Verdict:
+    return Verdict(site=site, round=2, state=state, val_loss=loss, val_loss_update=loss,
+                   val_samples=samples, val_tokens=tokens)
+
+
+def test_the_federated_validation_loss_is_the_mean_over_every_sites_targets() -> None:
+    """A site's val_loss is its mean over its held-out targets in the loss: the federated
+    loss is the mean over all the sites' targets, i.e. the sum of each site's loss sum
+    (val_loss x val_tokens) over the sum of the counts. A rejected site, and a site whose
+    held-out sequences hold no target in the loss (its loss of nothing is 0), weigh nothing.
+    For text data (every sequence has seq_len targets) that is the sequence-weighted mean."""
+    # masked data: alpha's 10 sequences hold 30 response tokens, beta's 30 hold 270
+    sums = {"alpha": 30 * 2.0, "beta": 270 * 1.0}  # each site's sum of token losses
+    verdicts = [_measured("alpha", sums["alpha"] / 30, 10, 30),
+                _measured("beta", sums["beta"] / 270, 30, 270),
+                _measured("gamma", 0.0, 4, 0),  # prompts only among its held-out sequences
+                _measured("liar", 0.01, 40, 10**6, SiteState.REJECTED)]
+    got = federated(2, verdicts)
+    assert got is not None
+    assert got.val_loss == (60.0 + 270.0) / 300  # not (10 x 2 + 30 x 1) / 40 = 1.25
+    assert (got.val_samples, got.val_tokens) == (40, 300)
+    assert got.sites == {"alpha": 2.0, "beta": 1.0}
+    assert got.site_tokens == {"alpha": 30, "beta": 270}
+    assert federated(2, verdicts[2:]) is None  # no target in the loss anywhere: no number
+
+    # text data, seq_len 64: the same float as weighting by sequences (x 64 is exact)
+    text = [_measured("alpha", 5.25, 77, 77 * 64), _measured("beta", 5.5, 52, 52 * 64)]
+    got = federated(2, text)
+    assert got is not None
+    assert got.val_loss == math.fsum((5.25 * 77, 5.5 * 52)) / (77 + 52)
