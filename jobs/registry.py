@@ -168,11 +168,13 @@ class Registry:
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
-                    " startup_seconds, val_loss, val_loss_update, val_samples)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " startup_seconds, val_loss, val_loss_update, val_samples, staleness,"
+                    " staleness_weight, late_job_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
                      s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
-                     s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples),
+                     s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples,
+                     s.staleness, s.staleness_weight, s.late_job_id),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -198,7 +200,9 @@ class Registry:
                           train_seconds=s["train_seconds"], reason=s["reason"],
                           attempts=s["attempts"], delivered_seconds=s["delivered_seconds"],
                           startup_seconds=s["startup_seconds"], val_loss=s["val_loss"],
-                          val_loss_update=s["val_loss_update"], val_samples=s["val_samples"])
+                          val_loss_update=s["val_loss_update"], val_samples=s["val_samples"],
+                          staleness=s["staleness"], staleness_weight=s["staleness_weight"],
+                          late_job_id=s["late_job_id"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],

@@ -153,7 +153,12 @@ def xffl_entities(registry: Registry, run: RunRecord) -> list[dict[str, Any]]:
                 update_id, "Dataset", name=f"update of {site.site}, round {rnd.round}",
                 description=site.reason or None, identifier=job_ids or None,
                 **{f"{XFFL}site": site.site, f"{XFFL}state": site.state,
-                   f"{XFFL}sha256": digest, f"{XFFL}num_samples": site.num_samples}))
+                   f"{XFFL}sha256": digest, f"{XFFL}num_samples": site.num_samples,
+                   **({f"{XFFL}staleness": site.staleness,
+                       f"{XFFL}stalenessWeight": site.staleness_weight}
+                      if site.staleness is not None else {}),
+                   **({f"{XFFL}lateSlurmJob": site.late_job_id}
+                      if site.late_job_id is not None else {})}))
             updates.append({"@id": update_id})
         entities.append(_entity(
             global_id, "Dataset", name=f"global model after round {rnd.round}",
