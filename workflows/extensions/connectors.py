@@ -231,17 +231,21 @@ class XfflSlurmConnector(SlurmConnector):
                 break
             await asyncio.sleep(self.pollingInterval)
         self._scheduled_jobs.pop(job.job_id, None)
-        output = await self._get_output(job.job_id, location) if stdout == STDOUT else ""
-        code = await self._get_returncode(job.job_id, location)
-        if code == 0:
-            moved = await super().run(location, [
-                "mv", "-T", shlex.quote(f"{job.workdir}/update"),
-                shlex.quote(f"{workdir}/update")], capture_output=True)
-            if moved is not None and moved[1] != 0:
-                raise WorkflowExecutionException(
-                    f"the update of adopted SLURM job {job.job_id} could not be moved: "
-                    f"{moved[0][:200]}")
-        mark_adopted(self.late[0], rnd, job)
+        try:  # the job is over: whatever comes of it, it is never adopted again
+            output = await self._get_output(job.job_id, location) if stdout == STDOUT else ""
+            try:
+                code = await self._get_returncode(job.job_id, location)
+            except WorkflowExecutionException:  # SLURM forgot it (MinJobAge): an update it
+                code = 0  # left is judged by admission (checksums, round, parent) as any
+            if code == 0:
+                moved = await super().run(location, [
+                    "mv", "-T", shlex.quote(f"{job.workdir}/update"),
+                    shlex.quote(f"{workdir}/update")], capture_output=True)
+                if moved is not None and moved[1] != 0:
+                    raise WorkflowExecutionException(
+                        f"adopted SLURM job {job.job_id} left no update: {moved[0][:200]}")
+        finally:
+            mark_adopted(self.late[0], rnd, job)
         return output, code
 
     async def undeploy(self, external: bool) -> None:
