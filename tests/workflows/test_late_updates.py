@@ -90,6 +90,13 @@ def _run_and_check(tmp_path: Path, stack: Any, job: Path, blocker: str,
     assert (beta["state"], beta["staleness"]) == ("completed", 1), beta
     assert beta["staleness_weight"] == pytest.approx(s, rel=1e-12)
 
+    shown = runner.invoke(app, ["status", run_id, "--no-live"])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert f"SLURM job {late_id} (round 1) left running at the round deadline" in text
+    assert "started in round 1: 1 round(s) late, its change applied with staleness weight " \
+        "0.7071" in text
+
     # one SLURM job at beta for the run, the round-1 one, which completed (never scancelled)
     deadline = time.monotonic() + 30
     while not (records := [r for r in stack.jobcomp_records("beta")
