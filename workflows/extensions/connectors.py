@@ -63,6 +63,7 @@ from xffl.workflows.extensions.shell import create_command, environment_words
 from xffl.workflows.steps.late import (
     LateJob,
     forget_adopted,
+    is_job_id,
     leave_late,
     mark_adopted,
     read_late,
@@ -189,7 +190,8 @@ class XfflSlurmConnector(SlurmConnector):
             if job_id is None:
                 raise timeout_error(job_name, timeout, "it was never submitted") from None
             self._scheduled_jobs.pop(job_id, None)
-            if self.late is not None and rnd is not None and workdir is not None:
+            if self.late is not None and rnd is not None and workdir is not None \
+                    and is_job_id(job_id):  # else cancelled: only a plain id is kept
                 if adopted is None:
                     leave_late(self.late[0], LateJob(site=self.late[1], job_id=job_id,
                                                      round=rnd, workdir=workdir))

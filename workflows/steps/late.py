@@ -48,7 +48,7 @@ def _read(path: Path) -> LateJob | None:
         return None
     job = LateJob(site=str(data["site"]), job_id=str(data["job_id"]), round=int(data["round"]),
                   workdir=str(data["workdir"]), left_at=float(data["left_at"]))
-    if not _JOB_ID.fullmatch(job.job_id):
+    if not is_job_id(job.job_id):
         raise ValueError(f"{path}: {job.job_id!r} is not a SLURM job id")
     return job
 
@@ -58,8 +58,16 @@ def read_late(layout: RunLayout, site: str) -> LateJob | None:
     return _read(layout.late_job(site))
 
 
+def is_job_id(text: str) -> bool:
+    """Whether ``text`` (what the facility's sbatch answered) is a plain SLURM job id."""
+    return _JOB_ID.fullmatch(text) is not None
+
+
 def leave_late(layout: RunLayout, job: LateJob) -> Path:
-    """Record ``job`` as left running at its round's deadline."""
+    """Record ``job`` as left running at its round's deadline (ValueError: its id is not a
+    plain SLURM job id, which a later round would pass to squeue and scancel)."""
+    if not is_job_id(job.job_id):
+        raise ValueError(f"{job.job_id!r} is not a SLURM job id")
     path = layout.late_job(job.site)
     write_json(path, asdict(job))
     return path

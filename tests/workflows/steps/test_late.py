@@ -4,6 +4,7 @@ staleness, and applies its change to the current global: w + sum m_i s_i d_i / s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,19 @@ def test_a_late_change_is_applied_to_the_current_global_with_its_weight(
     rebased = read_manifest(inputs["beta"])
     assert (rebased.round, rebased.site, rebased.num_samples) == (2, "beta", 8)
     assert rebased.extra["started_round"] == 1
+
+
+@pytest.mark.parametrize("job_id", ["12; rm -rf ~", "[red]1[/red]", "", "1 2", "0x10"])
+def test_only_a_plain_slurm_job_id_is_recorded_late_or_read_back(tmp_path: Path,
+                                                                 job_id: str) -> None:
+    """The id is what the facility's sbatch answered; a later round passes it to squeue and
+    scancel and status shows it: anything but digits is refused on write and on read."""
+    layout = _run(tmp_path)
+    with pytest.raises(ValueError, match="is not a SLURM job id"):
+        leave_late(layout, LateJob(site="beta", job_id=job_id, round=1, workdir="/w"))
+    assert not layout.late_job("beta").exists()
+    layout.late_job("beta").parent.mkdir(parents=True, exist_ok=True)
+    layout.late_job("beta").write_text(json.dumps(
+        {"site": "beta", "job_id": job_id, "round": 1, "workdir": "/w", "left_at": 0.0}))
+    with pytest.raises(ValueError, match="is not a SLURM job id"):
+        read_late(layout, "beta")
