@@ -73,11 +73,12 @@ KILL_GRACE_S = 10.0
 STDOUT = asyncio.subprocess.STDOUT
 
 
-def timeout_error(job_name: str, timeout: float, what: str) -> WorkflowExecutionException:
-    """The failure a job past its deadline ends with."""
+def timeout_error(job_name: str, timeout: float, what: str,
+                  setting: str = "failure.round_timeout") -> WorkflowExecutionException:
+    """The failure a job past its deadline (the job's ``setting``) ends with."""
     return WorkflowExecutionException(
         f"{TIMEOUT_MARK}: {job_name} was still queued or running after {timeout:g} s "
-        f"(failure.round_timeout); {what}")
+        f"({setting}); {what}")
 
 
 class SandboxedTemplateMap(CommandTemplateMap):
@@ -196,7 +197,7 @@ class XfflSlurmConnector(SlurmConnector):
                     leave_late(self.late[0], LateJob(site=self.late[1], job_id=job_id,
                                                      round=rnd, workdir=workdir))
                 raise timeout_error(job_name, timeout, f"SLURM job {job_id} left running "
-                                    "(round_deadline.late: adopt)") from None
+                                    "(late: adopt)", "round_deadline.seconds") from None
             await self._remove_jobs(location, [job_id])
             raise timeout_error(job_name, timeout, f"SLURM job {job_id} scancelled") from None
         finally:
