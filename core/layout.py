@@ -15,6 +15,8 @@ for the path, so the layout can be read in one place::
     rounds/<r>/attempts/<site>.json    a site's failed attempts in round r (failure manager)
     rounds/<r>/jobs/<site>.json        a site's balanced TrainJob for round r
     rounds/<r>/validation.json         the federated validation loss of round r's incoming global
+    late/<site>.json                   a site's SLURM job left running at a round deadline
+    rounds/<r>/adopted/<site>.json     that job, adopted by round r (its update admitted late)
     stopped.json                       why the run stopped early (training.stop_when)
     job.yaml  job.json  run.json       the spec as submitted, as resolved, the registration
     executions/<name>.yml              inputs of a resumed or one-round execution of main.cwl
@@ -155,6 +157,14 @@ class RunLayout:
     def round_job(self, rnd: int, site: str) -> Path:
         """``site``'s TrainJob as balanced for round ``rnd``."""
         return self.round_dir(rnd) / "jobs" / f"{site}.json"
+
+    def late_job(self, site: str) -> Path:
+        """``site``'s SLURM job left running at a round deadline, until a round adopts it."""
+        return self.root / "late" / f"{site}.json"
+
+    def adopted_job(self, rnd: int, site: str) -> Path:
+        """The late SLURM job of ``site`` whose update round ``rnd`` took."""
+        return self.round_dir(rnd) / "adopted" / f"{site}.json"
 
     def validation_file(self, rnd: int) -> Path:
         """The federated validation loss of the global model round ``rnd`` started from."""

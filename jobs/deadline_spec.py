@@ -61,6 +61,11 @@ class RoundDeadline(BaseModel):
                            "sites[].startup)")
     staleness: StalenessSpec = Field(default_factory=StalenessSpec,
                                      description="the weight of an update that arrives late")
+    late: Literal["wait", "adopt"] = Field(
+        default="wait", description="a site not in at the deadline: wait (the round waits "
+        "for it, or failure.round_timeout cancels it) or adopt (the round goes on without it, "
+        "its SLURM job is left to finish and a later round admits its update, weighted by "
+        "staleness)")
 
     @field_validator("max_steps")
     @classmethod

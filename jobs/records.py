@@ -57,6 +57,11 @@ class SiteRound:
     val_loss_update: float | None = None
     val_samples: int | None = None
     val_tokens: int | None = None
+    # an update that started from an older global (round_deadline.late: adopt): the rounds it
+    # is late and the factor s(staleness) its change was applied with; a late site's job id
+    staleness: int | None = None
+    staleness_weight: float | None = None
+    late_job_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -170,12 +170,13 @@ class Registry:
                 db.execute(
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
-                    " startup_seconds, val_loss, val_loss_update, val_samples, val_tokens)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " startup_seconds, val_loss, val_loss_update, val_samples, val_tokens,"
+                    " staleness, staleness_weight, late_job_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
                      s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
                      s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples,
-                     s.val_tokens),
+                     s.val_tokens, s.staleness, s.staleness_weight, s.late_job_id),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -201,7 +202,9 @@ class Registry:
                           attempts=s["attempts"], delivered_seconds=s["delivered_seconds"],
                           startup_seconds=s["startup_seconds"], val_loss=s["val_loss"],
                           val_loss_update=s["val_loss_update"], val_samples=s["val_samples"],
-                          val_tokens=s["val_tokens"])
+                          val_tokens=s["val_tokens"],
+                          staleness=s["staleness"], staleness_weight=s["staleness_weight"],
+                          late_job_id=s["late_job_id"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],

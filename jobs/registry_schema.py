@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     num_samples INTEGER, num_tokens INTEGER, loss REAL, train_seconds REAL,
     reason TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
     delivered_seconds REAL, startup_seconds REAL, val_loss REAL, val_loss_update REAL,
-    val_samples INTEGER, val_tokens INTEGER, PRIMARY KEY (run_id, round, site)
+    val_samples INTEGER, val_tokens INTEGER, staleness INTEGER, staleness_weight REAL,
+    late_job_id TEXT, PRIMARY KEY (run_id, round, site)
 );
 CREATE TABLE IF NOT EXISTS transfers (
     run_id TEXT NOT NULL, site TEXT NOT NULL, direction TEXT NOT NULL,
@@ -55,7 +56,8 @@ _ADDED_COLUMNS = {
     "site_rounds": [("attempts", "INTEGER NOT NULL DEFAULT 1"), ("delivered_seconds", "REAL"),
                     ("startup_seconds", "REAL"), ("val_loss", "REAL"),
                     ("val_loss_update", "REAL"), ("val_samples", "INTEGER"),
-                    ("val_tokens", "INTEGER")],
+                    ("val_tokens", "INTEGER"), ("staleness", "INTEGER"),
+                    ("staleness_weight", "REAL"), ("late_job_id", "TEXT")],
     "rounds": [("val_loss", "REAL"), ("val_samples", "INTEGER"), ("val_tokens", "INTEGER")],
     "transfers": [("bytes", "INTEGER")],
     "slurm_jobs": [("name", "TEXT NOT NULL DEFAULT ''"), ("nodes", "TEXT NOT NULL DEFAULT ''")],

@@ -245,6 +245,18 @@ class JobSpec(_Strict):
                              f"{len(self.sites)} site(s); use at most {len(self.sites)}")
         return self
 
+    @field_validator("round_deadline")
+    @classmethod
+    def _adopt_plain(cls, value: RoundDeadline | None,
+                     info: ValidationInfo) -> RoundDeadline | None:
+        exchange = info.data.get("exchange")
+        if value is not None and value.late == "adopt" and exchange is not None \
+                and not exchange.plain:
+            raise ValueError("late: adopt admits a late update as its change from the global "
+                             "it started from, which needs the plain exchange; remove "
+                             "exchange's update/dtype settings, or use late: wait")
+        return value
+
     @model_validator(mode="after")
     def _stop_needs_validation(self) -> JobSpec:
         if self.training.stop_when is not None:

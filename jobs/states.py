@@ -52,6 +52,7 @@ class SiteState(_State):
     COMPLETED = "completed"  # its update was admitted
     REJECTED = "rejected"  # its update came back and failed admission
     FAILED = "failed"  # no update: the job failed, timed out or the site was unreachable
+    LATE = "late"  # no update yet: its SLURM job was left running at the round deadline
     CANCELLED = "cancelled"
 
     @property

@@ -102,6 +102,7 @@ async def _streamflow_crate(layout: RunLayout, out: Path, embed_limit: int) -> N
 
     context, _ = open_context(load_config(layout.streamflow))
     try:
+        _recorded_executions_only(context.database)
         db = DefaultDatabaseLoadingContext(database=context.database)
         rows = [w for name in await _workflow_names(context)
                 for w in await context.database.get_workflows_by_name(name, last_only=False)]
@@ -115,6 +116,23 @@ async def _streamflow_crate(layout: RunLayout, out: Path, embed_limit: int) -> N
                                          additional_properties=None)
     finally:
         await context.close()
+
+
+def _recorded_executions_only(database: Any) -> None:
+    """Leave out of StreamFlow's crate the executions it never finished recording.
+
+    A job the site failure manager gave up at its deadline (a round timeout, or a late job
+    left running) keeps an execution row with no status and no times, which StreamFlow's
+    ``create_archive`` cannot turn into a CreateAction (``Status(None)``); xffl's own
+    entities describe that site's round (its state, its late SLURM job).
+    """
+    original = database.get_executions_by_step
+
+    async def recorded(step_id: int) -> list[Any]:
+        return [row for row in await original(step_id) if row["status"] is not None
+                and row["start_time"] is not None and row["end_time"] is not None]
+
+    database.get_executions_by_step = recorded
 
 
 async def _workflow_names(context: Any) -> list[str]:
@@ -156,7 +174,12 @@ def xffl_entities(registry: Registry, run: RunRecord) -> list[dict[str, Any]]:
                 **{f"{XFFL}site": site.site, f"{XFFL}state": site.state,
                    f"{XFFL}sha256": digest, f"{XFFL}num_samples": site.num_samples,
                    f"{XFFL}num_tokens": site.num_tokens, f"{XFFL}val_loss": site.val_loss,
-                   f"{XFFL}val_tokens": site.val_tokens}))
+                   f"{XFFL}val_tokens": site.val_tokens,
+                   **({f"{XFFL}staleness": site.staleness,
+                       f"{XFFL}stalenessWeight": site.staleness_weight}
+                      if site.staleness is not None else {}),
+                   **({f"{XFFL}lateSlurmJob": site.late_job_id}
+                      if site.late_job_id is not None else {})}))
             updates.append({"@id": update_id})
         entities.append(_entity(
             global_id, "Dataset", name=f"global model after round {rnd.round}",

@@ -8,7 +8,7 @@ draws (same seeds):
 * ``sync``: every round waits for every site;
 * ``timeout``: ``failure.round_timeout`` T: a round closes at T, sites not in are cancelled
   and their work is lost (a round with fewer than the quorum is lost whole);
-* ``queue_aware``: ``round_deadline`` D: each site's steps are fit to D from its
+* ``queue_aware``: ``round_deadline`` D, ``late: adopt``: each site's steps are fit to D from its
   exponentially weighted estimates (:func:`xffl.workflows.steps.deadline.fit_steps`, the
   code real rounds use); the round closes at D (or when every site is in) with what
   arrived; a late job is left to finish, no second job is submitted for its site, and its
@@ -211,7 +211,8 @@ def run_policy(setting: Setting, policy: str, limit: float | None, target: float
     w = np.zeros_like(prob.opt[0])
     t, flight = 0.0, {}  # site -> its job in flight
     waits: list[list[float]] = [[] for _ in range(setting.sites)]
-    deadline = setting.deadline.model_copy(update={"seconds": limit}) if limit else None
+    deadline = setting.deadline.model_copy(update={"seconds": limit, "late": "adopt"}) \
+        if limit else None
     lost = late = 0
     for rnd in range(1, setting.max_rounds + 1):
         for i in range(setting.sites):

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from xffl.core.layout import RunLayout
+from xffl.jobs.deadline_spec import RoundDeadline
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import JobSpec, SiteSpec
 from xffl.site_profiles.schema import LocalConnector, SiteProfile
@@ -70,6 +71,19 @@ def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None
             held_out, None if held_out is None else training.seq_len)
 
 
+def adopting(spec: JobSpec) -> RoundDeadline | None:
+    """The job's round deadline when late jobs are adopted (``late: adopt``), else None."""
+    deadline = spec.round_deadline
+    return deadline if deadline is not None and deadline.late == "adopt" else None
+
+
+def train_time_limit(spec: JobSpec) -> float | None:
+    """The train tool's time limit: the round deadline when late jobs are adopted (a job
+    past it is left running), else ``failure.round_timeout`` (a job past it is cancelled)."""
+    late = adopting(spec)
+    return late.seconds if late is not None else spec.failure.round_timeout
+
+
 def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
     """streamflow.yml's ``failureManager``: xffl's site failure manager with the job's policy."""
     return {"enabled": True, "type": FAILURE_MANAGER,
@@ -118,6 +132,12 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
     sites, targets, owners = site_targets(
         {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}, out, final)
     deployments.update(sites)
+    late = adopting(loaded.spec)
+    for site in loaded.spec.sites:  # SLURM sites leave a late job running, then adopt it
+        slurm = deployments.get(f"slurm-{site.name}")
+        if late is not None and slurm is not None:
+            slurm["config"]["late"] = {"runDir": str(final), "site": site.name,
+                                       "maxRounds": late.staleness.max_rounds}
     bindings += [{"step": cwl.step_path(cwl.train_step(s)), "target": target}
                  for s, target in targets.items()]
     return {
@@ -210,7 +230,7 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
             launcher=profile.launcher, ranks=site.ranks, data=data_path,
             keep=kept_updates_dir(profile, site.name, run_id),
             env=envs[site.name],
-            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout,
+            slurm=profile.slurm is not None, time_limit=train_time_limit(spec),
             lora=spec.training.lora is not None))
         if profile.slurm is not None:
             for path, by_hand in ((staged.batch_script(site.name), True),

@@ -37,41 +37,69 @@ from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
+from xffl.jobs.deadline_spec import StalenessSpec
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
+from xffl.workflows.steps.late import read_adopted, read_late
 from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict
 
 SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
 
 
+def staleness(rnd: int, started: int, fn: StalenessSpec | None) -> tuple[
+        int | None, float | None, str]:
+    """An update of a job submitted in round ``started`` taken in round ``rnd``: its rounds
+    late, the factor ``fn`` gives it and the line that says so (None, None, "": on time)."""
+    if started == rnd:
+        return None, None, ""
+    tau = rnd - started
+    factor = (fn or StalenessSpec()).weight(tau)
+    return tau, factor, (f"started in round {started}: {tau} round(s) late, its change "
+                         f"applied with staleness weight {factor:.4g}")
+
+
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
           bounds: Bounds | None = None, exchange: ExchangeSpec | None = None,
-          freeze_a: bool = False) -> tuple[Verdict, Manifest | None]:
+          freeze_a: bool = False, staleness_fn: StalenessSpec | None = None,
+          ) -> tuple[Verdict, Manifest | None]:
     """Judge ``site``'s update of round ``rnd`` against the global ``previous``; with a
     non-plain ``exchange``, its tensors must be in that encoding's dtype; with ``freeze_a``
     (a LoRA adapter's A matrices are frozen), its A tensors must be the global's, bit for bit.
 
     Every problem with the update, expected or not, is a rejection of this site's update
-    with its reason: one bad update never stops a round that has its quorum.
+    with its reason: one bad update never stops a round that has its quorum. An update of a
+    late job this round adopted (:mod:`xffl.workflows.steps.late`) is checked against the
+    global its job started from and carries its staleness (``staleness_fn``); a site with no
+    update whose job was left running at the deadline is ``late``.
     """
     record = read_attempts(layout, rnd, site)
     attempts = record.attempts if record is not None else 1
     if update is None:
+        late = read_late(layout, site)
+        if late is not None and (record is None or record.timed_out):
+            return Verdict(site=site, round=rnd, state=SiteState.LATE, attempts=attempts,
+                           late_job_id=late.job_id, reason=f"SLURM job {late.job_id} (round "
+                           f"{late.round}) left running at the round deadline"), None
         reason = record.reason if record is not None and record.failures else (
             "no update came back")
         return Verdict(site=site, round=rnd, state=SiteState.FAILED, reason=reason,
                        attempts=attempts), None
     arrived = time.time()
+    adopted = read_adopted(layout, rnd, site)
+    started = rnd if adopted is None else adopted.round
+    if started != rnd:  # a late job's update: checked against the global it started from
+        previous = layout.global_dir(started - 1)
     parent = read_manifest(previous)  # the coordinator's own global model
     kind = kind_of(previous)  # the coordinator's global decides what an update may be
     config = json.loads(read_small_file(previous / kind.config_file))
     try:
         reference = parent.tensors if exchange is None or exchange.plain else \
             encoded_index(parent.tensors, exchange.safetensors_dtype, exchange.codec)
-        manifest = check_update(update, expected_round=rnd, expected_parent=parent.digest(),
+        manifest = check_update(update, expected_round=started,
+                                expected_parent=parent.digest(),
                                 reference_index=reference, expected_run_id=parent.run_id,
                                 expected_config=config, kind=kind,
                                 bounds=bounds or Bounds(side_files=SIDE_FILES))
@@ -102,7 +130,9 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                        f"{str(exc)[:200]})", delivered_at=arrived), None
     metrics = manifest.metrics
     val_samples, val_tokens = metrics.get(metric.VAL_SAMPLES), metrics.get(metric.VAL_TOKENS)
+    stale = staleness(rnd, started, staleness_fn)
     return Verdict(site=site, round=rnd, state=SiteState.COMPLETED, attempts=attempts,
+                   staleness=stale[0], staleness_weight=stale[1], reason=stale[2],
                    num_samples=manifest.num_samples, num_tokens=manifest.num_tokens,
                    loss=metrics.get(metric.LOSS), train_seconds=metrics.get(metric.TRAIN_SECONDS),
                    startup_seconds=metrics.get(metric.STARTUP_SECONDS),
@@ -150,7 +180,8 @@ def run_step(args: argparse.Namespace) -> int:
                     val_seq_len=args.val_seq_len)
     spec = JobSpec.of_run(layout.root)  # the exchange and LoRA rules every update follows
     verdict, manifest = admit(layout, args.site, args.round, Path(args.previous), update,
-                              bounds, spec.exchange, spec.freeze_a)
+                              bounds, spec.exchange, spec.freeze_a,
+                              spec.round_deadline.staleness if spec.round_deadline else None)
     _record(layout, verdict, update)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:

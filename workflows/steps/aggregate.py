@@ -93,15 +93,17 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             reg.event(run_id, QUORUM_EVENT, message)
         raise QuorumNotMet(message)
     admitted = sorted(v.site for v in verdicts if v.accepted)
-    validation = federated(rnd, verdicts)  # of the global this round started from
+    # of the global this round started from (a late update measured an older one)
+    validation = federated(rnd, [v for v in verdicts if v.staleness is None])
     if validation is not None:
         validation.write(layout.validation_file(rnd))
     parent = read_manifest(previous)
     target = layout.global_dir(rnd)
     t0 = time.perf_counter()
     agg = spec.aggregation
+    inputs = applied_updates(layout, rnd, previous, verdicts, updates)
     run_strategy(
-        agg.strategy, [updates[s] for s in admitted], previous, target,
+        agg.strategy, [inputs[s] for s in admitted], previous, target,
         weighting=agg.weighting, params=dict(agg.params), run_id=parent.run_id,
         round=rnd, parent_digest=parent.digest(), max_shard_size=agg.max_shard_size,
         clip_norm=agg.clip_norm, max_weight_share=agg.max_weight_share,
@@ -127,9 +129,27 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
             val_tokens=validation.val_tokens if validation else None,
             sites=[v.site_round() for v in verdicts]))
         track(spec, reg, run_id, rnd)
+        failpoint(f"recorded-round-{rnd}")  # the round is on record, the loop not answered
     print(f"round {rnd}: aggregated {len(admitted)} updates ({', '.join(admitted)}) in "
           f"{seconds:.2f} s", file=sys.stderr)
     return target
+
+
+def applied_updates(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
+                    updates: dict[str, Path]) -> dict[str, Path]:
+    """The admitted updates as the strategy takes them: a late one as its change from the
+    global it started from, times its staleness weight, on ``previous``
+    (:func:`xffl.aggregator.rebase.rebase`, kept in ``rounds/<r>/rebased/<site>``)."""
+    out = dict(updates)
+    for v in verdicts:
+        if v.accepted and v.staleness is not None and v.staleness_weight is not None:
+            from xffl.aggregator.rebase import rebase
+
+            rebased = layout.round_dir(rnd) / "rebased" / v.site
+            rebase(updates[v.site], layout.global_dir(rnd - v.staleness - 1), previous,
+                   v.staleness_weight, rebased, rnd)
+            out[v.site] = rebased
+    return out
 
 
 def track(spec: JobSpec, reg: Registry, run_id: str, rnd: int) -> None:

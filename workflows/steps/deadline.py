@@ -7,6 +7,9 @@ per step ``p``, exponentially weighted over its delivered rounds):
 
     steps(s) = clamp(floor((D - q(s) - u(s)) / p(s)), min_steps, max_steps(s))
 
+With ``late: adopt`` a site that cannot make the deadline (``q + u + min_steps p > D``)
+fits the first deadline it can make, ``k D`` with ``k = ceil((q + u + min_steps p) / D)``,
+in place of ``D``: a later round adopts its update anyway.
 ``max_steps(s)`` defaults to the site's configured steps x ``training.balance_max``, and
 ``u(s)`` to the site's ``startup`` (else ``round_deadline.startup``) until one is measured.
 A site whose speed is not measured yet trains its configured steps, within the same bounds.
@@ -45,8 +48,14 @@ def fit_steps(deadline: RoundDeadline, planned: int, balance_max: float,
     per_step = estimate.seconds_per_step
     if per_step is None:
         return max(deadline.min_steps, min(high, planned))
-    left = deadline.seconds - (estimate.queue_wait_s or 0.0) - (
+    before = (estimate.queue_wait_s or 0.0) + (
         estimate.startup_s if estimate.startup_s is not None else startup)
+    left = deadline.seconds - before
+    if deadline.late == "adopt" and left < deadline.min_steps * per_step:
+        # it cannot make this deadline: its update is adopted by a later round, so fit it to
+        # the first deadline it can make (k rounds of `seconds` from its submission)
+        k = math.ceil((before + deadline.min_steps * per_step) / deadline.seconds)
+        left = k * deadline.seconds - before
     fit = math.floor(min(float(high), max(0.0, left) / per_step))  # min first: never inf
     return max(deadline.min_steps, min(high, fit))
 

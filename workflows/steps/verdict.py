@@ -38,6 +38,9 @@ class Verdict:
     val_tokens: int | None = None  # their targets in the loss: the site's federated weight
     delivered_at: float | None = None  # epoch time the update was on the coordinator
     digest: str | None = None  # the admitted update's manifest digest
+    staleness: int | None = None  # rounds late (an adopted late job's update)
+    staleness_weight: float | None = None  # s(staleness): the factor its change is applied with
+    late_job_id: str | None = None  # the SLURM job left running (state late)
 
     @property
     def accepted(self) -> bool:
@@ -51,7 +54,9 @@ class Verdict:
                          train_seconds=self.train_seconds, reason=self.reason,
                          attempts=self.attempts, startup_seconds=self.startup_seconds,
                          val_loss=self.val_loss, val_loss_update=self.val_loss_update,
-                         val_samples=self.val_samples, val_tokens=self.val_tokens)
+                         val_samples=self.val_samples, val_tokens=self.val_tokens,
+                         staleness=self.staleness, staleness_weight=self.staleness_weight,
+                         late_job_id=self.late_job_id)
 
     def write(self, path: Path) -> None:
         """Store as JSON."""

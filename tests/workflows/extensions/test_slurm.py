@@ -122,3 +122,101 @@ def test_closing_streamflow_cancels_the_jobs_in_flight(
             assert left == []
     finally:
         slurm_stack.ssh("beta", f"scancel -n {name}")
+
+
+async def _late_connector(stack: Any, run_dir: Path, max_rounds: int) -> tuple[Any, Any, Any]:
+    """xffl-slurm over beta's login node adopting late jobs of site beta: (connector, its
+    location, the ssh connector)."""
+    from streamflow.core.deployment import ExecutionLocation
+    from streamflow.deployment.connector.ssh import SSHConnector
+
+    from xffl.workflows.extensions.connectors import XfflSlurmConnector
+
+    cluster = stack.clusters["beta"]
+    ssh = SSHConnector(deployment_name="login-b", config_dir=str(run_dir),
+                       nodes=[f"127.0.0.1:{cluster.ssh_port}"], username=stack.user,
+                       sshKey=stack.ssh_key, checkHostKey=True)
+    await ssh.deploy(False)
+    conn = XfflSlurmConnector(deployment_name="site-b", config_dir=str(run_dir), connector=ssh,
+                              service=None, pollingInterval=1, maxConcurrentJobs=4,
+                              late={"runDir": str(run_dir), "site": "beta",
+                                    "maxRounds": max_rounds})
+    inner = ExecutionLocation(name=next(iter(ssh.nodes)), deployment="login-b")
+    return conn, ExecutionLocation(name="site-b", deployment="site-b", wraps=inner), ssh
+
+
+@pytest.mark.slow
+def test_adopting_late_jobs_that_end_well_badly_never_or_too_late(
+        tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xffl-slurm's adoption of a job left running at a deadline, against real SLURM: one that
+    wrote its update hands it to the adopting step's folder; one scancelled by an operator
+    (no update) fails the step and is never adopted again; one still queued at the adopting
+    deadline is left running and stays late; one later than maxRounds is scancelled and the
+    step submits its own job."""
+    from streamflow.core.exception import WorkflowExecutionException
+
+    from xffl.core.layout import RunLayout
+    from xffl.workflows.steps.late import LateJob, leave_late, read_adopted, read_late
+
+    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
+    work = f"{slurm_stack.clusters['beta'].work_dir}/late-{secrets.token_hex(3)}"
+    layout = RunLayout(tmp_path)
+
+    def submit(folder: str, script: str) -> str:
+        out = slurm_stack.ssh("beta", f"mkdir -p {work}/{folder} && cd {work}/{folder} && "
+                              f"sbatch --parsable --wrap '{script}'", timeout=20)
+        assert out.stdout.strip().isdigit(), out
+        return str(out.stdout.strip())
+
+    def late(job_id: str, folder: str) -> None:
+        leave_late(layout, LateJob(site="beta", job_id=job_id, round=1,
+                                   workdir=f"{work}/{folder}"))
+
+    async def scenario() -> None:
+        conn, loc, ssh = await _late_connector(slurm_stack, tmp_path, max_rounds=2)
+        try:
+            # 1. it ends with its update: moved into the adopting step's folder
+            late(submit("r1", "sleep 1; mkdir u.tmp && echo hi > u.tmp/x && mv u.tmp update"),
+                 "r1")
+            slurm_stack.ssh("beta", f"mkdir -p {work}/r2", timeout=20)
+            result = await conn.run(loc, ["true", "--round", "2"], workdir=f"{work}/r2",
+                                    job_name="adopt-2", timeout=60)
+            assert result is not None and result[1] == 0
+            assert slurm_stack.ssh("beta", f"cat {work}/r2/update/x").stdout.strip() == "hi"
+            assert read_late(layout, "beta") is None and read_adopted(layout, 2, "beta")
+            # 2. scancelled by an operator, no update: the step fails, the job is forgotten
+            gone = submit("c1", "sleep 300")
+            slurm_stack.ssh("beta", f"scancel {gone}", timeout=20)
+            late(gone, "c1")
+            slurm_stack.ssh("beta", f"mkdir -p {work}/c2", timeout=20)
+            with pytest.raises(WorkflowExecutionException, match="left no update"):
+                await conn.run(loc, ["true", "--round", "2"], workdir=f"{work}/c2",
+                               job_name="adopt-c2", timeout=60)
+            assert read_late(layout, "beta") is None
+            # 3. still queued when the adopting step's deadline passes: left, still late
+            held = submit("h1", "sleep 300")
+            slurm_stack.ssh("beta", f"scontrol hold {held}", timeout=20)
+            late(held, "h1")
+            with pytest.raises(WorkflowExecutionException, match=f"SLURM job {held} left "):
+                await conn.run(loc, ["true", "--round", "2"], workdir=f"{work}/c2",
+                               job_name="adopt-h2", timeout=3)
+            record = read_late(layout, "beta")
+            assert record is not None and (record.job_id, record.round) == (held, 1)
+            assert slurm_stack.ssh("beta", f"squeue -h -j {held} -o %T").stdout.strip() == \
+                "PENDING"
+            # 4. round 4 is three rounds late (> maxRounds 2): scancelled, the step's own job
+            slurm_stack.ssh("beta", f"mkdir -p {work}/n4", timeout=20)
+            result = await conn.run(loc, ["echo", "fresh", "--round", "4"],
+                                    workdir=f"{work}/n4", job_name="own-4", timeout=60)
+            assert result is not None and result[1] == 0 and "fresh" in result[0]
+            assert read_late(layout, "beta") is None
+            assert read_adopted(layout, 4, "beta") is None
+            assert slurm_stack.ssh("beta", f"squeue -h -j {held} -o %i").stdout.strip() == ""
+        finally:
+            await conn.undeploy(False)
+            await ssh.undeploy(False)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        slurm_stack.ssh("beta", f"scancel -u {slurm_stack.user} -n wrap", timeout=20)

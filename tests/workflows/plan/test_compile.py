@@ -252,3 +252,27 @@ def test_a_lora_plan_carries_the_frozen_base(tmp_path: Path, xffl_home: Path) ->
     # the admit step reads the rule from the run's job.json, the plan's one copy of the spec
     assert JobSpec.of_run(layout.root).freeze_a
     assert json.loads(layout.job_file("alpha").read_text())["freeze_a"] is True
+
+
+@pytest.mark.parametrize("late", ["wait", "adopt"])
+def test_late_adopt_bounds_the_train_step_by_the_deadline_and_configures_the_connector(
+        tmp_path: Path, late: str) -> None:
+    """late: adopt: the train tool's time limit is the round deadline (past it the job is left
+    running) and the SLURM site's connector adopts late jobs; late: wait keeps
+    failure.round_timeout (past it the job is cancelled) and a plain connector."""
+    from tests.jobs.test_slurm_overrides import job_with_overrides
+
+    job = job_with_overrides(tmp_path, None)
+    data = yaml.safe_load(job.read_text())
+    data["failure"] = {"round_timeout": 900}
+    data["round_deadline"] = {"seconds": 120.5, "late": late, "staleness": {"max_rounds": 3}}
+    job.write_text(yaml.safe_dump(data, sort_keys=False))
+    layout = write_plan(load_job(job), "qs-5", tmp_path / "plan")
+    limits = {s: yaml.safe_load(layout.tool(f"train_{s}").read_text())["requirements"]
+              ["ToolTimeLimit"]["timelimit"] for s in ("alpha", "beta")}
+    assert limits == dict.fromkeys(("alpha", "beta"), 121 if late == "adopt" else 900)
+    config = yaml.safe_load(layout.streamflow.read_text())["deployments"]["slurm-alpha"]["config"]
+    if late == "adopt":
+        assert config["late"] == {"runDir": str(layout.root), "site": "alpha", "maxRounds": 3}
+    else:
+        assert "late" not in config

@@ -42,6 +42,21 @@ def test_fit_steps_by_hand() -> None:
     assert fit_steps(free, 50, 1.5, SiteEstimate("a", 0.0, 0.0, 1e-300), 60.0) == 75
 
 
+def test_a_site_that_cannot_make_the_deadline_fits_the_first_one_it_can_under_adopt() -> None:
+    """late: adopt: a site whose queue alone passes the deadline will be adopted by a later
+    round anyway, so its steps fit the first deadline it can make, k x seconds from its
+    submission: 900 s queue + 20 s start-up + 5 steps x 2 s = 930 s -> k = ceil(930 / 600)
+    = 2, (1200 - 920) / 2 = 140 steps (late: wait gives it min_steps, as above)."""
+    d = RoundDeadline(seconds=600, min_steps=5, max_steps=200, late="adopt")
+    assert fit_steps(d, 50, 4.0, SiteEstimate("a", 900.0, 20.0, 2.0), 60.0) == 140
+    # one that makes this deadline fits it as under late: wait
+    assert fit_steps(d, 50, 4.0, SiteEstimate("a", 300.0, 20.0, 2.0), 60.0) == 140
+    # 1185 s before its first step: k = ceil((1185 + 10) / 600) = 2, (1200 - 1185) / 2 -> 7
+    assert fit_steps(d, 50, 4.0, SiteEstimate("a", 1165.0, 20.0, 2.0), 60.0) == 7
+    # 1195 s: 5 steps would end at 1205 > 1200, so k = 3: (1800 - 1195) / 2 = 302 -> 200
+    assert fit_steps(d, 50, 4.0, SiteEstimate("a", 1175.0, 20.0, 2.0), 60.0) == 200
+
+
 def test_staleness_weights() -> None:
     assert StalenessSpec(function="constant").weight(3) == 1.0
     assert StalenessSpec(function="polynomial", a=0.5).weight(3) == 0.5  # (1 + 3)^-0.5
