@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 import re
 import types
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError
 
 from xffl.core.errors import InvalidInput
 from xffl.core.yamlio import Loc, YamlDoc
@@ -29,6 +29,10 @@ def check_path_text(value: str) -> str:
         raise ValueError(f"path {value!r} holds '$(' or '${{', which CWL reads as an "
                          "expression; rename the folder")
     return value
+
+
+#: a job spec's or profile's path field: plain path text (:func:`check_path_text`)
+PathText = Annotated[str, AfterValidator(check_path_text)]
 
 
 def _members(annotation: Any) -> tuple[Any, ...]:

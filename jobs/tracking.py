@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xffl.aggregator.metrics import LOSS, VAL_LOSS, VAL_LOSS_UPDATE
-from xffl.core.validation import check_path_text
+from xffl.core.validation import PathText, check_path_text
 from xffl.jobs.tracker import Tracker
 from xffl.jobs.tracking_mlflow import MLflowTracker
 from xffl.jobs.tracking_tensorboard import TensorBoardTracker
@@ -37,7 +37,7 @@ class TrackingSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tensorboard: str | None = Field(
+    tensorboard: PathText | None = Field(
         default=None, description="folder on the coordinator for TensorBoard event files "
         "(relative: to the job file's folder); a run's go to <folder>/<run id>/")
     mlflow: str | None = Field(
@@ -46,11 +46,6 @@ class TrackingSpec(BaseModel):
         "tracking server (it gets the user's MLFLOW_TRACKING_* credentials only when the "
         "user configured that server outside the job: MLFLOW_TRACKING_URI, or "
         "mlflow_servers in ~/.config/xffl/tracking.yaml)")
-
-    @field_validator("tensorboard")
-    @classmethod
-    def _tensorboard_folder(cls, value: str | None) -> str | None:
-        return None if value is None else check_path_text(value)
 
     @field_validator("mlflow")
     @classmethod

@@ -22,6 +22,8 @@ def _type(annotation: Any) -> str:
     """A field's type as a reader writes it in YAML."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a type with its validator (PathText, EntryPoint)
+        return _type(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from xffl.core.validation import check_path_text
+from xffl.core.validation import PathText
 from xffl.training.exchange_config import ExchangeSpec
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -19,6 +19,10 @@ def check_entry_point(value: str) -> str:
     if not ENTRY_RE.match(value):
         raise ValueError(f"{value!r} is not an entry point; write package.module:function")
     return value
+
+
+#: a ``package.module:function`` field (:func:`check_entry_point`)
+EntryPoint = Annotated[str, AfterValidator(check_entry_point)]
 
 
 class _Strict(BaseModel):
@@ -41,22 +45,12 @@ class ModelSpec(_Strict):
     overrides: dict[str, int | float | bool] = Field(
         default_factory=dict,
         description="config.json fields replacing the preset's or init's (hidden_size, ...)")
-    init: str | None = Field(default=None, description="Hugging Face checkpoint folder of round 0 "
-                             "on the coordinator, relative to the job file's folder (null: "
-                             "seeded weights of the preset)")
-    entry_point: str | None = Field(
+    init: PathText | None = Field(
+        default=None, description="Hugging Face checkpoint folder of round 0 on the "
+        "coordinator, relative to the job file's folder (null: seeded weights of the preset)")
+    entry_point: EntryPoint | None = Field(
         default=None, description="package.module:function building the model from the "
         "config; imported at the sites, on the coordinator only with --trust-entry-point")
-
-    @field_validator("init")
-    @classmethod
-    def _init_path(cls, value: str | None) -> str | None:
-        return None if value is None else check_path_text(value)
-
-    @field_validator("entry_point")
-    @classmethod
-    def _entry_point_form(cls, value: str | None) -> str | None:
-        return None if value is None else check_entry_point(value)
 
 
 _MODULE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")  # mlp.0: Sequential children
@@ -177,7 +171,7 @@ class TrainingSpec(_Strict):
     balance_max: float = Field(default=4.0, ge=1.0, le=1000.0,
                                description="a balanced site runs at most this many times "
                                "its configured steps")
-    update_fn: str | None = Field(
+    update_fn: EntryPoint | None = Field(
         default=None, description="package.module:function (name, array, context) -> array: "
         "a local update computed tensor by tensor instead of SGD (xffl.training.streamed)")
     lora: LoraSpec | None = Field(
@@ -186,11 +180,6 @@ class TrainingSpec(_Strict):
     stop_when: StopWhen | None = Field(
         default=None, description="end the run early when the federated validation loss stops "
         "improving: {metric: val_loss, patience: N, min_delta: D}")
-
-    @field_validator("update_fn")
-    @classmethod
-    def _update_fn_form(cls, value: str | None) -> str | None:
-        return None if value is None else check_entry_point(value)
 
     @model_validator(mode="after")
     def _ddp_and_tp(self) -> TrainingSpec:
@@ -218,13 +207,8 @@ class ValidationSpec(_Strict):
 
     fraction: float | None = Field(default=None, gt=0, le=0.5, description="share of the "
                                    "site's sequences held out for validation (0 < f <= 0.5)")
-    path: str | None = Field(default=None, description="a token-shard directory of held-out "
+    path: PathText | None = Field(default=None, description="a token-shard directory of held-out "
                              "data at the site (absolute, or under its workdir)")
-
-    @field_validator("path")
-    @classmethod
-    def _path_text(cls, value: str | None) -> str | None:
-        return None if value is None else check_path_text(value)
 
     @model_validator(mode="after")
     def _one_source(self) -> ValidationSpec:
@@ -241,7 +225,7 @@ class DataSpec(_Strict):
     ``synthetic`` set, the shards are generated deterministically there on first use.
     """
 
-    path: str = Field(description="token shards at the site (absolute, or under its workdir)")
+    path: PathText = Field(description="token shards at the site (absolute, or under its workdir)")
     synthetic: Literal["alpha", "beta", "gamma", "delta"] | None = Field(
         default=None, description="generate this synthetic language at path on first use")
     synthetic_sequences: int = Field(default=512, ge=1,
@@ -261,11 +245,6 @@ class DataSpec(_Strict):
         if self.max_samples is not None:
             return self.max_samples
         return self.synthetic_sequences if self.synthetic is not None else None
-
-    @field_validator("path")
-    @classmethod
-    def _path_not_empty(cls, value: str) -> str:
-        return check_path_text(value)
 
 
 class EvaluationSpec(_Strict):
