@@ -95,6 +95,16 @@ def test_a_folder_goes_there_and_back(tmp_path: Path) -> None:
     _same(src, tmp_path / "back", modes=False)
 
 
+def test_a_copied_file_is_a_file_at_its_destination(tmp_path: Path) -> None:
+    """A File output (a job's probe.json): the listing's one entry is the copied path."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "probe.json").write_text("{}")
+    got = asyncio.run(download(_copier(), str(tmp_path / "site" / "probe.json"),
+                               str(tmp_path / "probe.json"), 1 << 30, 100))
+    assert got.files == {"": 2} and (tmp_path / "probe.json").read_text() == "{}"
+    assert (tmp_path / "probe.json").stat().st_mode & 0o077 == 0
+
+
 def test_a_large_file_moves_as_ranges_over_the_streams() -> None:
     size = 3 * MIN_RANGE_BYTES + 5
     cut = pieces({"model.safetensors": size, "config.json": 10}, streams=4)
