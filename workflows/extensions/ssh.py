@@ -39,7 +39,6 @@ from collections.abc import AsyncIterator, MutableMapping, MutableSequence
 from typing import Any
 
 from streamflow.core.deployment import ExecutionLocation
-from streamflow.core.utils import get_local_to_remote_destination
 from streamflow.deployment.connector.ssh import SSHConfig
 from streamflow.log_handler import logger
 
@@ -52,7 +51,7 @@ from xffl.workflows.extensions.caps import (
 )
 from xffl.workflows.extensions.connection import KnownHostsContext
 from xffl.workflows.extensions.copies import Copier, Progress
-from xffl.workflows.extensions.copy_paths import download, upload
+from xffl.workflows.extensions.copy_paths import destination, download, upload
 from xffl.workflows.extensions.login import LoginShellConnector
 
 _OWNER_ONLY = "700"
@@ -182,7 +181,7 @@ class XfflSshConnector(LoginShellConnector):
                                    locations: MutableSequence[ExecutionLocation],
                                    read_only: bool = False) -> None:
         """``src`` here to ``dst`` at each location: parallel resumable pieces, owner-only."""
-        dst = await get_local_to_remote_destination(self, locations[0], src, dst)
+        dst = await destination(self._copier(locations[0]), src, dst)
 
         async def one(location: ExecutionLocation) -> None:
             logger.info(f"COPYING from {src} on local file-system to {dst} on location "

@@ -23,7 +23,12 @@ from xffl.workflows.extensions.copies import (
     check_listing,
     pieces,
 )
-from xffl.workflows.extensions.copy_paths import _local_targets, download, upload
+from xffl.workflows.extensions.copy_paths import (
+    INLINE_FILE_BYTES,
+    _local_targets,
+    download,
+    upload,
+)
 
 
 class _Status:
@@ -66,7 +71,8 @@ def _copier(path: str | None = None, streams: int = 2) -> Copier:
 
 def _tree(root: Path) -> Path:
     (root / "sub").mkdir(parents=True)
-    (root / "model.safetensors").write_bytes(os.urandom(300_000))
+    # a piece of its own out to a site (over INLINE_FILE_BYTES); the rest travel in the setup
+    (root / "model.safetensors").write_bytes(os.urandom(INLINE_FILE_BYTES + 300_000))
     (root / "sub" / "config.json").write_text("{}")
     (root / "empty").write_bytes(b"")
     (root / "run.sh").write_text("#!/bin/sh\n")
@@ -87,11 +93,14 @@ def _same(a: Path, b: Path, modes: bool) -> None:
 
 def test_a_folder_goes_there_and_back(tmp_path: Path) -> None:
     src = _tree(tmp_path / "src")
-    asyncio.run(upload(_copier(), str(src), str(tmp_path / "site" / "global")))
+    copier = _copier()
+    asyncio.run(upload(copier, str(src), str(tmp_path / "site" / "global")))
+    # the small files went inside the setup script, beside the one piece: all counted
+    assert copier.progress.moved == copier.progress.total == INLINE_FILE_BYTES + 300_012
     _same(src, tmp_path / "site" / "global", modes=True)
     got = asyncio.run(download(_copier(streams=1), str(tmp_path / "site" / "global"),
                                str(tmp_path / "back"), 1 << 30, 100))
-    assert got.bytes == 300_012
+    assert got.bytes == INLINE_FILE_BYTES + 300_012
     _same(src, tmp_path / "back", modes=False)
 
 
