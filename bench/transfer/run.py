@@ -10,18 +10,22 @@ coordinator's CPU seconds per GB (the sshd serving it is the site's). xffl's cop
 with 1, 2 and 4 streams (``transfer.streams``). The update is ``--size-mib`` MiB of random
 bytes in one ``model.safetensors`` (``--shards N``: N files of that size each) beside a
 config.json. The baseline of every ratio, ``scp``, runs in the same invocation and at the
-same RTT. The last lines, one per direction, RTT and stream count, read::
+same RTT. ``--busy N`` keeps N more processes spinning on the CPU for the whole run (the
+coordinator's CPU contended: the same for ``scp`` and for xffl; this machine has 2 cores).
+The last lines, one per direction, RTT and stream count, read::
 
     copy-back rtt=50ms 1 stream: 1.07x scp
 
     python bench/transfer/run.py                       # 1 GiB, rtt 0/20/50 ms
     python bench/transfer/run.py --shards 4 --rtt 50   # a sharded 4 GiB update at 50 ms
+    python bench/transfer/run.py --busy 4 --methods scp "xffl 1" "xffl 4"
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +113,18 @@ def _methods(stack: Any, port: int, known_hosts: str, direction: str, site: str,
     return out
 
 
+@contextlib.contextmanager
+def _busy(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the CPU until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def _update(folder: Path, size_mib: int, shards: int) -> int:
     """Write the benchmark's update; its bytes."""
     folder.mkdir(parents=True)
@@ -143,7 +160,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             else (work / "global", site_root / "cp"))
                 wall, cpu = _timed(["cp", "-r", str(src), str(dst)])
                 shutil.rmtree(dst)
-                rows.append(_row(direction, 0, "cp", wall, cpu, nbytes))
+                rows.append(_row(direction, 0, "cp", wall, cpu, nbytes, 0))
         for rtt in args.rtt:
             proxy = None
             if rtt:
@@ -161,10 +178,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     here = str(work / ("update" if direction == "back" else "global"))
                     for name, argv in _methods(info, port, str(known), direction, site, here,
                                                tuple(args.streams)).items():
+                        if args.methods and name not in args.methods:
+                            continue
                         dst = Path(here if direction == "back" else site)
                         shutil.rmtree(dst, ignore_errors=True)
-                        wall, cpu = _timed(argv)
-                        rows.append(_row(direction, rtt, name, wall, cpu, nbytes))
+                        with _busy(args.busy):
+                            wall, cpu = _timed(argv)
+                        rows.append(_row(direction, rtt, name, wall, cpu, nbytes, args.busy))
                         print(_line(rows[-1]), file=sys.stderr, flush=True)
             finally:
                 if proxy is not None:
@@ -177,9 +197,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _row(direction: str, rtt: int, method: str, wall: float, cpu: float,
-         nbytes: int) -> dict[str, Any]:
+         nbytes: int, busy: int) -> dict[str, Any]:
     return {"direction": direction, "rtt_ms": rtt, "method": method, "seconds": wall,
-            "mb_s": nbytes / wall / 1e6, "cpu_s_per_gb": cpu / (nbytes / 1e9), "bytes": nbytes}
+            "mb_s": nbytes / wall / 1e6, "cpu_s_per_gb": cpu / (nbytes / 1e9), "bytes": nbytes,
+            "busy": busy}
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -211,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--stack-dir", default=None, help="the test stack's folder")
     p.add_argument("--no-cp", action="store_true")
+    p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU "
+                   "during each copy")
+    p.add_argument("--methods", nargs="+", default=None, help="only these (scp, rsync, "
+                   "'xffl N')")
     p.add_argument("--json", action="store_true")
     for name in ("--direction", "--port", "--user", "--key", "--known-hosts", "--src",
                  "--dst"):
