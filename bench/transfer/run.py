@@ -7,12 +7,14 @@ RTT each way; ``tc netem`` is not available here) in front of cluster alpha's ss
 0 ms is the sshd port itself. Each copy runs as a child process of its own: its wall time
 gives MB/s, its CPU time (user + system, children included, from ``wait4``) the
 coordinator's CPU seconds per GB (the sshd serving it is the site's). xffl's copies run
-with 1, 2 and 4 streams (``transfer.streams``). The update is ``--size-mib`` MiB of random
-bytes in one ``model.safetensors`` (``--shards N``: N files of that size each) beside a
-config.json. The baseline of every ratio, ``scp``, runs in the same invocation and at the
-same RTT. ``--busy N`` keeps N more processes spinning on the CPU for the whole run (the
-coordinator's CPU contended: the same for ``scp`` and for xffl; this machine has 2 cores).
-The last lines, one per direction, RTT and stream count, read::
+with 1, 2 and 4 streams (``transfer.streams``); ``asyncssh`` is the same copy as one plain
+asyncssh channel per file (``cat``, xffl-ssh's connection settings, none of xffl's
+protocol): what the library itself allows, to tell xffl's costs from asyncssh's. The
+update is ``--size-mib`` MiB of random bytes in one ``model.safetensors`` (``--shards N``: N
+files of that size each) beside a config.json. The baseline of every ratio, ``scp``, runs
+in the same invocation and at the same RTT. ``--busy N`` keeps N more processes spinning on
+the CPU during each copy (the coordinator's CPU contended: the same for ``scp`` and for
+xffl; this machine has 2 cores). The last lines, one per direction, RTT and stream count, read::
 
     copy-back rtt=50ms 1 stream: 1.07x scp
 
@@ -67,6 +69,46 @@ def _child_copy(args: argparse.Namespace) -> None:
     asyncio.run(main())
 
 
+def _child_raw(args: argparse.Namespace) -> None:
+    """The same copy as one plain asyncssh channel per file (``cat``), with xffl-ssh's
+    connection settings and no xffl protocol: what asyncssh itself costs (``--raw``)."""
+    import asyncssh
+
+    from xffl.workflows.extensions.connection import COPY_PACKET, COPY_WINDOW
+
+    async def main() -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        conn = await asyncssh.connect(
+            "127.0.0.1", port=int(args.port), username=args.user, client_keys=[args.key],
+            known_hosts=args.known_hosts, compression_algs=None,
+            encryption_algs=["aes128-gcm@openssh.com"], window=COPY_WINDOW,
+            max_pktsize=COPY_PACKET)
+        async with conn:
+            if args.direction == "back":
+                os.makedirs(args.dst, exist_ok=True)
+                names = (await conn.run(f"ls {args.src}", check=True)).stdout.split()
+                for name in names:
+                    proc = await conn.create_process(f"cat {args.src}/{name}", encoding=None)
+                    with open(os.path.join(args.dst, name), "wb") as out:
+                        while chunk := await proc.stdout.read(4 << 20):
+                            out.write(chunk)
+                    await proc.wait()
+            else:
+                await conn.run(f"mkdir -p {args.dst}", check=True)
+                for name in sorted(os.listdir(args.src)):
+                    proc = await conn.create_process(f"cat > {args.dst}/{name}", encoding=None)
+                    with open(os.path.join(args.src, name), "rb") as f:
+                        while chunk := f.read(4 << 20):
+                            proc.stdin.write(chunk)
+                            await proc.stdin.drain()
+                    proc.stdin.write_eof()
+                    await proc.wait()
+        print(json.dumps({"seconds": time.perf_counter() - start,
+                          "cpu": time.process_time() - cpu}))
+
+    asyncio.run(main())
+
+
 def _timed(argv: list[str]) -> tuple[float, float]:
     """(wall s, CPU s of the process and its children) of ``argv``; it must exit 0. An xffl
     child reports its own from its first connection on (a coordinator has xffl imported)."""
@@ -104,6 +146,11 @@ def _methods(stack: Any, port: int, known_hosts: str, direction: str, site: str,
     if shutil.which("rsync"):  # the site's rsync too: the stack's sshd is this machine
         out["rsync"] = ["rsync", "-a", "--whole-file", "-e", ssh, src + "/",
                         dst.rstrip("/") + "/"]
+    out["asyncssh"] = [sys.executable, __file__, "--child", "--raw", "--direction", direction,
+                       "--port", str(port), "--user", user, "--key", stack.ssh_key,
+                       "--known-hosts", known_hosts, "--streams", "1",
+                       "--src", site if direction == "back" else here,
+                       "--dst", here if direction == "back" else site]
     for n in streams:
         out[f"xffl {n}"] = [sys.executable, __file__, "--child", "--direction", direction,
                             "--port", str(port), "--user", user, "--key", stack.ssh_key,
@@ -212,6 +259,12 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     """The table, then ``copy-back rtt=50ms 1 stream: 1.07x scp`` lines (and CPU ratios)."""
     lines = [_line(r) for r in rows]
     for r in rows:
+        if r["method"] == "asyncssh":  # what one plain asyncssh channel does, for reference
+            (scp,) = [s for s in rows if s["method"] == "scp" and
+                      s["direction"] == r["direction"] and s["rtt_ms"] == r["rtt_ms"]]
+            lines.append(f"copy-{r['direction']} rtt={r['rtt_ms']}ms asyncssh 1 channel: "
+                         f"{scp['seconds'] / r['seconds']:.2f}x scp, "
+                         f"CPU {r['cpu_s_per_gb'] / scp['cpu_s_per_gb']:.2f}x scp's")
         if not r["method"].startswith("xffl "):
             continue
         (scp,) = [s for s in rows if s["method"] == "scp" and s["direction"] == r["direction"]
@@ -241,10 +294,11 @@ def main(argv: list[str] | None = None) -> int:
                  "--dst"):
         p.add_argument(name, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         args.streams = int(args.streams[0])
-        _child_copy(args)
+        (_child_raw if args.raw else _child_copy)(args)
         return 0
     rows = run(args)
     print(json.dumps(rows, indent=1) if args.json else "\n".join(summary(rows)))
