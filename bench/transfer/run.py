@@ -14,13 +14,14 @@ update is ``--size-mib`` MiB of random bytes in one ``model.safetensors`` (``--s
 files of that size each) beside a config.json. The baseline of every ratio, ``scp``, runs
 in the same invocation and at the same RTT. ``--busy N`` keeps N more processes spinning on
 the CPU during each copy (the coordinator's CPU contended: the same for ``scp`` and for
-xffl; this machine has 2 cores). The last lines, one per direction, RTT and stream count, read::
+xffl; this machine has 2 cores); ``--repeat N`` runs every method N times, interleaved, and
+compares medians. The last lines, one per direction, RTT and stream count, read::
 
     copy-back rtt=50ms 1 stream: 1.07x scp
 
     python bench/transfer/run.py                       # 1 GiB, rtt 0/20/50 ms
     python bench/transfer/run.py --shards 4 --rtt 50   # a sharded 4 GiB update at 50 ms
-    python bench/transfer/run.py --busy 4 --methods scp "xffl 1" "xffl 4"
+    python bench/transfer/run.py --busy 4 --repeat 3 --methods scp asyncssh "xffl 1"
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -223,16 +225,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for direction in ("back", "out"):
                     site = str(site_root / ("update" if direction == "back" else "global"))
                     here = str(work / ("update" if direction == "back" else "global"))
-                    for name, argv in _methods(info, port, str(known), direction, site, here,
-                                               tuple(args.streams)).items():
-                        if args.methods and name not in args.methods:
-                            continue
-                        dst = Path(here if direction == "back" else site)
-                        shutil.rmtree(dst, ignore_errors=True)
-                        with _busy(args.busy):
-                            wall, cpu = _timed(argv)
-                        rows.append(_row(direction, rtt, name, wall, cpu, nbytes, args.busy))
-                        print(_line(rows[-1]), file=sys.stderr, flush=True)
+                    methods = [(name, argv) for name, argv in _methods(
+                        info, port, str(known), direction, site, here,
+                        tuple(args.streams)).items() if not args.methods or name in args.methods]
+                    for _ in range(args.repeat):  # every method once, then again: a drift in
+                        for name, argv in methods:  # the machine's load touches them all
+                            dst = Path(here if direction == "back" else site)
+                            shutil.rmtree(dst, ignore_errors=True)
+                            with _busy(args.busy):
+                                wall, cpu = _timed(argv)
+                            rows.append(_row(direction, rtt, name, wall, cpu, nbytes, args.busy))
+                            print(_line(rows[-1]), file=sys.stderr, flush=True)
             finally:
                 if proxy is not None:
                     proxy.kill()
@@ -255,8 +258,27 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['seconds']:7.2f} s {r['mb_s']:8.1f} MB/s {r['cpu_s_per_gb']:6.2f} CPU-s/GB")
 
 
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per direction, RTT and method: the median of its runs' seconds and CPU
+    (``runs``: how many; ``seconds_all``: each run's, in order)."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["direction"], r["rtt_ms"], r["method"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        wall = statistics.median(r["seconds"] for r in runs)
+        cpu_gb = statistics.median(r["cpu_s_per_gb"] for r in runs)
+        nbytes = runs[0]["bytes"]
+        out.append({**runs[0], "seconds": wall, "mb_s": nbytes / wall / 1e6,
+                    "cpu_s_per_gb": cpu_gb, "runs": len(runs),
+                    "seconds_all": [r["seconds"] for r in runs]})
+    return out
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """The table, then ``copy-back rtt=50ms 1 stream: 1.07x scp`` lines (and CPU ratios)."""
+    """The table, then ``copy-back rtt=50ms 1 stream: 1.07x scp`` lines (and CPU ratios),
+    of each method's median run."""
+    rows = medians(rows)
     lines = [_line(r) for r in rows]
     for r in rows:
         if r["method"] == "asyncssh":  # what one plain asyncssh channel does, for reference
@@ -285,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--stack-dir", default=None, help="the test stack's folder")
     p.add_argument("--no-cp", action="store_true")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every method (the "
+                   "ratios compare medians)")
     p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU "
                    "during each copy")
     p.add_argument("--methods", nargs="+", default=None, help="only these (scp, rsync, "
@@ -301,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         (_child_raw if args.raw else _child_copy)(args)
         return 0
     rows = run(args)
-    print(json.dumps(rows, indent=1) if args.json else "\n".join(summary(rows)))
+    print(json.dumps(medians(rows), indent=1) if args.json else "\n".join(summary(rows)))
     return 0
 
 
