@@ -2,7 +2,7 @@
 
 Beta's login is reached through bench/transfer/proxy.py at 2 MB/s, so that copying its
 12.6 MB update (or the round's global) takes seconds; the test SIGKILLs the sshd session
-process serving that copy (``tail`` of the update at the site, ``dd`` of the global there)
+process serving that copy (``head`` of the update at the site, ``dd`` of the global there)
 1.5 s after it started (~3 MB in), while ``xffl watch`` and ``xffl status`` show it.
 With the default failure policy (``failure.retries`` 0) the round completes, beta's SLURM
 job ran once, the copy resumed (the update back from what had arrived), and the global is
@@ -190,7 +190,7 @@ def test_a_copy_back_survives_a_killed_sshd_session(
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
     status, session, seen = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
-                                             ("tail -c", work, "model.safetensors"), "out")
+                                             ("head -c", work, "model.safetensors"), "out")
     assert "@" in session
     # `xffl watch` and `xffl status` showed the update coming back: bytes so far, MB/s, ETA
     _check_progress(seen, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")

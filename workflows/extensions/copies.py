@@ -8,7 +8,8 @@ a byte range of a large one) that move over ``streams`` concurrent channels:
 * site -> coordinator: one ``find`` lists the copied path (``f SIZE NAME``/``d 0 NAME``,
   NUL-separated); the list is checked before anything is written (:func:`check_listing`:
   regular files and folders under the copied path only, within the copy's caps); each
-  piece is then ``tail -c +START FILE | head -c LENGTH``, written at its offset into a file
+  piece is then ``head -c LENGTH FILE`` (``tail -c +START FILE | head -c LENGTH`` from
+  within the file), written at its offset into a file
   created without following links, and never longer than the listing said;
 * coordinator -> site: one ``sh -s`` script makes the folders, sizes the files and carries
   the small ones (a checkpoint's JSON files, base64) (``umask 077``), beside the pieces,

@@ -156,7 +156,9 @@ def test_a_site_that_sends_more_than_it_listed_is_refused(tmp_path: Path) -> Non
     src = _tree(tmp_path / "site")
     bin_dir = tmp_path / "bin"  # the account's `head` ignores its limit
     bin_dir.mkdir()
-    (bin_dir / "head").write_text("#!/bin/sh\ncat; printf 'more bytes than listed'\n")
+    (bin_dir / "head").write_text(  # its file (the last argument) or stdin, and then more
+        '#!/bin/sh\nfor f; do :; done\nif [ -f "$f" ]; then cat -- "$f"; else cat; fi\n'
+        "printf 'more bytes than listed'\n")
     (bin_dir / "head").chmod(0o700)
     with pytest.raises(CopyRefused, match="sent more than the"):
         asyncio.run(download(_copier(str(bin_dir), streams=1), str(src),
