@@ -57,6 +57,14 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
     table.print(tsv)
     if tsv:
         return
+    if data.copies:
+        moving = Rows(("site", "copy", "MB so far", "of MB", "MB/s", "ETA s"),
+                      title="copies in flight")
+        for c in data.copies:
+            moving.add(c.site, "update back" if c.direction == "out" else "global out",
+                       f"{c.bytes / 1e6:.1f}", f"{c.total / 1e6:.1f}", f"{c.mb_s:.1f}",
+                       _num(c.eta_s, "{:.0f}"))
+        moving.print()
     if data.slurm:
         jobs = Rows(("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s"),
                     title="SLURM jobs", text=("SLURM state",))
@@ -110,6 +118,10 @@ def status(
 
     For SLURM sites it also shows each round's job id, SLURM state, queue wait and run time,
     read live over SSH while the run is running (a site that cannot be reached says so).
+
+    While a round's global goes out to a site or its update comes back, a table of the copies
+    in flight shows each one's bytes so far, MB/s and ETA (--json: ``copies``; every finished
+    copy with its bytes, seconds and MB/s: ``transfers``).
 
     An 80-column terminal shows the table's main columns (round, site, state, samples, loss,
     val loss, train s); a wider one, a pipe, --tsv and --json every column.

@@ -20,20 +20,9 @@ TimeoutOpt = Annotated[float, typer.Option(
 
 def copies(run: RunRecord) -> list[str]:
     """One line per site's update or global in flight: bytes so far, MB/s, ETA."""
-    import json
-    from pathlib import Path
+    from xffl.jobs.inflight import copies_in_flight
 
-    out = []
-    for path in sorted(Path(run.run_dir, "transfers").glob("*.json")):
-        try:  # written by this run's coordinator (owner-only); gone once the copy ends
-            p = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        what = "copy-back from" if p["direction"] == "out" else "copy-out to"
-        eta = f", ETA {p['eta_s']:.0f} s" if p.get("eta_s") is not None else ""
-        out.append(f"{what} {p['site']}: {p['bytes'] / 1e6:.1f} of {p['total'] / 1e6:.1f} MB, "
-                   f"{p['mb_s']:.1f} MB/s{eta}")
-    return out
+    return [c.describe() for c in copies_in_flight(run.run_dir)]
 
 
 def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool = False,

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xffl.jobs.inflight import CopyInFlight, FinishedCopy, copies_in_flight, finished_copies
 from xffl.jobs.profiles_json import may_log_in
 from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
 from xffl.jobs.registry import Registry
@@ -169,6 +170,8 @@ class RunStatus:
     credentials: list[Credential] = field(default_factory=list)
     slurm: list[SlurmJob] = field(default_factory=list)
     estimates: list[SiteEstimate] = field(default_factory=list)
+    copies: list[CopyInFlight] = field(default_factory=list)  # in flight now
+    transfers: list[FinishedCopy] = field(default_factory=list)  # every finished copy
 
     def as_json(self) -> dict[str, Any]:
         """The `xffl status --json` object: the run's fields, then the rest by name."""
@@ -179,7 +182,9 @@ class RunStatus:
                 "schedule": None if self.schedule is None else asdict(self.schedule),
                 "credentials": [asdict(c) for c in self.credentials],
                 "slurm": [j.as_dict() for j in self.slurm],
-                "estimates": [e.as_dict() for e in self.estimates]}
+                "estimates": [e.as_dict() for e in self.estimates],
+                "copies": [asdict(c) for c in self.copies],
+                "transfers": [asdict(t) for t in self.transfers]}
 
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
@@ -198,7 +203,8 @@ def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatu
 
 def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
                live: bool = True) -> RunStatus:
-    """The run, its rounds with per-site results, events and its latest global model.
+    """The run, its rounds with per-site results, events, its latest global model, its
+    copies in flight (while it runs) and every finished one.
 
     ``slurm``: also SLURM's view of its jobs (``live``: asked over SSH while it runs).
     """
@@ -218,15 +224,18 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         from xffl.jobs.slurm_view import slurm_view
 
         jobs = slurm_view(registry, run, live=live)
+    rounds = rounds_with_breakdown(registry, run)
     return RunStatus(
         run=run, runner_alive=runner_alive(run) if not run.finished else False,
-        rounds=rounds_with_breakdown(registry, run),
+        rounds=rounds,
         latest_global=latest_global(registry, run),
         events=[Event(ts, kind, msg) for ts, kind, msg in registry.events(run.id)],
         schedule=schedule,
         credentials=credential_view(run) if not run.finished else [],
         slurm=jobs,
-        estimates=site_estimates(registry, run) if uses_deadline(Path(run.run_dir)) else [])
+        estimates=site_estimates(registry, run) if uses_deadline(Path(run.run_dir)) else [],
+        copies=copies_in_flight(run.run_dir) if not run.finished else [],
+        transfers=finished_copies(registry.transfers(run.id), [r.record for r in rounds]))
 
 
 def uses_deadline(run_dir: Path) -> bool:

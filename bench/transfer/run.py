@@ -7,28 +7,37 @@ RTT each way; ``tc netem`` is not available here) in front of cluster alpha's ss
 0 ms is the sshd port itself. Each copy runs as a child process of its own: its wall time
 gives MB/s, its CPU time (user + system, children included, from ``wait4``) the
 coordinator's CPU seconds per GB (the sshd serving it is the site's). xffl's copies run
-with 1, 2 and 4 streams (``transfer.streams``). The update is ``--size-mib`` MiB of random
-bytes in one ``model.safetensors`` (``--shards N``: N files of that size each) beside a
-config.json. The baseline of every ratio, ``scp``, runs in the same invocation and at the
-same RTT. The last lines, one per direction, RTT and stream count, read::
+with 1, 2 and 4 streams (``transfer.streams``); ``asyncssh`` is the same copy as one plain
+asyncssh channel per file (``cat``, xffl-ssh's connection settings, none of xffl's
+protocol): what the library itself allows, to tell xffl's costs from asyncssh's. The
+update is ``--size-mib`` MiB of random bytes in one ``model.safetensors`` (``--shards N``: N
+files of that size each) beside a config.json. The baseline of every ratio, ``scp``, runs
+in the same invocation and at the same RTT. ``--busy N`` keeps N more processes spinning on
+the CPU during each copy (the coordinator's CPU contended: the same for ``scp`` and for
+xffl; this machine has 2 cores); ``--repeat N`` runs every method N times, interleaved, and
+compares medians. The last lines, one per direction, RTT and stream count, read::
 
     copy-back rtt=50ms 1 stream: 1.07x scp
 
     python bench/transfer/run.py                       # 1 GiB, rtt 0/20/50 ms
     python bench/transfer/run.py --shards 4 --rtt 50   # a sharded 4 GiB update at 50 ms
+    python bench/transfer/run.py --busy 4 --repeat 3 --methods scp asyncssh "xffl 1"
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +65,46 @@ def _child_copy(args: argparse.Namespace) -> None:
         else:
             await conn.copy_local_to_remote(args.src, args.dst, [loc])
         await conn.undeploy(False)
+        print(json.dumps({"seconds": time.perf_counter() - start,
+                          "cpu": time.process_time() - cpu}))
+
+    asyncio.run(main())
+
+
+def _child_raw(args: argparse.Namespace) -> None:
+    """The same copy as one plain asyncssh channel per file (``cat``), with xffl-ssh's
+    connection settings and no xffl protocol: what asyncssh itself costs (``--raw``)."""
+    import asyncssh
+
+    from xffl.workflows.extensions.connection import COPY_PACKET, COPY_WINDOW
+
+    async def main() -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        conn = await asyncssh.connect(
+            "127.0.0.1", port=int(args.port), username=args.user, client_keys=[args.key],
+            known_hosts=args.known_hosts, compression_algs=None,
+            encryption_algs=["aes128-gcm@openssh.com"], window=COPY_WINDOW,
+            max_pktsize=COPY_PACKET)
+        async with conn:
+            if args.direction == "back":
+                os.makedirs(args.dst, exist_ok=True)
+                names = (await conn.run(f"ls {args.src}", check=True)).stdout.split()
+                for name in names:
+                    proc = await conn.create_process(f"cat {args.src}/{name}", encoding=None)
+                    with open(os.path.join(args.dst, name), "wb") as out:
+                        while chunk := await proc.stdout.read(4 << 20):
+                            out.write(chunk)
+                    await proc.wait()
+            else:
+                await conn.run(f"mkdir -p {args.dst}", check=True)
+                for name in sorted(os.listdir(args.src)):
+                    proc = await conn.create_process(f"cat > {args.dst}/{name}", encoding=None)
+                    with open(os.path.join(args.src, name), "rb") as f:
+                        while chunk := f.read(4 << 20):
+                            proc.stdin.write(chunk)
+                            await proc.stdin.drain()
+                    proc.stdin.write_eof()
+                    await proc.wait()
         print(json.dumps({"seconds": time.perf_counter() - start,
                           "cpu": time.process_time() - cpu}))
 
@@ -99,6 +148,11 @@ def _methods(stack: Any, port: int, known_hosts: str, direction: str, site: str,
     if shutil.which("rsync"):  # the site's rsync too: the stack's sshd is this machine
         out["rsync"] = ["rsync", "-a", "--whole-file", "-e", ssh, src + "/",
                         dst.rstrip("/") + "/"]
+    out["asyncssh"] = [sys.executable, __file__, "--child", "--raw", "--direction", direction,
+                       "--port", str(port), "--user", user, "--key", stack.ssh_key,
+                       "--known-hosts", known_hosts, "--streams", "1",
+                       "--src", site if direction == "back" else here,
+                       "--dst", here if direction == "back" else site]
     for n in streams:
         out[f"xffl {n}"] = [sys.executable, __file__, "--child", "--direction", direction,
                             "--port", str(port), "--user", user, "--key", stack.ssh_key,
@@ -106,6 +160,18 @@ def _methods(stack: Any, port: int, known_hosts: str, direction: str, site: str,
                             "--src", site if direction == "back" else here,
                             "--dst", here if direction == "back" else site]
     return out
+
+
+@contextlib.contextmanager
+def _busy(n: int) -> Iterator[None]:
+    """``n`` processes spinning on the CPU until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def _update(folder: Path, size_mib: int, shards: int) -> int:
@@ -143,7 +209,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             else (work / "global", site_root / "cp"))
                 wall, cpu = _timed(["cp", "-r", str(src), str(dst)])
                 shutil.rmtree(dst)
-                rows.append(_row(direction, 0, "cp", wall, cpu, nbytes))
+                rows.append(_row(direction, 0, "cp", wall, cpu, nbytes, 0))
         for rtt in args.rtt:
             proxy = None
             if rtt:
@@ -159,13 +225,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for direction in ("back", "out"):
                     site = str(site_root / ("update" if direction == "back" else "global"))
                     here = str(work / ("update" if direction == "back" else "global"))
-                    for name, argv in _methods(info, port, str(known), direction, site, here,
-                                               tuple(args.streams)).items():
-                        dst = Path(here if direction == "back" else site)
-                        shutil.rmtree(dst, ignore_errors=True)
-                        wall, cpu = _timed(argv)
-                        rows.append(_row(direction, rtt, name, wall, cpu, nbytes))
-                        print(_line(rows[-1]), file=sys.stderr, flush=True)
+                    methods = [(name, argv) for name, argv in _methods(
+                        info, port, str(known), direction, site, here,
+                        tuple(args.streams)).items() if not args.methods or name in args.methods]
+                    for _ in range(args.repeat):  # every method once, then again: a drift in
+                        for name, argv in methods:  # the machine's load touches them all
+                            dst = Path(here if direction == "back" else site)
+                            shutil.rmtree(dst, ignore_errors=True)
+                            with _busy(args.busy):
+                                wall, cpu = _timed(argv)
+                            rows.append(_row(direction, rtt, name, wall, cpu, nbytes, args.busy))
+                            print(_line(rows[-1]), file=sys.stderr, flush=True)
             finally:
                 if proxy is not None:
                     proxy.kill()
@@ -177,9 +247,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _row(direction: str, rtt: int, method: str, wall: float, cpu: float,
-         nbytes: int) -> dict[str, Any]:
+         nbytes: int, busy: int) -> dict[str, Any]:
     return {"direction": direction, "rtt_ms": rtt, "method": method, "seconds": wall,
-            "mb_s": nbytes / wall / 1e6, "cpu_s_per_gb": cpu / (nbytes / 1e9), "bytes": nbytes}
+            "mb_s": nbytes / wall / 1e6, "cpu_s_per_gb": cpu / (nbytes / 1e9), "bytes": nbytes,
+            "busy": busy}
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -187,10 +258,35 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['seconds']:7.2f} s {r['mb_s']:8.1f} MB/s {r['cpu_s_per_gb']:6.2f} CPU-s/GB")
 
 
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per direction, RTT and method: the median of its runs' seconds and CPU
+    (``runs``: how many; ``seconds_all``: each run's, in order)."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["direction"], r["rtt_ms"], r["method"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        wall = statistics.median(r["seconds"] for r in runs)
+        cpu_gb = statistics.median(r["cpu_s_per_gb"] for r in runs)
+        nbytes = runs[0]["bytes"]
+        out.append({**runs[0], "seconds": wall, "mb_s": nbytes / wall / 1e6,
+                    "cpu_s_per_gb": cpu_gb, "runs": len(runs),
+                    "seconds_all": [r["seconds"] for r in runs]})
+    return out
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """The table, then ``copy-back rtt=50ms 1 stream: 1.07x scp`` lines (and CPU ratios)."""
+    """The table, then ``copy-back rtt=50ms 1 stream: 1.07x scp`` lines (and CPU ratios),
+    of each method's median run."""
+    rows = medians(rows)
     lines = [_line(r) for r in rows]
     for r in rows:
+        if r["method"] == "asyncssh":  # what one plain asyncssh channel does, for reference
+            (scp,) = [s for s in rows if s["method"] == "scp" and
+                      s["direction"] == r["direction"] and s["rtt_ms"] == r["rtt_ms"]]
+            lines.append(f"copy-{r['direction']} rtt={r['rtt_ms']}ms asyncssh 1 channel: "
+                         f"{scp['seconds'] / r['seconds']:.2f}x scp, "
+                         f"CPU {r['cpu_s_per_gb'] / scp['cpu_s_per_gb']:.2f}x scp's")
         if not r["method"].startswith("xffl "):
             continue
         (scp,) = [s for s in rows if s["method"] == "scp" and s["direction"] == r["direction"]
@@ -211,18 +307,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--stack-dir", default=None, help="the test stack's folder")
     p.add_argument("--no-cp", action="store_true")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every method (the "
+                   "ratios compare medians)")
+    p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU "
+                   "during each copy")
+    p.add_argument("--methods", nargs="+", default=None, help="only these (scp, rsync, "
+                   "'xffl N')")
     p.add_argument("--json", action="store_true")
     for name in ("--direction", "--port", "--user", "--key", "--known-hosts", "--src",
                  "--dst"):
         p.add_argument(name, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         args.streams = int(args.streams[0])
-        _child_copy(args)
+        (_child_raw if args.raw else _child_copy)(args)
         return 0
     rows = run(args)
-    print(json.dumps(rows, indent=1) if args.json else "\n".join(summary(rows)))
+    print(json.dumps(medians(rows), indent=1) if args.json else "\n".join(summary(rows)))
     return 0
 
 

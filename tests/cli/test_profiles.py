@@ -202,3 +202,21 @@ def test_an_unknown_profile_names_where_to_write_it(tmp_path: Path,
     here.write_text(yaml.safe_dump({"name": "mysite", "connector": {"type": "local"}}))
     shown = runner.invoke(app, ["profiles", "show", "mysite", "--json"])
     assert shown.exit_code == 0, shown.output
+
+
+@pytest.mark.parametrize("case", ["profile_transfer_streams_zero",
+                                  "profile_transfer_streams_absurd"])
+def test_check_refuses_absurd_transfer_streams(case: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profiles check` reads the profile first: transfer.streams 0 or 1000 is one line, exit 2
+    (before any connection; `validate` and `submit` are the bad-input corpus's)."""
+    corpus = Path(__file__).resolve().parent / "bad_inputs" / case
+    (tmp_path / "site_profiles").mkdir()
+    profile = tmp_path / "site_profiles" / "mine.yaml"
+    profile.write_text((corpus / "site_profiles" / "mine.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["profiles", "check", "mine"])
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.strip()]
+    expect = yaml.safe_load((corpus / "expect.yaml").read_text())
+    assert str(profile.resolve()) in line and f"field {expect['field']}: " in line, line

@@ -1,9 +1,11 @@
 """xffl-ssh against StreamFlow's SSH connector: hostile tar streams, job folders, host keys.
 
-The tar tests feed crafted streams (what a compromised facility account can send in place of
-``tar chf -``) to upstream's ``extract_tar_stream`` and to xffl's ``safe_extract``; the stack
-tests run the small cyclic workflow of tests/workflows/sf_fixtures/ with site b behind
-cluster beta's login node through each connector.
+The tar test feeds crafted streams (what a compromised facility account can send in place of
+``tar chf -``) to upstream's ``extract_tar_stream`` (xffl-ssh takes no tar stream: its checked
+copies are attacked in tests/workflows/extensions/test_copies.py); the caps test sizes a copy
+by the run's global and lists one over it; the stack tests run the small cyclic workflow of
+tests/workflows/sf_fixtures/ with site b behind cluster beta's login node through each
+connector.
 """
 
 from __future__ import annotations
@@ -18,14 +20,13 @@ from typing import Any
 import pytest
 
 from tests.workflows.extensions.test_plugin import final_global, run_rounds
-from xffl.workflows.extensions.ssh import (
+from xffl.workflows.extensions.caps import (
     COPY_SLACK_BYTES,
     COPY_SLACK_MEMBERS,
     CopyCaps,
-    UnsafeArchive,
     reference_caps,
-    safe_extract,
 )
+from xffl.workflows.extensions.copies import CopyRefused, check_listing
 
 
 class _Stream:
@@ -72,62 +73,6 @@ def _extract(fn: Any, data: bytes, dst: Path, *args: Any) -> None:
     asyncio.run(run())
 
 
-def test_a_checkpoint_copy_is_extracted(tmp_path: Path) -> None:
-    dst = tmp_path / "update"
-    data = _tar([(_entry("update", tarfile.DIRTYPE)[0], None), _file("update/model.bin", b"w" * 9),
-                 _file("update/manifest.json", b"{}")])
-    _extract(safe_extract, data, dst)
-    assert sorted(p.name for p in dst.iterdir()) == ["manifest.json", "model.bin"]
-    assert (dst / "model.bin").read_bytes() == b"w" * 9
-    assert stat.S_IMODE((dst / "model.bin").stat().st_mode) == 0o600  # owner-only
-
-
-@pytest.mark.parametrize(("member", "why"), [
-    (_file("update/../../escaped.txt"), "not a path under update"),
-    (_file("/tmp/xffl-absolute.txt"), "not a path under update"),
-    (_file("other/file.txt"), "not a path under update"),
-    (_entry("update/link", tarfile.SYMTYPE, "/etc"), "not a regular file or folder"),
-    (_entry("update/hard", tarfile.LNKTYPE, "/etc/passwd"), "not a regular file or folder"),
-    (_entry("update/fifo", tarfile.FIFOTYPE), "not a regular file or folder"),
-    (_entry("update/dev", tarfile.CHRTYPE), "not a regular file or folder"),
-], ids=["dotdot", "absolute", "outside", "symlink", "hardlink", "fifo", "device"])
-def test_a_hostile_member_is_refused(tmp_path: Path, member: Any, why: str) -> None:
-    dst = tmp_path / "job" / "update"
-    dst.mkdir(parents=True)
-    with pytest.raises(UnsafeArchive, match=why):
-        _extract(safe_extract, _tar([member]), dst)
-    assert list(dst.iterdir()) == [] and not (tmp_path / "escaped.txt").exists()
-    assert not Path("/tmp/xffl-absolute.txt").exists()
-
-
-def test_a_copied_file_is_extracted(tmp_path: Path) -> None:
-    """A File output: the one member is the copied file, its destination a file path."""
-    from streamflow.deployment import aiotarstream
-
-    async def run() -> None:
-        async with aiotarstream.open(stream=_Stream(_tar([_file("probe.json", b"{}")])),
-                                     mode="r") as tar:
-            await safe_extract(tar, "/site/job/probe.json", str(tmp_path / "probe.json"),
-                               1 << 16)
-
-    asyncio.run(run())
-    assert (tmp_path / "probe.json").read_bytes() == b"{}"
-
-
-def test_the_size_of_a_copy_is_capped(tmp_path: Path) -> None:
-    data = _tar([_file("update/a", b"a" * 600), _file("update/b", b"b" * 600)])
-    with pytest.raises(UnsafeArchive, match="exceeds 1000 bytes"):
-        _extract(safe_extract, data, tmp_path / "update", CopyCaps(bytes=1000))
-
-
-def test_the_number_of_members_of_a_copy_is_capped(tmp_path: Path) -> None:
-    """Empty files cost no bytes, but each is a file (an inode, a tar header) at the end."""
-    data = _tar([_file(f"update/{i}", b"") for i in range(11)])
-    with pytest.raises(UnsafeArchive, match="more than 10 files and folders"):
-        _extract(safe_extract, data, tmp_path / "update", CopyCaps(members=10))
-    assert len(list((tmp_path / "update").iterdir())) == 10  # refused at the 11th
-
-
 def test_the_caps_follow_the_size_of_the_runs_global(tmp_path: Path) -> None:
     """copyFactor x the round-0 global (+ room for JSON files), never above the ceiling."""
     glob = tmp_path / "rounds" / "0" / "global"
@@ -141,32 +86,18 @@ def test_the_caps_follow_the_size_of_the_runs_global(tmp_path: Path) -> None:
     assert reference_caps(str(glob), 4.0, CopyCaps(bytes=100, members=5)) == \
         CopyCaps(bytes=100, members=5)
     assert reference_caps(str(tmp_path / "none"), 4.0, ceiling) == ceiling
-    # an update twice the global's factor is refused, one within it extracted
-    big = _tar([_file("update/model.safetensors", b"w" * (caps.bytes + 1))])
-    with pytest.raises(UnsafeArchive, match=f"exceeds {caps.bytes} bytes"):
-        _extract(safe_extract, big, tmp_path / "big", caps)
-    _extract(safe_extract, _tar([_file("update/model.safetensors", b"w" * 4000)]),
-             tmp_path / "ok", caps)
-    assert (tmp_path / "ok" / "model.safetensors").stat().st_size == 4000
-
-
-def test_a_link_on_disk_in_the_destination_is_not_followed(tmp_path: Path) -> None:
-    """A folder in the destination that is a link to elsewhere (put there by anyone who could
-    write it) would carry a plain, well-named member out of the destination."""
-    dst = tmp_path / "job" / "update"
-    dst.mkdir(parents=True)
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (dst / "sub").symlink_to(outside)
-    for member in (_file("update/sub/model.bin", b"owned"),
-                   (_entry("update/sub/deeper", tarfile.DIRTYPE)[0], None)):
-        with pytest.raises(UnsafeArchive, match="a link on its way leads outside"):
-            _extract(safe_extract, _tar([member]), dst)
-    assert list(outside.iterdir()) == []
+    # an update over the global's factor is refused before a byte is written, one within it
+    # is listed for the copy
+    with pytest.raises(CopyRefused, match=f"exceeds {caps.bytes} bytes"):
+        check_listing(b"d 0 \0f %d model.safetensors\0" % (caps.bytes + 1), "update",
+                      caps.bytes, caps.members)
+    assert check_listing(b"d 0 \0f 4000 model.safetensors\0", "update", caps.bytes,
+                         caps.members).bytes == 4000
 
 
 def test_upstream_extracts_outside_the_destination_and_creates_links(tmp_path: Path) -> None:
-    """The upstream defect xffl-ssh fixes, shown on the same streams."""
+    """The upstream defect xffl-ssh's checked copies fix (a site's listing with ``..`` or a
+    link is refused in tests/workflows/extensions/test_copies.py)."""
     from streamflow.deployment.connector.base import extract_tar_stream
 
     dst = tmp_path / "job" / "update"

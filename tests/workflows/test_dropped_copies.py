@@ -2,14 +2,17 @@
 
 Beta's login is reached through bench/transfer/proxy.py at 2 MB/s, so that copying its
 12.6 MB update (or the round's global) takes seconds; the test SIGKILLs the sshd session
-process serving that copy (``tail`` of the update at the site, ``dd`` of the global there)
-1.5 s after it started (~3 MB in). With the default failure policy (``failure.retries``
-0) the round completes, beta's SLURM job ran once, the copy resumed (the update back from
-what had arrived), and the global is bitwise the one of an uninterrupted run of the job.
+process serving that copy (``head`` of the update at the site, ``dd`` of the global there)
+1.5 s after it started (~3 MB in), while ``xffl watch`` and ``xffl status`` show it.
+With the default failure policy (``failure.retries`` 0) the round completes, beta's SLURM
+job ran once, the copy resumed (the update back from what had arrived), and the global is
+bitwise the one of an uninterrupted run of the job.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import re
 import subprocess
@@ -91,32 +94,69 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory,
     return verify_checkpoint(Path(status["run_dir"]) / "rounds" / "1" / "global").digest()
 
 
+XFFL = str(Path(sys.executable).parent / "xffl")
+
+
+def _status_in_flight(direction: str, deadline: float) -> list[str]:
+    """What `xffl status` and `xffl status --json` print once both show beta's copy in
+    ``direction`` in flight with some bytes moved (read again until then: a copy just
+    started, or just resumed from nothing, has none yet), or the last they printed."""
+    printed: list[str] = []
+    while time.monotonic() < deadline:
+        procs = [subprocess.Popen([XFFL, "status", "last", "--no-live", *opts],
+                                  stdout=subprocess.PIPE, text=True)
+                 for opts in ([], ["--json"])]
+        printed = [p.communicate(timeout=60)[0] for p in procs]
+        with contextlib.suppress(ValueError):
+            copies = json.loads(printed[1])["copies"]
+            if any(c["direction"] == direction and c["bytes"] > 0 for c in copies) \
+                    and "copies in flight" in printed[0]:
+                break
+    return printed
+
+
 def _run_with_a_drop(tmp_path: Path, stack: Any, port: int, name: str,
-                     words: tuple[str, ...]) -> tuple[dict[str, Any], str, str]:
+                     words: tuple[str, ...], direction: str
+                     ) -> tuple[dict[str, Any], str, list[str]]:
     """Submit the job (beta through the proxy); once a command with ``words`` runs, start
-    `xffl watch` and kill the session serving that command 1.5 s later; (the run's status,
-    the killed session's command line, what `xffl watch` printed meanwhile)."""
+    `xffl watch` and `xffl status` (:func:`_status_in_flight`), and kill the session serving
+    that command 1.5 s later; (the run's status, the killed session's command line, what
+    `xffl watch`, `xffl status` and `xffl status --json` printed meanwhile)."""
     killed: list[str] = []
-    watched: list[str] = []
+    seen: list[str] = []
 
     def drop() -> None:
         deadline = time.monotonic() + 240
         while session_serving(*words) is None:
             assert time.monotonic() < deadline, f"no command with {words} ran"
             time.sleep(0.02)
-        watch = subprocess.Popen([str(Path(sys.executable).parent / "xffl"), "watch", "last",
-                                  "--timeout", "3"], stdout=subprocess.PIPE, text=True)
-        killed.append(kill_session_serving(*words, timeout=5, after=1.5))
-        watched.append(watch.communicate(timeout=60)[0])
+        watch = subprocess.Popen([XFFL, "watch", "last", "--timeout", "3"],
+                                 stdout=subprocess.PIPE, text=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            status = pool.submit(_status_in_flight, direction, time.monotonic() + 60)
+            killed.append(kill_session_serving(*words, timeout=5, after=1.5))
+            seen.extend([watch.communicate(timeout=60)[0], *status.result(timeout=120)])
 
     killer = threading.Thread(target=drop, daemon=True)
     killer.start()
     result = runner.invoke(app, ["submit", str(_job(tmp_path, stack, name, port)), "--wait",
                                  "--json"])
-    killer.join(timeout=60)
-    assert killed and watched, "the copy was never seen in flight"
+    killer.join(timeout=120)
+    assert killed and seen, "the copy was never seen in flight"
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), killed[0], watched[0]
+    return json.loads(result.stdout), killed[0], seen
+
+
+def _check_progress(seen: list[str], direction: str, line: str) -> None:
+    """`xffl watch` printed ``line`` (bytes so far of the 12.8 MB, MB/s); `xffl status`
+    showed beta's copy in flight in its table and in --json: bytes so far, MB/s, ETA."""
+    watched, table, data = seen
+    assert re.search(line, watched), watched
+    what = "update back" if direction == "out" else "global out"
+    assert re.search(rf"^beta\t{what}\t[\d.]+\t12\.8\t[\d.]+\t\d+$", table, re.M), table
+    (copy,) = [c for c in json.loads(data)["copies"] if c["direction"] == direction]
+    assert copy["site"] == "beta" and 0 < copy["bytes"] < copy["total"], copy
+    assert 12.7e6 < copy["total"] < 12.9e6 and copy["mb_s"] > 0 and copy["eta_s"] > 0, copy
 
 
 def _check(status: dict[str, Any], stack: Any, digest: str) -> str:
@@ -131,6 +171,15 @@ def _check(status: dict[str, Any], stack: Any, digest: str) -> str:
     assert jobs == ["COMPLETED"]
     run_dir = Path(status["run_dir"])
     assert verify_checkpoint(run_dir / "rounds" / "1" / "global").digest() == digest
+    # the registry kept each finished copy of beta's: the global out, the update back, each
+    # with its bytes (the 12.8 MB, JSON files included), seconds and MB/s; none in flight
+    assert status["copies"] == []
+    moved = {t["direction"]: t for t in status["transfers"]
+             if t["site"] == "beta" and t["round"] == 1 and (t["bytes"] or 0) > 12e6}
+    assert set(moved) == {"in", "out"}, status["transfers"]
+    for t in moved.values():
+        assert t["bytes"] < 12.9e6 and t["seconds"] > 0, t
+        assert t["mb_s"] == pytest.approx(t["bytes"] / t["seconds"] / 1e6, rel=1e-9), t
     return RunLayout(run_dir).streamflow_log.read_text(errors="replace")
 
 
@@ -140,11 +189,11 @@ def test_a_copy_back_survives_a_killed_sshd_session(
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
-    status, session, watched = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
-                                                ("tail -c", work, "model.safetensors"))
+    status, session, seen = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
+                                             ("head -c", work, "model.safetensors"), "out")
     assert "@" in session
-    # `xffl watch` showed the update coming back: bytes so far, MB/s, ETA
-    assert re.search(r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s", watched), watched
+    # `xffl watch` and `xffl status` showed the update coming back: bytes so far, MB/s, ETA
+    _check_progress(seen, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
     log = _check(status, slurm_stack, uninterrupted)
     # it went on from what had arrived (a prefix whose SHA-256 matched at the site)
     resumed = re.findall(r"RESUMING copy of .*: model\.safetensors bytes 0\+(\d+) from (\d+)", log)
@@ -157,9 +206,9 @@ def test_a_copy_out_survives_a_killed_sshd_session(
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
-    status, session, watched = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropout",
-                                                ("dd of=", work, "model.safetensors"))
+    status, session, seen = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropout",
+                                             ("dd of=", work, "model.safetensors"), "in")
     assert "@" in session
-    assert re.search(r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s", watched), watched
+    _check_progress(seen, "in", r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
     log = _check(status, slurm_stack, uninterrupted)
     assert "dropped" in log and "attempt 2 of 6" in log, log[-3000:]

@@ -8,10 +8,14 @@ a byte range of a large one) that move over ``streams`` concurrent channels:
 * site -> coordinator: one ``find`` lists the copied path (``f SIZE NAME``/``d 0 NAME``,
   NUL-separated); the list is checked before anything is written (:func:`check_listing`:
   regular files and folders under the copied path only, within the copy's caps); each
-  piece is then ``tail -c +START FILE | head -c LENGTH``, written at its offset into a file
+  piece is then ``head -c LENGTH FILE`` (``tail -c +START FILE | head -c LENGTH`` from
+  within the file), written at its offset into a file
   created without following links, and never longer than the listing said;
-* coordinator -> site: one command makes the folders and sizes the files (``umask 077``),
-  then each piece is written by ``dd ... seek=START oflag=seek_bytes conv=notrunc``.
+* coordinator -> site: one ``sh -s`` script makes the folders, sizes the files and carries
+  the small ones (a checkpoint's JSON files, base64) (``umask 077``), beside the pieces,
+  each written by ``dd ... seek=START oflag=seek_bytes conv=notrunc`` once its folder is
+  made (every remote command costs round trips and a login's start: the small files would
+  otherwise cost one each, and a one-stream copy waits for them in turn).
 
 When a channel or the connection drops (a killed sshd, a reset link), each unfinished piece
 is resumed from what arrived, once the prefix is shown equal on both sides (SHA-256 of
@@ -211,9 +215,11 @@ class Copier:
         raise AssertionError("unreachable")
 
     async def run(self, what: str, todo: Sequence[Piece],
-                  move: Callable[[Piece], Any], verify: Callable[[Piece], Any]) -> None:
-        """Move every piece; after a drop, verify each started piece's prefix, then go on."""
-        self.progress.total = sum(p.length for p in todo)
+                  move: Callable[[Piece], Any], verify: Callable[[Piece], Any],
+                  beside: int = 0) -> None:
+        """Move every piece; after a drop, verify each started piece's prefix, then go on
+        (``beside``: bytes of the same copy that move otherwise, counted in its total)."""
+        self.progress.total = sum(p.length for p in todo) + beside
         first = True
 
         async def attempt() -> None:

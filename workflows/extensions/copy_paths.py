@@ -7,6 +7,9 @@ see :mod:`xffl.workflows.extensions.copies` for the commands run at the site.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import os
 import posixpath
 import shlex
@@ -32,6 +35,10 @@ from xffl.workflows.extensions.copies import (
 FIND = (r"find -L {src} \( -type d -printf 'd 0 %P\0' \) -o \( -type f -printf 'f %s %P\0' \)"
         r" -o -printf 'x 0 %P\0'")
 _NOFOLLOW_WRITE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+# a file out to a site this small travels inside the setup script (a checkpoint's JSON files)
+INLINE_FILE_BYTES = 1 << 20
+INLINE_TOTAL_BYTES = 4 << 20
+_END = "XFFL_END_OF_FILE"
 
 
 def _inside(path: str, real_dst: str) -> bool:
@@ -77,10 +84,13 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
             if p.length == 0:
                 return
             fd, pos = fds[p.rel], p.start + p.done
-            left = p.length - p.done
-            command = f"tail -c +{pos + 1} {shlex.quote(join(src, p.rel))} | head -c {left}"
+            left, path = p.length - p.done, shlex.quote(join(src, p.rel))
+            # one process at the site where the piece starts at the file's start
+            command = f"head -c {left} -- {path}" if pos == 0 else \
+                f"tail -c +{pos + 1} -- {path} | head -c {left}"
             async with copier.open_process(command, False) as proc:
                 while p.done < p.length:
+                    # what has arrived (asyncssh's readexactly costs 2.5x the CPU per GB)
                     chunk = await copier.bounded(proc.stdout.read(copier.buffer_size))
                     if not chunk:
                         break
@@ -110,9 +120,24 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
     return listing
 
 
-def _setup_script(listing: Listing, dst: str, executable: list[str]) -> str:
-    """The sh script that makes ``dst``'s folders and sizes its files, owner-only (the
-    ``executable`` ones 0700, as upstream's ``tar xpf`` keeps a mode)."""
+def _inline(listing: Listing) -> list[str]:
+    """The files small enough to travel inside the setup script (the JSON files of a
+    checkpoint), at most ``INLINE_TOTAL_BYTES`` in all: no channel of their own, whose
+    opening and closing cost more round trips than their bytes."""
+    out, total = [], 0
+    for rel, size in sorted(listing.files.items(), key=lambda kv: kv[1]):
+        if size > INLINE_FILE_BYTES or total + size > INLINE_TOTAL_BYTES:
+            break
+        out.append(rel)
+        total += size
+    return out
+
+
+def _setup_script(listing: Listing, dst: str, executable: list[str],
+                  inline: dict[str, bytes]) -> str:
+    """The sh script that makes ``dst``'s folders, sizes its files and writes the
+    ``inline`` ones (base64 in a here-document), owner-only (the ``executable`` ones 0700, as
+    upstream's ``tar xpf`` keeps a mode)."""
     q = shlex.quote
     lines = ["set -e", "umask 077",
              f"mkdir -p -- {q(posixpath.dirname(dst) or '/')}"]
@@ -120,18 +145,39 @@ def _setup_script(listing: Listing, dst: str, executable: list[str]) -> str:
         lines.append(f"mkdir -p -- {q(dst)}")
     lines += [f"mkdir -p -- {q(join(dst, d))}" for d in sorted(listing.dirs)]
     lines += [f"truncate -s {size} -- {q(join(dst, rel))}"
-              for rel, size in listing.files.items()]
+              for rel, size in listing.files.items() if rel not in inline]
+    for rel, data in inline.items():  # base64 never holds the line that ends it
+        lines += [f"base64 -d > {q(join(dst, rel))} <<'{_END}'",
+                  base64.encodebytes(data).decode("ascii").rstrip("\n"), _END]
     lines += [f"chmod 700 -- {q(join(dst, rel))}" for rel in executable]
     return "\n".join(lines) + "\n"
 
 
+async def destination(copier: Copier, src: str, dst: str) -> str:
+    """Where the copy of ``src`` goes: ``dst/basename(src)`` when ``dst`` is a folder at the
+    site, else ``dst`` (upstream's ``get_local_to_remote_destination``, asked on a channel
+    of its own rather than through the persistent shell: a round trip, not a shell start)."""
+    out = await copier.retrying(f"{src} to {dst} at the site", lambda: copier.output(
+        f"if test -d {shlex.quote(dst)}; then echo folder; fi"))
+    return posixpath.join(dst, os.path.basename(src)) if out.strip() == b"folder" else dst
+
+
 async def upload(copier: Copier, src: str, dst: str) -> Listing:
-    """Copy the local ``src`` (a file or folder) to the site's ``dst``; return its listing."""
+    """Copy the local ``src`` (a file or folder) to the site's ``dst``; return its listing.
+
+    The setup script (folders, sizes, the small files) runs beside the pieces: each piece
+    makes its own folder first."""
     what = f"{src} to {dst} at the site"
     listing = local_listing(src)
     paths = {rel: os.path.join(src, *rel.split("/")) if rel else src for rel in listing.files}
     executable = [rel for rel, path in paths.items() if os.stat(path).st_mode & 0o100]
-    script = _setup_script(listing, dst, executable).encode()
+    inline = {}
+    for rel in _inline(listing):
+        with open(paths[rel], "rb") as f:
+            inline[rel] = f.read(INLINE_FILE_BYTES + 1)
+        if len(inline[rel]) != listing.files[rel]:
+            raise CopyInterrupted(f"{paths[rel]} changed size while it was copied")
+    script = _setup_script(listing, dst, executable, inline).encode()
 
     async def setup() -> None:
         async with copier.open_process("sh -s", True) as proc:
@@ -140,16 +186,20 @@ async def upload(copier: Copier, src: str, dst: str) -> Listing:
             status = await copier.bounded(proc.wait())
         if status.exit_status != 0:
             raise CopyInterrupted(f"making the folders of {dst} exited {status.exit_status}")
+        copier.progress.moved += sum(map(len, inline.values()))
 
-    await copier.retrying(what, setup)
-    async with closing_fds(paths, os.O_RDONLY) as fds:
+    made = asyncio.ensure_future(copier.retrying(what, setup))
+    todo = pieces({r: n for r, n in listing.files.items() if r not in inline}, copier.streams)
+    async with closing_fds({p.rel: paths[p.rel] for p in todo}, os.O_RDONLY) as fds:
 
         async def move(p: Piece) -> None:
             if p.length == 0:
                 return
             fd, pos = fds[p.rel], p.start + p.done
-            command = (f"dd of={shlex.quote(join(dst, p.rel))} bs=4M seek={pos} "
-                       "oflag=seek_bytes conv=notrunc status=none")
+            target = join(dst, p.rel)  # its folder may not be made yet: the setup is beside
+            command = (f"umask 077 && mkdir -p -- {shlex.quote(posixpath.dirname(target))} && "
+                       f"exec dd of={shlex.quote(target)} bs=4M seek={pos} oflag=seek_bytes "
+                       "conv=notrunc status=none")
             async with copier.open_process(command, True) as proc:
                 while p.done < p.length:
                     chunk = os.pread(fd, min(copier.buffer_size, p.length - p.done),
@@ -175,5 +225,11 @@ async def upload(copier: Copier, src: str, dst: str) -> Listing:
             copier.progress.moved -= p.done - (keep if same else 0)
             p.done = keep if same else 0
 
-        await copier.run(what, pieces(listing.files, copier.streams), move, verify)
+        try:
+            await copier.run(what, todo, move, verify, beside=sum(map(len, inline.values())))
+            await made
+        finally:
+            made.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await made
     return listing

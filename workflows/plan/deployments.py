@@ -177,7 +177,7 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
                {"sshKey": login["sshKey"]} if "sshKey" in login else {})}
     if conn.known_hosts is not None:  # StreamFlow checks the host key as xffl does
         login["knownHosts"] = str(Path(conn.known_hosts).expanduser())
-    deployments: dict[str, Any] = {  # xffl-ssh: safe extraction, owner-only job folders
+    deployments: dict[str, Any] = {  # xffl-ssh: checked copies, owner-only job folders
         f"login-{site}": {"type": SSH_CONNECTOR, "config": login, "workdir": workdir},
     }
     if profile.slurm is None:

@@ -23,7 +23,12 @@ from xffl.workflows.extensions.copies import (
     check_listing,
     pieces,
 )
-from xffl.workflows.extensions.copy_paths import _local_targets, download, upload
+from xffl.workflows.extensions.copy_paths import (
+    INLINE_FILE_BYTES,
+    _local_targets,
+    download,
+    upload,
+)
 
 
 class _Status:
@@ -66,7 +71,8 @@ def _copier(path: str | None = None, streams: int = 2) -> Copier:
 
 def _tree(root: Path) -> Path:
     (root / "sub").mkdir(parents=True)
-    (root / "model.safetensors").write_bytes(os.urandom(300_000))
+    # a piece of its own out to a site (over INLINE_FILE_BYTES); the rest travel in the setup
+    (root / "model.safetensors").write_bytes(os.urandom(INLINE_FILE_BYTES + 300_000))
     (root / "sub" / "config.json").write_text("{}")
     (root / "empty").write_bytes(b"")
     (root / "run.sh").write_text("#!/bin/sh\n")
@@ -87,12 +93,25 @@ def _same(a: Path, b: Path, modes: bool) -> None:
 
 def test_a_folder_goes_there_and_back(tmp_path: Path) -> None:
     src = _tree(tmp_path / "src")
-    asyncio.run(upload(_copier(), str(src), str(tmp_path / "site" / "global")))
+    copier = _copier()
+    asyncio.run(upload(copier, str(src), str(tmp_path / "site" / "global")))
+    # the small files went inside the setup script, beside the one piece: all counted
+    assert copier.progress.moved == copier.progress.total == INLINE_FILE_BYTES + 300_012
     _same(src, tmp_path / "site" / "global", modes=True)
     got = asyncio.run(download(_copier(streams=1), str(tmp_path / "site" / "global"),
                                str(tmp_path / "back"), 1 << 30, 100))
-    assert got.bytes == 300_012
+    assert got.bytes == INLINE_FILE_BYTES + 300_012
     _same(src, tmp_path / "back", modes=False)
+
+
+def test_a_copied_file_is_a_file_at_its_destination(tmp_path: Path) -> None:
+    """A File output (a job's probe.json): the listing's one entry is the copied path."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "probe.json").write_text("{}")
+    got = asyncio.run(download(_copier(), str(tmp_path / "site" / "probe.json"),
+                               str(tmp_path / "probe.json"), 1 << 30, 100))
+    assert got.files == {"": 2} and (tmp_path / "probe.json").read_text() == "{}"
+    assert (tmp_path / "probe.json").stat().st_mode & 0o077 == 0
 
 
 def test_a_large_file_moves_as_ranges_over_the_streams() -> None:
@@ -137,7 +156,9 @@ def test_a_site_that_sends_more_than_it_listed_is_refused(tmp_path: Path) -> Non
     src = _tree(tmp_path / "site")
     bin_dir = tmp_path / "bin"  # the account's `head` ignores its limit
     bin_dir.mkdir()
-    (bin_dir / "head").write_text("#!/bin/sh\ncat; printf 'more bytes than listed'\n")
+    (bin_dir / "head").write_text(  # its file (the last argument) or stdin, and then more
+        '#!/bin/sh\nfor f; do :; done\nif [ -f "$f" ]; then cat -- "$f"; else cat; fi\n'
+        "printf 'more bytes than listed'\n")
     (bin_dir / "head").chmod(0o700)
     with pytest.raises(CopyRefused, match="sent more than the"):
         asyncio.run(download(_copier(str(bin_dir), streams=1), str(src),

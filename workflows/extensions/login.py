@@ -1,0 +1,87 @@
+"""StreamFlow's SSH connector on a login node whose shell prints before each command.
+
+StreamFlow 0.2.0rc3's ``SSHConnector`` reads what the account's login shell prints before
+the command (a ``.bashrc`` that loads modules, two ``pyenv rehash`` racing: ``rm: cannot
+remove '.../shims/tmp.X'``) as the command's output. The hardware probe
+(``_get_available_location``, stderr merged into stdout) then fails the deployment with
+"Impossible to retrieve available hardware", and the persistent shell hands that text to its
+first command (``sbatch --parsable``'s job id included). Here the probe reads only what
+follows a marker, with the probe's own stderr discarded; a new shell's own stderr is
+discarded and its stdout read up to a first marker before it is used. The persistent shell
+stays on the login node even with a ``dataTransferConnection`` (upstream opens it there).
+``tests/workflows/extensions/test_login.py`` shows upstream's behaviour beside this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from collections.abc import MutableSequence
+
+from streamflow.core.deployment import ExecutionLocation, Shell
+from streamflow.core.exception import WorkflowExecutionException
+from streamflow.core.scheduling import Hardware, Storage
+from streamflow.deployment.connector.base import FS_TYPES_TO_SKIP
+from streamflow.deployment.connector.ssh import SSHConnector, SSHShell
+
+# upstream's hardware probe (cores, memory in KiB, then "mount type KiB" per file system)
+_PROBE = ("nproc && free | grep Mem | awk '{print $2}' && df -aT | tail -n +2 | "
+          "awk 'NF == 1 {device = $1; getline; $0 = device $0} {print $7, $2, $5}'")
+_MARK = "XFFL_OUTPUT_FOLLOWS"
+SHELL_START_TIMEOUT_S = 60  # for a login shell to get through its start-up files
+
+
+class LoginShellConnector(SSHConnector):
+    """SSHConnector whose hardware probe and persistent shell skip the login shell's noise."""
+
+    async def _get_available_location(self, location: str) -> Hardware:
+        """Upstream's hardware probe, read from a marker on: login-shell noise is not hardware."""
+        if location not in self.hardware:
+            async with self._get_ssh_client_process(
+                    location=location, command=f"echo {_MARK} && {_PROBE}",
+                    stderr=asyncio.subprocess.DEVNULL) as proc:
+                result = await proc.wait()
+            out = str(result.stdout)
+            if result.returncode != 0 or _MARK not in out:
+                raise WorkflowExecutionException(
+                    f"Impossible to retrieve available hardware for location "
+                    f"{self.deployment_name}: the probe exited {result.returncode}")
+            cores, memory, *mounts = out.split(_MARK, 1)[1].strip().split("\n")
+            try:
+                hardware = Hardware(float(cores), float(memory))
+            except ValueError:
+                raise WorkflowExecutionException(
+                    f"Impossible to retrieve available hardware for location "
+                    f"{self.deployment_name}: {cores!r} is not a number of cores") from None
+            for line in mounts:
+                mount_point, fs_type, size = ([*line.split(" "), "", ""])[:3]
+                if (mount_point == posixpath.sep or fs_type not in FS_TYPES_TO_SKIP) \
+                        and size.isdigit():
+                    hardware.storage[mount_point] = Storage(mount_point=mount_point,
+                                                            size=float(size) / 2**10)
+            self.hardware[location] = hardware
+        return self.hardware[location]
+
+    async def _create_shell(self, command: MutableSequence[str],
+                            location: ExecutionLocation) -> Shell:
+        """Upstream's persistent shell on the login node, less what the login shell prints
+        before it (upstream opens it on the data transfer node when there is one).
+
+        The shell's own stderr is dropped: only the login's start-up files write there (every
+        command the shell runs has ``2>&1``), and sshd may forward it after a command's
+        output. What they print on stdout comes first, in order, and is read away here.
+        """
+        # the login node's connection (upstream would take the data transfer node's)
+        context = self._get_ssh_client_process(
+            location=location.name, command=" ".join(command),
+            environment=location.environment, stderr=asyncio.subprocess.DEVNULL,
+            encoding=None)
+        shell: Shell = SSHShell(command=command, buffer_size=self.transferBufferSize,
+                                process=await context.__aenter__(), context=context)
+        try:
+            await shell.execute(["echo", _MARK], capture_output=True,
+                                timeout=SHELL_START_TIMEOUT_S)
+        except BaseException:
+            await shell.close()
+            raise
+        return shell
