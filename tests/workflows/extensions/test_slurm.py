@@ -162,9 +162,10 @@ def test_adopting_late_jobs_that_end_well_badly_never_or_too_late(
     work = f"{slurm_stack.clusters['beta'].work_dir}/late-{secrets.token_hex(3)}"
     layout = RunLayout(tmp_path)
 
-    def submit(folder: str, script: str) -> str:
+    def submit(folder: str, script: str, hold: bool = False) -> str:
         out = slurm_stack.ssh("beta", f"mkdir -p {work}/{folder} && cd {work}/{folder} && "
-                              f"sbatch --parsable --wrap '{script}'", timeout=20)
+                              f"sbatch --parsable {'--hold ' if hold else ''}--wrap '{script}'",
+                              timeout=20)
         assert out.stdout.strip().isdigit(), out
         return str(out.stdout.strip())
 
@@ -194,8 +195,9 @@ def test_adopting_late_jobs_that_end_well_badly_never_or_too_late(
                                job_name="adopt-c2", timeout=60)
             assert read_late(layout, "beta") is None
             # 3. still queued when the adopting step's deadline passes: left, still late
-            held = submit("h1", "sleep 300")
-            slurm_stack.ssh("beta", f"scontrol hold {held}", timeout=20)
+            # submitted held (sbatch --hold): a hold after submission races the scheduler,
+            # which may start the job on the idle node first
+            held = submit("h1", "sleep 300", hold=True)
             late(held, "h1")
             with pytest.raises(WorkflowExecutionException, match=f"SLURM job {held} left "):
                 await conn.run(loc, ["true", "--round", "2"], workdir=f"{work}/c2",
