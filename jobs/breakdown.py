@@ -59,6 +59,21 @@ def busy_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def round_starts(rounds: list[RoundRecord]) -> list[tuple[float, int]]:
+    """(start time, round) of the rounds that started, in time order."""
+    return sorted((r.started, r.round) for r in rounds if r.started is not None)
+
+
+def owning_round(starts: list[tuple[float, int]], at: float) -> int | None:
+    """The round during which ``at`` falls: the last of ``starts`` (:func:`round_starts`)
+    that started at or before it (None: before the first round)."""
+    owner = None
+    for started, rnd in starts:
+        if started <= at:
+            owner = rnd
+    return owner
+
+
 @dataclass
 class TransferTimes:
     """The recorded transfers of a run, attributed to the round during which each started."""
@@ -70,14 +85,11 @@ class TransferTimes:
     @classmethod
     def of(cls, transfers: list[Transfer], rounds: list[RoundRecord]) -> TransferTimes:
         """Rounds run one after the other: round r owns what started before round r+1."""
-        starts = sorted((r.started, r.round) for r in rounds if r.started is not None)
+        starts = round_starts(rounds)
         spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
         moved: dict[tuple[int, str, str], int] = {}
         for t in transfers:
-            owner = None
-            for started, rnd in starts:
-                if started <= t.started:
-                    owner = rnd
+            owner = owning_round(starts, t.started)
             if owner is not None:
                 spans.setdefault((owner, t.site), []).append((t.started, t.ended))
                 key = (owner, t.site, t.direction)

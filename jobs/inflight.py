@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.jobs.breakdown import owning_round, round_starts
 from xffl.jobs.records import RoundRecord, Transfer
 
 
@@ -73,15 +74,12 @@ class FinishedCopy:
 
 
 def finished_copies(transfers: list[Transfer], rounds: list[RoundRecord]) -> list[FinishedCopy]:
-    """The recorded copies, each with its round (the last that started before it did, as
-    :class:`xffl.jobs.breakdown.TransferTimes` counts them) and its MB/s."""
-    starts = sorted((r.started, r.round) for r in rounds if r.started is not None)
+    """The recorded copies, each with its round (:func:`owning_round`, as the round
+    breakdown counts them) and its MB/s."""
+    starts = round_starts(rounds)
     out = []
     for t in transfers:
-        owner = None
-        for started, rnd in starts:
-            if started <= t.started:
-                owner = rnd
+        owner = owning_round(starts, t.started)
         seconds = max(0.0, t.ended - t.started)
         rate = t.bytes / seconds / 1e6 if t.bytes and seconds > 0 else None
         out.append(FinishedCopy(owner, t.site, t.direction, t.bytes, seconds, rate))
