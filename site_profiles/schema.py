@@ -16,16 +16,11 @@ from pydantic import (
 )
 
 from xffl.core.names import check_name
-from xffl.core.validation import check_path_text
+from xffl.core.validation import PathText, check_path_text
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def _path(value: str | None) -> str | None:
-    """A path of the profile must be plain text: no control characters, no CWL expression."""
-    return None if value is None else check_path_text(value)
 
 
 class LocalConnector(_Strict):
@@ -40,9 +35,7 @@ class JumpHost(_Strict):
     host: str = Field(description="host name or a Host alias of ~/.ssh/config")
     port: int | None = Field(default=None, ge=1, le=65535)
     user: str | None = None
-    key_file: str | None = Field(default=None, description="identity file; null = ssh-agent")
-
-    _paths = field_validator("key_file")(_path)
+    key_file: PathText | None = Field(default=None, description="identity file; null = ssh-agent")
 
     @model_validator(mode="before")
     @classmethod
@@ -111,12 +104,12 @@ class SshConnector(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535,
                              description="null = ~/.ssh/config's Port, else 22")
     user: str | None = None
-    key_file: str | None = Field(default=None, description="identity file; null = ssh-agent")
-    certificate: str | None = Field(
+    key_file: PathText | None = Field(default=None, description="identity file; null = ssh-agent")
+    certificate: PathText | None = Field(
         default=None, description="OpenSSH certificate of key_file; null = KEY-cert.pub if "
         "it exists (or ~/.ssh/config's CertificateFile)")
     jump: JumpHost | None = Field(default=None, description="bastion ([user@]host[:port])")
-    known_hosts: str | None = Field(
+    known_hosts: PathText | None = Field(
         default=None, description="known_hosts for xffl's own connections (default ~/.ssh)"
     )
     ssh_config: bool = Field(default=True, description="read ~/.ssh/config for host aliases")
@@ -129,7 +122,6 @@ class SshConnector(_Strict):
         default=None, description="the command that renews the login credential (shown when "
         "it has expired), e.g. the facility's `step ssh certificate ...`")
 
-    _paths = field_validator("key_file", "known_hosts", "certificate")(_path)
 
 
 _SHELL_UNSAFE = set('"$`\\')
@@ -322,7 +314,7 @@ class SiteProfile(_Strict):
     launcher: Literal["torchrun", "srun", "none"] = Field(
         default="torchrun", description="how the training ranks are started inside a site job"
     )
-    python: str | None = Field(
+    python: PathText | None = Field(
         default=None,
         description="Python interpreter with xffl installed at the site; null = the coordinator's",
     )
@@ -336,7 +328,6 @@ class SiteProfile(_Strict):
         "text, exported shell-quoted (no $VAR or `...` expansion; use setup for that)")
 
     _name = field_validator("name")(check_name)
-    _paths = field_validator("python")(_path)
     _workdir_text = field_validator("workdir")(_workdir)
 
     def with_slurm(self, override: SlurmOverride | None) -> SiteProfile:
