@@ -217,10 +217,12 @@ def test_round_timeout_scancels_a_site_and_the_round_goes_on(
         tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
-    # the deadline leaves alpha's 2 steps ample time (its job takes ~6 s, 10 s with both
-    # cores busy) and beta none: beta's batch script sleeps before training
+    # the deadline leaves alpha's 2 steps ample time and beta none: beta's batch script
+    # sleeps before training. Alpha's round (copy-in, sbatch, torch start-up, 2 steps,
+    # copy-back) takes ~6 s idle, but once took over 30 s in CI with three test workers on
+    # 2 cores; the test waits out the deadline idle, so a wide one costs little
     job = _job(tmp_path, slurm_stack, "deadline", rounds=1, steps=2, min_sites=1,
-               round_timeout=30)
+               round_timeout=75)
     spec = yaml.safe_load(job.read_text())
     spec["sites"][1]["profile"] = write_profile(tmp_path / "site_profiles",
                                                 slurm_stack.clusters["beta"], slurm_stack,
