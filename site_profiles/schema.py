@@ -82,9 +82,13 @@ class SshTransfer(_Strict):
     buffer_size: int = Field(default=4 << 20, ge=4096, le=1 << 30,
                              description="bytes per read/write of a file transfer")
     streams: int = Field(default=4, ge=1, le=64, description="SSH channels one copy "
-                         "uses at once: a checkpoint's files (a large file's byte ranges) move "
-                         "side by side; one channel is bound by its window over the round "
-                         "trip")
+                         "uses at once, at most: a checkpoint's files (a large file's byte "
+                         "ranges) move side by side; one channel is bound by its window over "
+                         "the round trip")
+    streams_from_rtt: bool = Field(default=True, description="measure the round trip "
+                                   "before a copy and use fewer channels where one window "
+                                   "covers it (one up to 2 ms, all from 6.3 ms on); false "
+                                   "always uses `streams`")
     copy_factor: float = Field(
         default=4.0, ge=1, le=1000, description="one copy back from the site (an update) may "
         "hold this many times the files and bytes of the run's round-0 global, plus 64 MiB and "

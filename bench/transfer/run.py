@@ -7,7 +7,9 @@ RTT each way; ``tc netem`` is not available here) in front of cluster alpha's ss
 0 ms is the sshd port itself. Each copy runs as a child process of its own: its wall time
 gives MB/s, its CPU time (user + system, children included, from ``wait4``) the
 coordinator's CPU seconds per GB (the sshd serving it is the site's). xffl's copies run
-with 1, 2 and 4 streams (``transfer.streams``); ``asyncssh`` is the same copy as one plain
+with 1, 2 and 4 streams (``transfer.streams`` with ``streams_from_rtt: false``) and as a
+profile has them by default (``xffl``: at most 4 streams, as many as the measured round
+trip needs, one below 2 ms); ``asyncssh`` is the same copy as one plain
 asyncssh channel per file (``cat``, xffl-ssh's connection settings, none of xffl's
 protocol): what the library itself allows, to tell xffl's costs from asyncssh's. The
 update is ``--size-mib`` MiB of random bytes in one ``model.safetensors`` (``--shards N``: N
@@ -17,7 +19,8 @@ the CPU during each copy (the coordinator's CPU contended: the same for ``scp`` 
 xffl; this machine has 2 cores); ``--repeat N`` runs every method N times, interleaved, and
 compares medians. The last lines, one per direction, RTT and stream count, read::
 
-    copy-back rtt=50ms 1 stream: 1.07x scp
+    copy-back rtt=50ms 1 stream: 1.07x scp, CPU 0.98x scp's
+    copy-back rtt=50ms default (4 of 4 streams): 3.12x scp, CPU 0.71x scp's
 
     python bench/transfer/run.py                       # 1 GiB, rtt 0/20/50 ms
     python bench/transfer/run.py --shards 4 --rtt 50   # a sharded 4 GiB update at 50 ms
@@ -44,6 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 PROXY = Path(__file__).resolve().parent / "proxy.py"
 STREAMS = (1, 2, 4)
+DEFAULT_STREAMS = 4  # a profile's transfer.streams
 
 
 def _child_copy(args: argparse.Namespace) -> None:
@@ -58,7 +62,16 @@ def _child_copy(args: argparse.Namespace) -> None:
         conn = XfflSshConnector(deployment_name="bench", config_dir=tempfile.gettempdir(),
                                 nodes=[node], username=args.user, sshKey=args.key,
                                 knownHosts=args.known_hosts, transferBufferSize=4 << 20,
-                                copyStreams=args.streams, maxConnections=1 + args.streams // 8)
+                                copyStreams=args.streams, copyStreamsFromRtt=args.from_rtt,
+                                maxConnections=1 + args.streams // 8)
+        copiers: list[Any] = []  # each copy's copier: the streams it used
+        make = conn._copier
+
+        def copier(location: ExecutionLocation) -> Any:
+            copiers.append(make(location))
+            return copiers[-1]
+
+        conn._copier = copier  # type: ignore[method-assign]
         loc = ExecutionLocation(name=node, deployment="bench", local=False)
         if args.direction == "back":
             await conn.copy_remote_to_local(args.src, args.dst, loc)
@@ -66,7 +79,9 @@ def _child_copy(args: argparse.Namespace) -> None:
             await conn.copy_local_to_remote(args.src, args.dst, [loc])
         await conn.undeploy(False)
         print(json.dumps({"seconds": time.perf_counter() - start,
-                          "cpu": time.process_time() - cpu}))
+                          "cpu": time.process_time() - cpu,
+                          "streams": copiers[-1].streams}))  # the copy's (not the
+        # destination check's, a copy-out's first)
 
     asyncio.run(main())
 
@@ -111,9 +126,10 @@ def _child_raw(args: argparse.Namespace) -> None:
     asyncio.run(main())
 
 
-def _timed(argv: list[str]) -> tuple[float, float]:
-    """(wall s, CPU s of the process and its children) of ``argv``; it must exit 0. An xffl
-    child reports its own from its first connection on (a coordinator has xffl imported)."""
+def _timed(argv: list[str]) -> tuple[float, float, int | None]:
+    """(wall s, CPU s of the process and its children, streams used) of ``argv``; it must
+    exit 0. An xffl child reports its own from its first connection on (a coordinator has
+    xffl imported), and the streams its copy used."""
     start = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
@@ -126,8 +142,8 @@ def _timed(argv: list[str]) -> tuple[float, float]:
         said = out.read().decode().strip().splitlines()
     if "--child" in argv:
         own = json.loads(said[-1])
-        return float(own["seconds"]), float(own["cpu"])
-    return wall, usage.ru_utime + usage.ru_stime
+        return float(own["seconds"]), float(own["cpu"]), own.get("streams")
+    return wall, usage.ru_utime + usage.ru_stime, None
 
 
 def _ssh_opts(stack: Any, known_hosts: str) -> list[str]:
@@ -153,12 +169,13 @@ def _methods(stack: Any, port: int, known_hosts: str, direction: str, site: str,
                        "--known-hosts", known_hosts, "--streams", "1",
                        "--src", site if direction == "back" else here,
                        "--dst", here if direction == "back" else site]
-    for n in streams:
-        out[f"xffl {n}"] = [sys.executable, __file__, "--child", "--direction", direction,
-                            "--port", str(port), "--user", user, "--key", stack.ssh_key,
-                            "--known-hosts", known_hosts, "--streams", str(n),
-                            "--src", site if direction == "back" else here,
-                            "--dst", here if direction == "back" else site]
+    xffl = [sys.executable, __file__, "--child", "--direction", direction,
+            "--port", str(port), "--user", user, "--key", stack.ssh_key,
+            "--known-hosts", known_hosts, "--src", site if direction == "back" else here,
+            "--dst", here if direction == "back" else site]
+    out["xffl"] = [*xffl, "--streams", str(DEFAULT_STREAMS), "--from-rtt"]  # the default
+    for n in streams:  # a fixed number of streams (transfer.streams_from_rtt: false)
+        out[f"xffl {n}"] = [*xffl, "--streams", str(n)]
     return out
 
 
@@ -207,7 +224,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for direction in ("back", "out"):
                 src, dst = ((site_root / "update", work / "cp") if direction == "back"
                             else (work / "global", site_root / "cp"))
-                wall, cpu = _timed(["cp", "-r", str(src), str(dst)])
+                wall, cpu, _ = _timed(["cp", "-r", str(src), str(dst)])
                 shutil.rmtree(dst)
                 rows.append(_row(direction, 0, "cp", wall, cpu, nbytes, 0))
         for rtt in args.rtt:
@@ -233,8 +250,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             dst = Path(here if direction == "back" else site)
                             shutil.rmtree(dst, ignore_errors=True)
                             with _busy(args.busy):
-                                wall, cpu = _timed(argv)
-                            rows.append(_row(direction, rtt, name, wall, cpu, nbytes, args.busy))
+                                wall, cpu, used = _timed(argv)
+                            rows.append({**_row(direction, rtt, name, wall, cpu, nbytes,
+                                                args.busy), "streams_used": used})
                             print(_line(rows[-1]), file=sys.stderr, flush=True)
             finally:
                 if proxy is not None:
@@ -254,8 +272,10 @@ def _row(direction: str, rtt: int, method: str, wall: float, cpu: float,
 
 
 def _line(r: dict[str, Any]) -> str:
+    used = f" ({r['streams_used']} streams)" if r["method"] == "xffl" else ""
     return (f"copy-{r['direction']:<4} rtt={r['rtt_ms']:>2}ms {r['method']:<7} "
-            f"{r['seconds']:7.2f} s {r['mb_s']:8.1f} MB/s {r['cpu_s_per_gb']:6.2f} CPU-s/GB")
+            f"{r['seconds']:7.2f} s {r['mb_s']:8.1f} MB/s {r['cpu_s_per_gb']:6.2f} CPU-s/GB"
+            f"{used}")
 
 
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -287,13 +307,17 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"copy-{r['direction']} rtt={r['rtt_ms']}ms asyncssh 1 channel: "
                          f"{scp['seconds'] / r['seconds']:.2f}x scp, "
                          f"CPU {r['cpu_s_per_gb'] / scp['cpu_s_per_gb']:.2f}x scp's")
-        if not r["method"].startswith("xffl "):
+        if not r["method"].startswith("xffl"):
             continue
         (scp,) = [s for s in rows if s["method"] == "scp" and s["direction"] == r["direction"]
                   and s["rtt_ms"] == r["rtt_ms"]]
-        n = int(r["method"].split()[1])
-        lines.append(f"copy-{r['direction']} rtt={r['rtt_ms']}ms {n} stream"
-                     f"{'' if n == 1 else 's'}: {scp['seconds'] / r['seconds']:.2f}x scp, "
+        if r["method"] == "xffl":
+            what = f"default ({r['streams_used']} of {DEFAULT_STREAMS} streams)"
+        else:
+            n = int(r["method"].split()[1])
+            what = f"{n} stream{'' if n == 1 else 's'}"
+        lines.append(f"copy-{r['direction']} rtt={r['rtt_ms']}ms {what}: "
+                     f"{scp['seconds'] / r['seconds']:.2f}x scp, "
                      f"CPU {r['cpu_s_per_gb'] / scp['cpu_s_per_gb']:.2f}x scp's")
     return lines
 
@@ -318,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--dst"):
         p.add_argument(name, help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--from-rtt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

@@ -23,9 +23,14 @@ def test_a_small_update_both_ways(slurm_stack: Any,  # type: ignore[no-untyped-d
     methods = {(r["direction"], r["rtt_ms"], r["method"]) for r in rows}
     for direction in ("back", "out"):
         for rtt in (0, 10):
-            assert {(direction, rtt, m) for m in ("scp", "xffl 1", "xffl 2")} <= methods
+            assert {(direction, rtt, m) for m in ("scp", "xffl", "xffl 1", "xffl 2")} <= methods
     assert len({r["bytes"] for r in rows}) == 1
     lines = bench.summary(rows)
     ratio = re.compile(r"^copy-(back|out) rtt=(0|10)ms ([12]) streams?: \d+\.\d\dx scp, "
                        r"CPU \d+\.\d\dx scp's$")
     assert sum(bool(ratio.match(line)) for line in lines) == 8, lines
+    # the default: at most 4 streams, as many as the measured round trip needs (10 ms: all)
+    default = re.compile(r"^copy-(back|out) rtt=(0|10)ms default \(([1-4]) of 4 streams\): "
+                         r"\d+\.\d\dx scp, CPU \d+\.\d\dx scp's$")
+    used = {(m[1], m[2]): int(m[3]) for m in map(default.match, lines) if m}
+    assert len(used) == 4 and used[("back", "10")] == used[("out", "10")] == 4, lines

@@ -8,6 +8,8 @@ connections, and a channel takes ``COPY_WINDOW`` bytes in flight.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import asyncssh
@@ -20,6 +22,24 @@ from streamflow.deployment.connector.ssh import (
 
 COPY_WINDOW = 16 << 20  # a channel's receive window: 320 MB/s per stream at 50 ms
 COPY_PACKET = 256 << 10  # the largest packet a site may send (fewer, larger packets)
+RTT_PROBES = 3  # round trips measured; the shortest is the link's (the others queued)
+
+
+async def round_trip(conn: asyncssh.SSHClientConnection) -> float:
+    """The shortest of RTT_PROBES round trips on ``conn``, in seconds.
+
+    Each is a ``keepalive@openssh.com`` global request, what OpenSSH's ServerAliveInterval
+    sends: sshd answers it (with a refusal) at once and starts nothing, so it times the link
+    and not a login (a remote command costs 0.1-0.2 s of shell start-up even on loopback).
+    asyncssh sends it for its own ``keepalive_interval`` through ``_make_global_request``,
+    which it does not export; tests/workflows/extensions/test_round_trip.py pins that.
+    """
+    best = math.inf
+    for _ in range(RTT_PROBES):
+        start = time.perf_counter()
+        await conn._make_global_request(b"keepalive@openssh.com")
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 class KnownHostsContext(SSHContext):

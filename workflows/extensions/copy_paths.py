@@ -73,8 +73,10 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
                    max_members: int) -> Listing:
     """Copy the site's ``src`` (a file or folder) to the local ``dst``; return its listing."""
     what = f"{src} from the site"
-    raw = await copier.retrying(
-        what, lambda: copier.output(FIND.format(src=shlex.quote(src))))
+    # the round trip is measured beside the listing (it sets how many streams the copy uses)
+    raw, _ = await asyncio.gather(
+        copier.retrying(what, lambda: copier.output(FIND.format(src=shlex.quote(src)))),
+        copier.fit_streams())
     listing = check_listing(raw, src, max_bytes, max_members)
     targets = _local_targets(listing, dst)
     todo = pieces(listing.files, copier.streams)
@@ -189,6 +191,7 @@ async def upload(copier: Copier, src: str, dst: str) -> Listing:
         copier.progress.moved += sum(map(len, inline.values()))
 
     made = asyncio.ensure_future(copier.retrying(what, setup))
+    await copier.fit_streams()  # beside the setup script
     todo = pieces({r: n for r, n in listing.files.items() if r not in inline}, copier.streams)
     async with closing_fds({p.rel: paths[p.rel] for p in todo}, os.O_RDONLY) as fds:
 

@@ -49,7 +49,7 @@ from xffl.workflows.extensions.caps import (
     CopyCaps,
     reference_caps,
 )
-from xffl.workflows.extensions.connection import KnownHostsContext
+from xffl.workflows.extensions.connection import KnownHostsContext, round_trip
 from xffl.workflows.extensions.copies import Copier, Progress
 from xffl.workflows.extensions.copy_paths import destination, download, upload
 from xffl.workflows.extensions.login import LoginShellConnector
@@ -66,12 +66,15 @@ class XfflSshConnector(LoginShellConnector):
     def __init__(self, *args: Any, knownHosts: str | None = None,
                  maxCopyBytes: int = MAX_COPY_BYTES, maxCopyMembers: int = MAX_COPY_MEMBERS,
                  copyReference: str | None = None, copyFactor: float = DEFAULT_COPY_FACTOR,
-                 copyStreams: int = DEFAULT_STREAMS, copyRetries: int = DEFAULT_COPY_RETRIES,
-                 **kwargs: Any) -> None:
+                 copyStreams: int = DEFAULT_STREAMS, copyStreamsFromRtt: bool = True,
+                 copyRetries: int = DEFAULT_COPY_RETRIES, **kwargs: Any) -> None:
         """As SSHConnector, with ``knownHosts``, the caps of a copy from the site, the
-        channels of one copy and the times a dropped copy is resumed."""
+        channels of one copy (fewer on a short round trip: ``copyStreamsFromRtt``) and the
+        times a dropped copy is resumed."""
         self.knownHosts = knownHosts
         self.copyStreams = copyStreams
+        self.copyStreamsFromRtt = copyStreamsFromRtt
+        self.rtt: dict[str, float] = {}  # the round trip of each location's copies, seconds
         self.copyRetries = copyRetries
         self.progress: dict[str, Progress] = {}  # copies in flight, by path
         self.maxCopyBytes = maxCopyBytes
@@ -115,7 +118,10 @@ class XfflSshConnector(LoginShellConnector):
                 "copyFactor": {"type": "number", "minimum": 1, "description": "the multiple "
                                "of copyReference one copy may hold"},
                 "copyStreams": {"type": "integer", "minimum": 1, "maximum": 64,
-                                "description": "SSH channels one copy uses at once"},
+                                "description": "SSH channels one copy uses at once (at "
+                                "most)"},
+                "copyStreamsFromRtt": {"type": "boolean", "description": "fewer channels "
+                                       "where the round trip is short (one below 2 ms)"},
                 "copyRetries": {"type": "integer", "minimum": 0, "maximum": 100,
                                 "description": "times one copy is resumed after a dropped "
                                 "connection before it fails"},
@@ -159,9 +165,17 @@ class XfflSshConnector(LoginShellConnector):
                     await context.close()
                     context._connect_event.clear()
 
+        async def measure() -> float:
+            # once per location: the link's round trip does not change copy by copy
+            if location.name not in self.rtt:
+                conn = await factory._contexts[0].get_connection()
+                self.rtt[location.name] = await round_trip(conn)
+            return self.rtt[location.name]
+
         return Copier(open_process, recover, self.copyStreams, self.copyRetries,
                       float(self.retryDelay), self.transferBufferSize,
-                      stall_s=float(self.connectTimeout))
+                      stall_s=float(self.connectTimeout),
+                      round_trip=measure if self.copyStreamsFromRtt else None)
 
     async def copy_remote_to_local(self, src: str, dst: str, location: ExecutionLocation,
                                    read_only: bool = False) -> None:
@@ -175,7 +189,7 @@ class XfflSshConnector(LoginShellConnector):
         finally:
             self.progress.pop(src, None)
         logger.info(f"COMPLETED copy from {src} on location {location} to {dst} on local "
-                    f"file-system ({copier.progress.attempts} attempt(s))")
+                    f"file-system ({copier.describe()})")
 
     async def copy_local_to_remote(self, src: str, dst: str,
                                    locations: MutableSequence[ExecutionLocation],
@@ -193,7 +207,7 @@ class XfflSshConnector(LoginShellConnector):
             finally:
                 self.progress.pop(src, None)
             logger.info(f"COMPLETED copy from {src} on local file-system to {dst} on location "
-                        f"{location} ({copier.progress.attempts} attempt(s))")
+                        f"{location} ({copier.describe()})")
 
         await asyncio.gather(*(one(location) for location in locations))
 

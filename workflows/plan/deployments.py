@@ -165,6 +165,7 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
         "copyFactor": conn.transfer.copy_factor,
         # a copy's files over several channels, resumed after a dropped connection
         "copyStreams": conn.transfer.streams, "copyRetries": conn.transfer.retries,
+        "copyStreamsFromRtt": conn.transfer.streams_from_rtt,
         # sshd's MaxSessions is 10 per connection: the copy's channels beside the shells
         "maxConnections": 1 + conn.transfer.streams // 8,
     }

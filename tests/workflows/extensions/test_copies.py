@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from xffl.workflows.extensions.copies import (
     Listing,
     check_listing,
     pieces,
+    streams_for_rtt,
 )
 from xffl.workflows.extensions.copy_paths import (
     INLINE_FILE_BYTES,
@@ -47,7 +49,8 @@ class _Proc:
         return _Status(await self._proc.wait())
 
 
-def _copier(path: str | None = None, streams: int = 2) -> Copier:
+def _copier(path: str | None = None, streams: int = 2,
+            round_trip: Any = None) -> Copier:
     env = dict(os.environ, PATH=f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"])
 
     @contextlib.asynccontextmanager
@@ -66,7 +69,7 @@ def _copier(path: str | None = None, streams: int = 2) -> Copier:
         """Nothing to reconnect."""
 
     return Copier(open_process, recover, streams, retries=0, retry_delay=0,
-                  buffer_size=1 << 16, stall_s=30)
+                  buffer_size=1 << 16, stall_s=30, round_trip=round_trip)
 
 
 def _tree(root: Path) -> Path:
@@ -124,6 +127,41 @@ def test_a_large_file_moves_as_ranges_over_the_streams() -> None:
     # two streams share the large file beside a small one
     assert len([p for p in pieces({"model.safetensors": size, "config.json": 10}, streams=2)
                 if p.rel == "model.safetensors"]) == 2
+
+
+@pytest.mark.parametrize(("rtt_ms", "most", "streams"), [
+    # windows of 2 MiB to cover 1 GB/s: 1e9 * rtt / 2**21, rounded up, within [1, most]
+    (0.0, 4, 1), (0.3, 4, 1), (2.09, 4, 1),  # one window covers it up to 2.097 ms
+    (2.1, 4, 2), (5.0, 4, 3), (6.3, 4, 4), (50.0, 4, 4),
+    (50.0, 64, 24), (50.0, 1, 1), (200.0, 64, 64),
+])
+def test_the_streams_cover_the_round_trip(rtt_ms: float, most: int, streams: int) -> None:
+    assert streams_for_rtt(rtt_ms / 1e3, most) == streams
+
+
+@pytest.mark.parametrize(("rtt", "used"), [(0.0004, 1), (0.05, 4), (ConnectionError(), 4)])
+def test_a_copy_uses_the_streams_its_round_trip_needs(tmp_path: Path, rtt: Any,
+                                                      used: int) -> None:
+    """Measured once per copy, beside the listing (back) or the setup (out); a link whose
+    round trip cannot be measured keeps the profile's streams and the copy goes on."""
+    calls = []
+
+    async def round_trip() -> float:
+        calls.append(1)
+        if isinstance(rtt, Exception):
+            raise rtt
+        return float(rtt)
+
+    src = _tree(tmp_path / "src")
+    out = _copier(streams=4, round_trip=round_trip)
+    asyncio.run(upload(out, str(src), str(tmp_path / "site")))
+    back = _copier(streams=4, round_trip=round_trip)
+    asyncio.run(download(back, str(tmp_path / "site"), str(tmp_path / "back"), 1 << 30, 100))
+    assert (out.streams, back.streams, len(calls)) == (used, used, 2)
+    measured = None if isinstance(rtt, Exception) else rtt
+    assert (out.rtt, back.rtt) == (measured, measured)
+    assert out.describe().startswith(f"1 attempt(s), {used} stream(s)")
+    _same(src, tmp_path / "back", modes=False)
 
 
 @pytest.mark.parametrize(("raw", "why"), [

@@ -1,0 +1,106 @@
+"""The round trip xffl-ssh measures before a copy, on the stack's real sshd: directly on
+loopback and through bench/transfer/proxy.py, which delays each direction by half the RTT."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+import pytest
+from asyncssh.constants import MSG_REQUEST_FAILURE
+from streamflow.core.deployment import ExecutionLocation
+
+from xffl.workflows.extensions.connection import round_trip
+from xffl.workflows.extensions.copies import Copier, streams_for_rtt
+from xffl.workflows.extensions.ssh import XfflSshConnector
+
+PROXY = Path(__file__).resolve().parents[3] / "bench" / "transfer" / "proxy.py"
+RTT_MS = 40  # the proxy's: 20 ms each way, slept, so no round trip through it is shorter
+
+
+@pytest.fixture
+def proxied(slurm_stack: Any, tmp_path: Path) -> Iterator[tuple[int, str]]:  # type: ignore[no-untyped-def]
+    """(port, known_hosts) of a 40 ms round-trip proxy in front of alpha's sshd."""
+    proc = subprocess.Popen([sys.executable, str(PROXY),
+                             str(slurm_stack.clusters["alpha"].ssh_port), str(RTT_MS)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        key = Path(slurm_stack.host_key_pub).read_text().split()[:2]
+        known = tmp_path / "known_hosts"
+        known.write_text(f"[127.0.0.1]:{port} {' '.join(key)}\n")
+        yield port, str(known)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def _measure(stack: Any, port: int, known_hosts: str) -> tuple[float, int]:
+    async with asyncssh.connect("127.0.0.1", port, username=stack.user,
+                                client_keys=[stack.ssh_key], known_hosts=known_hosts) as conn:
+        rtt = await round_trip(conn)
+        # upstream's private call, pinned: sshd refuses keepalive@openssh.com, and answers
+        kind, _ = await conn._make_global_request(b"keepalive@openssh.com")
+        return rtt, kind
+
+
+@pytest.mark.slow
+def test_the_round_trip_is_the_links_not_a_logins(
+        slurm_stack: Any, proxied: tuple[int, str]) -> None:  # type: ignore[no-untyped-def]
+    direct, kind = asyncio.run(_measure(slurm_stack, slurm_stack.clusters["alpha"].ssh_port,
+                                        slurm_stack.known_hosts))
+    assert kind == MSG_REQUEST_FAILURE
+    delayed, _ = asyncio.run(_measure(slurm_stack, *proxied))
+    # a probe that did not wait for sshd's answer would time nothing (~0 through the proxy);
+    # one that ran a command would add a login shell's start (0.1-0.2 s) to both
+    assert RTT_MS / 1e3 <= delayed < RTT_MS / 1e3 + 0.1
+    assert direct < delayed - 0.02
+    assert streams_for_rtt(delayed, 4) == 4
+
+
+@pytest.mark.slow
+def test_a_copy_through_a_long_round_trip_uses_every_stream(
+        slurm_stack: Any, proxied: tuple[int, str],  # type: ignore[no-untyped-def]
+        tmp_path: Path) -> None:
+    port, known = proxied
+    site = Path(slurm_stack.clusters["alpha"].work_dir) / f"rtt-{tmp_path.name}"
+    site.mkdir(parents=True)
+    (site / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    (site / "config.json").write_text("{}")
+
+    async def copy() -> XfflSshConnector:
+        node = f"127.0.0.1:{port}"
+        conn = XfflSshConnector(deployment_name="rtt", config_dir=str(tmp_path), nodes=[node],
+                                username=slurm_stack.user, sshKey=slurm_stack.ssh_key,
+                                knownHosts=known, copyStreams=3)
+        make = conn._copier
+
+        def copier(location: ExecutionLocation) -> Copier:
+            copiers.append(make(location))
+            return copiers[-1]
+
+        conn._copier = copier  # type: ignore[method-assign]
+        try:
+            await conn.copy_remote_to_local(str(site), str(tmp_path / "back"),
+                                            ExecutionLocation(node, "rtt", local=False))
+        finally:
+            await conn.undeploy(False)
+        return conn
+
+    copiers: list[Copier] = []
+    try:
+        conn = asyncio.run(copy())
+    finally:
+        subprocess.run(["rm", "-rf", str(site)], check=True)
+    (rtt,) = conn.rtt.values()
+    assert rtt >= RTT_MS / 1e3  # measured once, on the proxied link
+    # 40 ms needs 20 windows of 2 MiB to cover 1 GB/s: every stream the profile allows
+    assert [c.streams for c in copiers] == [3] and copiers[0].rtt == rtt
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == bytes(range(256)) * 4096
+    assert (tmp_path / "back" / "config.json").read_text() == "{}"
