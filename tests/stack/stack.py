@@ -13,7 +13,10 @@ Everything lives under the state directory D (default ``$XFFL_STACK_DIR`` or
 ``XFFL_STACK_INSTANCE=N`` (N > 0) makes another stack beside it (``<tempdir>/xffl-stack-N``,
 ports and job ids of its own), so parallel test workers each get their own two clusters.
 An SSH connection to port ``clusters[name].ssh_port`` runs with ``SLURM_CONF`` of that cluster,
-so each port behaves like the login node of one facility.
+so each port behaves like the login node of one facility, and with ``HOME`` at ``D/site-home``
+(a facility account's home, empty): the shell sshd starts reads that home's dotfiles, not
+those of whoever runs the tests (a developer's ``~/.bashrc`` that runs ``pyenv init`` cost
+0.1 CPU-s per remote command, hundreds of them per test run).
 """
 
 from __future__ import annotations
@@ -544,6 +547,11 @@ def _root_locked(user: str) -> bool:
     return False
 
 
+def _site_home(info: StackInfo) -> Path:
+    """The HOME of the stack's SSH sessions (see the module doc)."""
+    return Path(info.dir) / "site-home"
+
+
 def _sshd_config(info: StackInfo) -> str:
     sshdir = Path(info.sshd_config).parent
     # Without PAM, sshd refuses accounts whose password is locked ("!"); use PAM then.
@@ -575,7 +583,8 @@ def _sshd_config(info: StackInfo) -> str:
     for c in info.clusters.values():
         lines += [
             f"Match LocalPort {c.ssh_port}",
-            f"    SetEnv SLURM_CONF={c.slurm_conf} XFFL_STACK_CLUSTER={c.name}",
+            f"    SetEnv SLURM_CONF={c.slurm_conf} XFFL_STACK_CLUSTER={c.name} "
+            f"HOME={_site_home(info)}",
         ]
     return "\n".join(lines) + "\n"
 
@@ -900,6 +909,7 @@ def up(
         if _write_if_changed(Path(c.slurm_conf), _slurm_conf(info, c)):
             _stop(c.slurmd_pid_file, "slurmd", 15)
             _stop(c.slurmctld_pid_file, "slurmctld", 15)
+    _site_home(info).mkdir(mode=0o700, exist_ok=True)
     if _write_if_changed(Path(info.sshd_config), _sshd_config(info)):
         _stop(info.sshd_pid_file, "sshd", 10)
     _write_if_changed(json_path, json.dumps(info.to_dict(), indent=2) + "\n")
