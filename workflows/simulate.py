@@ -1,7 +1,7 @@
 """``xffl simulate``: N virtual sites on this machine, trained K at a time, folded as they finish.
 
 Every round the global model is written, the virtual sites (:mod:`xffl.workflows.
-simulate_sites`) are trained in a pool of K worker processes (spawned once for the whole
+simulate_sites`) are trained in a pool of K worker processes (started once for the whole
 simulation, each with ``cores // K`` torch threads) by the trainer real sites run, and the
 parent verifies each finished update (:func:`xffl.aggregator.verify.check_update`), folds it
 into a :class:`xffl.aggregator.running.RunningAggregate` and deletes it at once. At most
@@ -123,13 +123,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# what every worker needs, imported once by the fork server the workers are forked from (about
+# 2.5 CPU-s: each of K spawned workers used to pay it)
+PRELOAD = ["torch", "torch._dynamo", "xffl.workflows.simulate_sites", "xffl.training.trainer",
+           "xffl.training.streamed"]
+
+
 class _Pool:
-    """K spawned worker processes whose every wait is bounded; killed on any failure."""
+    """K worker processes whose every wait is bounded; killed on any failure.
+
+    They are forked from a fork server (``forkserver``), not from this process: a fork copies
+    torch's thread pools in an unusable state once the parent has used them, and ``spawn``
+    imports torch and the trainer again in every worker.
+    """
 
     def __init__(self, workers: int, threads: int) -> None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
         self.executor = ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=init_worker, initargs=(threads,))
+            max_workers=workers, mp_context=context, initializer=init_worker,
+            initargs=(threads,))
 
     def result(self, fut: Future[T], what: str) -> T:
         """The task's result; RunFailed when its worker process died."""

@@ -186,8 +186,9 @@ def init_worker(threads: int) -> None:
     """Pool initializer: ``threads`` torch threads per worker, so K workers share the cores.
 
     It also imports the trainer and torch._dynamo (which torch.optim imports when the first
-    optimizer is built): about two seconds, paid once per worker while the pool starts, not
-    by the first site each worker trains.
+    optimizer is built), which the fork server the workers come from has already imported
+    (``simulate.PRELOAD``): where it could not, each worker pays the two seconds while the
+    pool starts, not the first site it trains.
     """
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
