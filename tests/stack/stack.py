@@ -218,6 +218,18 @@ class StackInfo:
         """Parsed ``jobcomp/filetxt`` records (one dict per finished job) of ``cluster``."""
         return parse_jobcomp(self.clusters[cluster].jobcomp)
 
+    def wait_job(self, cluster: str, job_id: str, timeout: float) -> dict[str, str]:
+        """The jobcomp record of ``job_id`` once it ended (polled every 0.2 s; ``sbatch
+        --wait`` looks after 2, 10 and 42 s, so an 11 s job kept it 42 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for record in self.jobcomp_records(cluster):
+                if record.get("JobId") == job_id:
+                    return record
+            if time.monotonic() > deadline:
+                raise StackError(f"job {job_id} of {cluster} did not end in {timeout:g} s")
+            time.sleep(0.2)
+
 
 def parse_jobcomp(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """Parse a ``jobcomp/filetxt`` file into ``KEY=VALUE`` dicts; a missing file gives []."""

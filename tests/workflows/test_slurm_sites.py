@@ -187,15 +187,15 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     assert "--launcher srun" in text and str(plan) not in text  # facility paths only
     assert f"#SBATCH --job-name=xffl-{run_id}-alpha" in text
     # submitted by hand, as a user would, from the plan folder on the login node of alpha
-    out = slurm_stack.ssh("alpha", f"cd {plan} && sbatch --wait --parsable sbatch/alpha.sh",
-                          timeout=120)
+    out = slurm_stack.ssh("alpha", f"cd {plan} && sbatch --parsable sbatch/alpha.sh",
+                          timeout=60)
     assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    record = slurm_stack.wait_job("alpha", job_id, timeout=180)
     update = verify_checkpoint(plan / "updates" / "alpha-r1")
     assert update.kind == "update" and update.site == "alpha" and update.round == 1
     assert update.parent == verify_checkpoint(plan / "rounds" / "0" / "global").digest()
     # the launcher renamed the job after its round: SLURM's own record says so
-    job_id = out.stdout.strip().split(";")[0]
-    record = next(r for r in slurm_stack.jobcomp_records("alpha") if r["JobId"] == job_id)
     assert record["Name"] == f"xffl-{run_id}-alpha-r1" and record["JobState"] == "COMPLETED"
     job = json.loads((plan / "updates" / "alpha-r1" / "slurm_job.json").read_text())
     assert (job["job_id"], job["renamed_from"], job["job_name"]) == (
