@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ def test_a_small_update_both_ways(slurm_stack: Any,  # type: ignore[no-untyped-d
                                   capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("transfer")
     argv = ["--stack-dir", slurm_stack.dir, "--size-mib", "2", "--rtt", "0", "10",
-            "--streams", "1", "2"]
+            "--streams", "1", "2", "--methods", "scp", "xffl", "xffl 1", "xffl 2"]
     assert bench.main([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     methods = {(r["direction"], r["rtt_ms"], r["method"]) for r in rows}
@@ -34,3 +35,13 @@ def test_a_small_update_both_ways(slurm_stack: Any,  # type: ignore[no-untyped-d
                          r"\d+\.\d\dx scp, CPU \d+\.\d\dx scp's$")
     used = {(m[1], m[2]): int(m[3]) for m in map(default.match, lines) if m}
     assert len(used) == 4 and used[("back", "10")] == used[("out", "10")] == 4, lines
+    # the other baselines, once (their code paths, not their numbers, are under test here)
+    assert bench.main(["--stack-dir", slurm_stack.dir, "--size-mib", "2", "--rtt", "0",
+                       "--methods", "scp", "rsync", "asyncssh"]) == 0
+    out = capsys.readouterr().out
+    for direction in ("back", "out"):
+        assert re.search(rf"^copy-{direction} rtt=0ms asyncssh 1 channel: \d+\.\d\dx scp",
+                         out, re.M), out
+        assert re.search(rf"^copy-{direction:<4} rtt= 0ms cp ", out, re.M), out
+        if shutil.which("rsync"):  # the bench leaves rsync out where it is not installed
+            assert re.search(rf"^copy-{direction:<4} rtt= 0ms rsync ", out, re.M), out

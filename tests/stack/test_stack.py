@@ -51,6 +51,19 @@ def test_each_port_talks_to_its_cluster(slurm_stack: StackInfo) -> None:
         assert out.split() == ["ClusterName", "=", cluster]
 
 
+def test_a_login_reads_the_sites_home_not_the_test_runners(slurm_stack: StackInfo) -> None:
+    """HOME of every session is D/site-home, so the shell reads that home's dotfiles: a marker
+    in its .bashrc is printed (bash run by sshd reads ~/.bashrc), the runner's is not read."""
+    home = Path(slurm_stack.dir) / "site-home"
+    (home / ".bashrc").write_text("XFFL_SITE_RC=read\n")
+    try:
+        for cluster in (ALPHA, BETA):
+            out = _ok(slurm_stack.ssh(cluster, 'echo "$HOME ${XFFL_SITE_RC:-unread}"'))
+            assert out.split() == [str(home), "read"]
+    finally:
+        (home / ".bashrc").unlink()
+
+
 @pytest.mark.slow
 def test_sbatch_wait_completes_on_alpha_only(slurm_stack: StackInfo) -> None:
     """A 2-task job submitted via alpha's port completes and is recorded by alpha only."""
