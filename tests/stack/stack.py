@@ -160,7 +160,11 @@ class StackInfo:
         known_hosts: str | None = None,
         extra: Sequence[str] = (),
     ) -> list[str]:
-        """OpenSSH client argv logging into ``cluster``'s port with strict host key checking."""
+        """OpenSSH client argv logging into ``cluster``'s port with strict host key checking.
+
+        ``command`` runs in the session's HOME (``D/site-home``; sshd starts it in the
+        account's own, the test runner's): what it writes without a path, such as the
+        ``slurm-N.out`` of a job submitted with ``--wrap``, stays in the stack."""
         c = self.clusters[cluster]
         argv = [
             "ssh",
@@ -188,7 +192,7 @@ class StackInfo:
             f"{self.user}@{self.host}",
         ]
         if command is not None:
-            argv.append(command)
+            argv.append(f"cd && {command}")
         return argv
 
     def ssh(
