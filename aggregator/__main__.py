@@ -12,9 +12,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from xffl.core.startup import collect_less
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``xffl aggregate`` with ``argv``; return its exit code."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     import typer
 
     from xffl.cli.aggregate import aggregate

@@ -42,6 +42,7 @@ from xffl.cli.common import (
 )
 from xffl.core.errors import ExitCode
 from xffl.core.paths import private_files
+from xffl.core.startup import collect_less
 
 
 class XfflGroup(XfflSubGroup):
@@ -138,4 +139,5 @@ app.add_typer(data.app, name="data")
 
 def main() -> None:
     """Console-script entry point."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     app()

@@ -14,6 +14,10 @@ from typing import Any
 
 import pytest
 
+from xffl.core.startup import collect_less
+
+collect_less()  # the workers import torch and transformers too (xffl.core.startup)
+
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 # what a new user types (README, docs/getting-started.md), plus the flags a test reads by

@@ -8,6 +8,10 @@ one JSON line on rank 0. Exit codes follow the CLI contract (0 ok, 1 failed, 2 b
 
 from __future__ import annotations
 
+from xffl.core.startup import collect_less
+
+collect_less()  # before the imports below (torch, transformers): see xffl.core.startup
+
 import argparse
 import json
 import sys

@@ -14,6 +14,10 @@ Nothing but that file leaves the site: the data and the held-out split stay wher
 
 from __future__ import annotations
 
+from xffl.core.startup import collect_less
+
+collect_less()  # before the imports below (torch, transformers): see xffl.core.startup
+
 import argparse
 import math
 import sys

@@ -27,6 +27,8 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from xffl.core.startup import collect_less
+
 PROG = "python -m xffl.training.forked"
 
 
@@ -102,6 +104,7 @@ def launch_forked(nproc: int, module: str, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry (``--nproc-per-node N -m MODULE ARGS...``)."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     parser = argparse.ArgumentParser(
         prog=PROG, description="Start a module's ranks forked from one interpreter that has "
         "imported it, under torch's elastic agent (torchrun --standalone).")

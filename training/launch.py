@@ -33,6 +33,7 @@ from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, verify_checkp
 from xffl.core.errors import XfflError
 from xffl.core.files import link_files
 from xffl.core.resources import usable_cpus
+from xffl.core.startup import collect_less
 from xffl.training import slurm_job
 from xffl.training.feedback import SITE_STATE_ENV
 from xffl.training.forked import option_value
@@ -236,6 +237,7 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: options before ``--`` are the launcher's, after it the trainer's."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     os.umask(0o077)  # the update and the kept copy at the site are the site user's alone
     args_list = list(sys.argv[1:] if argv is None else argv)
     split = args_list.index("--") if "--" in args_list else len(args_list)

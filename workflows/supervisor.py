@@ -32,6 +32,7 @@ from xffl.core.errors import first_line
 from xffl.core.layout import RunLayout
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
+from xffl.core.startup import collect_less
 from xffl.jobs.credential_gate import blockers
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
@@ -249,6 +250,7 @@ def _execute_locked(run_id: str, registry: Registry, spec: JobSpec, layout: RunL
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m xffl.workflows.supervisor RUN_ID``."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     args: list[str] = sys.argv[1:] if argv is None else argv
     private_files()
     registry = Registry(Path(os.environ["XFFL_REGISTRY"])) if "XFFL_REGISTRY" in os.environ \

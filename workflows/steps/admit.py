@@ -37,6 +37,7 @@ from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
+from xffl.core.startup import collect_less
 from xffl.jobs.deadline_spec import StalenessSpec
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
@@ -200,6 +201,7 @@ def run_step(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's admit tool."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     private_files()  # also when StreamFlow runs the plan by hand
     parser = argparse.ArgumentParser(prog="xffl.workflows.steps.admit")
     parser.add_argument("--run-dir", required=True)

@@ -35,6 +35,7 @@ from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
+from xffl.core.startup import collect_less
 from xffl.jobs.records import RoundRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
@@ -235,6 +236,7 @@ def run_step(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's aggregate tool."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
     private_files()  # also when StreamFlow runs the plan by hand
     parser = argparse.ArgumentParser(prog="xffl.workflows.steps.aggregate")
     parser.add_argument("--run-dir", required=True)

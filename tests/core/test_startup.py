@@ -1,0 +1,84 @@
+"""Every process xffl starts collects garbage less often while it imports (xffl.core.startup)."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from xffl.core.startup import YOUNG, collect_less
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("aggregator", "cli", "core", "jobs", "site_profiles", "training", "workflows")
+
+
+@pytest.fixture
+def thresholds() -> Iterator[None]:
+    saved = gc.get_threshold()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ((700, 10, 10), (YOUNG, 10, 10)),  # CPython's defaults: the first generation raised
+    ((YOUNG * 2, 5, 5), (YOUNG * 2, 5, 5)),  # already rarer: kept
+    ((0, 10, 10), (0, 10, 10)),  # collection off: kept off
+])
+def test_the_first_generation_is_raised_never_lowered(
+        thresholds: None, before: tuple[int, int, int], after: tuple[int, int, int]) -> None:
+    gc.set_threshold(*before)
+    collect_less()
+    assert gc.get_threshold() == after
+
+
+def _calls(node: ast.stmt) -> bool:
+    """Whether the statement is ``collect_less()``."""
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+        and getattr(node.value.func, "id", None) == "collect_less"
+
+
+def _entry_points() -> list[Path]:
+    """Every module of xffl that runs as a program (``if __name__ == "__main__"``)."""
+    return sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")
+                  if '__name__ == "__main__"' in p.read_text())
+
+
+@pytest.mark.parametrize("path", _entry_points(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_entry_point_calls_it_before_its_imports_or_first_in_main(path: Path) -> None:
+    """At module level before any import but ``__future__`` and its own, or as main()'s
+    first statement (its imports are inside the functions it calls)."""
+    tree = ast.parse(path.read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and
+                                         isinstance(n.value, ast.Constant))]
+    first = next(i for i, n in enumerate(body) if not (
+        isinstance(n, ast.ImportFrom) and n.module in ("__future__", "xffl.core.startup")))
+    if _calls(body[first]):
+        return
+    main = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    statements = [n for n in main.body if not (isinstance(n, ast.Expr) and
+                                               isinstance(n.value, ast.Constant))]
+    assert _calls(statements[0]), f"{path}: main() does not call collect_less() first"
+
+
+def test_a_training_process_has_the_raised_threshold_when_torch_is_imported() -> None:
+    """``python -m xffl.training``: torch (imported at the module's top) saw the threshold."""
+    code = ("import sys, gc; sys.argv = ['x', '--help']\n"
+            "import builtins; real = builtins.__import__; seen = []\n"
+            "def spy(name, *a, **k):\n"
+            "    if name == 'torch' and not seen: seen.append(gc.get_threshold()[0])\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = spy\n"
+            "import runpy\n"
+            "try: runpy.run_module('xffl.training', run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "print(seen[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert int(out[-1]) == YOUNG
