@@ -134,10 +134,8 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Finishe
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker;
     the tests of one shared finished run in one worker; tests of the SLURM stack are marked
-    ``stack`` (``-m "not stack"`` leaves them out). Slow tests go first, the longest first
-    (``slow(wall=SECONDS)``: what the test took in a full run; the quickstart's group, 60 s
-    for its shared run), so that the workers do not end on one long test while the others
-    idle, and the tests that wait out a deadline do it while the others use the cores.
+    ``stack`` (``-m "not stack"`` leaves them out). Slow tests go first, so that the workers
+    do not end on one long test while the other idles.
 
     Every pytest-xdist worker has its own SLURM stack (tests/stack/fixtures.py).
     """
@@ -149,17 +147,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("quickstart"))
         if "slurm_stack" in fixtures:
             item.add_marker(pytest.mark.stack)
-    items.sort(key=_expected_wall, reverse=True)
-
-
-def _expected_wall(item: pytest.Item) -> float:
-    """Seconds the test is expected to take, for ordering: 0 when it is not slow."""
-    slow = item.get_closest_marker("slow")
-    if slow is None:
-        return 0.0
-    if "quickstart_run" in getattr(item, "fixturenames", ()):
-        return 60.0  # the group's first test starts the shared run
-    return float(slow.kwargs.get("wall", 1.0))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 from tests.stack.fixtures import slurm_stack  # noqa: E402, F401

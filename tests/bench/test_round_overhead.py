@@ -9,7 +9,7 @@ import pytest
 from tests.bench.scripts import load_bench
 
 
-@pytest.mark.slow(wall=35)
+@pytest.mark.slow
 def test_xffl_and_baselines_do_the_same_rounds(slurm_stack,  # type: ignore[no-untyped-def]
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("round_overhead")

@@ -31,7 +31,7 @@ def test_repeats_are_summed_up_by_medians_and_the_highest_peak() -> None:
                    "train_s": 0.6, "dir": "d7.0"}
 
 
-@pytest.mark.slow(wall=30)
+@pytest.mark.slow
 def test_simulate_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench()
     work = tmp_path / "work"

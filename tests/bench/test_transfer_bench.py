@@ -13,7 +13,7 @@ import pytest
 from tests.bench.scripts import load_bench
 
 
-@pytest.mark.slow(wall=40)
+@pytest.mark.slow
 def test_a_small_update_both_ways(slurm_stack: Any,  # type: ignore[no-untyped-def]
                                   capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("transfer")

@@ -23,7 +23,7 @@ def _crontab() -> str:
     return out.stdout if out.returncode == 0 else ""
 
 
-@pytest.mark.slow(wall=45)
+@pytest.mark.slow
 @pytest.mark.serial
 def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Path) -> None:
     spec = yaml.safe_load(QUICKSTART.read_text())

@@ -46,7 +46,7 @@ def _spec() -> dict[str, Any]:
             "exchange": {"update": "weights", "dtype": "bf16"}, "sites": sites}
 
 
-@pytest.mark.slow(wall=35)
+@pytest.mark.slow
 def test_a_json_equal_adapter_config_never_becomes_the_globals(tmp_path: Path,
                                                                xffl_home: Path) -> None:
     profiles = tmp_path / "site_profiles"

@@ -42,7 +42,7 @@ def snapshot(root: Path, skip: list[Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
-@pytest.mark.slow(wall=50)
+@pytest.mark.slow
 def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
         tmp_path: Path, xffl_home: Path) -> None:
     profiles = tmp_path / "site_profiles"

@@ -74,7 +74,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
                                    msg=f"{what}: {name}")
 
 
-@pytest.mark.slow(wall=35)
+@pytest.mark.slow
 def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Manifest],
                                         slurm_stack,  # type: ignore[no-untyped-def]
                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,7 +183,7 @@ def _check(status: dict[str, Any], stack: Any, digest: str) -> str:
     return RunLayout(run_dir).streamflow_log.read_text(errors="replace")
 
 
-@pytest.mark.slow(wall=45)
+@pytest.mark.slow
 def test_a_copy_back_survives_a_killed_sshd_session(
         tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +200,7 @@ def test_a_copy_back_survives_a_killed_sshd_session(
     assert resumed and 0 < int(resumed[0][1]) < int(resumed[0][0]), (session, log[-3000:])
 
 
-@pytest.mark.slow(wall=45)
+@pytest.mark.slow
 def test_a_copy_out_survives_a_killed_sshd_session(
         tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:

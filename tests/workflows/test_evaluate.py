@@ -262,7 +262,7 @@ def test_a_link_or_a_missing_file_is_rejected(tmp_path: Path) -> None:
         parse_evaluation(tmp_path / "none.json", "beta", MODELS, 128)
 
 
-@pytest.mark.slow(wall=40)
+@pytest.mark.slow
 def test_evaluation_runs_as_slurm_jobs_at_both_facilities(
         tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:

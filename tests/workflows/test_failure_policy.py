@@ -69,7 +69,7 @@ def _prepare_beta(xffl_home: Path) -> None:
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.slow(wall=40)
+@pytest.mark.slow
 def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     """Also DiLoCo over nf4 deltas with error feedback: resumed, the kept update and the
     site's residual carry on, and only codes and scales travel."""

@@ -95,7 +95,7 @@ def test_scancelled_job_is_retried(tmp_path: Path, slurm_stack,  # type: ignore[
     assert records[0]["JobId"] == running[0]
 
 
-@pytest.mark.slow(wall=30)
+@pytest.mark.slow
 def test_controller_outage_quorum_and_resume(tmp_path: Path,
                                              slurm_stack,  # type: ignore[no-untyped-def]
                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +154,7 @@ def _digest(run_dir: Path, rnd: int) -> str:
     return verify_checkpoint(run_dir / "rounds" / str(rnd) / "global").digest()
 
 
-@pytest.mark.slow(wall=60)
+@pytest.mark.slow
 def test_cron_ticks_and_a_killed_coordinator_give_the_same_bytes(
         tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,7 +212,7 @@ def test_cron_ticks_and_a_killed_coordinator_give_the_same_bytes(
         assert _digest(run_dir, rnd) == _digest(ticked, rnd)
 
 
-@pytest.mark.slow(wall=90)
+@pytest.mark.slow
 def test_round_timeout_scancels_a_site_and_the_round_goes_on(
         tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,7 +70,7 @@ def _job(where: Path, family: str, init: Path) -> Path:
     return job
 
 
-@pytest.mark.slow(wall=50)
+@pytest.mark.slow
 def test_every_family_trains_a_round_at_two_sites_and_exports(tmp_path: Path,
                                                                    xffl_home: Path) -> None:
     env = {**os.environ, "XFFL_HOME": str(xffl_home)}

@@ -39,7 +39,7 @@ def _render(job: Path, out: Path) -> str:
     return str(json.loads(result.stdout)["run_id"])
 
 
-@pytest.mark.slow(wall=55)
+@pytest.mark.slow
 def test_cwltool_streamflow_and_submit_give_the_same_model(
         tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = yaml.safe_load(QUICKSTART.read_text())

@@ -49,7 +49,7 @@ def _masked_sum(model: Any, tok: Any,
     return total, count, every / targets
 
 
-@pytest.mark.slow(wall=70)
+@pytest.mark.slow
 def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> None:
     """Three rounds of the template; the federated validation loss falls every round and is,
     each round, the masked mean over every held-out response token of both sites, pooled,

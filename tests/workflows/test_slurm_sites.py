@@ -28,7 +28,7 @@ from xffl.training.config import ModelSpec
 runner = CliRunner()
 
 
-@pytest.mark.slow(wall=60)
+@pytest.mark.slow
 def test_two_slurm_facilities_three_rounds(tmp_path: Path,
                                            slurm_stack,  # type: ignore[no-untyped-def]
                                            monkeypatch: pytest.MonkeyPatch) -> None:
