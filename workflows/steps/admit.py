@@ -36,7 +36,6 @@ from xffl.aggregator.reported import Bounds
 from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
-from xffl.core.paths import private_files
 from xffl.core.startup import collect_less
 from xffl.jobs.deadline_spec import StalenessSpec
 from xffl.jobs.spec import JobSpec
@@ -45,6 +44,7 @@ from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.late import read_adopted, read_late
+from xffl.workflows.steps.tool import step_parser
 from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict
 
 SIDE_FILES = {RECORD_FILE: RECORD_BYTES}  # may come back beside the checkpoint
@@ -202,11 +202,8 @@ def run_step(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's admit tool."""
     collect_less()  # before the imports it makes (see xffl.core.startup)
-    private_files()  # also when StreamFlow runs the plan by hand
-    parser = argparse.ArgumentParser(prog="xffl.workflows.steps.admit")
-    parser.add_argument("--run-dir", required=True)
+    parser = step_parser("xffl.workflows.steps.admit")
     parser.add_argument("--site", required=True)
-    parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--previous", required=True, help="the round's global model")
     parser.add_argument("--update", default=None, help="the site's update (absent: none came)")
     parser.add_argument("--max-tokens", type=int, default=None,

@@ -33,7 +33,6 @@ from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
-from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.core.startup import collect_less
 from xffl.jobs.records import RoundRecord
@@ -44,6 +43,7 @@ from xffl.training.exchange_config import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
 from xffl.workflows.steps.deadline import deadline_jobs
 from xffl.workflows.steps.early_stop import Stopped, federated, history, stop_reason, write_stopped
+from xffl.workflows.steps.tool import step_parser
 from xffl.workflows.steps.verdict import Verdict, read_verdict
 
 QUORUM_EXIT = 1
@@ -237,11 +237,8 @@ def run_step(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the plan's aggregate tool."""
     collect_less()  # before the imports it makes (see xffl.core.startup)
-    private_files()  # also when StreamFlow runs the plan by hand
-    parser = argparse.ArgumentParser(prog="xffl.workflows.steps.aggregate")
-    parser.add_argument("--run-dir", required=True)
+    parser = step_parser("xffl.workflows.steps.aggregate")
     parser.add_argument("--sites", required=True, help="the plan's sites, comma-separated")
-    parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--max-rounds", type=int, required=True)
     parser.add_argument("--previous", required=True)
     for name in ("update", "verdict", "job"):
