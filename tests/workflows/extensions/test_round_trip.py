@@ -58,9 +58,11 @@ def test_the_round_trip_is_the_links_not_a_logins(
     assert kind == MSG_REQUEST_FAILURE
     delayed, _ = asyncio.run(_measure(slurm_stack, *proxied))
     # a probe that did not wait for sshd's answer would time nothing (~0 through the proxy);
-    # one that ran a command would add a login shell's start (0.1-0.2 s) to both
+    # one that ran a command would add a login shell's start (0.1-0.2 s) to both. Loopback
+    # without the proxy: the shortest of three keepalives, well under the proxy's delay even
+    # with every core busy (0.12 ms measured on an idle machine)
     assert RTT_MS / 1e3 <= delayed < RTT_MS / 1e3 + 0.1
-    assert direct < delayed - 0.02
+    assert direct < RTT_MS / 1e3
     assert streams_for_rtt(delayed, 4) == 4
 
 
