@@ -87,7 +87,7 @@ class SshTransfer(_Strict):
                          "the round trip")
     streams_from_rtt: bool = Field(default=True, description="measure the round trip "
                                    "before a copy and use fewer channels where one window "
-                                   "covers it (one up to 2 ms, all from 6.3 ms on); false "
+                                   "covers it (one up to 2.1 ms, all from 6.3 ms on); false "
                                    "always uses `streams`")
     copy_factor: float = Field(
         default=4.0, ge=1, le=1000, description="one copy back from the site (an update) may "

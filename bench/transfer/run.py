@@ -9,7 +9,7 @@ gives MB/s, its CPU time (user + system, children included, from ``wait4``) the
 coordinator's CPU seconds per GB (the sshd serving it is the site's). xffl's copies run
 with 1, 2 and 4 streams (``transfer.streams`` with ``streams_from_rtt: false``) and as a
 profile has them by default (``xffl``: at most 4 streams, as many as the measured round
-trip needs, one below 2 ms); ``asyncssh`` is the same copy as one plain
+trip needs, one up to 2.1 ms); ``asyncssh`` is the same copy as one plain
 asyncssh channel per file (``cat``, xffl-ssh's connection settings, none of xffl's
 protocol): what the library itself allows, to tell xffl's costs from asyncssh's. The
 update is ``--size-mib`` MiB of random bytes in one ``model.safetensors`` (``--shards N``: N

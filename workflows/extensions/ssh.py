@@ -121,7 +121,7 @@ class XfflSshConnector(LoginShellConnector):
                                 "description": "SSH channels one copy uses at once (at "
                                 "most)"},
                 "copyStreamsFromRtt": {"type": "boolean", "description": "fewer channels "
-                                       "where the round trip is short (one below 2 ms)"},
+                                       "where the round trip is short (one up to 2.1 ms)"},
                 "copyRetries": {"type": "integer", "minimum": 0, "maximum": 100,
                                 "description": "times one copy is resumed after a dropped "
                                 "connection before it fails"},
