@@ -44,10 +44,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from xffl.site_profiles.schema import SshTransfer
+
 REPO = Path(__file__).resolve().parents[2]
 PROXY = Path(__file__).resolve().parent / "proxy.py"
 STREAMS = (1, 2, 4)
-DEFAULT_STREAMS = 4  # a profile's transfer.streams
+DEFAULT_STREAMS = SshTransfer().streams  # a profile's transfer.streams
 
 
 def _child_copy(args: argparse.Namespace) -> None:
