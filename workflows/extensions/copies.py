@@ -209,18 +209,19 @@ class Copier:
         self.buffer_size = buffer_size
         self.progress = Progress()
 
-    async def fit_streams(self) -> int:
-        """The streams this copy uses: fewer where the round trip is short (measured once;
-        a link that does not answer keeps ``streams``, and the copy finds out itself)."""
-        if self.round_trip is not None and self.rtt is None:
-            try:
-                self.rtt = await self.bounded(self.round_trip())
-            except RETRYABLE as exc:
-                logger.warning(f"no round trip measured ({type(exc).__name__}: {exc}): "
-                               f"{self.streams} stream(s)")
-                return self.streams
-            self.streams = streams_for_rtt(self.rtt, self.streams)
-        return self.streams
+    async def fit_streams(self) -> None:
+        """Set ``streams`` to what this copy uses: fewer where the round trip is short
+        (measured once; a link that does not answer keeps ``streams``, and the copy finds
+        out itself)."""
+        if self.round_trip is None or self.rtt is not None:
+            return
+        try:
+            self.rtt = await self.bounded(self.round_trip())
+        except RETRYABLE as exc:
+            logger.warning(f"no round trip measured ({type(exc).__name__}: {exc}): "
+                           f"{self.streams} stream(s)")
+            return
+        self.streams = streams_for_rtt(self.rtt, self.streams)
 
     def describe(self) -> str:
         """``2 attempt(s), 4 stream(s), round trip 50.3 ms`` (for the log)."""
