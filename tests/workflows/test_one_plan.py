@@ -119,10 +119,14 @@ def _check_tracking(folder: Path, status: dict[str, Any]) -> None:
         assert [e.value for e in scalars] == [
             float(np.float32(next(s["val_loss"] for s in r["sites"] if s["site"] == site)))
             for r in rounds]
-    mlflow.set_tracking_uri(f"file:{folder / 'mlruns'}")
-    found = mlflow.search_runs(experiment_names=[status["name"]], output_format="list",
+    # a client of this store, not mlflow.set_tracking_uri: that would be process-wide and
+    # outlive the test (a later test in this worker would read this store)
+    client = mlflow.MlflowClient(tracking_uri=f"file:{folder / 'mlruns'}")
+    experiment = client.get_experiment_by_name(status["name"])
+    assert experiment is not None
+    found = client.search_runs([experiment.experiment_id],
                                filter_string=f"tags.`xffl.run_id` = '{status['run_id']}'")
     assert len(found) == 1
-    history = mlflow.MlflowClient().get_metric_history(found[0].info.run_id, "val_loss")
+    history = client.get_metric_history(found[0].info.run_id, "val_loss")
     assert [(m.step, m.value) for m in history] == [(r["round"], r["val_loss"]) for r in rounds]
     assert found[0].data.params["training.lr"] == "1e-08"
