@@ -2,11 +2,14 @@
 
 For Llama 3 (llama3 rope scaling, GQA), Qwen2 (q/k/v biases, tied embeddings), Mistral,
 Gemma 2 (soft-capping, 1 + w norms) and Mixtral (a mixture of experts, data parallel), a tiny
-random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit
---wait`` runs a round at 2 local sites through StreamFlow, and ``xffl export`` of the global
-it aggregated loads in ``AutoModelForCausalLM.from_pretrained`` (so a second round, which
+random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit``
+runs a round at 2 local sites through StreamFlow, and ``xffl export`` of the global it
+aggregated loads in ``AutoModelForCausalLM.from_pretrained`` (so a second round, which
 would train from that global, adds no family-specific path: one round keeps the suite
 short). The five runs go at once (their torch start-ups overlap their StreamFlow waits).
+Submit and export run in this process (CliRunner): a submit checks the checkpoint against
+its family in transformers, whose import would cost each of five ``xffl`` processes ~2.5
+CPU-seconds; the runs' supervisors and ranks are their own processes either way.
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on
@@ -17,9 +20,6 @@ config field or dropped bias shows.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,13 @@ import torch
 import yaml
 from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
 
 from xffl.aggregator.shards import MODEL_FILE
+from xffl.cli.app import app
+from xffl.core.layout import RunLayout
+from xffl.jobs.follow import wait_for_run
+from xffl.jobs.registry import Registry
 from xffl.training.checkpoint import load_model
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -41,7 +46,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {"head_dim": 8}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
-XFFL = str(Path(sys.executable).with_name("xffl"))
+runner = CliRunner()
+
+
+def _tail(log: Path) -> str:
+    """The end of a run's supervisor log, to show why it failed."""
+    return log.read_text(errors="replace")[-3000:] if log.is_file() else "(no log)"
 
 
 def _checkpoint(folder: Path, model_type: str, extra: dict[str, Any]) -> Path:
@@ -71,27 +81,23 @@ def _job(where: Path, family: str, init: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_every_family_trains_a_round_at_two_sites_and_exports(tmp_path: Path,
-                                                                   xffl_home: Path) -> None:
-    env = {**os.environ, "XFFL_HOME": str(xffl_home)}
+def test_every_family_trains_a_round_at_two_sites_and_exports(tmp_path: Path) -> None:
     runs = {}
     for family, (model_type, extra) in FAMILIES.items():
         where = tmp_path / family
         init = _checkpoint(where / "init", model_type, extra)
-        runs[family] = subprocess.Popen(
-            [XFFL, "submit", str(_job(where, family, init)), "--wait", "--json"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        submitted = runner.invoke(app, ["submit", str(_job(where, family, init)), "--json"])
+        assert submitted.exit_code == 0, (family, submitted.output)
+        runs[family] = json.loads(submitted.stdout)["run_id"]
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
-    for family, proc in runs.items():
-        out, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, (family, out[-2000:], err[-3000:])
-        status = json.loads(out)
-        assert status["state"] == "completed", (family, status)
-        run_dir = Path(status["run_dir"])
+    for family, run_id in runs.items():
+        final = wait_for_run(Registry(), run_id, 400)
+        assert final.state == "completed", (family, final.message,
+                                            _tail(RunLayout(Path(final.run_dir)).supervisor_log))
+        run_dir = Path(final.run_dir)
         exported = tmp_path / family / "exported"
-        done = subprocess.run([XFFL, "export", status["run_id"], "-o", str(exported)],
-                              env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, (family, done.stderr)
+        done = runner.invoke(app, ["export", run_id, "-o", str(exported)])
+        assert done.exit_code == 0, (family, done.output)
         theirs = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
         ours = load_model(run_dir / "rounds" / "1" / "global").eval()
         assert type(theirs) is type(ours)
