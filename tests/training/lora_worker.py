@@ -1,6 +1,8 @@
-"""Per-rank worker for the LoRA data-parallel test: run under torchrun, one launch.
+"""Per-rank worker for the LoRA data-parallel test: one launch of 2 ranks.
 
-Usage: ``torchrun --nproc-per-node 2 lora_worker.py ADAPTER BASE DATA OUT JOB.json...``:
+Usage, from the repository's root: ``python -m xffl.training.forked --nproc-per-node 2 -m
+tests.training.lora_worker ADAPTER BASE DATA OUT JOB.json...`` (torchrun's engine, ranks
+forked from one interpreter, as xffl starts CPU ranks):
 in one gloo process group, xffl's trainer runs the round of each TrainJob file in turn
 (their ``training.data_parallel`` differs), from the global adapter ADAPTER on the frozen
 BASE, writing ``OUT/<job file's stem>``, and what each rank really trained
@@ -19,8 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from tp_worker import structure  # its sibling: sys.path[0] under torchrun
 
+from tests.training.tp_worker import structure
 from xffl.training import distributed as xdist
 from xffl.training import trainer
 from xffl.training.config import TrainJob

@@ -31,6 +31,8 @@ from xffl.training.data import ensure_synthetic
 from xffl.training.model import build_config
 from xffl.training.trainer import train_round
 
+REPO = Path(__file__).resolve().parents[2]
+
 JobFactory = Callable[..., TrainJob]
 SPEC = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
@@ -211,12 +213,12 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
         training = job.training.model_copy(update={"data_parallel": mode, "grad_clip": 0.0})
         jobs.append(tmp_path / f"{mode}.json")
         jobs[-1].write_text(job.model_copy(update={"training": training}).model_dump_json())
-    worker = Path(__file__).with_name("lora_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(worker), str(adapter0), str(base), job.data.path, str(tmp_path / "out"),
-         *map(str, jobs)], capture_output=True, text=True, timeout=300, env=env)
+        [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+         "tests.training.lora_worker", str(adapter0), str(base), job.data.path,
+         str(tmp_path / "out"), *map(str, jobs)], capture_output=True, text=True,
+        timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     ddp, fsdp = (load_file(str(tmp_path / "out" / m / ADAPTER_FILE)) for m in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()

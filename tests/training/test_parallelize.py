@@ -34,9 +34,10 @@ from xffl.training.parallelize import (
     parallelize,
 )
 
-WORKER = Path(__file__).with_name("tp_worker.py")
-# one torchrun per world size, running its meshes in turn (tp_worker.py): a torch start-up
-# per rank, not per rank and mesh
+REPO = Path(__file__).resolve().parents[2]
+# one launch per world size, running its meshes in turn (tests/training/tp_worker.py), through
+# the forked launcher xffl runs CPU ranks with (xffl.training.forked: torchrun's engine, the
+# ranks forked from one interpreter): one torch start-up per world size, not per rank and mesh
 # every family with a tensor-parallel plan, at tp 2 and under FSDP2 at dp 2
 FAMILIES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2")
 # "+sharded": loaded into its slices from a round-0 checkpoint, as a sliced site loads it
@@ -127,17 +128,16 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def mesh_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
-    """``launch(nproc)``: the folder of the torchrun of LAUNCHES[nproc], run on first use."""
+    """``launch(nproc)``: the folder of the launch of LAUNCHES[nproc], run on first use."""
     done: dict[int, Path] = {}
 
     def launch(nproc: int) -> Path:
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"meshes-{nproc}")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                   "1", "--nproc-per-node", str(nproc), str(WORKER), str(out),
-                   *LAUNCHES[nproc]]
+            cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node",
+                   str(nproc), "-m", "tests.training.tp_worker", str(out), *LAUNCHES[nproc]]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                                  check=False)
+                                  check=False, cwd=REPO)
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[nproc] = out
         return done[nproc]
