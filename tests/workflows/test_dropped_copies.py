@@ -34,6 +34,9 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 
+# one worker runs both tests: the module's reference run (`uninterrupted`) is then run once,
+# not once in each worker that draws one of them
+pytestmark = pytest.mark.xdist_group("dropped-copies")
 runner = CliRunner()
 PROXY = Path(__file__).resolve().parents[2] / "bench" / "transfer" / "proxy.py"
 RATE = 2_000_000  # bytes/s each way: the 12.6 MB update takes ~6 s, a command's kB ~1 ms
