@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from typer.testing import CliRunner
 
+from xffl.cli.app import app
 from xffl.training.prepare_examples import SPLIT_SALT
 
-XFFL = str(Path(sys.executable).with_name("xffl"))
+runner = CliRunner()
 
 
 def _held_out(jsonl: Path, fraction: float) -> list[dict[str, Any]]:
@@ -50,7 +49,8 @@ def _masked_sum(model: Any, tok: Any,
 
 
 @pytest.mark.slow
-def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> None:
+def test_sft_lora_template_learns_and_its_adapter_generates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three rounds of the template; the federated validation loss falls every round and is,
     each round, the masked mean over every held-out response token of both sites, pooled,
     recomputed here from the JSON lines; the final adapter loads in peft on the base and
@@ -75,13 +75,13 @@ def test_sft_lora_template_learns_and_its_adapter_generates(tmp_path: Path) -> N
     from peft import PeftModel
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    env = {**os.environ, "XFFL_HOME": str(tmp_path / "home"),
-           "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    # the template's commands as a user types them in the folder (XFFL_HOME: the test's
+    # own), here in this process: the run's supervisor and ranks are their own processes
+    monkeypatch.chdir(tmp_path)
 
     def xffl(*argv: str) -> str:
-        done = subprocess.run([XFFL, *argv], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=400)
-        assert done.returncode == 0, (argv, done.stdout, done.stderr)
+        done = runner.invoke(app, list(argv))
+        assert done.exit_code == 0, (argv, done.output)
         return done.stdout
 
     xffl("init", "-t", "sft-lora", "demo")
