@@ -1,12 +1,13 @@
 """A dropped SSH connection in the middle of a copy, on the real two-cluster stack.
 
 Beta's login is reached through bench/transfer/proxy.py at 2 MB/s, so that copying its
-12.6 MB update (or the round's global) takes seconds; the test SIGKILLs the sshd session
-process serving that copy (``head`` of the update at the site, ``dd`` of the global there)
-1.5 s after it started (~3 MB in), while ``xffl watch`` and ``xffl status`` show it.
-With the default failure policy (``failure.retries`` 0) the round completes, beta's SLURM
-job ran once, the copy resumed (the update back from what had arrived), and the global is
-bitwise the one of an uninterrupted run of the job.
+12.6 MB update (or the round's global) takes seconds; in one round the test SIGKILLs the
+sshd session process serving the global's copy out (``dd`` of it at the site), then the one
+serving the update's copy back (``head`` of it there), each 1.5 s after it started (~3 MB
+in), while ``xffl watch`` and ``xffl status`` show it. With the default failure policy
+(``failure.retries`` 0) the round completes, beta's SLURM job ran once, each copy resumed
+(the update back from what had arrived), and the global is bitwise the one of an
+uninterrupted run of the job.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,6 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 
-# one worker runs both tests: the module's reference run (`uninterrupted`) is then run once,
-# not once in each worker that draws one of them
-pytestmark = pytest.mark.xdist_group("dropped-copies")
 runner = CliRunner()
 PROXY = Path(__file__).resolve().parents[2] / "bench" / "transfer" / "proxy.py"
 RATE = 2_000_000  # bytes/s each way: the 12.6 MB update takes ~6 s, a command's kB ~1 ms
@@ -118,36 +116,38 @@ def _status_in_flight(direction: str, deadline: float) -> list[str]:
     return printed
 
 
-def _run_with_a_drop(tmp_path: Path, stack: Any, port: int, name: str,
-                     words: tuple[str, ...], direction: str
-                     ) -> tuple[dict[str, Any], str, list[str]]:
-    """Submit the job (beta through the proxy); once a command with ``words`` runs, start
-    `xffl watch` and `xffl status` (:func:`_status_in_flight`), and kill the session serving
-    that command 1.5 s later; (the run's status, the killed session's command line, what
-    `xffl watch`, `xffl status` and `xffl status --json` printed meanwhile)."""
+def _run_with_drops(tmp_path: Path, stack: Any, port: int, name: str,
+                    drops: Sequence[tuple[tuple[str, ...], str]]
+                    ) -> tuple[dict[str, Any], list[str], list[list[str]]]:
+    """Submit the job (beta through the proxy); for each ``(words, direction)`` of ``drops``
+    in turn, once a command with ``words`` runs, start `xffl watch` and `xffl status`
+    (:func:`_status_in_flight`), and kill the session serving that command 1.5 s later;
+    (the run's status, the killed sessions' command lines, what `xffl watch`, `xffl status`
+    and `xffl status --json` printed meanwhile, a list per drop)."""
     killed: list[str] = []
-    seen: list[str] = []
+    seen: list[list[str]] = []
 
     def drop() -> None:
-        deadline = time.monotonic() + 240
-        while session_serving(*words) is None:
-            assert time.monotonic() < deadline, f"no command with {words} ran"
-            time.sleep(0.02)
-        watch = subprocess.Popen([XFFL, "watch", "last", "--timeout", "3"],
-                                 stdout=subprocess.PIPE, text=True)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            status = pool.submit(_status_in_flight, direction, time.monotonic() + 60)
-            killed.append(kill_session_serving(*words, timeout=5, after=1.5))
-            seen.extend([watch.communicate(timeout=60)[0], *status.result(timeout=120)])
+        for words, direction in drops:
+            deadline = time.monotonic() + 240
+            while session_serving(*words) is None:
+                assert time.monotonic() < deadline, f"no command with {words} ran"
+                time.sleep(0.02)
+            watch = subprocess.Popen([XFFL, "watch", "last", "--timeout", "3"],
+                                     stdout=subprocess.PIPE, text=True)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                status = pool.submit(_status_in_flight, direction, time.monotonic() + 60)
+                killed.append(kill_session_serving(*words, timeout=5, after=1.5))
+                seen.append([watch.communicate(timeout=60)[0], *status.result(timeout=120)])
 
     killer = threading.Thread(target=drop, daemon=True)
     killer.start()
     result = runner.invoke(app, ["submit", str(_job(tmp_path, stack, name, port)), "--wait",
                                  "--json"])
     killer.join(timeout=120)
-    assert killed and seen, "the copy was never seen in flight"
+    assert len(killed) == len(seen) == len(drops), ("a copy was never seen in flight", killed)
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), killed[0], seen
+    return json.loads(result.stdout), killed, seen
 
 
 def _check_progress(seen: list[str], direction: str, line: str) -> None:
@@ -187,31 +187,28 @@ def _check(status: dict[str, Any], stack: Any, digest: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_copy_back_survives_a_killed_sshd_session(
+def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
         tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
         uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round, two drops at beta: the global's copy out (``dd`` there), then the
+    update's copy back (``head`` of it there; its path names the update folder, so the
+    hashing of the global's prefix when the copy out resumes is not taken for it)."""
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
-    status, session, seen = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropback",
-                                             ("head -c", work, "model.safetensors"), "out")
-    assert "@" in session
-    # `xffl watch` and `xffl status` showed the update coming back: bytes so far, MB/s, ETA
-    _check_progress(seen, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
+    status, sessions, (out, back) = _run_with_drops(
+        tmp_path, slurm_stack, slow_beta, "drops",
+        ((("dd of=", work, "model.safetensors"), "in"),
+         (("head -c", work, "/update/model.safetensors"), "out")))
+    assert all("@" in session for session in sessions)
+    # `xffl watch` and `xffl status` showed each copy in flight: bytes so far, MB/s, ETA
+    _check_progress(out, "in", r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
+    _check_progress(back, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
     log = _check(status, slurm_stack, uninterrupted)
-    # it went on from what had arrived (a prefix whose SHA-256 matched at the site)
-    resumed = re.findall(r"RESUMING copy of .*: model\.safetensors bytes 0\+(\d+) from (\d+)", log)
-    assert resumed and 0 < int(resumed[0][1]) < int(resumed[0][0]), (session, log[-3000:])
-
-
-@pytest.mark.slow
-def test_a_copy_out_survives_a_killed_sshd_session(
-        tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
-        uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
-    work = slurm_stack.clusters["beta"].work_dir
-    status, session, seen = _run_with_a_drop(tmp_path, slurm_stack, slow_beta, "dropout",
-                                             ("dd of=", work, "model.safetensors"), "in")
-    assert "@" in session
-    _check_progress(seen, "in", r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
-    log = _check(status, slurm_stack, uninterrupted)
-    assert "dropped" in log and "attempt 2 of 6" in log, log[-3000:]
+    # the copy out was tried again ...
+    assert re.search(r"copy of \S+/global to \S+ at the site dropped .*; attempt 2 of 6",
+                     log), log[-3000:]
+    # ... and the copy back went on from what had arrived (a prefix whose SHA-256 matched
+    # at the site)
+    resumed = re.findall(r"RESUMING copy of \S+/update from the site: model\.safetensors "
+                         r"bytes 0\+(\d+) from (\d+)", log)
+    assert resumed and 0 < int(resumed[0][1]) < int(resumed[0][0]), (sessions, log[-3000:])
