@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from xffl.core.startup import YOUNG, collect_less
 
-REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("aggregator", "cli", "core", "jobs", "site_profiles", "training", "workflows")
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from tests.conftest import REPO
 from xffl.aggregator.adapter import adapted_modules, factor_names
 from xffl.aggregator.exchange import Manifest, read_manifest, verify_checkpoint
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
@@ -30,8 +31,6 @@ from xffl.training.config import LoraSpec, ModelSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.model import build_config
 from xffl.training.trainer import train_round
-
-REPO = Path(__file__).resolve().parents[2]
 
 JobFactory = Callable[..., TrainJob]
 SPEC = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from tests.conftest import REPO
 from tests.training.tp_worker import (
     GLOBAL,
     HELD_OUT,
@@ -34,7 +35,6 @@ from xffl.training.parallelize import (
     parallelize,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 # one launch per world size, running its meshes in turn (tests/training/tp_worker.py), through
 # the forked launcher xffl runs CPU ranks with (xffl.training.forked: torchrun's engine, the
 # ranks forked from one interpreter): one torch start-up per world size, not per rank and mesh
