@@ -189,19 +189,19 @@ def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
     hashing of the global's prefix when the copy out resumes is not taken for it)."""
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = slurm_stack.clusters["beta"].work_dir
-    status, sessions, (out, back) = _run_with_drops(
+    status, sessions, (seen_out, seen_back) = _run_with_drops(
         tmp_path, slurm_stack, slow_beta, "drops",
         ((("dd of=", work, "model.safetensors"), "in"),
          (("head -c", work, "/update/model.safetensors"), "out")))
     assert all("@" in session for session in sessions)
     # `xffl watch` and `xffl status` showed each copy in flight: bytes so far, MB/s, ETA
-    _check_progress(out, "in", r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
-    _check_progress(back, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
+    _check_progress(seen_out, "in", r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
+    _check_progress(seen_back, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
     log = _check(status, slurm_stack)
     # the copy out was tried again ...
-    out = re.search(r"copy of (\S+/global) to (\S+) at the site dropped .*; attempt 2 of 6",
+    retried = re.search(r"copy of (\S+/global) to (\S+) at the site dropped .*; attempt 2 of 6",
                     log)
-    assert out, log[-3000:]
+    assert retried, log[-3000:]
     # ... and the copy back went on from what had arrived (a prefix whose SHA-256 matched
     # at the site)
     resumed = re.findall(r"RESUMING copy of (\S+/update) from the site: model\.safetensors "
@@ -212,8 +212,8 @@ def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
     # site folders are on this machine)
     run_dir = Path(status["run_dir"])
     sent = run_dir / "rounds" / "0" / "global"
-    assert Path(out[1]).resolve() == sent.resolve(), out[0]
-    for there, here in ((Path(out[2]), sent),
+    assert Path(retried[1]).resolve() == sent.resolve(), retried[0]
+    for there, here in ((Path(retried[2]), sent),
                         (Path(resumed[0][0]), run_dir / "rounds" / "1" / "updates" / "beta")):
         files = _files(here)
         assert "model.safetensors" in files and _files(there) == files, (there, here)
