@@ -67,6 +67,12 @@ def test_every_entry_point_calls_it_before_its_imports_or_first_in_main(path: Pa
     assert _calls(statements[0]), f"{path}: main() does not call collect_less() first"
 
 
+def _python(code: str) -> list[str]:
+    """The words ``python -c code`` printed (it must exit 0)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True).stdout.split()
+
+
 def test_a_training_process_has_the_raised_threshold_when_torch_is_imported() -> None:
     """``python -m xffl.training``: torch (imported at the module's top) saw the threshold."""
     code = ("import sys, gc; sys.argv = ['x', '--help']\n"
@@ -79,9 +85,7 @@ def test_a_training_process_has_the_raised_threshold_when_torch_is_imported() ->
             "try: runpy.run_module('xffl.training', run_name='__main__')\n"
             "except SystemExit: pass\n"
             "print(seen[0])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
-    assert int(out[-1]) == YOUNG
+    assert int(_python(code)[-1]) == YOUNG
 
 
 def test_the_heap_is_frozen_at_exit_after_the_other_handlers() -> None:
@@ -102,8 +106,7 @@ def test_the_heap_is_frozen_at_exit_after_the_other_handlers() -> None:
             "collect_less(); collect_less(); collect_less()\n"
             "print(atexit._ncallbacks() - before, flush=True)\n"
             "keep = [[i] for i in range(100_000)]\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
+    out = _python(code)
     assert out[0] == "1"
     frozen, tracked = int(out[1]), int(out[2])
     assert frozen >= 100_000 and tracked < 1_000, (frozen, tracked)
