@@ -124,9 +124,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 # what every worker needs, imported once by the fork server the workers are forked from (about
-# 2.5 CPU-s: each of K spawned workers used to pay it)
-PRELOAD = ["torch", "torch._dynamo", "xffl.workflows.simulate_sites", "xffl.training.trainer",
-           "xffl.training.streamed"]
+# 2.5 CPU-s: each of K spawned workers used to pay it), after xffl.core.startup_preload
+PRELOAD = ["xffl.core.startup_preload", "torch", "torch._dynamo", "xffl.workflows.simulate_sites",
+           "xffl.training.trainer", "xffl.training.streamed"]
 
 
 class _Pool:

@@ -218,3 +218,19 @@ def test_a_real_dataset_is_split_between_the_virtual_sites(tmp_path: Path) -> No
     check_templates(loaded, 10)
     with pytest.raises(Exception, match="fewer than the 11 virtual sites"):
         check_templates(loaded, 11)
+
+
+def test_the_workers_fork_server_starts_as_every_xffl_process() -> None:
+    """multiprocessing's fork server runs no main of xffl's; the first module it preloads calls
+    collect_less() (xffl.core.startup), so it imports torch and the trainer with the raised
+    threshold, which the workers forked from it inherit: a worker reports it."""
+    import gc
+
+    from xffl.core.startup import YOUNG
+    from xffl.workflows.simulate import _Pool
+
+    pool = _Pool(1, 1)
+    try:
+        assert pool.executor.submit(gc.get_threshold).result(timeout=120)[0] == YOUNG
+    finally:
+        pool.close(kill=False)
