@@ -23,8 +23,8 @@ typecheck=$!
 docs=$!
 # three workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py): the
 # third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
-# timeout (on 2026-11-26, 1170 tests: 3 workers 573 s of pytest, 4 workers 606 s; 1212 tests:
-# 442 s with both cores 90-100% busy nearly throughout); XFFL_TEST_WORKERS=0 runs everything here
+# timeout (on 2026-11-26, 1170 tests: 3 workers 573 s of pytest, 4 workers 606 s; 1213 tests:
+# 427-447 s with both cores 90-100% busy nearly throughout); XFFL_TEST_WORKERS=0 runs everything here
 set +e
 .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 \
   --dist loadgroup "$@"
