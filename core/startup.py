@@ -22,12 +22,10 @@ torn down, which the operating system reclaims with the process.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 
 YOUNG = 50_000  # net allocations between collections of the youngest generation
-
-
-_freeze_at_exit: list[bool] = []  # registered once per process (the CLI calls it per command)
 
 
 def collect_less() -> None:
@@ -36,8 +34,12 @@ def collect_less() -> None:
     young, middle, old = gc.get_threshold()
     if 0 < young < YOUNG:
         gc.set_threshold(YOUNG, middle, old)
-    if not _freeze_at_exit:
-        # atexit runs its handlers last registered first: registered first in a process,
-        # this one runs after every handler the imports and the program register
-        atexit.register(gc.freeze)
-        _freeze_at_exit.append(True)
+    _freeze_at_exit()
+
+
+@functools.cache  # once per process: the CLI calls collect_less() per command
+def _freeze_at_exit() -> None:
+    """Register gc.freeze with atexit. atexit runs its handlers last registered first:
+    registered first in a process, this one runs after every handler the imports and the
+    program register."""
+    atexit.register(gc.freeze)
