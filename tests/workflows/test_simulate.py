@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from xffl.aggregator.fedavg import aggregate
 from xffl.aggregator.shards import open_model
 from xffl.cli.app import app
 from xffl.core.errors import ExitCode
+from xffl.core.startup import YOUNG
 from xffl.jobs.load import load_job
 from xffl.training.data import ensure_synthetic, load_tokens
 from xffl.training.exchange_config import ExchangeSpec
+from xffl.workflows.simulate import _Pool
 from xffl.workflows.simulate_sites import check_templates, ensure_partition, virtual_site
 
 runner = CliRunner()
@@ -224,11 +227,6 @@ def test_the_workers_fork_server_starts_as_every_xffl_process() -> None:
     """multiprocessing's fork server runs no main of xffl's; the first module it preloads calls
     collect_less() (xffl.core.startup), so it imports torch and the trainer with the raised
     threshold, which the workers forked from it inherit: a worker reports it."""
-    import gc
-
-    from xffl.core.startup import YOUNG
-    from xffl.workflows.simulate import _Pool
-
     pool = _Pool(1, 1)
     try:
         assert pool.executor.submit(gc.get_threshold).result(timeout=120)[0] == YOUNG
