@@ -30,7 +30,16 @@ VAL_TOKENS = "val_tokens"
 EVAL_SECONDS = "eval_seconds"
 VALIDATION_LOSSES = (VAL_LOSS, VAL_LOSS_UPDATE)  # cross-entropies: never negative
 VALIDATION_METRICS = (*VALIDATION_LOSSES, VAL_SAMPLES, VAL_TOKENS)  # all of them or none
-SITE_ONLY_METRICS = (*VALIDATION_METRICS, EVAL_SECONDS)  # never averaged
+
+# how the site's hardware ran the round (xffl.training.telemetry): per site, never averaged;
+# the device's name and count are words, so they travel in the manifest's ``extra``
+TOKENS_PER_S_PER_GPU = "tokens_per_s_per_gpu"  # steady state: warm-up steps left out
+TFLOPS = "tflops"  # achieved model TFLOP/s per device (torchtitan's FLOP count)
+MFU = "mfu"  # TFLOPS over the device's dense bf16 peak (absent when no peak is known)
+PEAK_MEMORY_GIB = "peak_memory_gib"  # the largest peak of any rank (GPU memory, else RSS)
+SAVE_SECONDS = "save_seconds"  # writing the update, checksums included
+HARDWARE_METRICS = (TOKENS_PER_S_PER_GPU, TFLOPS, MFU, PEAK_MEMORY_GIB, SAVE_SECONDS)
+SITE_ONLY_METRICS = (*VALIDATION_METRICS, EVAL_SECONDS, *HARDWARE_METRICS)  # never averaged
 
 # the only metric names an update may carry: a site cannot fill the global's manifest with
 # names of its own (the global carries the mean of each, and every site's numbers)
