@@ -61,7 +61,9 @@ def load_sliced(model: nn.Module, model_dir: Path, tp: int, device: torch.device
                 given: Mapping[str, Tensor] | None = None) -> ParallelModel:
     """A meta-device ``model`` split over the (dp, tp) mesh of all ranks, its slices filled
     one tensor at a time: a state-dict entry from ``given`` (by the model's key) when there,
-    else from the checkpoint in ``model_dir``, whose tensor ``checkpoint_name(key)`` it is."""
+    else from the checkpoint in ``model_dir``, whose tensor ``checkpoint_name(key)`` it is.
+    For meshes whose ranks hold slices (FSDP2, tensor parallel): DDP would wrap the model
+    before its weights exist."""
     from torch.distributed.tensor import distribute_tensor
 
     pm = parallelize(model, tp, device, data_parallel)
