@@ -23,6 +23,7 @@ from xffl.training import lora, trainer
 from xffl.training.checkpoint import init_global, read_config
 from xffl.training.config import DataSpec, LoraSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
+from xffl.training.model import build_config
 
 SPEC = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 # a base wide enough that its weights dominate a rank's other allocations while loading
@@ -161,3 +162,26 @@ def test_one_process_bf16_keeps_the_base_in_bf16(tmp_path: Path) -> None:
                         base_dir=base)
     with safe_open(str(tmp_path / "update" / ADAPTER_FILE), "pt") as fh:
         assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"F32"}  # noqa: SIM118
+
+
+def test_decoder_layers_are_found_through_peft() -> None:
+    """A peft model's decoder layers are its transformers model's (what FSDP2 shards one
+    unit each), its LoRA factors inside them; the meta build allocates nothing."""
+    from xffl.training.parallelize import decoder_layers
+    from xffl.training.sharded_load import meta_causal_lm
+
+    config = build_config(ModelSpec(preset="tiny-test"))
+    plain = meta_causal_lm(config, dtype=torch.bfloat16)
+    peft_model = lora.wrap(plain, SPEC, freeze_a=False)
+    layers = decoder_layers(peft_model)
+    assert len(layers) == config.num_hidden_layers == 2
+    assert layers == list(plain.model.layers)
+    factors = [n for n, _ in layers[0].named_parameters() if lora.is_adapter_param(n)]
+    assert len(factors) == 2 * 3  # A and B of q_proj, v_proj and down_proj
+    assert {p.dtype for n, p in peft_model.named_parameters()
+            if not lora.is_adapter_param(n)} == {torch.bfloat16}
+    assert {p.dtype for n, p in peft_model.named_parameters()
+            if lora.is_adapter_param(n)} == {torch.float32}
+    assert lora.base_checkpoint_name(
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
