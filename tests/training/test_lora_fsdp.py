@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO
 from tests.training.lora_fsdp_worker import built, train
+from tests.training.tp_worker import mesh_spec
 from xffl.aggregator.shards import ADAPTER_FILE
 from xffl.training import lora, trainer
 from xffl.training.checkpoint import init_global, read_config
@@ -53,10 +54,14 @@ def _case(tmp: Path, name: str, model: ModelSpec, **training: Any) -> tuple[Path
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One launch of 2 ranks running both cases: ``fp32`` (tiny-test, precision fp32, 3
-    steps) and ``bf16`` (WIDE, precision bf16, 1 step)."""
+    """One launch of 2 ranks running every case: ``fp32`` (tiny-test, precision fp32, 3
+    steps), ``qwen2`` (the same with Qwen2's tied embeddings and biases, and activation
+    checkpointing) and ``bf16`` (WIDE, precision bf16, 1 step)."""
     tmp = tmp_path_factory.mktemp("lora-fsdp")
     cases = {"fp32": _case(tmp, "fp32", ModelSpec(preset="tiny-test"), precision="fp32"),
+             # tied embeddings, biases and activation checkpointing, at tiny-test's widths
+             "qwen2": _case(tmp, "qwen2", mesh_spec("tiny-qwen2"), precision="fp32",
+                            activation_checkpointing=True),
              "bf16": _case(tmp, "bf16", WIDE, precision="bf16", steps=1)}
     args = []
     for name, (base, adapter, job) in cases.items():
@@ -78,7 +83,7 @@ def test_one_fsdp2_unit_per_decoder_layer_and_the_base_sharded(
         launched: dict[str, Any]) -> None:
     """FSDP2 shards the peft model per decoder layer (its LoRA factors inside) plus the root,
     and every frozen base weight is split over the 2 ranks: each holds half its elements."""
-    for name, layers in (("fp32", 2), ("bf16", 4)):
+    for name, layers in (("fp32", 2), ("qwen2", 2), ("bf16", 4)):
         for ran in launched["ranks"][name]:
             assert ran["dp"] == 2 and ran["layers"] == layers, ran
             assert ran["fsdp_modules"] == layers + 1, ran
@@ -88,7 +93,9 @@ def test_one_fsdp2_unit_per_decoder_layer_and_the_base_sharded(
 
 
 @pytest.mark.slow
-def test_an_fsdp2_rank_pair_trains_one_process_adapter(launched: dict[str, Any]) -> None:
+@pytest.mark.parametrize("case", ["fp32", "qwen2"])
+def test_an_fsdp2_rank_pair_trains_one_process_adapter(launched: dict[str, Any],
+                                                       case: str) -> None:
     """The adapter 2 FSDP2 ranks train on the halves of each global batch is the one a
     single process trains on the whole batches (its model loaded whole, no process group).
 
@@ -102,14 +109,15 @@ def test_an_fsdp2_rank_pair_trains_one_process_adapter(launched: dict[str, Any])
     Without clipping and with AdamW's eps = 1 (>> |g|) a step moves by at most 2 lr / eps
     per unit of gradient difference, plus the rounding of the weight (2^-23 |w|, |w| <=
     0.2): over 3 steps at lr 0.1, 3 (0.2 x 3.9e-5 + 2.4e-8) = 2.4e-5: atol 3e-5 (measured:
-    1.6e-9). A loss scale that forgets the dp factor (each rank's half counted as the
-    whole) makes them differ by 2.9e-3; the factors move by about 6e-3.
+    1.6e-9; Qwen2, at the same widths, adds a bias per projection and ties the head). A loss
+    scale that forgets the dp factor (each rank's half counted as the whole) makes them
+    differ by 2.9e-3; the factors move by about 6e-3.
     """
-    base, adapter, job = launched["cases"]["fp32"]
+    base, adapter, job = launched["cases"][case]
     pm = trainer.site_model(job, base, adapter, read_config(base), torch.device("cpu"))
     assert pm.mesh is None  # one process: the whole model, no FSDP2
     reference = train(pm, job, read_config(base).vocab_size, rows=4)
-    got = load_file(str(launched["out"] / "fp32.safetensors"))
+    got = load_file(str(launched["out"] / f"{case}.safetensors"))
     start = load_file(str(adapter / ADAPTER_FILE))
     assert got.keys() == reference.keys() == start.keys()
     gap = max(float((got[k] - reference[k]).abs().max()) for k in got)
