@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -55,8 +56,10 @@ def read_weights(model_dir: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
-    """A CPU fp32 model with the weights of a checkpoint directory.
+def load_model(model_dir: Path, entry_point: str | None = None,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A CPU model with the weights of a checkpoint directory, in ``dtype`` (fp32 unless a
+    frozen LoRA base is kept in bf16).
 
     transformers' model of the checkpoint's family (``from_pretrained``: built on the meta
     device, loaded tensor by tensor), or the model of ``entry_point`` (package.module:function)
@@ -67,7 +70,7 @@ def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
         with open_model(model_dir):  # the index is checked against every shard first
             pass
         try:
-            return load_pretrained(Path(model_dir))
+            return load_pretrained(Path(model_dir), dtype)
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{model_dir}: {exc}.") from exc
     model = build(config, entry_point)
@@ -75,7 +78,7 @@ def load_model(model_dir: Path, entry_point: str | None = None) -> nn.Module:
         load_weights(model, read_weights(model_dir))
     except ValueError as exc:
         raise CheckpointError(f"{model_dir}: {exc}.") from exc
-    return model
+    return model.to(dtype)
 
 
 def save_checkpoint(model: nn.Module | dict[str, Tensor], config: ModelConfig, out_dir: Path,

@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -31,6 +31,9 @@ from xffl.training.arch import ModelConfig, build_config
 from xffl.training.config import LoraSpec, ModelSpec
 from xffl.training.entry import build
 from xffl.training.seeded import TensorInit, seeded_tensor
+
+if TYPE_CHECKING:  # the coordinator imports this module: no torch.distributed at import
+    from xffl.training.parallelize import ParallelModel
 
 
 def peft_config(spec: LoraSpec, base: str | None = None) -> Any:
@@ -102,6 +105,21 @@ def wrap(model: nn.Module, spec: LoraSpec, freeze_a: bool) -> nn.Module:
     return peft_model
 
 
+def _check_adapter(own: Mapping[str, Tensor], tensors: Mapping[str, Tensor],
+                   where: Path) -> None:
+    """The global adapter ``tensors`` has every factor of the model's (``own``), shaped
+    alike, and nothing else; CheckpointError naming ``where`` otherwise."""
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: the adapter does not fit the model: missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]}.")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(own[name].shape):
+            raise CheckpointError(f"{where}: adapter tensor {name} has shape "
+                                  f"{tuple(value.shape)}, the model expects "
+                                  f"{tuple(own[name].shape)}.")
+
+
 def load_adapter(peft_model: nn.Module, tensors: Mapping[str, Tensor], where: Path) -> None:
     """Put a global adapter's tensors into ``peft_model``; every factor must be given.
 
@@ -112,17 +130,52 @@ def load_adapter(peft_model: nn.Module, tensors: Mapping[str, Tensor], where: Pa
     """
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    own = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
-    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: the adapter does not fit the model: missing "
-                              f"{missing[:3]}, unexpected {unexpected[:3]}.")
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(own[name].shape):
-            raise CheckpointError(f"{where}: adapter tensor {name} has shape "
-                                  f"{tuple(value.shape)}, the model expects "
-                                  f"{tuple(own[name].shape)}.")
+    _check_adapter(get_peft_model_state_dict(peft_model, save_embedding_layers=False),
+                   tensors, where)
     set_peft_model_state_dict(peft_model, dict(tensors))
+
+
+def frozen_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The frozen base's dtype: bf16 where the round computes in bf16 (``precision`` bf16,
+    or auto on a GPU), else fp32. The adapter stays fp32 (peft's ``autocast_adapter_dtype``)."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def base_checkpoint_name(key: str) -> str:
+    """The base checkpoint's name of a peft model's state-dict key: peft nests the model
+    under ``base_model.model.`` and an adapted layer's own weight under ``base_layer``."""
+    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def load_sliced_adapted(base_dir: Path, adapter_dir: Path, config: ModelConfig,
+                        spec: LoraSpec, freeze_a: bool, device: torch.device,
+                        data_parallel: str, checkpointing: bool = False,
+                        dtype: torch.dtype = torch.float32) -> ParallelModel:
+    """The frozen base in ``base_dir`` (``dtype``) with the global adapter in ``adapter_dir``
+    (fp32), sharded over the ranks' mesh as the full model is (:mod:`sharded_load`).
+
+    peft wraps the model on the meta device, so the decoder layers FSDP2 shards hold their
+    LoRA factors; every rank then reads one tensor at a time into its slices: no rank ever
+    holds the whole base.
+    """
+    from peft import get_peft_model_state_dict
+
+    from xffl.training.checkpoint import read_weights
+    from xffl.training.sharded_load import load_sliced, meta_causal_lm
+
+    peft_model = wrap(meta_causal_lm(config, checkpointing, dtype), spec, freeze_a)
+    tensors = read_weights(adapter_dir)  # the adapter: small, read whole
+    keys = peft_model.state_dict(keep_vars=True)
+    # peft's own names of the factors (its adapter name dropped), matched by the parameter
+    # objects: the adapter's tensors keyed by the model's state-dict keys
+    own = get_peft_model_state_dict(peft_model, state_dict=keys, save_embedding_layers=False)
+    _check_adapter(own, tensors, adapter_dir)
+    by_param = {id(value): name for name, value in own.items()}
+    given = {key: tensors[by_param[id(value)]] for key, value in keys.items()
+             if id(value) in by_param}
+    return load_sliced(peft_model, base_dir, 1, device, data_parallel,
+                       base_checkpoint_name, given)
 
 
 def adapter_state(peft_model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:

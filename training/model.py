@@ -152,14 +152,15 @@ def build_model(config: ModelConfig, seed: int | None = None) -> PreTrainedModel
     return prepare(model)
 
 
-def load_pretrained(model_dir: Path) -> PreTrainedModel:
-    """A checkpoint folder's model through transformers (meta build, tensor-by-tensor load)."""
+def load_pretrained(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A checkpoint folder's model through transformers (meta build, tensor-by-tensor load),
+    its weights in ``dtype``."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a site's log is read by people: no bars per load
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+        str(model_dir), dtype=dtype, local_files_only=True, trust_remote_code=False)
     return prepare(model)
 
 

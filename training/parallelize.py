@@ -88,7 +88,11 @@ def layer_plan(plan: dict[str, str]) -> dict[str, ParallelStyle]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a transformers causal LM (``model.model.layers``), else []."""
+    """The decoder layers of a transformers causal LM (``model.model.layers``), also through
+    a peft model (``get_base_model()``: the transformers model it adapts), else []."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):  # peft's PeftModel: its LoRA layers sit inside these layers
+        model = get_base_model()
     base = getattr(model, "base_model", None)
     layers = getattr(base, "layers", None)
     return list(layers) if isinstance(layers, nn.ModuleList) else []

@@ -7,21 +7,28 @@ empty (each rank allocates its slices), and then every tensor of the checkpoint 
 alone (safetensors, memory-mapped) and cut to this rank's slices by
 ``distribute_tensor(..., src_data_rank=None)``: every rank reads the same file, so nothing is
 sent. A rank's peak is its slices plus the largest single tensor. Non-persistent buffers
-(rotary tables) are recomputed by the family's own ``_init_weights``.
+(rotary tables) are recomputed by the family's own ``_init_weights``. A LoRA site loads its
+frozen base this way too, wrapped by peft on the meta device first
+(:func:`xffl.training.lora.load_sliced_adapted`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from xffl.aggregator.shards import open_model
 from xffl.core.errors import CheckpointError
 from xffl.training.arch import ModelConfig
 from xffl.training.model import meta_model, prepare
 from xffl.training.parallelize import ParallelModel, is_dtensor, parallelize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _restore_buffers(model: nn.Module) -> None:
@@ -35,29 +42,49 @@ def _restore_buffers(model: nn.Module) -> None:
                 init(module)
 
 
-def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.device,
-                  data_parallel: str, checkpointing: bool = False) -> ParallelModel:
-    """The checkpoint in ``model_dir`` as a model split over the (dp, tp) mesh of all ranks
-    (``checkpointing``: activation checkpointing of every decoder layer)."""
-    from torch.distributed.tensor import distribute_tensor
-
+def meta_causal_lm(config: ModelConfig, checkpointing: bool = False,
+                   dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The family's model on the meta device, its parameters in ``dtype`` (buffers, as the
+    rotary tables, keep theirs), ready for training (``checkpointing``: activation
+    checkpointing of every decoder layer). No memory is allocated."""
     model = prepare(meta_model(config))
+    for param in model.parameters():  # tied parameters stay one object
+        param.data = param.data.to(dtype)
     if checkpointing:
         model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
             gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def load_sliced(model: nn.Module, model_dir: Path, tp: int, device: torch.device,
+                data_parallel: str, checkpoint_name: Callable[[str], str] = str,
+                given: Mapping[str, Tensor] | None = None) -> ParallelModel:
+    """A meta-device ``model`` split over the (dp, tp) mesh of all ranks, its slices filled
+    one tensor at a time: a state-dict entry from ``given`` (by the model's key) when there,
+    else from the checkpoint in ``model_dir``, whose tensor ``checkpoint_name(key)`` it is.
+    For meshes whose ranks hold slices (FSDP2, tensor parallel): DDP would wrap the model
+    before its weights exist."""
+    from torch.distributed.tensor import distribute_tensor
+
     pm = parallelize(model, tp, device, data_parallel)
     pm.module.to_empty(device=device)
     _restore_buffers(pm.module)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings",
+                                         False) else set()
     model_dir = Path(model_dir)
+    given = given or {}
     with open_model(model_dir) as reader, torch.no_grad():
         names = set(reader.names())
-        for name, param in pm.module.state_dict(keep_vars=True).items():
-            if name not in names:
-                if name in tied:
-                    continue
+        for key, param in pm.module.state_dict(keep_vars=True).items():
+            name = checkpoint_name(key)
+            if key in given:
+                full = given[key].to(device=device, dtype=param.dtype)
+            elif name in names:
+                full = torch.from_numpy(reader.read(name)).to(device=device, dtype=param.dtype)
+            elif name in tied:
+                continue
+            else:
                 raise CheckpointError(f"{model_dir}: no tensor {name} in the checkpoint.")
-            full = torch.from_numpy(reader.read(name)).to(device=device, dtype=param.dtype)
             if tuple(full.shape) != tuple(param.shape):
                 raise CheckpointError(f"{model_dir}: tensor {name} has shape "
                                       f"{tuple(full.shape)}, the model expects "
@@ -70,3 +97,11 @@ def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.d
                 param.copy_(full)
             del full
     return pm
+
+
+def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.device,
+                  data_parallel: str, checkpointing: bool = False) -> ParallelModel:
+    """The checkpoint in ``model_dir`` as a model split over the (dp, tp) mesh of all ranks
+    (``checkpointing``: activation checkpointing of every decoder layer)."""
+    return load_sliced(meta_causal_lm(config, checkpointing), model_dir, tp, device,
+                       data_parallel)

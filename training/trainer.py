@@ -162,9 +162,10 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
     """The global model of this round on the site's mesh, ready to train.
 
     A transformers model whose ranks hold slices (FSDP2, tensor parallel) is built on the
-    meta device and loaded tensor by tensor into its slices (:mod:`sharded_load`); a
-    replicated one (DDP, one rank), a LoRA job's base and a ``model.entry_point`` model are
-    loaded whole at every rank.
+    meta device and loaded tensor by tensor into its slices (:mod:`sharded_load`), a LoRA
+    job's frozen base too (wrapped by peft first, :func:`lora.load_sliced_adapted`); a
+    replicated one (DDP, one rank) and a ``model.entry_point`` model are loaded whole at
+    every rank. A LoRA job's frozen base is kept in bf16 when the round computes in bf16.
     """
     spec = job.training
     checkpointing = spec.activation_checkpointing
@@ -172,11 +173,16 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
         raise InvalidInput("training.activation_checkpointing needs a transformers model; "
                            "a model.entry_point model must checkpoint its own blocks.")
     sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel) == "fsdp"
-    if (sliced and xdist.world_size() > 1 and job.model.entry_point is None
-            and spec.lora is None):
+    dtype = lora.frozen_dtype(spec.precision, device) if spec.lora is not None \
+        else torch.float32
+    if sliced and xdist.world_size() > 1 and job.model.entry_point is None:
+        if spec.lora is not None:
+            return lora.load_sliced_adapted(weights_dir, model_dir, config, spec.lora,
+                                            job.freeze_a, device, spec.data_parallel,
+                                            checkpointing, dtype)
         return load_parallel(weights_dir, config, spec.tensor_parallel, device,
                              spec.data_parallel, checkpointing)
-    model = load_model(weights_dir, job.model.entry_point)
+    model = load_model(weights_dir, job.model.entry_point, dtype)
     if checkpointing:
         model.gradient_checkpointing_enable(  # type: ignore[operator]
             gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -195,8 +195,9 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
                                               global0: tuple[Path, Manifest],
                                               make_job: JobFactory) -> None:
     """Two ranks under torchrun, the frozen base and its adapter wrapped by DDP or by FSDP2
-    (``data_parallel: fsdp``, frozen and trainable parameters in one unit): the same adapter
-    comes back, bit for bit (both rounds in one launch, tests/training/lora_worker.py).
+    (``data_parallel: fsdp``: one unit per decoder layer, its LoRA factors inside, plus the
+    root; the base loaded into each rank's shards): the same adapter comes back, bit for bit
+    (both rounds in one launch, tests/training/lora_worker.py).
 
     Why bit for bit: both ranks run the same forward and backward on the same batches with
     the same weights (FSDP2 all-gathers the exact shards); with two ranks the reduction is
@@ -224,15 +225,19 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
     assert all(np.array_equal(ddp[k], fsdp[k]) for k in ddp)
     assert read_manifest(tmp_path / "out" / "fsdp").extra["dp"] == 2
     # what ran, not what was asked for (the comparison above holds for DDP against DDP):
-    # FSDP2 made the peft model one FSDPModule (frozen and trainable parameters in one unit)
-    # and every parameter, the frozen base's included, a DTensor sharded on dim 0 over the
-    # 2 ranks; DDP wrapped a model of plain tensors
+    # FSDP2 made each of tiny-test's 2 decoder layers of the peft model an FSDPModule, and
+    # the root, and every parameter, the frozen base's included, a DTensor sharded on dim 0
+    # over the 2 ranks (a frozen weight's local shard: half its elements); DDP wrapped a
+    # model of plain tensors
     for rank in (0, 1):
         ran = {m: json.loads((tmp_path / "out" / f"{m}.rank{rank}.json").read_text())
                for m in ("ddp", "fsdp")}
-        assert ran["fsdp"]["ddp"] is False and int(ran["fsdp"]["fsdp_modules"]) == 1, ran
+        assert ran["fsdp"]["ddp"] is False and int(ran["fsdp"]["fsdp_modules"]) == 2 + 1, ran
         assert ran["fsdp"]["dtensor_params"] == ran["fsdp"]["params"], ran
         assert ran["fsdp"]["placements"] == "(Shard(dim=0),)", ran
+        assert ran["fsdp"]["frozen_grad"] is False, ran
+        assert ran["fsdp"]["frozen_local_numel"] * 2 == ran["fsdp"]["frozen_numel"], ran
+        assert ran["ddp"]["frozen_local_numel"] == ran["ddp"]["frozen_numel"], ran
         assert ran["ddp"]["ddp"] is True and int(ran["ddp"]["fsdp_modules"]) == 0, ran
         assert int(ran["ddp"]["dtensor_params"]) == 0, ran
 
