@@ -116,7 +116,8 @@ class Layout:
     dp: int = 1
     tp: int = 1
     mode: DataParallel = "fsdp"  # "none": one process, no wrapper
-    gpu: bool = True  # bf16 mixed precision and the CUDA reserve; False: fp32 on CPUs
+    gpu: bool = True  # the CUDA reserve and foreach AdamW; False: a CPU run
+    bf16: bool = True  # bf16 compute (FSDP2's param dtype, autocast under DDP); False: fp32
     batch: int = 1
     seq: int = 2048
     grad_accum: int = 1
@@ -165,7 +166,9 @@ def site_layout(spec: TrainingSpec, ranks: int, parts: ModelParts, *, gpu: bool 
     loss_chunk = int(getattr(spec, "loss_chunk", 0) or 0)
     tp = spec.tensor_parallel
     mode = resolve_data_parallel(data_parallel or spec.data_parallel, tp, parts.total, ranks)
-    return Layout(dp=max(ranks // tp, 1), tp=tp, mode=mode, gpu=gpu, batch=spec.batch_size,
+    bf16 = spec.precision == "bf16" or (spec.precision == "auto" and gpu)
+    return Layout(dp=max(ranks // tp, 1), tp=tp, mode=mode, gpu=gpu, bf16=bf16,
+                  batch=spec.batch_size,
                   seq=spec.seq_len, grad_accum=spec.grad_accum,
                   ac_every=checkpoint_every(spec.activation_checkpointing),
                   loss_chunk=loss_chunk, lora=spec.lora is not None)
@@ -186,19 +189,19 @@ def layer_activation_bytes(parts: ModelParts, layout: Layout) -> int:
     h, I = parts.hidden, parts.intermediate  # noqa: E741 (the MLP width, as in the papers)
     q, kv = parts.heads * parts.head_dim, parts.kv_heads * parts.head_dim
     split = (3 * q + 2 * kv + 4 * I) // layout.tp
-    return (12 * h + 2 * split) if layout.gpu else 4 * (4 * h + split)
+    return (12 * h + 2 * split) if layout.bf16 else 4 * (4 * h + split)
 
 
 def activation_terms(parts: ModelParts, layout: Layout) -> dict[str, int]:
     """Saved activations at the end of the forward, and the backward's one-layer working set."""
     tokens = layout.batch * layout.seq
-    act = 2 if layout.gpu else 4  # bytes of the residual stream
+    act = 2 if layout.bf16 else 4  # bytes of the residual stream
     full = layer_activation_bytes(parts, layout) * tokens
     k = layout.ac_every
     checkpointed = parts.layers // k if k else 0  # torchtitan: layers k, 2k, ... (1-based)
     saved = (checkpointed * act * parts.hidden * tokens  # each checkpoint's input
              + (parts.layers - checkpointed) * full
-             + (6 if layout.gpu else 8) * parts.hidden * tokens)  # final norm (fp32 in, out)
+             + (6 if layout.bf16 else 8) * parts.hidden * tokens)  # final norm (fp32 in, out)
     return {"activations": saved,
             # the layer in backward: its recompute (checkpointed) or, without checkpoints, the
             # top layer's gradient transients (lower layers reuse what the upper ones freed)
@@ -227,8 +230,8 @@ def state_terms(parts: ModelParts, layout: Layout) -> dict[str, int]:
     trained = (parts.adapter if layout.lora else local) // shard
     base = 0
     if layout.lora:  # frozen base: bf16 on GPUs (2 B), fp32 on CPUs, sharded under FSDP2
-        base = (2 if layout.gpu else 4) * local // shard
-    half = 2 if layout.gpu else 4  # unsharded compute copies: bf16 on GPUs
+        base = (2 if layout.bf16 else 4) * local // shard
+    half = 2 if layout.bf16 else 4  # unsharded compute copies: bf16 under mixed precision
     # AdamW's sqrt(exp_avg_sq) temporary: for all parameters at once in the foreach
     # implementation torch picks on GPUs (0 with fused=True, counted anyway), tensor by
     # tensor in the single-tensor one it picks on CPUs
@@ -246,7 +249,7 @@ def state_terms(parts: ModelParts, layout: Layout) -> dict[str, int]:
         terms["head_grad"] = 0 if layout.lora else half * parts.head
     elif layout.mode == "ddp":
         terms["ddp_buckets"] = 4 * trained  # fp32 bucket copies of the gradients
-        if layout.gpu:  # autocast's bf16 weight copies, saved for the backward's matmuls
+        if layout.bf16:  # autocast's bf16 weight copies, saved for the backward's matmuls
             terms["autocast_copies"] = 2 * (local - parts.embedding)
     if layout.gpu:
         terms["cuda_reserve"] = CUDA_RESERVE_BYTES
