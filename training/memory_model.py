@@ -106,7 +106,8 @@ def model_parts(config: ModelConfig, lora: LoraSpec | None = None) -> ModelParts
         heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim, intermediate=config.intermediate_size,
         embedding=counts["embedding"], head=counts["head"], other=counts["other"],
-        layer=layer_total // layers, largest=largest, lora_layer=lora_layer // layers, lora_other=lora_other)
+        layer=layer_total // layers, largest=largest, lora_layer=lora_layer // layers,
+        lora_other=lora_other)
 
 
 @dataclass(frozen=True)
@@ -140,13 +141,11 @@ class Estimate:
         return self.peak / GIB
 
 
-def checkpoint_every(value: object) -> int:
+def checkpoint_every(value: bool | int | None) -> int:
     """``training.activation_checkpointing`` as k (0: off): false, true (every layer) or k."""
-    if value is True:  # (bool first: True == 1 would read as k = 1 anyway)
-        return 1
-    if value is False or value is None:
+    if value is None or value is False:
         return 0
-    return max(int(value), 0)  # type: ignore[call-overload]
+    return 1 if value is True else max(int(value), 0)
 
 
 def resolve_data_parallel(requested: str, tp: int, params: int, ranks: int) -> DataParallel:
