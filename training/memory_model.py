@@ -18,7 +18,7 @@ model on the meta device (to count parameters by part, exactly, for any family).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from xffl.training.arch import ModelConfig
@@ -71,8 +71,59 @@ class ModelParts:
         return self.layers * self.lora_layer + self.lora_other
 
 
+#: families whose parameters :func:`_llama_linears` counts from config.json alone (no torch)
+LLAMA_LIKE = ("llama", "mistral")
+
+
+#: the config.json fields the LLaMA-style count needs (without one, the meta model counts)
+LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "vocab_size")
+
+
+def _llama_widths(f: dict[str, Any]) -> tuple[int, int, int]:
+    """(hidden, q width, kv width) from config.json fields, with transformers' defaults."""
+    heads = int(f["num_attention_heads"])
+    head_dim = int(f.get("head_dim") or int(f["hidden_size"]) // heads)
+    return int(f["hidden_size"]), heads * head_dim, int(
+        f.get("num_key_value_heads") or heads) * head_dim
+
+
+def _llama_linears(f: dict[str, Any]) -> dict[str, tuple[int, int, bool]]:
+    """A LLaMA-style layer's linear modules: name -> (in, out, bias), from config.json."""
+    h, q, kv = _llama_widths(f)
+    inter = int(f["intermediate_size"])
+    attn_bias = bool(f.get("attention_bias", False))  # transformers' defaults
+    mlp_bias = bool(f.get("mlp_bias", False))
+    return {"self_attn.q_proj": (h, q, attn_bias), "self_attn.k_proj": (h, kv, attn_bias),
+            "self_attn.v_proj": (h, kv, attn_bias), "self_attn.o_proj": (q, h, attn_bias),
+            "mlp.gate_proj": (h, inter, mlp_bias), "mlp.up_proj": (h, inter, mlp_bias),
+            "mlp.down_proj": (inter, h, mlp_bias)}
+
+
+def _llama_parts(f: dict[str, Any], lora: LoraSpec | None) -> ModelParts:
+    """:func:`model_parts` of a LLaMA-style family from its config.json fields alone (what
+    the meta model counts: tests/training/test_memory_model.py compares them)."""
+    h, q, kv = _llama_widths(f)
+    vocab, heads = int(f["vocab_size"]), int(f["num_attention_heads"])
+    linears = _llama_linears(f)
+    layer = 2 * h + sum(i * o + (o if b else 0) for i, o, b in linears.values())  # + 2 norms
+    head = 0 if f.get("tie_word_embeddings", False) else vocab * h
+    lora_layer = sum(lora.r * (i + o) for name, (i, o, _) in linears.items()
+                     if lora.matches(f"model.layers.0.{name}")) if lora else 0
+    lora_other = lora.r * (h + vocab) if lora and head and lora.matches("lm_head") else 0
+    largest = max([vocab * h, *(i * o for i, o, _ in linears.values())])
+    return ModelParts(
+        hidden=h, layers=int(f["num_hidden_layers"]), vocab=vocab, heads=heads,
+        kv_heads=kv // (q // heads), head_dim=q // heads,
+        intermediate=int(f["intermediate_size"]), embedding=vocab * h, head=head,
+        layer=layer, other=h, largest=largest, lora_layer=lora_layer, lora_other=lora_other)
+
+
 def model_parts(config: ModelConfig, lora: LoraSpec | None = None) -> ModelParts:
-    """Count the parameters of ``config``'s model by part from its meta-device build."""
+    """Count the parameters of ``config``'s model by part: from config.json for LLaMA-style
+    families, else from the model built on the meta device (torch and transformers)."""
+    if config.model_type in LLAMA_LIKE and all(k in config.fields for k in LLAMA_FIELDS):
+        return _llama_parts(config.fields, lora)
     from torch import nn
 
     from xffl.training.model import meta_model

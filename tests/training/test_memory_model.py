@@ -175,3 +175,19 @@ def test_data_parallel_auto_and_checkpointing_values() -> None:
     assert site_layout(spec, 1, small).mode == "none"
     assert [checkpoint_every(v) for v in (False, True, 0, 1, 3, None)] == [0, 1, 0, 1, 3, 0]
     assert estimate(parts, site_layout(spec, 4, parts)).peak > GIB
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-test", "tiny-llama3", "tiny-mistral",
+                                    "llama2-7b", "llama3.1-8b", "mistral-7b"])
+def test_config_counts_equal_the_meta_models(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLaMA-style families are counted from config.json (no torch for `xffl validate`):
+    the same parts as the meta-device model, LoRA adapters included."""
+    from xffl.training import memory_model
+
+    config = apply_overrides(PRESETS[preset], {"tie_word_embeddings": True}) \
+        if preset == "tiny" else PRESETS[preset]
+    lora = LoraSpec(r=4, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"]) \
+        if not config.tie_word_embeddings else LoraSpec(r=4, target_modules=["k_proj"])
+    fast = model_parts(config, lora)
+    monkeypatch.setattr(memory_model, "LLAMA_LIKE", ())
+    assert fast == model_parts(config, lora)
