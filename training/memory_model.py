@@ -297,9 +297,11 @@ def state_terms(parts: ModelParts, layout: Layout) -> dict[str, int]:
         terms["reduce_layer"] = grad_unit * parts.layer // layout.tp
         terms["reduce_root"] = grad_unit * parts.root
         terms["head_grad"] = 0 if layout.lora else half * parts.head
-    elif layout.mode == "ddp":
-        terms["ddp_buckets"] = 4 * trained  # fp32 bucket copies of the gradients
-        if layout.bf16:  # autocast's bf16 weight copies, saved for the backward's matmuls
+    else:  # DDP, or one process: fp32 weights and bf16 from autocast
+        if layout.mode == "ddp":
+            terms["ddp_buckets"] = 4 * trained  # fp32 bucket copies of the gradients
+        if layout.bf16 and not layout.lora:  # autocast's bf16 copies of the fp32 weights, saved
+            # for the backward's matmuls (a LoRA base is bf16 already)
             terms["autocast_copies"] = 2 * (local - parts.embedding)
     if layout.gpu:
         terms["cuda_reserve"] = CUDA_RESERVE_BYTES
