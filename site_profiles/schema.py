@@ -330,6 +330,9 @@ class SiteProfile(_Strict):
     env: dict[str, str] = Field(
         default_factory=dict, description="environment of the ranks; each value is literal "
         "text, exported shell-quoted (no $VAR or `...` expansion; use setup for that)")
+    gpu_memory_gib: float | None = Field(
+        default=None, gt=0, le=100_000, description="memory of one GPU (GiB): `xffl validate` "
+        "checks the job's estimated peak per rank against it (null: no GPU check)")
 
     _name = field_validator("name")(check_name)
     _workdir_text = field_validator("workdir")(_workdir)

@@ -148,7 +148,7 @@ def test_a_template_left_unfilled_is_refused_where_it_is(tmp_path: Path,
                 for line in result.stderr.splitlines() if "site profile field" in line]
 
     template = bundled_dir() / "leonardo.yaml"
-    fields = {"user": 21, "renew": 26, "account": 29, "python": 41, "workdir": 42}
+    fields = {"user": 21, "renew": 26, "account": 29, "python": 44, "workdir": 45}
     assert errors() == [f"{template}:{n}: site profile field {k}: still the template's YOUR_... "
                         "placeholder; copy the template with `xffl profiles init leonardo` and "
                         "fill it in there." for k, n in fields.items()]

@@ -20,7 +20,11 @@ def test_validate_quickstart_ok() -> None:
     assert result.exit_code == 0, result.output
     assert check("validate", json.loads(result.stdout)) == {
         "valid": True, "job": str(QUICKSTART.resolve()), "rounds": 3,
-        "sites": [{"site": "alpha", "profile": "local"}, {"site": "beta", "profile": "local"}]}
+        "sites": [{"site": site, "profile": "local", "ranks": 2, "layout": "ddp dp 2 x tp 1",
+                   "estimate_gib": 0.009, "phase": "forward/backward", "gpus_per_node": None,
+                   "gpu_memory_gib": None, "fits": None, "fix": None}
+                  for site in ("alpha", "beta")],
+        "warnings": []}
 
 
 def test_validate_three_errors_exit_2_one_line_each(tmp_path: Path, xffl_home: Path) -> None:

@@ -276,3 +276,31 @@ def test_late_adopt_bounds_the_train_step_by_the_deadline_and_configures_the_con
         assert config["late"] == {"runDir": str(layout.root), "site": "alpha", "maxRounds": 3}
     else:
         assert "late" not in config
+
+
+def test_batch_script_passes_cpus_per_task_to_srun(tmp_path: Path) -> None:
+    """srun does not inherit the allocation's --cpus-per-task (SLURM 22.05 on): the batch
+    script exports SRUN_CPUS_PER_TASK from SLURM_CPUS_PER_TASK, which srun reads. The
+    rendered template runs under bash: with the job's value set, srun's variable carries it;
+    without it, srun's is left unset (an empty value would be an invalid option to srun)."""
+    import os
+    import subprocess
+
+    from tests.jobs.test_slurm_overrides import job_with_overrides
+
+    job = job_with_overrides(tmp_path, {"cpus_per_task": 2})
+    layout = write_plan(load_job(job), "qs-7", tmp_path / "plan")
+    probe = 'echo "srun sees ${SRUN_CPUS_PER_TASK-unset}"'
+    script = jinja2.Template(layout.batch_template("alpha").read_text()).render(
+        streamflow_command=probe)
+    assert "#SBATCH --cpus-per-task=2" in script.splitlines()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+    for given, seen in (({"SLURM_CPUS_PER_TASK": "2"}, "2"), ({}, "unset"),
+                        ({"SLURM_CPUS_PER_TASK": "2", "SRUN_CPUS_PER_TASK": "1"}, "1")):
+        out = subprocess.run(["bash", "-c", script], env={**env, **given}, text=True,
+                             capture_output=True, check=True).stdout
+        assert out.strip().splitlines()[-1] == f"srun sees {seen}", given
+    # the hand-run script does the same before it starts the launcher
+    hand = layout.batch_script("alpha").read_text()
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in hand
+    assert hand.index("SRUN_CPUS_PER_TASK") < hand.index("-m xffl.training.launch")
