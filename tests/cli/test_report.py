@@ -70,6 +70,14 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
             assert site.loss is not None and f"<td>{fmt('loss', site.loss)}</td>" in page
             assert f"<td>{fmt('tokens_per_s', site.num_tokens / site.train_seconds)}</td>" \
                 in page
+            # the hardware table: a row per site and round (CPU: 0 GPUs, no MFU)
+            assert (f'<tr><td class="text">{rnd.round}</td><td class="text">{site.site}</td>'
+                    f'<td class="text">cpu</td><td>0</td>'
+                    f"<td>{fmt('tokens_per_s_per_gpu', site.tokens_per_s_per_gpu)}</td>"
+                    f"<td>{fmt('tflops', site.tflops)}</td><td>-</td>"
+                    f"<td>{fmt('peak_memory_gib', site.peak_memory_gib)}</td>") in page
+    assert all(s["device"] == "cpu" and s["tokens_per_s_per_gpu"] > 0
+               for r in numbers["rounds"] for s in r["sites"])
 
     status = runner.invoke(app, ["status", run_id, "--json"])
     assert status.exit_code == 0, status.output

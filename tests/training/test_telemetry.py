@@ -7,12 +7,15 @@ steady-state window against a simulated device whose work the host only enqueues
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from xffl.aggregator import metrics as metric
+from xffl.training.progress import Speed, StepReporter
 from xffl.training.telemetry import (
     PEAK_ENV,
     FlopParams,
@@ -148,3 +151,23 @@ def test_a_round_inside_its_warm_up_is_timed_whole() -> None:
         device.enqueue(5.0)
         clock.step(100)
     assert clock.window() == (200, pytest.approx(10.0, abs=1e-9))
+
+
+def test_a_step_line_carries_one_devices_rate_and_mfu(tmp_path: Path) -> None:
+    """The step line's ``tokens/s/gpu`` and ``mfu`` are one device's since the previous
+    line: 4 GPUs reading 16000 tokens in 2 s are 2000 tokens/s each; at 1.2e11 FLOPs per
+    token that is 240 TFLOP/s, 24.3 % of an H100's 989."""
+    speed = Speed(devices=4, flops_per_token=1.2e11, peak_tflops=989.0)
+    assert speed.text(16000, 2.0) == " tokens/s/gpu 2000 mfu 24.3%"
+    assert Speed(devices=2).text(1000, 1.0) == " tokens/s/gpu 500 mfu -"
+    log = tmp_path / "steps.log"
+    reporter = StepReporter(10, log, 0.0, speed)
+    reporter.report(1, 3.5, 4000)
+    first_at = reporter.last
+    reporter.report(2, 3.4, 9000)  # 5000 tokens since the first line
+    assert first_at is not None and reporter.last is not None
+    words = log.read_text().splitlines()[1].split()
+    assert words[:5] == ["step", "2/10", "loss", "3.4000", "tokens/s"] and words[6] == "eta"
+    per_device = 5000 / 4 / (reporter.last - first_at)
+    assert words[8:] == ["tokens/s/gpu", f"{per_device:.0f}", "mfu",
+                         f"{100 * 1.2e11 * per_device / 1e12 / 989.0:.1f}%"]
