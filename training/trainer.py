@@ -109,7 +109,7 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
     return max(0.0, now - launched_at) if math.isfinite(launched_at) else None
 
 
-def _across_ranks(losses: Tensor, maxima: list[float],
+def across_ranks(losses: Tensor, maxima: list[float],
                   device: torch.device) -> tuple[Tensor, list[float]]:
     """Every rank's step losses averaged, and the largest of each of ``maxima`` over the ranks
     (the slowest rank's seconds, the largest peak memory: one all-reduce for all of them)."""
@@ -284,7 +284,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
-    losses, (seconds, steady_seconds, peak_bytes) = _across_ranks(
+    losses, (seconds, steady_seconds, peak_bytes) = across_ranks(
         result.losses, [result.seconds, result.steady_seconds, peak_memory_bytes(device)],
         device)
     done = len(losses)

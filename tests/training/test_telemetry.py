@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from xffl.aggregator import metrics as metric
 from xffl.training.progress import Speed, StepReporter
 from xffl.training.telemetry import (
+    GIB,
     PEAK_ENV,
     FlopParams,
     SteadyClock,
@@ -26,6 +27,7 @@ from xffl.training.telemetry import (
     peak_tflops,
     warmup_steps,
 )
+from xffl.training.trainer import across_ranks
 
 # a small Llama: d=32, 2 layers, 4 query heads of 8 (2 key/value heads), MLP 48, vocab 96
 D, LAYERS, HEADS, KV, FFN, VOCAB, T, B = 32, 2, 4, 2, 48, 96, 16, 2
@@ -171,3 +173,25 @@ def test_a_step_line_carries_one_devices_rate_and_mfu(tmp_path: Path) -> None:
     per_device = 5000 / 4 / (reporter.last - first_at)
     assert words[8:] == ["tokens/s/gpu", f"{per_device:.0f}", "mfu",
                          f"{100 * 1.2e11 * per_device / 1e12 / 989.0:.1f}%"]
+
+
+def _rank(rank: int, store_dir: str, peaks: list[float], out: str) -> None:
+    store = torch.distributed.FileStore(f"{store_dir}/store", 2)
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        losses, largest = across_ranks(torch.tensor([1.0 + rank, 3.0], dtype=torch.float64),
+                                       [10.0 * (rank + 1), peaks[rank]], torch.device("cpu"))
+        Path(out, f"{rank}.txt").write_text(repr((losses.tolist(), largest)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("peaks", [[5.0 * GIB, 2.0 * GIB], [1.0 * GIB, 7.5 * GIB]])
+def test_peak_memory_and_seconds_are_the_largest_of_any_rank(tmp_path: Path,
+                                                             peaks: list[float]) -> None:
+    """Two gloo ranks: the losses are averaged, the seconds and the peak memory are each
+    rank's largest (one all-reduce), on both ranks, whichever rank holds the peak."""
+    torch.multiprocessing.start_processes(_rank, args=(str(tmp_path), peaks, str(tmp_path)),
+                                          nprocs=2, start_method="fork")
+    for rank in range(2):
+        assert (tmp_path / f"{rank}.txt").read_text() == repr(([1.5, 3.0], [20.0, max(peaks)]))
