@@ -24,7 +24,7 @@ FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "val_loss"
            "val_loss_update": "{:.4f}", "train_s": "{:.1f}",
            "queue_wait_s": "{:.1f}", "startup_s": "{:.1f}", "transfer_s": "{:.1f}",
            "other_s": "{:.1f}", "aggregate_s": "{:.2f}", "tokens_per_s": "{:.0f}",
-           "delivered_s": "{:.1f}", "tokens_per_s_per_gpu": "{:.0f}", "tflops": "{:.2f}",
+           "delivered_s": "{:.1f}", "tokens_per_s_per_gpu": "{:.0f}", "tflops": "{:.4g}",
            "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}", "save_s": "{:.1f}", "gpus": "{}",
            "device": "{}"}
 

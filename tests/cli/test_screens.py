@@ -70,7 +70,7 @@ def test_a_pipe_gets_one_plain_record_per_line(finished_run: str, argv: tuple[st
         assert rows[0][14:] == ["device", "GPUs", "tok/s per GPU", "TFLOP/s", "MFU",
                                 "peak GiB", "save s"]
         assert by_site["leonardo-boost"][14:] == ["NVIDIA H100 80GB HBM3", "4", "3413",
-                                                  "405.53", "41.0%", "61.23", "12.5"]
+                                                  "405.5", "41.0%", "61.23", "12.5"]
         assert by_site["karolina"][14:] == by_site["global"][14:] == ["-"] * 7
     if argv[0] == "runs":
         assert rows[1][:3] == [RUN, "completed", "1/1"]

@@ -95,7 +95,8 @@ def test_quickstart_end_to_end(quickstart_run: FinishedRun,
             _check_hardware(shown_site, run_dir / "rounds" / str(r["round"]) / "updates" / site)
     table = runner.invoke(app, ["status", status["run_id"]], env={"COLUMNS": "200"})
     assert "completed" in table.stdout and "global" in table.stdout
-    header, *rows = table.stdout.splitlines()[1:]  # a pipe: the title, then plain rows
+    # not a terminal: a line on the run, a header, tab-separated rows, then lines on the run
+    header, *rows = [line for line in table.stdout.splitlines() if "\t" in line]
     columns = header.split("\t")
     device, mfu = columns.index("device"), columns.index("MFU")
     sites = [row.split("\t") for row in rows if row.split("\t")[1] in samples]
