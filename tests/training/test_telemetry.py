@@ -195,3 +195,28 @@ def test_peak_memory_and_seconds_are_the_largest_of_any_rank(tmp_path: Path,
                                           nprocs=2, start_method="fork")
     for rank in range(2):
         assert (tmp_path / f"{rank}.txt").read_text() == repr(([1.5, 3.0], [20.0, max(peaks)]))
+
+
+def test_the_lora_flop_count_against_torchs_flop_counter() -> None:
+    """LoRA (r 4 on q and v): the frozen base costs 4 per weight and token (forward, input
+    gradient), the adapter 6. FlopCounterMode counts that less the norms' 4 x NORMS (no
+    matmul) and less what autograd skips in the first layer, whose input (the frozen
+    embedding's output) needs no gradient: the input gradients of its q, k and v
+    projections (2 per weight) and of its two A factors, and attention's dK (its K does
+    not require grad there: 2 H T Q)."""
+    from peft import LoraConfig, get_peft_model
+
+    net = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                              lora_dropout=0.0))
+    params = flop_params(net)
+    r = 4  # per layer: q's A (r x d) and B (d x r), v's A (r x d) and B (kv head x r)
+    adapter = LAYERS * ((r * D + D * r) + (r * D + KV * HEAD * r))
+    assert params == FlopParams(trained=adapter, frozen=N) == FlopParams(trained=896,
+                                                                         frozen=18592)
+    inputs = torch.randint(0, VOCAB, (B, T))
+    with FlopCounterMode(display=False) as counter:
+        logits = net(inputs).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), inputs.flatten()).backward()
+    skipped = 2 * (D * D + 2 * D * KV * HEAD) + 2 * (2 * r * D) + 2 * HEADS * T * HEAD  # 5632
+    ours = flops_per_token(params, LAYERS, HEADS, HEAD, T)
+    assert counter.get_total_flops() == (ours - 4 * NORMS - skipped) * B * T == 2744320
