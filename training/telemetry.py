@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from xffl.aggregator import metrics as metric
+from xffl.training.arch import ModelConfig
+from xffl.training.progress import Speed
 
 PEAK_ENV = "XFFL_PEAK_TFLOPS"  # a device's dense peak TFLOP/s, declared by the site
 GIB = float(1 << 30)
@@ -183,12 +185,29 @@ def peak_memory_bytes(device: torch.device) -> float:
     return float(peak if sys.platform == "darwin" else peak * 1024)  # Linux: KiB
 
 
-def hardware_metrics(tokens_per_device_s: float, flops_token: float, peak: float | None,
+def round_speed(module: nn.Module, config: ModelConfig, seq_len: int, device: torch.device,
+                world: int) -> Speed:
+    """What a round's step lines and hardware metrics are computed with: the site's
+    ``world`` devices, the model's FLOPs per token at ``seq_len``, the device's peak."""
+    return Speed(devices=world, peak_tflops=peak_tflops(device_name(device)),
+                 flops_per_token=flops_per_token(
+                     flop_params(module), config.num_hidden_layers,
+                     config.num_attention_heads, config.head_dim, seq_len))
+
+
+def per_device_rate(rank_tokens: int, tp_size: int, seconds: float) -> float:
+    """One device's tokens/s: a rank's tokens (each rank of a tensor-parallel group reads
+    the same ones) over ``seconds`` (the slowest rank's steady window); 0 without one."""
+    return rank_tokens / tp_size / seconds if seconds > 0 else 0.0
+
+
+def hardware_metrics(tokens_per_device_s: float, speed: Speed,
                      peak_bytes: float) -> dict[str, float]:
     """The manifest's hardware metrics of a round: tokens/s per device, achieved TFLOP/s per
-    device, MFU (only with a known ``peak``, and only when at most 1: a higher one means the
+    device, MFU (only with a known peak, and only when at most 1: a higher one means the
     declared peak is wrong, and says so on stderr) and peak memory in GiB."""
-    tflops = flops_token * tokens_per_device_s / 1e12
+    peak = speed.peak_tflops
+    tflops = speed.flops_per_token * tokens_per_device_s / 1e12
     out = {metric.TOKENS_PER_S_PER_GPU: tokens_per_device_s, metric.TFLOPS: tflops,
            metric.PEAK_MEMORY_GIB: peak_bytes / GIB}
     if peak is not None:

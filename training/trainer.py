@@ -46,16 +46,14 @@ from xffl.training.parallelize import (
     data_parallel_mode,
     parallelize,
 )
-from xffl.training.progress import Speed
 from xffl.training.sharded_load import load_parallel
 from xffl.training.telemetry import (
     device_count,
     device_name,
-    flop_params,
-    flops_per_token,
     hardware_metrics,
     peak_memory_bytes,
-    peak_tflops,
+    per_device_rate,
+    round_speed,
 )
 
 T = TypeVar("T")
@@ -274,10 +272,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     # fit before the SLURM limit
     deadline = _on_main(lambda: round_deadline(spec, reserve=eval_seconds), json.dumps,
                         json.loads)
-    hardware = device_name(device)
-    speed = Speed(devices=world, peak_tflops=peak_tflops(hardware), flops_per_token=(
-        flops_per_token(flop_params(pm.module), config.num_hidden_layers,
-                        config.num_attention_heads, config.head_dim, spec.seq_len)))
+    speed = round_speed(pm.module, config, spec.seq_len, device, world)
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                        deadline=deadline, check_deadline=deadline is not None, prox=prox,
                        masked=shards.flags is not None, speed=speed)
@@ -300,14 +295,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     # bounds the report by that), else the samples the round read, which it can bound
     num_samples = len(shards) if job.data.declared_samples is not None else \
         min(len(shards), read)
-    # one device's steady tokens/s: this rank's tokens (each of a dp group's tp ranks reads
-    # the same ones) over the slowest rank's steady seconds
-    per_device = result.steady_tokens / pm.tp_size / steady_seconds if steady_seconds > 0 \
-        else 0.0
     metrics = _round_metrics(losses, seconds, tokens_read, float(scheduler.get_last_lr()[0]),
                              startup, incoming, trained, eval_seconds, hardware_metrics(
-                                 per_device, speed.flops_per_token, speed.peak_tflops,
-                                 peak_bytes))
+                                 per_device_rate(result.steady_tokens, pm.tp_size,
+                                                 steady_seconds), speed, peak_bytes))
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,
@@ -318,7 +309,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         metrics=metrics,
         parent=parent,
         extra={"world_size": world, "dp": pm.dp_size, "tp": pm.tp_size,
-               "device": hardware, "gpus": device_count(device, world),
+               "device": device_name(device), "gpus": device_count(device, world),
                "threads": torch.get_num_threads(), "steps": done,
                "steps_planned": steps, "stopped_early": result.stopped_early,
                "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,

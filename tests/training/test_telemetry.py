@@ -95,16 +95,17 @@ def test_mfu_is_the_achieved_tflops_over_the_named_devices_peak(
     assert peak_tflops("AMD Instinct MI250X") == 191.5
     assert peak_tflops("cpu") is None
     # 4000 tokens/s per GPU at 1.2e11 FLOPs per token (about an 8B model): 480 TFLOP/s
-    out = hardware_metrics(4000.0, 1.2e11, peak_tflops("NVIDIA H100 80GB HBM3"), 3 * 2**30)
+    h100 = Speed(4, 1.2e11, peak_tflops("NVIDIA H100 80GB HBM3"))
+    out = hardware_metrics(4000.0, h100, 3 * 2**30)
     assert out[metric.TFLOPS] == pytest.approx(480.0, rel=1e-12)
     assert out[metric.MFU] == pytest.approx(480.0 / 989.0, rel=1e-12)  # 0.4853
     assert out[metric.PEAK_MEMORY_GIB] == 3.0
-    assert metric.MFU not in hardware_metrics(4000.0, 1.2e11, peak_tflops("cpu"), 0.0)
+    assert metric.MFU not in hardware_metrics(4000.0, Speed(1, 1.2e11, peak_tflops("cpu")), 0.0)
     monkeypatch.setenv(PEAK_ENV, "2.5")  # a CPU's peak, declared by its site
-    cpu = hardware_metrics(1000.0, 1e9, peak_tflops("cpu"), 0.0)
+    cpu = hardware_metrics(1000.0, Speed(1, 1e9, peak_tflops("cpu")), 0.0)
     assert cpu[metric.MFU] == pytest.approx(1.0 / 2.5, rel=1e-12)
     # a peak declared too low would give an MFU above 1: none is reported
-    assert metric.MFU not in hardware_metrics(1000.0, 1e10, peak_tflops("cpu"), 0.0)
+    assert metric.MFU not in hardware_metrics(1000.0, Speed(1, 1e10, peak_tflops("cpu")), 0.0)
 
 
 class _Device:
