@@ -178,3 +178,4 @@ def test_hardware_a_site_reports_is_checked_as_its_words(tmp_path: Path) -> None
     assert (row.device, row.gpus, row.mfu, row.tflops, row.tokens_per_s_per_gpu,
             row.peak_memory_gib, row.save_seconds) == ("NVIDIA H100 80GB HBM3", 4, 0.41,
                                                        405.5, 3400.0, 61.2, 12.5)
+
