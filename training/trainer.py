@@ -108,7 +108,7 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
 
 
 def across_ranks(losses: Tensor, maxima: list[float],
-                  device: torch.device) -> tuple[Tensor, list[float]]:
+                 device: torch.device) -> tuple[Tensor, list[float]]:
     """Every rank's step losses averaged, and the largest of each of ``maxima`` over the ranks
     (the slowest rank's seconds, the largest peak memory: one all-reduce for all of them)."""
     largest = torch.tensor(maxima, dtype=torch.float64)
