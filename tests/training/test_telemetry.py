@@ -7,6 +7,7 @@ steady-state window against a simulated device whose work the host only enqueues
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from xffl.aggregator import metrics as metric
+from xffl.aggregator.exchange import Manifest
+from xffl.training.checkpoint import load_model, read_config
+from xffl.training.config import TrainJob
+from xffl.training.data import ensure_synthetic
 from xffl.training.progress import Speed, StepReporter
 from xffl.training.telemetry import (
     GIB,
@@ -27,7 +32,7 @@ from xffl.training.telemetry import (
     peak_tflops,
     warmup_steps,
 )
-from xffl.training.trainer import across_ranks
+from xffl.training.trainer import across_ranks, train_round
 
 # a small Llama: d=32, 2 layers, 4 query heads of 8 (2 key/value heads), MLP 48, vocab 96
 D, LAYERS, HEADS, KV, FFN, VOCAB, T, B = 32, 2, 4, 2, 48, 96, 16, 2
@@ -221,3 +226,37 @@ def test_the_lora_flop_count_against_torchs_flop_counter() -> None:
     skipped = 2 * (D * D + 2 * D * KV * HEAD) + 2 * (2 * r * D) + 2 * HEADS * T * HEAD  # 5632
     ours = flops_per_token(params, LAYERS, HEADS, HEAD, T)
     assert counter.get_total_flops() == (ours - 4 * NORMS - skipped) * B * T == 2744320
+
+
+def test_a_cpu_round_reports_its_hardware_and_a_declared_peaks_mfu(
+        tmp_path: Path, global0: tuple[Path, Manifest], make_job: Callable[..., TrainJob],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round on the CPU: device ``cpu``, 0 GPUs, its steady tokens/s and TFLOP/s (the
+    model's FLOPs per token times that rate), its peak RSS; no MFU until the site declares
+    a peak, then the TFLOP/s over it."""
+    g0, _ = global0
+    job = make_job(tmp_path / "data", sequences=30, steps=12)
+    assert job.data.synthetic is not None
+    data = ensure_synthetic(Path(job.data.path), job.data.synthetic, 30, job.training.seq_len)
+    config = read_config(g0)
+    per_token = flops_per_token(flop_params(load_model(g0)), config.num_hidden_layers,
+                                config.num_attention_heads, config.head_dim, 16)
+    for peak in (None, "0.5"):
+        if peak is None:
+            monkeypatch.delenv(PEAK_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PEAK_ENV, peak)
+        manifest = train_round(job, 1, g0, data, tmp_path / f"update-{peak}")
+        got = manifest.metrics
+        assert (manifest.extra["device"], manifest.extra["gpus"]) == ("cpu", 0)
+        rate = got[metric.TOKENS_PER_S_PER_GPU]
+        # 12 steps: the first (10 %, at least 1) is warm-up, the steady window has 11 x 32
+        # tokens, so its rate is not the round's 12 x 32 tokens over the whole loop
+        assert rate > 0 and rate != got[metric.TOKENS_PER_S]
+        assert got[metric.TFLOPS] == pytest.approx(per_token * rate / 1e12, rel=1e-12)
+        # this process's peak RSS holds at least torch (> 100 MiB), far below 16 GiB
+        assert 0.1 < got[metric.PEAK_MEMORY_GIB] < 16
+        if peak is None:
+            assert metric.MFU not in got
+        else:
+            assert got[metric.MFU] == pytest.approx(got[metric.TFLOPS] / 0.5, rel=1e-12)
