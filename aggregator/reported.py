@@ -12,10 +12,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from xffl.aggregator.exchange import Manifest
 from xffl.aggregator.metrics import (
+    HARDWARE_METRICS,
     KNOWN_METRICS,
+    MFU,
+    PEAK_MEMORY_GIB,
+    SAVE_SECONDS,
+    TFLOPS,
+    TOKENS_PER_S_PER_GPU,
     VAL_SAMPLES,
     VAL_TOKENS,
     VALIDATION_LOSSES,
@@ -26,6 +33,11 @@ from xffl.core.errors import CheckpointError
 MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
 # no count of a round is near this, whatever the job (2**53: floats hold every smaller integer)
 MAX_COUNT = 2**53
+# the hardware a site names in its manifest's extra: a device's name is a short line of
+# printable text (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3"), its GPUs a count
+MAX_DEVICE_NAME = 128
+MAX_GPUS = 1 << 20
+MAX_MFU = 1.0  # achieved model FLOP/s over the device's peak: never above it
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
             raise CheckpointError(f"{what} is {shown}, more than the {limit} the site's job "
                                   "allows")
     check_validation(manifest.metrics, bounds.max_val_samples, bounds.val_seq_len)
+    check_hardware(manifest)
 
 
 
@@ -106,3 +119,38 @@ def check_validation(metrics: Mapping[str, float], max_val_samples: int | None,
                                            f"{seq_len} targets hold")
         raise CheckpointError(f"{VAL_TOKENS} is {shown!r}, not a whole number from 0 to the "
                               f"{most}{held}")
+
+
+def check_hardware(manifest: Manifest) -> None:
+    """The hardware numbers are not negative, MFU is at most 1, and the ``device`` and
+    ``gpus`` of the manifest's ``extra`` (when given) are a short printable name and a count:
+    they are shown in `xffl status` and the report, and recorded in the registry."""
+    for name in HARDWARE_METRICS:
+        value = manifest.metrics.get(name)
+        if value is not None and value < 0:
+            raise CheckpointError(f"metric {name!r} is {value!r}; it is never negative")
+    mfu = manifest.metrics.get(MFU)
+    if mfu is not None and mfu > MAX_MFU:
+        raise CheckpointError(f"metric {MFU!r} is {mfu!r}; a device never runs faster than "
+                              f"its peak (at most {MAX_MFU:g})")
+    device = manifest.extra.get("device")
+    if device is not None and (not isinstance(device, str) or not device
+                               or len(device) > MAX_DEVICE_NAME or not device.isprintable()):
+        shown = repr(device)[:64] + ("..." if len(repr(device)) > 64 else "")
+        raise CheckpointError(f"its device {shown} is not a name of 1 to {MAX_DEVICE_NAME} "
+                              "printable characters")
+    gpus = manifest.extra.get("gpus")
+    if gpus is not None and (type(gpus) is not int or not 0 <= gpus <= MAX_GPUS):
+        shown = repr(gpus)[:64]
+        raise CheckpointError(f"its gpus {shown} is not a whole number from 0 to {MAX_GPUS}")
+
+
+def hardware_of(manifest: Manifest) -> dict[str, Any]:
+    """The hardware a checked manifest reports (:func:`check_hardware`), under the names of
+    the registry's site rounds; None for what it does not report."""
+    device, gpus = manifest.extra.get("device"), manifest.extra.get("gpus")
+    return {"device": device if isinstance(device, str) else None,
+            "gpus": gpus if type(gpus) is int else None,
+            **{name: manifest.metrics.get(name) for name in (
+                TOKENS_PER_S_PER_GPU, TFLOPS, MFU, PEAK_MEMORY_GIB)},
+            "save_seconds": manifest.metrics.get(SAVE_SECONDS)}

@@ -12,7 +12,7 @@ from xffl.cli.tables import Markup, Rows, say
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
-    from xffl.jobs.status import RunStatus
+    from xffl.jobs.status import RunStatus, SiteStatus
 
 
 # what an 80-column terminal shows of the rounds x sites table (`--json`, `--tsv` or a wider
@@ -22,6 +22,17 @@ COMPACT = ("round", "site", "state", "samples", "loss", "val loss", "train s")
 
 def _num(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def _hardware(site: SiteStatus) -> list[str]:
+    """The hardware cells of a site's round: device, GPUs, tokens/s per GPU, TFLOP/s, MFU,
+    peak memory, save seconds."""
+    from xffl.jobs.report import fmt
+
+    return [site.device or "-", fmt("gpus", site.gpus),
+            fmt("tokens_per_s_per_gpu", site.tokens_per_s_per_gpu), fmt("tflops", site.tflops),
+            fmt("mfu", site.mfu), fmt("peak_memory_gib", site.peak_memory_gib),
+            fmt("save_s", site.save_seconds)]
 
 
 def render_status(data: RunStatus, tsv: bool = False) -> None:
@@ -35,8 +46,9 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
             f"{run.rounds_done}/{run.rounds_total} rounds"
             + (f" — {markup_safe(run.message)}" if run.message else ""))
     table = Rows(("round", "site", "state", "samples", "tokens", "loss", "val loss", "queue s",
-                  "start s", "train s", "xfer s", "other s", "agg s", "MB in/out"),
-                 text=("state",), compact=COMPACT)
+                  "start s", "train s", "xfer s", "other s", "agg s", "MB in/out", "device",
+                  "GPUs", "tok/s per GPU", "TFLOP/s", "MFU", "peak GiB", "save s"),
+                 text=("state", "device"), compact=COMPACT)
     for rnd in data.rounds:
         number = str(rnd.record.round)
         for site in rnd.sites:
@@ -49,11 +61,12 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
                 fmt("startup_s", site.startup_seconds), _num(site.train_seconds, "{:.1f}"),
                 fmt("transfer_s", site.transfer_s), fmt("other_s", site.other_s), "",
                 f"{megabytes(site.received_bytes)}/{megabytes(site.sent_bytes)}"
-                if site.received_bytes is not None else "-")
+                if site.received_bytes is not None else "-", *_hardware(site))
         table.add(number, Markup("[bold]global[/bold]"), rnd.record.state,
                   _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"),
                   _num(rnd.record.val_loss, "{:.4f}"), "", "", "", "", "",
-                  _num(rnd.record.aggregate_seconds, "{:.2f}"), "", end_section=True)
+                  _num(rnd.record.aggregate_seconds, "{:.2f}"), "", *[""] * 7,
+                  end_section=True)
     table.print(tsv)
     if tsv:
         return

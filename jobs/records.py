@@ -62,6 +62,17 @@ class SiteRound:
     staleness: int | None = None
     staleness_weight: float | None = None
     late_job_id: str | None = None
+    # how the site's hardware ran the round (xffl.training.telemetry): the device's name,
+    # its GPUs (0 on CPUs), one device's steady-state tokens/s and achieved TFLOP/s, MFU
+    # (None where the device's peak is unknown), the ranks' largest peak memory (GPU memory,
+    # on CPUs the resident set) and the seconds writing the update took
+    device: str | None = None
+    gpus: int | None = None
+    tokens_per_s_per_gpu: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_gib: float | None = None
+    save_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -171,12 +171,16 @@ class Registry:
                     "INSERT OR REPLACE INTO site_rounds (run_id, round, site, state, num_samples,"
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
                     " startup_seconds, val_loss, val_loss_update, val_samples, val_tokens,"
-                    " staleness, staleness_weight, late_job_id)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " staleness, staleness_weight, late_job_id, device, gpus,"
+                    " tokens_per_s_per_gpu, tflops, mfu, peak_memory_gib, save_seconds)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+                    " ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
                      s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
                      s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples,
-                     s.val_tokens, s.staleness, s.staleness_weight, s.late_job_id),
+                     s.val_tokens, s.staleness, s.staleness_weight, s.late_job_id, s.device,
+                     s.gpus, s.tokens_per_s_per_gpu, s.tflops, s.mfu, s.peak_memory_gib,
+                     s.save_seconds),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -204,7 +208,10 @@ class Registry:
                           val_loss_update=s["val_loss_update"], val_samples=s["val_samples"],
                           val_tokens=s["val_tokens"],
                           staleness=s["staleness"], staleness_weight=s["staleness_weight"],
-                          late_job_id=s["late_job_id"])
+                          late_job_id=s["late_job_id"], device=s["device"], gpus=s["gpus"],
+                          tokens_per_s_per_gpu=s["tokens_per_s_per_gpu"], tflops=s["tflops"],
+                          mfu=s["mfu"], peak_memory_gib=s["peak_memory_gib"],
+                          save_seconds=s["save_seconds"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],

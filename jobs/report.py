@@ -24,7 +24,9 @@ FORMATS = {"num_samples": "{}", "num_tokens": "{}", "loss": "{:.4f}", "val_loss"
            "val_loss_update": "{:.4f}", "train_s": "{:.1f}",
            "queue_wait_s": "{:.1f}", "startup_s": "{:.1f}", "transfer_s": "{:.1f}",
            "other_s": "{:.1f}", "aggregate_s": "{:.2f}", "tokens_per_s": "{:.0f}",
-           "delivered_s": "{:.1f}"}
+           "delivered_s": "{:.1f}", "tokens_per_s_per_gpu": "{:.0f}", "tflops": "{:.4g}",
+           "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}", "save_s": "{:.1f}", "gpus": "{}",
+           "device": "{}"}
 
 
 GLOBAL = "global"  # the global model's column (xffl.workflows.plan.evaluation names it so)
@@ -80,6 +82,14 @@ class SiteRow:
     val_loss_update: float | None = None  # of the site's own update
     val_samples: int | None = None
     val_tokens: int | None = None  # the held-out targets in the loss: its federated weight
+    # how its hardware ran the round (xffl.jobs.records.SiteRound)
+    device: str | None = None
+    gpus: int | None = None
+    tokens_per_s_per_gpu: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_gib: float | None = None
+    save_s: float | None = None
 
 
 @dataclass
@@ -135,7 +145,10 @@ def assemble(registry: Registry, run: RunRecord) -> ReportData:
                         num_tokens=s.num_tokens, loss=s.loss, attempts=s.attempts,
                         reason=s.reason, **asdict(b), val_loss=s.val_loss,
                         val_loss_update=s.val_loss_update, val_samples=s.val_samples,
-                        val_tokens=s.val_tokens)
+                        val_tokens=s.val_tokens, device=s.device, gpus=s.gpus,
+                        tokens_per_s_per_gpu=s.tokens_per_s_per_gpu, tflops=s.tflops,
+                        mfu=s.mfu, peak_memory_gib=s.peak_memory_gib,
+                        save_s=s.save_seconds)
                 for s, b in sites]
         wall = (rnd.ended - rnd.started
                 if rnd.ended is not None and rnd.started is not None else None)

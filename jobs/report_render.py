@@ -223,6 +223,22 @@ def table_html(data: ReportData) -> str:
     return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
 
 
+HARDWARE_COLUMNS = ("round", "site", "device", "GPUs", "tokens/s per GPU", "TFLOP/s per GPU",
+                    "MFU", "peak memory GiB", "save s")
+
+
+def hardware_html(data: ReportData) -> str:
+    """How each site's hardware ran each round: a row per site and round."""
+    rows = [_row([str(rnd.round), s.site, s.device or "-", fmt("gpus", s.gpus),
+                  fmt("tokens_per_s_per_gpu", s.tokens_per_s_per_gpu), fmt("tflops", s.tflops),
+                  fmt("mfu", s.mfu), fmt("peak_memory_gib", s.peak_memory_gib),
+                  fmt("save_s", s.save_s)])
+            for rnd in data.rounds for s in rnd.sites]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in HARDWARE_COLUMNS)
+    body = "\n".join(rows) or f'<tr><td colspan="{len(HARDWARE_COLUMNS)}">{NO_DATA}</td></tr>'
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
+
+
 def _img(folder: Path, name: str, alt: str) -> str:
     encoded = base64.b64encode((folder / name).read_bytes()).decode("ascii")
     return (f'<p><img src="data:image/png;base64,{encoded}" alt="{html.escape(alt)}"></p>'
@@ -271,6 +287,13 @@ StreamFlow), then the round's aggregation.</p>
 <h2>Throughput</h2>
 <p class="note">Tokens per second of training at each site.</p>
 {_img(folder, "throughput.png", "training throughput per site")}
+<h2>Hardware</h2>
+<p class="note">Per site and round: the device and its GPUs (0: the site trained on CPUs),
+one device's tokens per second and achieved TFLOP/s after the warm-up steps, MFU (the
+TFLOP/s over the device's dense bf16 peak; - where the peak is not known), the largest peak
+memory of its ranks (GPU memory; on CPUs the resident set) and the seconds writing the update
+took.</p>
+{hardware_html(data)}
 <h2>Per-round numbers</h2>
 {table_html(data)}
 </body>

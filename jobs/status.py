@@ -66,7 +66,8 @@ def latest_global(registry: Registry, run: RunRecord) -> str | None:
 
 # JSON's one vocabulary: durations in seconds end in ``_s``, times are ISO-8601 with offset
 _DURATIONS = {"train_seconds": "train_s", "delivered_seconds": "delivered_s",
-              "startup_seconds": "startup_s", "aggregate_seconds": "aggregate_s"}
+              "startup_seconds": "startup_s", "aggregate_seconds": "aggregate_s",
+              "save_seconds": "save_s"}
 _TIMES = frozenset({"created", "updated", "started", "ended", "ts"})
 
 

@@ -33,7 +33,8 @@ from xffl.training.config import TrainingSpec
 from xffl.training.data import IGNORE
 from xffl.training.model import lm_loss_sum
 from xffl.training.parallelize import ParallelModel
-from xffl.training.progress import StepReporter
+from xffl.training.progress import Speed, StepReporter
+from xffl.training.telemetry import SteadyClock, device_sync, warmup_steps
 
 
 def lr_factor(step: int, total: int, spec: TrainingSpec) -> float:
@@ -78,6 +79,10 @@ class LoopResult:
     stopped_early: bool
     seconds: float
     loss_tokens: int = 0  # targets in the loss over the steps taken, all dp ranks together
+    # this rank's tokens and seconds after the warm-up steps, timed from sync to sync
+    # (xffl.training.telemetry.SteadyClock; every step when none came after the warm-up)
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
 
 
 def _agree_to_stop(want: bool, device: torch.device) -> bool:
@@ -105,7 +110,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
               device: torch.device, *, deadline: float | None = None,
               check_deadline: bool = False,
               prox: list[tuple[torch.nn.Parameter, Tensor]] | None = None,
-              masked: bool = False) -> LoopResult:
+              masked: bool = False, speed: Speed | None = None) -> LoopResult:
     """Run up to ``steps`` optimizer steps of ``grad_accum`` micro-batches each.
 
     A batch is (inputs, targets) or (inputs, targets, position ids); ``masked`` (the same on
@@ -113,7 +118,8 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
 
     With ``check_deadline`` (the same on every rank), the ranks agree before each step
     whether it still fits before ``deadline`` (a time.time() value, known on any rank;
-    the last step's duration is the estimate) and stop together if not.
+    the last step's duration is the estimate) and stop together if not. ``speed``: what
+    the step lines' per-device tokens/s and MFU are computed with.
     """
     losses = torch.zeros(steps, dtype=torch.float64, device=device)
     pm.net.train()
@@ -123,7 +129,10 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     tokens = 0  # this rank's, so far
     loss_tokens = 0
     rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
-    reporter = StepReporter.from_env(steps, rank0)
+    reporter = StepReporter.from_env(
+        steps, rank0, speed or Speed(devices=pm.dp_size * pm.tp_size))
+    clock = SteadyClock(warmup_steps(steps), device_sync(device))
+    clock.start()
     stopped = False
     for step in range(steps):
         if check_deadline:
@@ -132,6 +141,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
                 stopped = True
                 break
         began = time.perf_counter()
+        step_tokens = tokens
         optimizer.zero_grad(set_to_none=True)
         micro_batches = [next(batches) for _ in range(spec.grad_accum)]
         counted = _step_targets(micro_batches, masked, pm, device)
@@ -158,10 +168,11 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
         optimizer.step()
         scheduler.step()
         done += 1
+        clock.step(tokens - step_tokens)
         last = time.perf_counter() - began
         if reporter is not None and reporter.due(done):  # rank 0's loss: one number synced
             reporter.report(done, float(losses[step].item()), tokens * pm.dp_size)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    steady_tokens, steady_seconds = clock.window()  # synchronises the device
     return LoopResult(losses=losses[:done].cpu(), stopped_early=stopped,
-                      seconds=time.perf_counter() - start, loss_tokens=loss_tokens)
+                      seconds=time.perf_counter() - start, loss_tokens=loss_tokens,
+                      steady_tokens=steady_tokens, steady_seconds=steady_seconds)

@@ -47,6 +47,14 @@ from xffl.training.parallelize import (
     parallelize,
 )
 from xffl.training.sharded_load import load_parallel
+from xffl.training.telemetry import (
+    device_count,
+    device_name,
+    hardware_metrics,
+    peak_memory_bytes,
+    per_device_rate,
+    round_speed,
+)
 
 T = TypeVar("T")
 
@@ -99,15 +107,17 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
     return max(0.0, now - launched_at) if math.isfinite(launched_at) else None
 
 
-def _across_ranks(losses: Tensor, seconds: float, device: torch.device) -> tuple[Tensor, float]:
-    """Every rank's step losses averaged and the slowest rank's training seconds."""
-    elapsed = torch.tensor([seconds], dtype=torch.float64)
+def across_ranks(losses: Tensor, maxima: list[float],
+                 device: torch.device) -> tuple[Tensor, list[float]]:
+    """Every rank's step losses averaged, and the largest of each of ``maxima`` over the ranks
+    (the slowest rank's seconds, the largest peak memory: one all-reduce for all of them)."""
+    largest = torch.tensor(maxima, dtype=torch.float64)
     if xdist.is_distributed():
-        losses, elapsed = losses.to(device), elapsed.to(device)
+        losses, largest = losses.to(device), largest.to(device)
         dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        losses, elapsed = losses.cpu() / xdist.world_size(), elapsed.cpu()
-    return losses, float(elapsed[0])
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        losses, largest = losses.cpu() / xdist.world_size(), largest.cpu()
+    return losses, [float(v) for v in largest]
 
 
 def _site_data(job: TrainJob, data_dir: Path, config: ModelConfig,
@@ -194,9 +204,11 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
 
 def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: float,
                    startup: float | None, incoming: Evaluation | None,
-                   trained: Evaluation | None, eval_seconds: float) -> dict[str, float]:
-    """The update manifest's metrics of a round: losses, speed, start-up, and the held-out
-    losses of the global it started from and of the update (when the site holds data out)."""
+                   trained: Evaluation | None, eval_seconds: float,
+                   hardware: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The update manifest's metrics of a round: losses, speed, start-up, the held-out
+    losses of the global it started from and of the update (when the site holds data out),
+    and how the hardware ran it (:func:`xffl.training.telemetry.hardware_metrics`)."""
     metrics = {
         metric.LOSS: float(losses.mean()),
         metric.LOSS_FIRST: float(losses[0]),
@@ -205,6 +217,7 @@ def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: fl
         metric.TRAIN_SECONDS: seconds,
         metric.STEPS: float(len(losses)),
         metric.LR_LAST: lr_last,
+        **(hardware or {}),
     }
     if startup is not None:
         metrics[metric.STARTUP_SECONDS] = startup
@@ -265,13 +278,16 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     # fit before the SLURM limit
     deadline = _on_main(lambda: round_deadline(spec, reserve=eval_seconds), json.dumps,
                         json.loads)
+    speed = round_speed(pm.module, config, spec.seq_len, device, world)
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                        deadline=deadline, check_deadline=deadline is not None, prox=prox,
-                       masked=shards.flags is not None)
+                       masked=shards.flags is not None, speed=speed)
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
-    losses, seconds = _across_ranks(result.losses, result.seconds, device)
+    losses, (seconds, steady_seconds, peak_bytes) = across_ranks(
+        result.losses, [result.seconds, result.steady_seconds, peak_memory_bytes(device)],
+        device)
     done = len(losses)
     if done == 0:
         raise RunFailed(f"site {job.site}: no training step fitted before the deadline "
@@ -286,7 +302,9 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     num_samples = len(shards) if job.data.declared_samples is not None else \
         min(len(shards), read)
     metrics = _round_metrics(losses, seconds, tokens_read, float(scheduler.get_last_lr()[0]),
-                             startup, incoming, trained, eval_seconds)
+                             startup, incoming, trained, eval_seconds, hardware_metrics(
+                                 per_device_rate(result.steady_tokens, pm.tp_size,
+                                                 steady_seconds), speed, peak_bytes))
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,
@@ -297,6 +315,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         metrics=metrics,
         parent=parent,
         extra={"world_size": world, "dp": pm.dp_size, "tp": pm.tp_size,
+               "device": device_name(device), "gpus": device_count(device, world),
                "threads": torch.get_num_threads(), "steps": done,
                "steps_planned": steps, "stopped_early": result.stopped_early,
                "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,

@@ -40,9 +40,10 @@ from xffl.training.arch import apply_overrides, build_config
 from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.loop import make_scheduler, run_steps
-from xffl.training.model import ModelConfig, build_model, num_parameters
+from xffl.training.model import ModelConfig, build_model, from_config, num_parameters
 from xffl.training.optimizer import make_optimizer
 from xffl.training.parallelize import parallelize
+from xffl.training.telemetry import flop_params, flops_per_token, peak_tflops
 
 SIZES: dict[str, dict[str, int]] = {
     # ~3 M parameters: big enough that compute, not Python, dominates on a CPU core
@@ -54,7 +55,6 @@ SIZES: dict[str, dict[str, int]] = {
            "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
            "max_position_embeddings": 4096},
 }
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "GH200": 989.0}  # dense bf16
 
 
 def _config(size: str) -> ModelConfig:
@@ -182,11 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["ratio"] = result["xffl_tokens_per_s"] / result["plain_tokens_per_s"]
     if device.type == "cuda":
-        flops_per_token = 6 * num_parameters(config) + 12 * (
-            config.num_hidden_layers * config.hidden_size * args.seq)
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k in result["device"]), None)
+        with torch.device("meta"):  # the trainer's count: the embedding's lookup is free
+            shape = from_config(config)
+        per_token = flops_per_token(flop_params(shape), config.num_hidden_layers,
+                                    config.num_attention_heads, config.head_dim, args.seq)
+        peak = peak_tflops(result["device"])
         for mode in ("plain", "xffl"):
-            achieved = flops_per_token * result[f"{mode}_tokens_per_s"] / world
+            achieved = per_token * result[f"{mode}_tokens_per_s"] / world
             result[f"{mode}_mfu"] = achieved / (peak * 1e12) if peak else None
     if rank == 0:
         if args.json:

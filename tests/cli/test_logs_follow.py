@@ -70,10 +70,12 @@ def test_logs_follow_shows_step_lines_while_the_site_trains(
         assert run.state == "running" and run.rounds_done == 0  # alpha is still training
         assert not (Path(run.run_dir) / "rounds" / "1" / "updates").exists()
         assert lines[0] == "== alpha round 1 attempt 1 =="
-        for words in steps:  # step N/100000 loss L tokens/s T eta H:MM:SS
+        for words in steps:  # step N/100000 loss L tokens/s T eta H:MM:SS tokens/s/gpu R mfu -
             assert words[0] == "step" and words[1].endswith("/100000")
             assert words[2] == "loss" and float(words[3]) > 0
             assert words[4] == "tokens/s" and float(words[5]) > 0 and words[6] == "eta"
+            assert words[8] == "tokens/s/gpu" and float(words[9]) > 0
+            assert words[10:] == ["mfu", "-"]  # a CPU: no peak declared, no MFU
         done = [int(w[1].split("/")[0]) for w in steps]
         assert done == sorted(done) and done[0] == 1
     finally:

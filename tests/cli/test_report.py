@@ -70,6 +70,14 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
             assert site.loss is not None and f"<td>{fmt('loss', site.loss)}</td>" in page
             assert f"<td>{fmt('tokens_per_s', site.num_tokens / site.train_seconds)}</td>" \
                 in page
+            # the hardware table: a row per site and round (CPU: 0 GPUs, no MFU)
+            assert (f'<tr><td class="text">{rnd.round}</td><td class="text">{site.site}</td>'
+                    f'<td class="text">cpu</td><td>0</td>'
+                    f"<td>{fmt('tokens_per_s_per_gpu', site.tokens_per_s_per_gpu)}</td>"
+                    f"<td>{fmt('tflops', site.tflops)}</td><td>-</td>"
+                    f"<td>{fmt('peak_memory_gib', site.peak_memory_gib)}</td>") in page
+    assert all(s["device"] == "cpu" and s["tokens_per_s_per_gpu"] > 0
+               for r in numbers["rounds"] for s in r["sites"])
 
     status = runner.invoke(app, ["status", run_id, "--json"])
     assert status.exit_code == 0, status.output
@@ -94,7 +102,8 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
     assert ("round\tsite\tstate\tsamples\ttokens\tloss\tval loss\tqueue s\tstart s\ttrain s\t"
-            "xfer s\tother s\tagg s\tMB in/out\n") in table.stdout, table.stdout
+            "xfer s\tother s\tagg s\tMB in/out\tdevice\tGPUs\ttok/s per GPU\tTFLOP/s\tMFU\t"
+            "peak GiB\tsave s\n") in table.stdout, table.stdout
     # StreamFlow brought every round's global to each site and its update back, timed
     moved = {(t.site, t.direction) for t in Registry().transfers(run_id)}
     assert moved == {(s, d) for s in ("alpha", "beta") for d in ("in", "out")}

@@ -17,7 +17,9 @@ XFFL = str(Path(sys.executable).parent / "xffl")
 RUN = "a-rather-long-experiment-name-20261125-101010-beef"
 # values a cut would shorten: the state, a 9-digit token count, 6 decimals of loss, the id
 SITES = [SiteRound(site="leonardo-boost", state="completed", num_samples=1_234_567,
-                   num_tokens=987_654_321, loss=3.354575, train_seconds=5123.4),
+                   num_tokens=987_654_321, loss=3.354575, train_seconds=5123.4,
+                   device="NVIDIA H100 80GB HBM3", gpus=4, tokens_per_s_per_gpu=3412.6,
+                   tflops=405.53, mfu=0.41004, peak_memory_gib=61.234, save_seconds=12.5),
          SiteRound(site="karolina", state="failed", reason="round timeout after 7200 s: "
                    "SLURM job 4242 scancelled", attempts=2)]
 
@@ -64,6 +66,12 @@ def test_a_pipe_gets_one_plain_record_per_line(finished_run: str, argv: tuple[st
         assert by_site["karolina"][:3] == ["1", "karolina", "failed after 2 attempts (round "
                                            "timeout after 7200 s: SLURM job 4242 scancelled)"]
         assert by_site["global"][:6] == ["1", "global", "completed", "1234567", "-", "3.3546"]
+        # the hardware: device, GPUs, tokens/s per GPU, TFLOP/s, MFU, peak GiB, save s
+        assert rows[0][14:] == ["device", "GPUs", "tok/s per GPU", "TFLOP/s", "MFU",
+                                "peak GiB", "save s"]
+        assert by_site["leonardo-boost"][14:] == ["NVIDIA H100 80GB HBM3", "4", "3413",
+                                                  "405.5", "41.0%", "61.23", "12.5"]
+        assert by_site["karolina"][14:] == by_site["global"][14:] == ["-"] * 7
     if argv[0] == "runs":
         assert rows[1][:3] == [RUN, "completed", "1/1"]
     if argv[0] == "sites":
@@ -134,6 +142,6 @@ def test_tsv_is_the_rows_alone(finished_run: str) -> None:
     status = _xffl("status", "--no-live", "--tsv", terminal=False)
     assert sorted(line.split("\t")[1] for line in status) == ["global", "karolina",
                                                               "leonardo-boost"]
-    assert all(len(line.split("\t")) == 14 for line in status)
+    assert all(len(line.split("\t")) == 21 for line in status)
     assert [line.split("\t")[:3] for line in _xffl("runs", "--tsv", terminal=False)] == [
         [RUN, "completed", "1/1"]]

@@ -141,3 +141,41 @@ def test_a_slurm_record_with_huge_integers_is_ignored(tmp_path: Path) -> None:
     assert read_record(up) == {"job_id": "12", "queue_wait_s": 12.5, "exit_code": 0}
     verdict, manifest = admit(RunLayout(tmp_path / "run"), "site", 1, glob, up)
     assert verdict.state == SiteState.COMPLETED and isinstance(manifest, Manifest)
+
+
+def test_hardware_a_site_reports_is_checked_as_its_words(tmp_path: Path) -> None:
+    """The device's name and GPU count of a manifest's ``extra`` reach `xffl status`, the
+    report and the registry: a megabyte of name, control characters, a count that is no
+    count and an MFU above the device's peak are each a rejection; a plain report is
+    recorded in the verdict."""
+    glob = _global(tmp_path)
+    layout = RunLayout(tmp_path / "run")
+    unbounded = Bounds(side_files=SIDE_FILES)
+    cases = [
+        ({"extra": {"device": "x" * (1 << 20)}}, "its device 'xxxx"),
+        ({"extra": {"device": "NVIDIA\x1b[2J\x1b[31mH100"}}, "printable characters"),
+        ({"extra": {"device": "H100\nround 2: completed"}}, "printable characters"),
+        ({"extra": {"device": ["H100"]}}, "printable characters"),
+        ({"extra": {"gpus": True}}, "its gpus True is not a whole number"),
+        ({"extra": {"gpus": -1}}, "its gpus -1 is not a whole number"),
+        ({"metrics": {"mfu": 50.0}}, "metric 'mfu' is 50.0; a device never runs faster"),
+        ({"metrics": {"peak_memory_gib": -3.0}}, "metric 'peak_memory_gib' is -3.0"),
+    ]
+    for i, (changes, reason) in enumerate(cases):
+        up = _update(tmp_path, glob, f"h{i}")
+        _edit(up, **changes)
+        verdict, _ = admit(layout, f"h{i}", 1, glob, up, unbounded)
+        assert verdict.state == SiteState.REJECTED, (changes, verdict)
+        assert reason in verdict.reason, verdict.reason
+        assert len(verdict.reason) < 300
+    up = _update(tmp_path, glob, "fine")
+    _edit(up, extra={"device": "NVIDIA H100 80GB HBM3", "gpus": 4},
+          metrics={"loss": 2.0, "mfu": 0.41, "tflops": 405.5, "tokens_per_s_per_gpu": 3400.0,
+                   "peak_memory_gib": 61.2, "save_seconds": 12.5})
+    verdict, _ = admit(layout, "fine", 1, glob, up, unbounded)
+    assert verdict.state == SiteState.COMPLETED, verdict.reason
+    row = verdict.site_round()
+    assert (row.device, row.gpus, row.mfu, row.tflops, row.tokens_per_s_per_gpu,
+            row.peak_memory_gib, row.save_seconds) == ("NVIDIA H100 80GB HBM3", 4, 0.41,
+                                                       405.5, 3400.0, 61.2, 12.5)
+

@@ -91,8 +91,44 @@ def test_quickstart_end_to_end(quickstart_run: FinishedRun,
         by_site = {s["site"]: s for s in r["sites"]}
         assert {k: v["num_samples"] for k, v in by_site.items()} == samples
         assert all(s["loss"] is not None and s["loss"] > 0 for s in by_site.values())
+        for site, shown_site in by_site.items():
+            _check_hardware(shown_site, run_dir / "rounds" / str(r["round"]) / "updates" / site)
     table = runner.invoke(app, ["status", status["run_id"]], env={"COLUMNS": "200"})
     assert "completed" in table.stdout and "global" in table.stdout
+    # not a terminal: a line on the run, a header, tab-separated rows, then lines on the run
+    header, *rows = [line for line in table.stdout.splitlines() if "\t" in line]
+    columns = header.split("\t")
+    device, mfu = columns.index("device"), columns.index("MFU")
+    sites = [row.split("\t") for row in rows if row.split("\t")[1] in samples]
+    assert len(sites) == 2 * rounds and all(s[device] == "cpu" and s[mfu] == "-" for s in sites)
+    assert all(float(s[columns.index("tok/s per GPU")]) > 0 for s in sites)
+
+
+def _check_hardware(shown: dict[str, object], update: Path) -> None:
+    """A site's round in `xffl status --json`: trained on the CPU (0 GPUs, no MFU without a
+    declared peak), its tokens/s per rank and TFLOP/s as its update's manifest says, the
+    TFLOP/s being torchtitan's FLOPs per token of the model times the tokens/s."""
+    import transformers
+
+    from xffl.training.checkpoint import read_config
+    from xffl.training.telemetry import flop_params, flops_per_token
+
+    manifest = verify_checkpoint(update)
+    assert (shown["device"], shown["gpus"], shown["mfu"]) == ("cpu", 0, None)
+    assert (manifest.extra["device"], manifest.extra["gpus"]) == ("cpu", 0)
+    rate = manifest.metrics["tokens_per_s_per_gpu"]
+    assert shown["tokens_per_s_per_gpu"] == rate and rate > 0
+    config = read_config(update)
+    model = transformers.AutoModelForCausalLM.from_config(config.hf)
+    per_token = flops_per_token(flop_params(model), config.num_hidden_layers,
+                                config.num_attention_heads, config.head_dim,
+                                manifest.extra["seq_len"])
+    # the same float products in the same order: equal to the last bit but for rounding
+    assert shown["tflops"] == pytest.approx(per_token * rate / 1e12, rel=1e-12)
+    # the larger peak RSS of the site's two ranks: each holds torch and the small model
+    peak = shown["peak_memory_gib"]
+    assert isinstance(peak, float) and 0.1 < peak < 8, peak
+    assert "save_s" in shown  # reported by the streamed save; absent before it: None
 
 
 @pytest.mark.slow

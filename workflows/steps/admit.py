@@ -32,7 +32,7 @@ from xffl.aggregator.exchange import (
     read_small_file,
 )
 from xffl.aggregator.kinds import kind_of
-from xffl.aggregator.reported import Bounds
+from xffl.aggregator.reported import Bounds, hardware_of
 from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
@@ -141,7 +141,8 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                    val_loss_update=metrics.get(metric.VAL_LOSS_UPDATE),
                    val_samples=None if val_samples is None else int(val_samples),
                    val_tokens=None if val_tokens is None else int(val_tokens),
-                   delivered_at=arrived, digest=manifest.digest()), manifest
+                   delivered_at=arrived, digest=manifest.digest(),
+                   **hardware_of(manifest)), manifest
 
 
 def _record(layout: RunLayout, verdict: Verdict, update: Path | None) -> None:

@@ -41,6 +41,13 @@ class Verdict:
     staleness: int | None = None  # rounds late (an adopted late job's update)
     staleness_weight: float | None = None  # s(staleness): the factor its change is applied with
     late_job_id: str | None = None  # the SLURM job left running (state late)
+    device: str | None = None  # the site's hardware (xffl.jobs.records.SiteRound), checked
+    gpus: int | None = None
+    tokens_per_s_per_gpu: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_gib: float | None = None
+    save_seconds: float | None = None
 
     @property
     def accepted(self) -> bool:
@@ -56,7 +63,10 @@ class Verdict:
                          val_loss=self.val_loss, val_loss_update=self.val_loss_update,
                          val_samples=self.val_samples, val_tokens=self.val_tokens,
                          staleness=self.staleness, staleness_weight=self.staleness_weight,
-                         late_job_id=self.late_job_id)
+                         late_job_id=self.late_job_id, device=self.device, gpus=self.gpus,
+                         tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, tflops=self.tflops,
+                         mfu=self.mfu, peak_memory_gib=self.peak_memory_gib,
+                         save_seconds=self.save_seconds)
 
     def write(self, path: Path) -> None:
         """Store as JSON."""
