@@ -22,6 +22,7 @@ from xffl.aggregator.metrics import (
     VALIDATION_METRICS,
 )
 from xffl.core.errors import CheckpointError
+from xffl.core.words import quoted
 
 MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
 # no count of a round is near this, whatever the job (2**53: floats hold every smaller integer)
@@ -55,9 +56,8 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
     """Counts and metrics are finite numbers within what the site could have done."""
     unknown = sorted(set(manifest.metrics) - KNOWN_METRICS)
     if unknown:
-        shown = unknown[0] if len(unknown[0]) <= 64 else unknown[0][:64] + "..."
         raise CheckpointError(f"it reports {len(unknown)} metric(s) xffl does not know "
-                              f"(first: {shown!r})")
+                              f"(first: {quoted(unknown[0])})")
     for name, value in sorted(manifest.metrics.items()):
         if not math.isfinite(value) or abs(value) > MAX_METRIC:
             raise CheckpointError(f"metric {name!r} is {value!r}, not a finite number below "

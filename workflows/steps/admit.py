@@ -37,6 +37,7 @@ from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
+from xffl.core.words import quoted
 from xffl.jobs.deadline_spec import StalenessSpec
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
@@ -106,7 +107,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                                 bounds=bounds or Bounds(side_files=SIDE_FILES))
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "
-                                               f"{manifest.site!r}, not {site!r}")
+                                               f"{quoted(manifest.site)}, not {site!r}")
         codec = None if exchange is None else exchange.codec
         scales = None if codec is None else bad_scales(update, previous, codec)
         if scales is not None:

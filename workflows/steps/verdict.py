@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.core.words import capped
 from xffl.jobs.records import SiteRound
 from xffl.jobs.states import SiteState
 
@@ -41,6 +42,11 @@ class Verdict:
     staleness: int | None = None  # rounds late (an adopted late job's update)
     staleness_weight: float | None = None  # s(staleness): the factor its change is applied with
     late_job_id: str | None = None  # the SLURM job left running (state late)
+
+    def __post_init__(self) -> None:
+        """A reason quotes what the site sent: it enters the registry at most REASON_CHARS
+        long (:mod:`xffl.core.words`), whatever a check quoted."""
+        self.reason = capped(self.reason)
 
     @property
     def accepted(self) -> bool:
