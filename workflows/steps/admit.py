@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from xffl.jobs.states import SiteState
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
+from xffl.workflows.steps.bounds import round_report_bounds
 from xffl.workflows.steps.late import read_adopted, read_late
 from xffl.workflows.steps.tool import step_parser
 from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict
@@ -61,6 +63,22 @@ def staleness(rnd: int, started: int, fn: StalenessSpec | None) -> tuple[
     factor = (fn or StalenessSpec()).weight(tau)
     return tau, factor, (f"started in round {started}: {tau} round(s) late, its change "
                          f"applied with staleness weight {factor:.4g}")
+
+
+def this_round(layout: RunLayout, site: str, started: int, bounds: Bounds | None,
+               ) -> Bounds | None:
+    """``bounds`` (the plan's: any round's most) tightened to what the job of round
+    ``started`` allowed ``site``: under throughput balancing or a round deadline a round's
+    steps are the plan's for that round, not ``balance_max`` x the configured ones."""
+    if bounds is None:
+        return None
+    own = round_report_bounds(layout, site, started)
+    if own is None:
+        return bounds
+    tokens, samples = own
+    return replace(bounds, max_tokens=tokens if bounds.max_tokens is None else min(
+        tokens, bounds.max_tokens), max_samples=samples if bounds.max_samples is None else min(
+        samples, bounds.max_samples))
 
 
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
@@ -94,6 +112,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     started = rnd if adopted is None else adopted.round
     if started != rnd:  # a late job's update: checked against the global it started from
         previous = layout.global_dir(started - 1)
+    bounds = this_round(layout, site, started, bounds)
     parent = read_manifest(previous)  # the coordinator's own global model
     kind = kind_of(previous)  # the coordinator's global decides what an update may be
     config = json.loads(read_small_file(previous / kind.config_file))
