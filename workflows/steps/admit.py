@@ -27,6 +27,7 @@ from xffl.aggregator import metrics as metric
 from xffl.aggregator.adapter import frozen_tensors
 from xffl.aggregator.decode import bad_scales, encoded_index, first_overflow
 from xffl.aggregator.exchange import (
+    CONFIG_FILE,
     MANIFEST_FILE,
     Manifest,
     read_manifest,
@@ -81,6 +82,20 @@ def this_round(layout: RunLayout, site: str, started: int, bounds: Bounds | None
         samples, bounds.max_samples))
 
 
+def vocab_size(layout: RunLayout, config: Any) -> int | None:
+    """The model's vocabulary from the coordinator's own files: the global's config.json, or
+    a LoRA job's base model's (None: neither says)."""
+    if not isinstance(config, dict) or "vocab_size" not in config:
+        base = layout.base_model / CONFIG_FILE
+        try:
+            config = json.loads(read_small_file(base)) if base.is_file() else {}
+        except (OSError, ValueError):
+            config = {}
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    ok = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1
+    return vocab if ok else None
+
+
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
           bounds: Bounds | None = None, exchange: ExchangeSpec | None = None,
           freeze_a: bool = False, staleness_fn: StalenessSpec | None = None,
@@ -116,6 +131,9 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     parent = read_manifest(previous)  # the coordinator's own global model
     kind = kind_of(previous)  # the coordinator's global decides what an update may be
     config = json.loads(read_small_file(previous / kind.config_file))
+    vocab = vocab_size(layout, config)
+    if bounds is not None and vocab is not None:
+        bounds = replace(bounds, vocab_size=vocab)  # a validation loss's bound
     try:
         reference = parent.tensors if exchange is None or exchange.plain else \
             encoded_index(parent.tensors, exchange.safetensors_dtype, exchange.codec)
