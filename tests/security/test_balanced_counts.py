@@ -35,12 +35,15 @@ STEPS, BATCH, RANKS = 30, 8, 2  # a round's samples: steps x batch x 1 accumulat
 SEQ = 64  # the quickstart's seq_len: a round's tokens are its samples x this
 
 
-def _plan(tmp_path: Path, **extra: object) -> RunLayout:
-    """The quickstart's plan with throughput balancing, sites on real data of no declared
-    size (so a site's samples are bounded by its round's steps alone)."""
+def _plan(tmp_path: Path, how: str) -> RunLayout:
+    """The quickstart's plan with throughput balancing (or a round deadline), sites on real
+    data of no declared size (so a site's samples are bounded by its round's steps alone)."""
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec["training"].update(steps=STEPS, batch_size=BATCH, balance="throughput",
-                            balance_max=4.0, **extra)
+    spec["training"].update(steps=STEPS, batch_size=BATCH, balance_max=4.0)
+    if how == "throughput":
+        spec["training"]["balance"] = "throughput"
+    else:  # the deadline's most steps default to balance_max x the configured ones
+        spec["round_deadline"] = {"seconds": 600}
     for site in spec["sites"]:
         site.update(ranks=RANKS, data={"path": f"data/{site['name']}"})
     job = tmp_path / "job.yaml"
@@ -59,19 +62,23 @@ def _update(tmp_path: Path, glob: Path, rnd: int, samples: int, tokens: int) -> 
                             num_tokens=tokens, config=CONFIG)
 
 
-@pytest.mark.parametrize("balanced", [2 * STEPS, STEPS + 7])
-def test_a_balanced_round_bounds_the_count_by_its_own_steps(tmp_path: Path,
+@pytest.mark.parametrize(("how", "balanced"), [("throughput", 2 * STEPS),
+                                               ("throughput", STEPS + 7), ("deadline", 3)])
+def test_a_balanced_round_bounds_the_count_by_its_own_steps(tmp_path: Path, how: str,
                                                             balanced: int) -> None:
     """Round 1 runs the configured 30 steps (480 samples), round 2 the ``balanced`` steps
-    balancing gave alpha: each round admits exactly its own job's samples and rejects one
-    more, although the plan's bound is 4 x 480 = 1920 (what HEAD admitted in both)."""
-    layout = _plan(tmp_path)
+    balancing (or the deadline) gave alpha: each round admits exactly its own job's samples
+    and rejects one more, although the plan's bound is 4 x 480 = 1920 (what HEAD admitted
+    in both)."""
+    layout = _plan(tmp_path, how)
     spec = JobSpec.of_run(layout.root)
     alpha = spec.sites[0]
     tokens, samples, held_out, seq_len = report_bounds(spec, alpha)
     assert samples == 4 * STEPS * BATCH * RANKS  # the plan's most: balance_max x a round's
     plan = Bounds(max_tokens=tokens, max_samples=samples, side_files=SIDE_FILES,
                   max_val_samples=held_out, val_seq_len=seq_len)
+    # the job file balancing (balance.round_job) or the deadline (deadline.deadline_jobs)
+    # writes for round 2
     write_round_job(layout.root, "alpha", 2, configured_job(layout.root, "alpha"), balanced)
     glob = write_checkpoint(tmp_path / "global", {"w": torch.zeros(4)}, kind="global",
                             site=None, round=0, config=CONFIG)
