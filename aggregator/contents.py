@@ -22,6 +22,7 @@ from typing import Any
 from xffl.aggregator.exchange import MANIFEST_FILE, MAX_JSON_BYTES, Manifest, read_small_file
 from xffl.aggregator.kinds import ModelKind
 from xffl.core.errors import CheckpointError
+from xffl.core.words import quoted
 
 
 def check_listed(files: Iterable[str], kind: ModelKind) -> None:
@@ -31,7 +32,8 @@ def check_listed(files: Iterable[str], kind: ModelKind) -> None:
     names = set(files)
     for name in sorted(names):
         if name in ("", ".", "..", MANIFEST_FILE) or Path(name).name != name:
-            raise CheckpointError(f"the manifest lists {name!r}, which is not a plain file name")
+            raise CheckpointError(f"the manifest lists {quoted(name)}, which is not a plain file "
+                                  "name")
     kind.check_listed(names)
 
 
@@ -46,11 +48,11 @@ def check_contents(directory: Path, manifest: Manifest, side_files: Mapping[str,
         for entry in sorted(entries, key=lambda e: e.name):
             st = entry.stat(follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
-                raise CheckpointError(f"{entry.name!r} is a symbolic link")
+                raise CheckpointError(f"{quoted(entry.name)} is a symbolic link")
             if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"{entry.name!r} is not a regular file")
+                raise CheckpointError(f"{quoted(entry.name)} is not a regular file")
             if entry.name not in allowed:
-                raise CheckpointError(f"{entry.name!r} is not listed in the manifest")
+                raise CheckpointError(f"{quoted(entry.name)} is not listed in the manifest")
             cap = side_files.get(entry.name, MAX_JSON_BYTES if entry.name.endswith(".json")
                                  else None)
             if cap is not None and st.st_size > cap:

@@ -35,6 +35,7 @@ from xffl.aggregator.shards import (
 )
 from xffl.aggregator.shards import CONFIG_FILE as CONFIG_FILE  # the model's config.json
 from xffl.core.errors import CheckpointError
+from xffl.core.words import WORD_CHARS, capped
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -214,7 +215,7 @@ def read_manifest(directory: Path) -> Manifest:
         raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc}).") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
+        loc = capped(".".join(str(p) for p in first["loc"]), WORD_CHARS)  # keys are the site's
         raise CheckpointError(f"{path}: invalid manifest ({loc}: {first['msg']}).") from exc
 
 

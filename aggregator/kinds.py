@@ -21,6 +21,7 @@ from xffl.aggregator.shards import (
     MODEL_FILE,
 )
 from xffl.core.errors import CheckpointError
+from xffl.core.words import quoted
 
 SHARD_NAME = re.compile(r"^model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
 
@@ -59,9 +60,8 @@ class ModelKind:
                 INDEX_FILE, CONFIG_FILE, *(n for n in names if SHARD_NAME.match(n))}
         extra = sorted(names - allowed)
         if extra:
-            shown = extra[0] if len(extra[0]) <= 64 else extra[0][:64] + "..."
-            raise CheckpointError(f"the manifest lists {shown!r}, which {self.update_name} "
-                                  "never holds")
+            raise CheckpointError(f"the manifest lists {quoted(extra[0])}, which "
+                                  f"{self.update_name} never holds")
 
 
 WHOLE_MODEL = ModelKind(adapter=False, tensor_file=MODEL_FILE, config_file=CONFIG_FILE,

@@ -30,6 +30,11 @@ VAL_TOKENS = "val_tokens"
 EVAL_SECONDS = "eval_seconds"
 VALIDATION_LOSSES = (VAL_LOSS, VAL_LOSS_UPDATE)  # cross-entropies: never negative
 VALIDATION_METRICS = (*VALIDATION_LOSSES, VAL_SAMPLES, VAL_TOKENS)  # all of them or none
+# the coordinator's, never a site's: the median across the admitted sites' val_loss, beside
+# the federated (token-weighted) mean in rounds/<r>/validation.json; training.stop_when reads
+# it, and status names it so
+VAL_LOSS_MEDIAN = "val_loss_median"
+VAL_LOSS_ROBUST = "the median across sites"
 
 # how the site's hardware ran the round (xffl.training.telemetry): per site, never averaged;
 # the device's name and count are words, so they travel in the manifest's ``extra``

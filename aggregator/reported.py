@@ -29,7 +29,12 @@ from xffl.aggregator.metrics import (
     VALIDATION_METRICS,
 )
 from xffl.core.errors import CheckpointError
+from xffl.core.words import quoted
 
+# a validation loss (nats per target) above this x ln(vocabulary), the loss of a uniform guess
+# over the model's vocabulary, is refused: no model the run trains is this far off, and
+# one site's number cannot then dominate the federated validation loss
+VAL_LOSS_FACTOR = 3.0
 MAX_METRIC = 1e12  # no loss, rate or count of a round is near this; NaN and Inf never pass
 # no count of a round is near this, whatever the job (2**53: floats hold every smaller integer)
 MAX_COUNT = 2**53
@@ -61,15 +66,17 @@ class Bounds:
     # targets one held-out sequence holds (the job's training.seq_len): val_tokens is at most
     # val_samples x this, so at most max_val_samples x seq_len; None: no bound but MAX_COUNT
     val_seq_len: int | None = None
+    # the model's vocabulary (the global's config.json ``vocab_size``, the coordinator's):
+    # a validation loss is at most VAL_LOSS_FACTOR x ln(vocab_size); None: only MAX_METRIC
+    vocab_size: int | None = None
 
 
 def check_reported(manifest: Manifest, bounds: Bounds) -> None:
     """Counts and metrics are finite numbers within what the site could have done."""
     unknown = sorted(set(manifest.metrics) - KNOWN_METRICS)
     if unknown:
-        shown = unknown[0] if len(unknown[0]) <= 64 else unknown[0][:64] + "..."
         raise CheckpointError(f"it reports {len(unknown)} metric(s) xffl does not know "
-                              f"(first: {shown!r})")
+                              f"(first: {quoted(unknown[0])})")
     for name, value in sorted(manifest.metrics.items()):
         if not math.isfinite(value) or abs(value) > MAX_METRIC:
             raise CheckpointError(f"metric {name!r} is {value!r}, not a finite number below "
@@ -81,18 +88,26 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
             shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
             raise CheckpointError(f"{what} is {shown}, more than the {limit} the site's job "
                                   "allows")
-    check_validation(manifest.metrics, bounds.max_val_samples, bounds.val_seq_len)
+    check_validation(manifest.metrics, bounds.max_val_samples, bounds.val_seq_len,
+                     bounds.vocab_size)
     check_hardware(manifest)
 
 
 
+def max_val_loss(vocab_size: int) -> float:
+    """The largest validation loss admitted: VAL_LOSS_FACTOR x the loss of a uniform guess
+    over ``vocab_size`` tokens (ln of it)."""
+    return VAL_LOSS_FACTOR * math.log(max(vocab_size, 2))
+
+
 def check_validation(metrics: Mapping[str, float], max_val_samples: int | None,
-                     seq_len: int | None = None) -> None:
+                     seq_len: int | None = None, vocab_size: int | None = None) -> None:
     """Validation numbers are all there or none, losses are not negative, the sequences they
     were measured on are a whole number within the job's evaluation budget, and their
     targets in the loss (``val_tokens``, the site's weight in the federated validation loss)
     a whole number no larger than those sequences hold (``seq_len`` each): a site cannot
-    outweigh the others by claiming more of either."""
+    outweigh the others by claiming more of either; with ``vocab_size``, a loss is at most
+    :func:`max_val_loss` (a site cannot dominate the mean with 1e12)."""
     given = [name for name in VALIDATION_METRICS if name in metrics]
     if not given:
         return
@@ -106,6 +121,11 @@ def check_validation(metrics: Mapping[str, float], max_val_samples: int | None,
         if metrics[name] < 0:
             raise CheckpointError(f"metric {name!r} is {metrics[name]!r}; a cross-entropy "
                                   "is never negative")
+        if vocab_size is not None and metrics[name] > max_val_loss(vocab_size):
+            raise CheckpointError(
+                f"metric {name!r} is {metrics[name]!r}, more than {VAL_LOSS_FACTOR:g} x "
+                f"ln({vocab_size}) = {max_val_loss(vocab_size):.4f}, {VAL_LOSS_FACTOR:g} times "
+                "the loss of a uniform guess over the model's vocabulary")
     samples = metrics[VAL_SAMPLES]
     if samples != int(samples) or not 1 <= samples <= max_val_samples:
         shown = int(samples) if samples == int(samples) else samples

@@ -48,6 +48,7 @@ from xffl.aggregator.shards import (
     open_model,
 )
 from xffl.core.errors import CheckpointError
+from xffl.core.words import quoted
 
 _SCAN_BYTES = 16 << 20
 
@@ -57,7 +58,7 @@ class UpdateRejected(CheckpointError):
 
     def __init__(self, directory: Path, site: str, reason: str) -> None:
         """Build the one-sentence message "update from site 'S' (DIR): REASON."."""
-        super().__init__(f"update from site '{site}' ({directory}): {reason}.")
+        super().__init__(f"update from site {quoted(site)} ({directory}): {reason}.")
         self.directory = Path(directory)
         self.site = site
         self.reason = reason
@@ -83,9 +84,9 @@ def layout_difference(
     act = {t.name: t for t in actual}
     for name in sorted(ref.keys() | act.keys()):
         if name not in act:
-            return f"tensor '{name}' is missing ({ref_name} has it)"
+            return f"tensor {quoted(name)} is missing ({ref_name} has it)"
         if name not in ref:
-            return f"unexpected tensor '{name}' ({ref_name} has none)"
+            return f"unexpected tensor {quoted(name)} ({ref_name} has none)"
         a, r = act[name], ref[name]
         if a.shape != r.shape:
             return f"tensor '{name}' has shape {a.shape}, {ref_name} has {r.shape}"
@@ -233,11 +234,11 @@ def _check_fields(
         raise CheckpointError("the manifest names no site")
     if isinstance(bounds, Mapping):
         if manifest.site not in bounds:
-            raise CheckpointError(f"site {manifest.site!r} is not a site of the job "
+            raise CheckpointError(f"site {quoted(manifest.site)} is not a site of the job "
                                   f"({', '.join(sorted(bounds))})")
         bounds = bounds[manifest.site]
     if run_id is not None and manifest.run_id != run_id:
-        raise CheckpointError(f"run id '{manifest.run_id}', expected '{run_id}'")
+        raise CheckpointError(f"run id {quoted(manifest.run_id)}, expected {quoted(run_id)}")
     if round is not None and manifest.round != round:
         raise CheckpointError(f"round {manifest.round}, expected round {round}")
     if parent is not None and manifest.parent != parent:

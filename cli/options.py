@@ -22,5 +22,6 @@ JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",
 TrustOpt = Annotated[bool, typer.Option(
     "--trust-entry-point", allow_from_autoenv=False,
     help="Allow Python the job spec names to be imported and run on this machine: "
-    "model.entry_point where round 0 needs it (no model.init, or LoRA), and for simulate "
-    "also training.update_fn. Read that code first.")]
+    "model.entry_point where round 0 needs it (no model.init, or LoRA), and for simulate, or "
+    "submit of a job with a local site, any of it (training.update_fn too). Read that code "
+    "first.")]

@@ -70,6 +70,15 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
     table.print(tsv)
     if tsv:
         return
+    robust = [r for r in data.rounds if r.val_loss_median is not None]
+    if robust:
+        from xffl.aggregator.metrics import VAL_LOSS_ROBUST
+        from xffl.aggregator.reported import VAL_LOSS_FACTOR
+
+        last = robust[-1]
+        say(f"global val loss: the mean over the sites' held-out targets, each site's loss at "
+            f"most {VAL_LOSS_FACTOR:g} x ln(vocabulary); training.stop_when reads "
+            f"{VAL_LOSS_ROBUST}: {last.val_loss_median:.4f} in round {last.record.round}")
     if data.copies:
         moving = Rows(("site", "copy", "MB so far", "of MB", "MB/s", "ETA s"),
                       title="copies in flight")

@@ -31,6 +31,8 @@ def submit(
 
     A JOB whose round 0 needs its model.entry_point (no model.init) is refused unless
     --trust-entry-point, which the run records: its rounds (resume, cron) may then run it here.
+    So is a JOB with a site on a local profile that names any Python (model.entry_point,
+    training.update_fn): that site trains here.
 
     Example: xffl submit demo/job.yaml --wait  (demo/: `xffl init demo`)
     """

@@ -119,6 +119,9 @@ class RoundStatus:
 
     record: RoundRecord
     sites: list[SiteStatus]
+    # the median across sites of their validation losses (rounds/<r>/validation.json): the
+    # robust number training.stop_when reads, beside the record's token-weighted mean
+    val_loss_median: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The round's fields (its wall time too), ``sites`` as a list of the sites' fields."""
@@ -126,7 +129,8 @@ class RoundStatus:
         wall = rec.ended - rec.started if rec.ended is not None and rec.started is not None \
             else None
         data = json_fields({k: v for k, v in asdict(rec).items() if k != "sites"})
-        return {**data, "wall_s": wall, "sites": [json_fields(asdict(s)) for s in self.sites]}
+        return {**data, "wall_s": wall, "val_loss_median": self.val_loss_median,
+                "sites": [json_fields(asdict(s)) for s in self.sites]}
 
 
 @dataclass(frozen=True)
@@ -198,8 +202,23 @@ def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatu
                             transfer_s=b.transfer_s, other_s=b.other_s,
                             tokens_per_s=b.tokens_per_s, received_bytes=b.received_bytes,
                             sent_bytes=b.sent_bytes) for site, b in parts]
-        rounds.append(RoundStatus(record=rnd, sites=sites))
+        rounds.append(RoundStatus(record=rnd, sites=sites,
+                                  val_loss_median=median_of(Path(run.run_dir), rnd.round)))
     return rounds
+
+
+def median_of(run_dir: Path, rnd: int) -> float | None:
+    """The median across sites of round ``rnd``'s validation losses, as its aggregate step
+    wrote it (None: none recorded, or an unreadable file)."""
+    from xffl.aggregator.metrics import VAL_LOSS_MEDIAN
+    from xffl.core.layout import RunLayout
+
+    try:
+        data = json.loads(RunLayout(run_dir).validation_file(rnd).read_text())
+        value = data.get(VAL_LOSS_MEDIAN)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) else None
 
 
 def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,

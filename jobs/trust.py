@@ -7,18 +7,21 @@ without the code), and only after the user said so with ``--trust-entry-point`` 
 render`` or ``xffl submit``. Submit records that consent in the run directory
 (:data:`TRUST_FILE`, naming the entry point), where the run's supervisor (its first
 execution, ``xffl resume``, a cron round) looks before it writes round 0. ``xffl simulate``
-trains its virtual sites here, so any Python the spec names needs the flag there.
+trains its virtual sites here, so any Python the spec names needs the flag there, and so does
+``xffl submit`` of a job with a site on a ``local`` profile (its training runs here).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
 from xffl.core.files import write_json
 from xffl.core.yamlio import load_yaml
 from xffl.jobs.spec import JobSpec
+from xffl.site_profiles.schema import SiteProfile
 
 #: the run directory's record of the user's consent (written by ``xffl submit``).
 TRUST_FILE = "trusted-code.json"
@@ -76,6 +79,29 @@ def require_local_consent(job: Path, spec: JobSpec, trusted: bool, command: str)
         f"{_where(job, loc)}: job spec field {'.'.join(loc)}: `xffl {command}` would import "
         f"{value} and run it on this machine; read that code and pass {FLAG} if you trust "
         "it.")
+
+
+def local_sites(spec: JobSpec, profiles: Mapping[str, SiteProfile]) -> list[str]:
+    """The job's sites whose profile runs them on this machine (StreamFlow's local
+    connector): their training imports the spec's Python here."""
+    return [s.name for s in spec.sites if profiles[s.name].connector.type == "local"]
+
+
+def require_site_consent(job: Path, spec: JobSpec, profiles: Mapping[str, SiteProfile],
+                         trusted: bool, command: str) -> None:
+    """InvalidInput (exit 2) when a site of the job trains on this machine (a ``local``
+    profile), so its training would import the spec's Python (``training.update_fn``, or
+    ``model.entry_point`` even with ``model.init``) here, and the user did not pass
+    :data:`FLAG`."""
+    named = local_code(spec)
+    here = local_sites(spec, profiles)
+    if not named or not here or trusted:
+        return
+    loc, value = named[0]
+    raise InvalidInput(
+        f"{_where(job, loc)}: job spec field {'.'.join(loc)}: site {here[0]} trains on this "
+        f"machine (profile {profiles[here[0]].name}), so `xffl {command}` would import {value} "
+        f"and run it here; read that code and pass {FLAG} if you trust it.")
 
 
 def record_consent(run_dir: Path, spec: JobSpec) -> None:

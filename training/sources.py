@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import csv
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ from xffl.core.errors import InvalidInput
 Record = dict[str, Any]
 BATCH_ROWS = 1024  # rows a pyarrow / datasets batch holds: a few MB of text
 READ_BYTES = 1 << 20  # the read size of a JSON array
+# a JSON decode error this close to the end of what was read may be the read's cut (a
+# literal such as ``-Infinity`` or a ``\uXXXX`` escape split in two): read on; further in,
+# the element is malformed whatever follows, and is refused without reading further
+CUT_MARGIN = 16
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
@@ -51,6 +56,12 @@ def _object(path: Path, where: str, value: Any) -> Record:
     return value
 
 
+def _too_deep(path: Path, where: str) -> InvalidInput:
+    """The refusal of a JSON value nested deeper than Python's parser recurses."""
+    return InvalidInput(f"{path}: {where}: JSON nested too deep for Python's parser (about "
+                        f"{sys.getrecursionlimit()} levels); flatten the example's fields.")
+
+
 def _jsonl(path: Path) -> Iterator[tuple[str, Record]]:
     """One example per non-blank line; a line that is not UTF-8 or not a JSON object fails."""
     with path.open("rb") as fh:
@@ -68,6 +79,8 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Record]]:
             except ValueError as exc:
                 raise InvalidInput(f"{path}: {where}: not JSON ({exc}); each line must be one "
                                    "JSON object.") from exc
+            except RecursionError as exc:
+                raise _too_deep(path, where) from exc
             yield where, _object(path, where, value)
 
 
@@ -111,8 +124,10 @@ def _json(path: Path) -> Iterator[tuple[str, Record]]:
             continue
         try:
             value, end = decoder.raw_decode(buf, pos)
-        except ValueError as exc:
-            more = next(chunks, None)
+        except RecursionError as exc:
+            raise _too_deep(path, f"element {number + 1}") from exc
+        except json.JSONDecodeError as exc:
+            more = next(chunks, None) if _maybe_cut(exc, len(buf)) else None
             if not more:
                 raise InvalidInput(f"{path}: element {number + 1}: not JSON ({exc}).") from exc
             buf, pos = buf[pos:] + more, 0
@@ -120,6 +135,13 @@ def _json(path: Path) -> Iterator[tuple[str, Record]]:
         number += 1
         yield f"element {number}", _object(path, f"element {number}", value)
         pos = end  # the buffer is cut only when it is refilled (no copy per element)
+
+
+def _maybe_cut(exc: json.JSONDecodeError, read: int) -> bool:
+    """Whether a decode error of an array element may come from where the read stopped (a
+    string still open, or an error within :data:`CUT_MARGIN` of the end), not from the
+    element itself."""
+    return exc.msg.startswith("Unterminated string") or exc.pos >= read - CUT_MARGIN
 
 
 def _arrow_batches(path: Path, what: str) -> Iterator[tuple[str, Record]]:

@@ -15,7 +15,7 @@ from xffl.jobs.load import LoadedJob, load_job
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry, new_run_id
 from xffl.jobs.states import RunState
-from xffl.jobs.trust import record_consent, require_consent
+from xffl.jobs.trust import record_consent, require_consent, require_site_consent
 from xffl.site_profiles.privacy import check_workdir
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan.compile import write_plan
@@ -70,6 +70,7 @@ def submit(job_path: Path, name: str | None = None, start: bool = True,
         raise InvalidInput(f"--name {name!r} is not a valid run name prefix; use {NAME_RULE}.")
     require_consent(loaded.path, loaded.spec, trust_entry_point, "submit")
     profiles = {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}
+    require_site_consent(loaded.path, loaded.spec, profiles, trust_entry_point, "submit")
     # certificates that will not outlast a round, then host keys and logins of every SSH site,
     # then every site's workdir private (created 0700 if missing), all before anything is
     # written

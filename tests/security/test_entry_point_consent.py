@@ -181,3 +181,31 @@ def test_simulate_trains_here_so_any_named_python_needs_the_flag(
         assert result.exit_code == 2, result.output
         assert "--trust-entry-point" in result.stderr
         assert not (tmp_path / "sim").exists() and not _ran(marker)
+
+
+def test_submit_of_a_job_with_a_local_site_needs_the_flag_for_any_python(
+        tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``local`` site trains on this machine: its training imports training.update_fn, and
+    model.entry_point even with model.init (HEAD submitted both without the flag, and the
+    sites imported the code on the coordinator). Refused, exit 2, one sentence naming the
+    file, line, field, site and fix; nothing registered or written."""
+    entry, marker = _evil(tmp_path, monkeypatch)
+    init = tmp_path / "shared" / "init"
+    init_global("run-init", ModelSpec(preset="tiny-test", entry_point=USERS_MODEL), 3, init)
+    for field in ("model.entry_point", "training.update_fn"):
+        job = _job(tmp_path, {"init": "init", "entry_point": entry}) if field.startswith(
+            "model") else _job(tmp_path, {"preset": "tiny-test"}, update_fn=entry)
+        result = runner.invoke(app, ["submit", str(job), "--no-start"])
+        assert result.exit_code == 2, result.output
+        (line,) = [x for x in result.stderr.splitlines() if x.strip()]
+        spec_line = next(n for n, t in enumerate(job.read_text().splitlines(), 1)
+                         if field.split(".")[1] + ":" in t)
+        assert line == (f"error: {job}:{spec_line}: job spec field {field}: site alpha trains "
+                        f"on this machine (profile local), so `xffl submit` would import "
+                        f"{entry} and run it here; read that code and pass "
+                        "--trust-entry-point if you trust it."), line
+        assert not (xffl_home / "runs").exists() and not _ran(marker)
+        assert runner.invoke(app, ["runs", "--json"]).stdout.strip() == "[]"
+    # with the flag the run is submitted (its sites import the code when they train)
+    trusted = runner.invoke(app, ["submit", str(job), "--no-start", "--trust-entry-point"])
+    assert trusted.exit_code == 0, trusted.output

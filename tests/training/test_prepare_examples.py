@@ -220,6 +220,11 @@ BAD = [  # (file name, content, format, what the one line must name)
     ("bad.jsonl", b"", "text", ["no example"]),
     ("bad.csv", b"text\nfine\n\xff\n", "text", ["row", "not UTF-8"]),
     ("bad.json", b'[{"text": "a"}, 3]', "text", ["element 2", "not an object"]),
+    # nested 100,000 deep: Python's parser raised RecursionError, printed as an internal error
+    ("deep.jsonl", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "text",
+     ["line 1", "nested too deep"]),
+    ("deep.json", b'[{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]", "text",
+     ["element 1", "nested too deep"]),
 ]
 
 
@@ -287,3 +292,34 @@ def test_a_json_array_is_read_across_reads(tmp_path: Path,
     path.write_text(json.dumps(records)[:-1])
     with pytest.raises(InvalidInput, match="element 51: the array is not closed"):
         list(sources.examples(path))
+
+
+def _bytes_read() -> int:
+    """The bytes this process has read through read(2) and its kin so far (Linux's rchar)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_a_malformed_first_element_is_refused_without_reading_on(tmp_path: Path) -> None:
+    """A 64 MiB array whose first element is malformed mid-way: refused from the first read
+    (1 MiB), not after reading (and re-parsing) the rest of the file, as HEAD did.
+
+    Bound: the reader reads 1 MiB at a time, so a refusal from the first read costs about
+    1 MiB (and Python's own imports nothing here, all done); HEAD read the whole 64 MiB. 8 MiB
+    leaves room for what pytest reads meanwhile and fails HEAD by 56 MiB."""
+    from xffl.training import sources
+
+    path = tmp_path / "a.json"
+    element = json.dumps({"text": "x" * 1000}) + ", "
+    with path.open("w") as fh:
+        fh.write('[{"text": "a", oops}, ')
+        for _ in range((64 << 20) // len(element) + 1):
+            fh.write(element)
+        fh.write('{"text": "end"}]')
+    assert path.stat().st_size >= 64 << 20
+    before = _bytes_read()
+    with pytest.raises(InvalidInput, match=r"element 1: not JSON \(Expecting property name"):
+        list(sources.examples(path))
+    assert _bytes_read() - before < 8 << 20

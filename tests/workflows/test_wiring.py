@@ -38,10 +38,11 @@ runner = CliRunner()
 ETA, BETA_1, BETA_2, TAU = 0.05, 0.9, 0.99, 1e-9  # eta from the job spec; the rest Flower's
 
 
-def _submit(tmp_path: Path, spec: dict) -> tuple[int, dict]:
+def _submit(tmp_path: Path, spec: dict, *flags: str) -> tuple[int, dict]:
     job = tmp_path / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300",
+                                 *flags])
     return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
 
 
@@ -165,7 +166,7 @@ def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
     spec["training"].update(update_fn="tests.workflows.update_fns:nan_at_beta")
     for site in spec["sites"]:
         site.update(ranks=1)
-    code, status = _submit(tmp_path, spec)
+    code, status = _submit(tmp_path, spec, "--trust-entry-point")  # local sites import it
     assert code == 1 and status["state"] == "failed"
     (r1,) = status["rounds"]
     sites = {s["site"]: s for s in r1["sites"]}

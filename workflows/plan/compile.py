@@ -10,7 +10,6 @@ batch scripts come from one Jinja2 template (:func:`xffl.workflows.plan.deployme
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from xffl.jobs.deadline_spec import RoundDeadline
 from xffl.jobs.load import LoadedJob
 from xffl.jobs.spec import JobSpec, SiteSpec
 from xffl.site_profiles.schema import LocalConnector, SiteProfile
-from xffl.training.config import DataSpec, TrainJob, round_steps
+from xffl.training.config import DataSpec, TrainJob
 from xffl.training.threads import LOCAL_RANKS_ENV
 from xffl.workflows.extensions import DATA_MANAGER, FAILURE_MANAGER
 from xffl.workflows.plan import cwl, init_cache
@@ -33,42 +32,12 @@ from xffl.workflows.plan.deployments import (
     site_deployments,
     site_python,
 )
+from xffl.workflows.steps.bounds import report_bounds as report_bounds
 
 
 def _dump(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=100))
-
-
-def report_bounds(spec: JobSpec, site: SiteSpec) -> tuple[int | None, int | None, int | None,
-                                                          int | None]:
-    """The most tokens, samples and held-out sequences ``site``'s update may report in a round,
-    and the targets one held-out sequence holds (None: unbounded; for the last two: the site
-    has no validation data).
-
-    Tokens: steps x batch x accumulation x sequence length x ranks, steps as many as the
-    budget allows (a token budget with one data-parallel rank, the most steps), times
-    ``balance_max`` when throughput balancing may raise them, or a round deadline's most
-    steps. Samples: the dataset size the
-    job declares (``data.max_samples``, a synthetic corpus's size), or the samples of the
-    round's steps if more; with real data and no declared size, the samples of the round's
-    steps (what the site's trainer then reports): a site's weight is never unbounded.
-    Held-out sequences: the job's evaluation budget, each of ``seq_len`` targets (the
-    held-out targets in the loss, ``val_tokens``, are at most their product).
-    """
-    training = site.budget.apply(spec.training) if site.budget else spec.training
-    planned = steps = round_steps(training, 1)
-    if training.balance == "throughput":
-        steps = math.floor(planned * training.balance_max)
-    if spec.round_deadline is not None:
-        from xffl.workflows.steps.deadline import most_steps
-
-        steps = max(steps, most_steps(spec.round_deadline, planned, training.balance_max))
-    samples = steps * training.batch_size * training.grad_accum * site.ranks
-    declared = site.data.declared_samples
-    held_out = spec.evaluation.sequences(training) if site.data.validation else None
-    return (samples * training.seq_len, samples if declared is None else max(declared, samples),
-            held_out, None if held_out is None else training.seq_len)
 
 
 def adopting(spec: JobSpec) -> RoundDeadline | None:

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from xffl.aggregator import metrics as metric
 from xffl.aggregator.adapter import frozen_tensors
 from xffl.aggregator.decode import bad_scales, encoded_index, first_overflow
 from xffl.aggregator.exchange import (
+    CONFIG_FILE,
     MANIFEST_FILE,
     Manifest,
     read_manifest,
@@ -37,12 +39,14 @@ from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
+from xffl.core.words import quoted
 from xffl.jobs.deadline_spec import StalenessSpec
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
+from xffl.workflows.steps.bounds import round_report_bounds
 from xffl.workflows.steps.late import read_adopted, read_late
 from xffl.workflows.steps.tool import step_parser
 from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict
@@ -60,6 +64,36 @@ def staleness(rnd: int, started: int, fn: StalenessSpec | None) -> tuple[
     factor = (fn or StalenessSpec()).weight(tau)
     return tau, factor, (f"started in round {started}: {tau} round(s) late, its change "
                          f"applied with staleness weight {factor:.4g}")
+
+
+def this_round(layout: RunLayout, site: str, started: int, bounds: Bounds | None,
+               ) -> Bounds | None:
+    """``bounds`` (the plan's: any round's most) tightened to what the job of round
+    ``started`` allowed ``site``: under throughput balancing or a round deadline a round's
+    steps are the plan's for that round, not ``balance_max`` x the configured ones."""
+    if bounds is None:
+        return None
+    own = round_report_bounds(layout, site, started)
+    if own is None:
+        return bounds
+    tokens, samples = own
+    return replace(bounds, max_tokens=tokens if bounds.max_tokens is None else min(
+        tokens, bounds.max_tokens), max_samples=samples if bounds.max_samples is None else min(
+        samples, bounds.max_samples))
+
+
+def vocab_size(layout: RunLayout, config: Any) -> int | None:
+    """The model's vocabulary from the coordinator's own files: the global's config.json, or
+    a LoRA job's base model's (None: neither says)."""
+    if not isinstance(config, dict) or "vocab_size" not in config:
+        base = layout.base_model / CONFIG_FILE
+        try:
+            config = json.loads(read_small_file(base)) if base.is_file() else {}
+        except (OSError, ValueError):
+            config = {}
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    ok = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1
+    return vocab if ok else None
 
 
 def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path | None,
@@ -93,9 +127,13 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     started = rnd if adopted is None else adopted.round
     if started != rnd:  # a late job's update: checked against the global it started from
         previous = layout.global_dir(started - 1)
+    bounds = this_round(layout, site, started, bounds)
     parent = read_manifest(previous)  # the coordinator's own global model
     kind = kind_of(previous)  # the coordinator's global decides what an update may be
     config = json.loads(read_small_file(previous / kind.config_file))
+    vocab = vocab_size(layout, config)
+    if bounds is not None and vocab is not None:
+        bounds = replace(bounds, vocab_size=vocab)  # a validation loss's bound
     try:
         reference = parent.tensors if exchange is None or exchange.plain else \
             encoded_index(parent.tensors, exchange.safetensors_dtype, exchange.codec)
@@ -106,7 +144,7 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
                                 bounds=bounds or Bounds(side_files=SIDE_FILES))
         if manifest.site != site:
             raise UpdateRejected(update, site, f"the update says it comes from site "
-                                               f"{manifest.site!r}, not {site!r}")
+                                               f"{quoted(manifest.site)}, not {site!r}")
         codec = None if exchange is None else exchange.codec
         scales = None if codec is None else bad_scales(update, previous, codec)
         if scales is not None:

@@ -11,6 +11,13 @@ and writes it to ``rounds/<r>/validation.json``. The run directory, not the regi
 the stop rule reads, so a plan run by ``streamflow run`` or ``cwltool`` stops where ``xffl
 submit`` does.
 
+One site cannot steer that mean beyond its admission bound (a validation loss is at most
+3 x ln(vocabulary), :func:`xffl.aggregator.reported.max_val_loss`), but within it a site's
+number still moves the mean by its share of the targets. So beside the mean the step records
+the median across the admitted sites' own losses (``val_loss_median``), which fewer lying
+sites than half cannot move outside the honest sites' range, and the stop rule reads the
+median: a liar can neither stop a run nor keep it going.
+
 The stop rule is Keras's EarlyStopping on that series: a value improves on the best so far
 when it is lower by more than ``min_delta``; after ``patience`` values in a row that do not,
 no further round runs, and ``stopped.json`` says why.
@@ -20,10 +27,11 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from xffl.aggregator.metrics import VAL_LOSS
+from xffl.aggregator.metrics import VAL_LOSS, VAL_LOSS_MEDIAN, VAL_LOSS_ROBUST
 from xffl.core.files import read_json, write_json
 from xffl.core.layout import RunLayout
 from xffl.workflows.steps.verdict import Verdict
@@ -39,6 +47,8 @@ class FederatedValidation:
     val_tokens: int  # their targets in the loss, all sites': the mean's denominator
     sites: dict[str, float]  # each admitted site's own val_loss
     site_tokens: dict[str, int]  # each admitted site's val_tokens: its weight
+    # the median of ``sites``' values (of two, their mean): what the stop rule reads
+    val_loss_median: float | None = None
 
     def write(self, path: Path) -> None:
         """Store as JSON (atomically)."""
@@ -59,18 +69,21 @@ def federated(rnd: int, verdicts: list[Verdict]) -> FederatedValidation | None:
     return FederatedValidation(round=rnd, val_loss=loss,
                                val_samples=sum(n for *_, n, _ in measured), val_tokens=total,
                                sites={s: value for s, value, *_ in measured},
-                               site_tokens={s: t for s, *_, t in measured})
+                               site_tokens={s: t for s, *_, t in measured},
+                               val_loss_median=statistics.median(v for _, v, *_ in measured))
 
 
 def history(layout: RunLayout, last: int) -> list[tuple[int, float]]:
-    """(round, federated validation loss) of rounds 1..``last`` that recorded one."""
+    """(round, federated validation loss) of rounds 1..``last`` that recorded one: its median
+    across sites (the weighted mean in a file written before the median was recorded)."""
     out: list[tuple[int, float]] = []
     for rnd in range(1, last + 1):
         try:
             data = json.loads(layout.validation_file(rnd).read_text())
         except FileNotFoundError:
             continue
-        out.append((rnd, float(data[VAL_LOSS])))
+        value = data.get(VAL_LOSS_MEDIAN)
+        out.append((rnd, float(data[VAL_LOSS] if value is None else value)))
     return out
 
 
@@ -86,8 +99,9 @@ def stop_reason(series: list[tuple[int, float]], patience: int,
     if waited < patience:
         return None
     return (f"stopped early: the federated validation loss has not improved by more than "
-            f"{min_delta:g} in {waited} round(s) (training.stop_when patience {patience}); "
-            f"best {best:.4f}, of the global model round {best_round} started from")
+            f"{min_delta:g} in {waited} round(s) (training.stop_when patience {patience}, on "
+            f"{VAL_LOSS_ROBUST}); best {best:.4f}, of the global model round {best_round} "
+            "started from")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xffl.core.words import capped
 from xffl.jobs.records import SiteRound
 from xffl.jobs.states import SiteState
 
@@ -48,6 +49,11 @@ class Verdict:
     mfu: float | None = None
     peak_memory_gib: float | None = None
     save_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        """A reason quotes what the site sent: it enters the registry at most REASON_CHARS
+        long (:mod:`xffl.core.words`), whatever a check quoted."""
+        self.reason = capped(self.reason)
 
     @property
     def accepted(self) -> bool:
