@@ -84,12 +84,16 @@ def environment(python: str) -> dict[str, str]:
 def _line(step: str, result: dict[str, Any]) -> str:
     """One summary line of a step's result."""
     keys = ("loss_drop", "loss_gap", "max_weight_gap", "sharded_load_exact", "fsdp_units",
-            "loss_gap_vs_plain", "round_peak_gib", "aggregate_s", "wall_s", "error")
+            "loss_gap_vs_plain", "round_peak_gib", "estimate_gib", "aggregate_s", "wall_s",
+            "error")
     shown = {k: result[k] for k in keys if k in result}
     metrics = result.get("metrics") or {}
     for k in ("tokens_per_s_per_gpu", "tflops", "mfu", "peak_memory_gib", "save_seconds"):
         if k in metrics:
             shown[k] = metrics[k]
+    measured = metrics.get("peak_memory_gib", result.get("round_peak_gib"))
+    if measured and result.get("estimate_gib"):  # the memory model against the measurement
+        shown["measured_over_model"] = round(measured / result["estimate_gib"], 3)
     verdict = "PASS" if result.get("ok") else "FAIL"
     return f"gpu_check {step:<6} {verdict} " + json.dumps(shown, default=str)[:600]
 

@@ -79,6 +79,20 @@ def _launch(job: dict[str, Any], work: Path, name: str, model: Path, data: Path,
     return result
 
 
+def _estimate(job: dict[str, Any], mode: str, data_parallel: str | None = None) -> float:
+    """The memory model's peak GiB per rank for ``job`` on one rank (what xffl validate
+    prints), on a GPU or, in the dry run, the CPU variant."""
+    from xffl.training.arch import build_config
+    from xffl.training.config import TrainJob
+    from xffl.training.memory_model import estimate, model_parts, site_layout
+
+    spec = TrainJob.model_validate(job)
+    parts = model_parts(build_config(spec.model), spec.training.lora)
+    layout = site_layout(spec.training, 1, parts, gpu=mode == "full",
+                         data_parallel=data_parallel)
+    return round(estimate(parts, layout).gib, 3)
+
+
 def _smi(out: Path) -> subprocess.Popen[bytes] | None:
     """nvidia-smi sampling GPU use to out/smi.csv every 0.5 s (None without a GPU)."""
     if shutil.which("nvidia-smi") is None:
@@ -108,6 +122,7 @@ def step_dense(mode: str, work: Path, out: Path) -> dict[str, Any]:
         if smi is not None:
             smi.terminate()
             smi.wait(timeout=10)
+    result["estimate_gib"] = _estimate(job, mode)
     if result["rc"] == 0:
         m = result["metrics"]
         result["loss_drop"] = m["loss_first"] - m["loss_last"]
@@ -241,9 +256,9 @@ def step_fsdp1(mode: str, work: Path, out: Path) -> dict[str, Any]:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    job = TrainJob.model_validate(_job(
-        shape, work / "data-dense", data_parallel="fsdp", activation_checkpointing=True,
-        precision="auto" if mode == "full" else "bf16"))
+    raw = _job(shape, work / "data-dense", data_parallel="fsdp",
+               activation_checkpointing=True, precision="auto" if mode == "full" else "bf16")
+    job = TrainJob.model_validate(raw)
     began = time.perf_counter()
     manifest = train_round(job, 1, model_dir, work / "data-dense", work / "fsdp.update")
     seconds = time.perf_counter() - began
@@ -261,6 +276,8 @@ def step_fsdp1(mode: str, work: Path, out: Path) -> dict[str, Any]:
             "sharded_load_exact": exact, "fsdp_units": units, "layers": layers,
             "loss_gap_vs_plain": gap, "admitted": admitted, "round_s": round(seconds, 2),
             "load_peak_gib": round(load_peak, 3), "round_peak_gib": round(_peak_gib(device), 3),
+            # FSDP2 over one rank: the model's fsdp layout at dp 1
+            "estimate_gib": _estimate(raw, mode, data_parallel="fsdp"),
             "metrics": manifest.metrics}
 
 
@@ -294,6 +311,7 @@ def step_lora(mode: str, work: Path, out: Path) -> dict[str, Any]:
             smi.terminate()
             smi.wait(timeout=10)
     result["base"] = seeded
+    result["estimate_gib"] = _estimate(job, mode)
     if result["rc"] == 0:
         result["admitted"] = _admit(Path(result["update"]), adapter)
         result["ok"] = result["admitted"]["admitted"]
