@@ -106,6 +106,12 @@ def _head_grads(h0: Tensor, w0: Tensor, y: Tensor, chunk: int | None) -> tuple[T
     return loss.detach(), h.grad, head.weight.grad
 
 
+def _ratio(diff: Tensor, bound: Tensor) -> float:
+    """The largest |difference| / bound, element by element (<= 1: within the bound)."""
+    diff = diff.double().abs().reshape(bound.shape)
+    return float(torch.where(diff == 0, 0.0, diff / bound).max())  # no bound: equal
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_chunks_equal_the_full_logits(chunk: int) -> None:
     """Loss and its gradients wrt the hidden states and the head: the full-logits fp32 ones,
@@ -119,10 +125,10 @@ def test_chunks_equal_the_full_logits(chunk: int) -> None:
     bounds = head_bounds(h0, w0, y)
     ref = _head_grads(h0, w0, y, None)
     got = _head_grads(h0, w0, y, chunk)
-    assert abs(float(got[0]) - float(ref[0])) <= bounds["loss_bound"]
+    assert abs(float(got[0]) - float(ref[0])) <= bounds["loss_bound"], (got[0], ref[0])
     assert abs(float(got[0]) - bounds["loss"]) <= bounds["loss_bound"]
-    assert ((got[1] - ref[1]).abs().reshape(-1, 32) <= bounds["grad_h_bound"]).all()
-    assert ((got[2] - ref[2]).abs() <= bounds["grad_w_bound"]).all()
+    assert _ratio(got[1] - ref[1], bounds["grad_h_bound"]) <= 1
+    assert _ratio(got[2] - ref[2], bounds["grad_w_bound"]) <= 1
     masked = (y == -100)
     assert (got[1][masked] == 0).all()  # a target out of the loss moves nothing
 
@@ -186,14 +192,13 @@ def test_the_models_chunked_loss_and_gradients(kind: str, chunk: int) -> None:
     softcap = getattr(model.config, "final_logit_softcapping", None)
     bounds = head_bounds(ref["h"], head.detach(), _batch(256)[1], softcap)
     assert abs(float(got["loss"]) - float(ref["loss"])) <= bounds["loss_bound"]
-    assert ((got["grad_h"] - ref["grad_h"]).abs().reshape(-1, 32)
-            <= bounds["grad_h_bound"]).all()
+    assert _ratio(got["grad_h"] - ref["grad_h"], bounds["grad_h_bound"]) <= 1
     assert set(got) == set(ref)
     gain = max(float(ref[k].norm()) for k in ref if k.startswith("grad.")) / \
         float(ref["grad_h"].norm())
     d_h = float((bounds["grad_h_bound"]).norm())
     for key in (k for k in ref if k.startswith("grad.")):
-        assert float((got[key] - ref[key]).norm()) <= 4 * gain * d_h + 1e-12, key
+        assert float((got[key] - ref[key]).norm()) / (4 * gain * d_h) <= 1, key
 
 
 def test_an_entry_point_model_keeps_full_logits() -> None:
