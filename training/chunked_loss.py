@@ -95,7 +95,7 @@ def install(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in FAMILIES:
         return
-    model.forward = MethodType(_forward, model)  # type: ignore[method-assign]
+    model.forward = MethodType(_forward, model)
     setattr(model, _MARK, True)
 
 

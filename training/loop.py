@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from xffl.training.chunked_loss import loss_sum, supports
 from xffl.training.config import TrainingSpec
 from xffl.training.data import IGNORE
-from xffl.training.chunked_loss import loss_sum, supports
 from xffl.training.parallelize import ParallelModel
 from xffl.training.progress import StepReporter
 
