@@ -249,9 +249,9 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def lm_loss_sum(logits: Tensor, targets: Tensor) -> Tensor:
-    """The sum of the next-token cross-entropies of the targets in the loss (not -100)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           reduction="sum")
+    """The sum of the next-token cross-entropies of the targets in the loss (not -100), from
+    whole logits (the chunked path: :func:`xffl.training.chunked_loss.loss_sum`)."""
+    return chunked_loss.full_logits_loss(logits, targets)
 
 
 def uniform_loss(vocab_size: int) -> float:
