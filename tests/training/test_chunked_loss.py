@@ -3,17 +3,14 @@ the memory (measured exactly, tensor by tensor), in training and in evaluation."
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
+from tests.bench.scripts import load_bench
 from tests.training.custom_model import TinyMLPLM
 from xffl.training.arch import build_config
 from xffl.training.chunked_loss import (
@@ -212,35 +209,8 @@ def test_an_entry_point_model_keeps_full_logits() -> None:
     assert TrainingSpec().loss_chunk == 1024
 
 
-class PeakBytes(TorchDispatchMode):
-    """Exact peak of the bytes of tensor storages created inside the mode (forward and
-    backward ops alike): each op's new output storages are counted until they are freed.
-
-    torch's own MemTracker refuses a module called more than once per iteration (the head
-    is called once per chunk), so this counts storages itself.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor):
-                storage = t.untyped_storage()
-                if storage not in self._seen:
-                    self._seen[storage] = nbytes = storage.nbytes()
-                    self.live += nbytes
-                    weakref.finalize(storage, self._free, nbytes)
-        self.peak = max(self.peak, self.live)
-        return out
+# exact peak of live tensor bytes, forward and backward ops alike (the benchmark's counter)
+PeakBytes = load_bench("chunked_loss").PeakBytes
 
 
 MEM_N, MEM_H, MEM_V, MEM_C = 1024, 16, 32768, 128  # full fp32 logits 128 MiB, a chunk 16 MiB
