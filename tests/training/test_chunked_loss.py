@@ -3,6 +3,7 @@ the memory (measured exactly, tensor by tensor), in training and in evaluation."
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +271,29 @@ def test_training_and_evaluation_stay_under_the_full_logits(tmp_path: Path) -> N
             assert max(train.peak, evaluation.peak) <= bound < full / 1.9, (train.peak, bound)
         else:
             assert train.peak > full and evaluation.peak > full, (train.peak, full)
+
+
+@pytest.mark.parametrize("how", ("autocast", "bf16-weights"))
+def test_a_bf16_head_gives_an_fp32_loss(how: str) -> None:
+    """With bf16 logits (bf16 autocast, as under DDP; or bf16 weights, as under FSDP2's
+    mixed precision) each chunk is upcast before the cross-entropy: the loss is fp32 and equals
+    the full bf16 logits upcast at once, within what bf16 logits allow. A chunk's GEMM may
+    round a logit to the other neighbouring bf16 value (2^-8 |z| apart): a token loss moves by
+    <= 2 x 2^-8 max|z|, over n tokens; the fp32 sums add 2 gamma_n L. Without the upcast the
+    sum itself is bf16 (one ulp of a loss of ~200 is 1), and its dtype tells."""
+    model = _model("tiny-test")
+    x, y, pos = _batch(256)
+    if how == "bf16-weights":
+        model.to(torch.bfloat16)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if how == "autocast" else nullcontext()
+    with ctx:
+        logits = model(x, position_ids=pos)
+        ref = full_logits_loss(logits, y)
+        got = loss_sum(model, x, y, 7, position_ids=pos)
+    assert logits.dtype == torch.bfloat16 and got.dtype == torch.float32
+    n = int((y != -100).sum())
+    bound = n * 2 * 2.0 ** -8 * float(logits.float().abs().max()) + 2 * gamma(n) * float(ref.detach())
+    assert abs(float(got.detach()) - float(ref)) <= bound, (got, ref, bound)
+    got.backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all())
+               for p in model.parameters())
