@@ -131,11 +131,14 @@ def test_chunks_equal_the_full_logits(chunk: int) -> None:
     assert (got[1][masked] == 0).all()  # a target out of the loss moves nothing
 
 
-MODELS = {"untied": "tiny-test", "tied": "tiny-qwen2", "tied-softcap": "tiny-gemma2"}
+MODELS = {"untied": "tiny-test", "tied": "tiny-qwen2", "tied-softcap": "tiny-gemma2",
+          "tied-llama": "tiny-test+tied"}  # Llama-3.2-1B's tied embedding
 
 
 def _model(preset: str, vocab: int = 256) -> nn.Module:
     overrides: dict[str, int | float | bool] = {"vocab_size": vocab}
+    if preset.endswith("+tied"):
+        preset, overrides["tie_word_embeddings"] = preset.removesuffix("+tied"), True
     if preset != "tiny-test":
         overrides.update(hidden_size=32, intermediate_size=64, head_dim=8)
     if preset == "tiny-gemma2":
