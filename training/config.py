@@ -164,6 +164,10 @@ class TrainingSpec(_Strict):
         default="auto", description="auto: bf16 autocast on GPUs, fp32 on CPUs")
     activation_checkpointing: bool = Field(
         default=False, description="recompute each layer's activations in the backward pass")
+    loss_chunk: int = Field(
+        default=1024, ge=0, le=1 << 24, description="tokens per chunk of the LM head and "
+        "cross-entropy: at most one chunk's fp32 logits (chunk x vocabulary x 4 bytes) are "
+        "alive, recomputed in backward; 0: all tokens at once (full logits)")
     seed: int = Field(default=0, ge=0, description="seeds round 0's weights and the samplers")
     balance: Literal["none", "throughput"] = Field(
         default="none", description="throughput: from round 2, faster sites get more steps so "

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from xffl.training.chunked_loss import DEFAULT_CHUNK, loss_sum, supports
 from xffl.training.config import EvaluationSpec, TrainingSpec
 from xffl.training.data import IGNORE, TokenShards
 from xffl.training.loop import autocast
@@ -45,15 +45,17 @@ def eval_count(held_out: TokenShards, evaluation: EvaluationSpec,
 @torch.no_grad()
 def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: int,
                  device: torch.device, precision: str = "auto", dp_rank: int = 0,
-                 dp_size: int = 1) -> Evaluation:
+                 dp_size: int = 1, loss_chunk: int = DEFAULT_CHUNK) -> Evaluation:
     """The mean token loss of ``net`` on the first ``count`` held-out sequences (collective).
 
-    Every rank of the process group calls it with the same arguments but its own dp rank.
+    Every rank of the process group calls it with the same arguments but its own dp rank;
+    the LM head runs ``loss_chunk`` tokens at a time, as in training.
     """
     was_training = net.training
     net.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     per_batch = batch_size * dp_size
+    chunked = supports(net)
     try:
         for start in range(0, count, per_batch):
             mine = np.arange(start, min(start + per_batch, count))[dp_rank::dp_size]
@@ -64,9 +66,7 @@ def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: 
             extra = {} if pos is None else {"position_ids": pos.to(device)}
             inputs, targets = inputs.to(device), targets.to(device)
             with autocast(device, precision):
-                logits = net(inputs, **extra)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   targets.reshape(-1), reduction="sum", ignore_index=IGNORE)
+                loss = loss_sum(net, inputs, targets, loss_chunk, chunked, **extra)
             if counted:
                 sums += torch.stack([loss.double(), (targets != IGNORE).sum().double()])
     finally:

@@ -115,7 +115,7 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
         pm = parallelize(load_model(model_dir, job.model.entry_point).to(device),
                          spec.tensor_parallel, device, spec.data_parallel)
         result = evaluate_net(pm.net, held_out, count, batch_size, device, spec.precision,
-                              pm.dp_rank, pm.dp_size)
+                              pm.dp_rank, pm.dp_size, spec.loss_chunk)
         losses[name] = result.loss
         del pm
         if device.type == "cuda":

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from xffl.training.chunked_loss import loss_sum, supports
 from xffl.training.config import TrainingSpec
 from xffl.training.data import IGNORE
-from xffl.training.model import lm_loss_sum
 from xffl.training.parallelize import ParallelModel
 from xffl.training.progress import Speed, StepReporter
 from xffl.training.telemetry import SteadyClock, device_sync, warmup_steps
@@ -134,6 +134,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     clock = SteadyClock(warmup_steps(steps), device_sync(device))
     clock.start()
     stopped = False
+    chunked = supports(pm.net)  # the LM head chunk by chunk inside forward (not entry points)
     for step in range(steps):
         if check_deadline:
             late = deadline is not None and time.time() + last >= deadline
@@ -155,7 +156,8 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
             last_micro = micro == spec.grad_accum - 1
             with nullcontext() if last_micro else pm.no_sync():  # backward included (FSDP2)
                 with autocast(device, spec.precision):
-                    loss = lm_loss_sum(pm.net(inputs, **extra), targets) * scale
+                    loss = loss_sum(pm.net, inputs, targets, spec.loss_chunk, chunked,
+                                    **extra) * scale
                 torch.autograd.backward(loss)
             losses[step] += loss.detach().double()
         if prox is not None:

@@ -4,7 +4,9 @@ Nothing here knows about parallelism (:mod:`xffl.training.parallelize` applies t
 tensor-parallel plan and data parallelism from the outside, as torchtitan does). A model
 built here returns its logits from ``model(input_ids)`` (a forward hook takes them out of
 transformers' output), so the training loop and the evaluator treat every model, a user's
-``model.entry_point`` module included, the same way.
+``model.entry_point`` module included, the same way; given ``loss_targets``, it returns the
+summed token loss instead, with the LM head applied chunk by chunk
+(:mod:`xffl.training.chunked_loss`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from xffl.training import chunked_loss
 from xffl.training.arch import PRESETS, ModelConfig, apply_overrides, build_config
 from xffl.training.seeded import TensorInit, seeded_tensor
 
@@ -55,9 +58,11 @@ def _logits(module: nn.Module, args: Any, output: Any) -> Any:
 
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:
-    """No KV cache in training, logits out of forward."""
+    """No KV cache in training, logits out of forward; the chunked loss in forward when asked
+    (``model(ids, loss_targets=t)``, :mod:`xffl.training.chunked_loss`)."""
     model.config.use_cache = False
     model.register_forward_hook(_logits)
+    chunked_loss.install(model)
     return model
 
 
@@ -245,9 +250,9 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def lm_loss_sum(logits: Tensor, targets: Tensor) -> Tensor:
-    """The sum of the next-token cross-entropies of the targets in the loss (not -100)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           reduction="sum")
+    """The sum of the next-token cross-entropies of the targets in the loss (not -100), from
+    whole logits (the chunked path: :func:`xffl.training.chunked_loss.loss_sum`)."""
+    return chunked_loss.full_logits_loss(logits, targets)
 
 
 def uniform_loss(vocab_size: int) -> float:

@@ -269,7 +269,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
             return None
         return evaluate_net(pm.net, held_out, eval_count(held_out, job.evaluation, spec),
                             job.evaluation.batch(spec), device,
-                            spec.precision, pm.dp_rank, pm.dp_size)
+                            spec.precision, pm.dp_rank, pm.dp_size, spec.loss_chunk)
 
     eval_began = time.perf_counter()
     incoming = validate()  # the global model this round starts from
