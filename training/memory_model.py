@@ -211,9 +211,6 @@ def resolve_data_parallel(requested: str, tp: int, params: int, ranks: int) -> D
 def site_layout(spec: TrainingSpec, ranks: int, parts: ModelParts, *, gpu: bool = True,
                 data_parallel: str | None = None) -> Layout:
     """The Layout of a site running ``spec`` on ``ranks`` ranks (``data_parallel`` overrides)."""
-    # training.loss_chunk is a field being added to TrainingSpec: read with a default until
-    # it lands (0: the whole micro-batch's logits at once)
-    loss_chunk = int(getattr(spec, "loss_chunk", 0) or 0)
     tp = spec.tensor_parallel
     mode = resolve_data_parallel(data_parallel or spec.data_parallel, tp, parts.total, ranks)
     bf16 = spec.precision == "bf16" or (spec.precision == "auto" and gpu)
@@ -221,7 +218,7 @@ def site_layout(spec: TrainingSpec, ranks: int, parts: ModelParts, *, gpu: bool 
                   batch=spec.batch_size,
                   seq=spec.seq_len, grad_accum=spec.grad_accum,
                   ac_every=checkpoint_every(spec.activation_checkpointing),
-                  loss_chunk=loss_chunk, lora=spec.lora is not None)
+                  loss_chunk=spec.loss_chunk, lora=spec.lora is not None)
 
 
 def layer_activation_bytes(parts: ModelParts, layout: Layout) -> int:

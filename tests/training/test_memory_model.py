@@ -72,12 +72,16 @@ def test_ddp_at_dp_2_within_20_percent(tmp_path: Path) -> None:
 def test_gpu_terms_of_an_8b_fsdp2_site() -> None:
     """Llama-3.1-8B, FSDP2 over 8 GPUs, bf16 params / fp32 reduce: the persistent state is
     16 B/param / 8 (2.0 B/param), the root unsharded in bf16 is 2 B x 1.05e9, the logits at
-    4 x 2048 tokens cost 12 B x 8192 x 128256 (12.6 GB), chunks of 2048 tokens a quarter."""
+    4 x 2048 tokens cost 12 B x 8192 x 128256 (12.6 GB) unchunked, chunks of 2048 tokens a
+    quarter, the default chunk of 1024 tokens an eighth."""
     parts = model_parts(PRESETS["llama3.1-8b"])
     assert parts.total == 8_030_261_248 and parts.head == parts.embedding == 128256 * 4096
     spec = TrainingSpec(batch_size=4, seq_len=2048, activation_checkpointing=True,
-                        data_parallel="fsdp")
+                        data_parallel="fsdp", loss_chunk=0)
     layout = site_layout(spec, 8, parts)
+    default = site_layout(TrainingSpec(batch_size=4, seq_len=2048, data_parallel="fsdp"), 8,
+                          parts)
+    assert estimate(parts, default).terms["logits"] == 12 * 1024 * 128256
     assert (layout.mode, layout.dp, layout.tp, layout.bf16, layout.ac_every) == (
         "fsdp", 8, 1, True, 1)
     terms = estimate(parts, layout).terms
