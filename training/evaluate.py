@@ -63,7 +63,7 @@ def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: 
             pos = held_out.positions(rows)
             extra = {} if pos is None else {"position_ids": pos.to(device)}
             inputs, targets = inputs.to(device), targets.to(device)
-            with autocast(device, precision):
+            with autocast(device, precision, net):
                 logits = net(inputs, **extra)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                    targets.reshape(-1), reduction="sum", ignore_index=IGNORE)

@@ -36,16 +36,15 @@ def _restore_buffers(model: nn.Module) -> None:
 
 
 def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.device,
-                  data_parallel: str, checkpointing: bool = False) -> ParallelModel:
+                  data_parallel: str, checkpointing: int = 0, *, precision: str = "auto",
+                  compile: bool = False) -> ParallelModel:
     """The checkpoint in ``model_dir`` as a model split over the (dp, tp) mesh of all ranks
-    (``checkpointing``: activation checkpointing of every decoder layer)."""
+    (``checkpointing``, ``precision``, ``compile``: as :func:`parallelize` takes them)."""
     from torch.distributed.tensor import distribute_tensor
 
     model = prepare(meta_model(config))
-    if checkpointing:
-        model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    pm = parallelize(model, tp, device, data_parallel)
+    pm = parallelize(model, tp, device, data_parallel, precision=precision,
+                     checkpointing=checkpointing, compile=compile)
     pm.module.to_empty(device=device)
     _restore_buffers(pm.module)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -38,12 +38,14 @@ from xffl.training.encode import encode_update
 from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
-from xffl.training.model import ModelConfig
+from xffl.training.model import ModelConfig, num_parameters
 from xffl.training.optimizer import make_optimizer, rank_seed
 from xffl.training.parallelize import (
     ParallelModel,
+    apply_checkpointing,
     check_tensor_parallel,
     data_parallel_mode,
+    device_memory,
     parallelize,
 )
 from xffl.training.sharded_load import load_parallel
@@ -167,23 +169,27 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
     loaded whole at every rank.
     """
     spec = job.training
-    checkpointing = spec.activation_checkpointing
-    if checkpointing and job.model.entry_point is not None:
+    every = spec.checkpoint_every
+    if every and job.model.entry_point is not None:
         raise InvalidInput("training.activation_checkpointing needs a transformers model; "
                            "a model.entry_point model must checkpoint its own blocks.")
-    sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel) == "fsdp"
+    params = num_parameters(config) if job.model.entry_point is None and \
+        spec.data_parallel == "auto" and spec.tensor_parallel == 1 else 0
+    sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel, params,
+                                device_memory(device)) == "fsdp"
     if (sliced and xdist.world_size() > 1 and job.model.entry_point is None
             and spec.lora is None):
         return load_parallel(weights_dir, config, spec.tensor_parallel, device,
-                             spec.data_parallel, checkpointing)
+                             spec.data_parallel, every, precision=spec.precision,
+                             compile=spec.compile)
     model = load_model(weights_dir, job.model.entry_point)
-    if checkpointing:
-        model.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec.lora is not None:
+    if spec.lora is not None:  # the layers checkpointed before peft hides them
+        apply_checkpointing(model, every)
+        every = 0
         model = lora.wrap(model, spec.lora, job.freeze_a)
         lora.load_adapter(model, read_weights(model_dir), model_dir)
-    return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel)
+    return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel,
+                       precision=spec.precision, checkpointing=every, compile=spec.compile)
 
 
 def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: float,
