@@ -85,7 +85,8 @@ def _sensitivities() -> torch.Tensor:
             model.zero_grad(set_to_none=True)
             lm_loss(model(x[r * half:(r + 1) * half]), y[r * half:(r + 1) * half]).backward()
             params = list(model.parameters())
-            out[s, r] = sum(float((p * p.grad).abs().sum()) for p in params if p.grad is not None)
+            out[s, r] = sum(float((p.detach() * p.grad).abs().sum()) for p in params
+                            if p.grad is not None)
             out[s, r] += sum(float((t * t.grad).abs().sum()) for t in acts if t.grad is not None)
             for g, p in zip(grads, params, strict=True):
                 g += p.grad / 2 if p.grad is not None else 0
