@@ -15,8 +15,8 @@ Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group 
 consecutive (on one node, where SLURM and torchrun place consecutive ranks).
 
 Memory, as torchtitan's ``parallelize_llama`` does it: tensor parallelism first, then
-activation checkpointing of every k-th decoder layer (torch's ``checkpoint_wrapper``; the
-state-dict names stay Hugging Face's), then ``torch.compile`` per decoder layer (optional),
+activation checkpointing of every k-th decoder layer (torch's composable ``checkpoint``;
+the names stay Hugging Face's), then ``torch.compile`` per decoder layer (optional),
 then FSDP2. Under bf16 FSDP2 gets ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``: the sharded master weights, their gradients and the optimizer states
 stay fp32, the gathered weights and the activations are bf16, gradients are reduced in fp32,
@@ -61,9 +61,6 @@ LAYER_PATTERN = "layers.*."  # how transformers' plans name a module of every de
 # 16 B/parameter (fp32 weights, gradients, two AdamW moments) exceed half of the GPU's memory
 FSDP_PARAMS = 1_000_000_000
 TRAINING_BYTES_PER_PARAM = 16
-# the prefix torch's checkpoint_wrapper puts in parameter names (its state-dict hooks take
-# it out of state_dict() and put it back for load_state_dict(); named_parameters() keeps it)
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
 def is_dtensor(t: object) -> bool:
@@ -230,7 +227,6 @@ class ParallelModel:
         if keep is not None and self.mesh is not None:
             kept: dict[str, Tensor] = {}
             for name, param in self.module.named_parameters():  # the same order on every rank
-                name = name.replace(CHECKPOINT_PREFIX, "")
                 if keep(name):
                     full = param.full_tensor() if is_dtensor(param) else param  # type: ignore[attr-defined]
                     kept[name] = full.detach().to("cpu", torch.float32).contiguous()
@@ -253,31 +249,26 @@ class ParallelModel:
         return out
 
 
-def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    """Put ``new`` where ``old`` is an entry of a ModuleList of ``model``."""
-    for parent in model.modules():
-        if isinstance(parent, nn.ModuleList):
-            for i, child in enumerate(parent):
-                if child is old:
-                    parent[i] = new
-                    return
-    raise ValueError(f"{type(old).__name__} is not in a ModuleList of the model")
-
-
 def apply_checkpointing(model: nn.Module, every: int) -> int:
-    """Activation checkpointing of every ``every``-th decoder layer (1: all; 0: none), each
-    wrapped in torch's ``checkpoint_wrapper`` (non-reentrant) as torchtitan does; returns how
-    many layers were wrapped. The wrapper's prefix stays out of ``state_dict()`` names."""
+    """Activation checkpointing of every ``every``-th decoder layer (1: all; 0: none), with
+    torch's composable ``checkpoint`` (non-reentrant, the RNG state kept for dropout); returns
+    how many layers it applied to.
+
+    torchtitan wraps each layer in ``checkpoint_wrapper`` instead; that puts
+    ``_checkpoint_wrapped_module`` in every module and parameter name below it, which peft
+    then cannot match to its own state dict (its adapter comes out empty). The composable
+    form hooks the layer in place: module, parameter and state-dict names stay Hugging
+    Face's, and FSDP2 composes with it as with the wrapper.
+    """
     if every < 1:
         return 0
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed._composable import checkpoint
 
-    wrapped = 0
-    for i, layer in enumerate(decoder_layers(model)):
-        if (i + 1) % every == 0:  # torchtitan's count: layers k, 2k, ... (1-based)
-            _replace_module(model, layer, checkpoint_wrapper(layer))  # RNG kept: dropout
-            wrapped += 1
-    return wrapped
+    layers = [layer for i, layer in enumerate(decoder_layers(model))
+              if (i + 1) % every == 0]  # torchtitan's count: layers k, 2k, ... (1-based)
+    for layer in layers:
+        checkpoint(layer)
+    return len(layers)
 
 
 def _count_params(model: nn.Module) -> int:

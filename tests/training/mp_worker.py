@@ -91,19 +91,21 @@ def precision_case(mode: str, precision: str) -> tuple[dict[str, torch.Tensor], 
 
 def checkpoint_case(every: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """FSDP2 at dp 2 with checkpointing of every ``every``-th of AC_LAYERS layers."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed._composable import checkpoint
 
     config = build_config(ModelSpec(preset="tiny-test",
                                     overrides={"num_hidden_layers": AC_LAYERS}))
     pm = parallelize(build_model(config, seed=1), 1, CPU, "fsdp", precision="fp32",
                      checkpointing=every)
-    wrapped = [n for n, m in pm.module.named_modules() if isinstance(m, CheckpointWrapper)]
+    wrapped = [n for n, m in pm.module.named_modules() if checkpoint.state(m) is not None]
     spec = TrainingSpec(steps=3, batch_size=GLOBAL, seq_len=SEQ, lr=LR, grad_clip=0.0,
                         precision="fp32")
     record = {"losses": _run(pm, batches(config.vocab_size, 3), spec, LR)}
     record.update({f"weight.{n}": _full(p) for n, p in pm.module.state_dict().items()})
     names = sorted(pm.full_state_dict())
-    return record, {"wrapped": ";".join(wrapped), "state_names": ";".join(names)}
+    kept = sorted(pm.full_state_dict(keep=lambda name: True))  # gathered by parameter name
+    return record, {"wrapped": ";".join(wrapped), "state_names": ";".join(names),
+                    "kept_names": ";".join(kept)}
 
 
 def accum_case(mode: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -15,27 +15,37 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from tests.conftest import REPO
 from tests.training.mp_worker import ACCUM, GLOBAL, LR, STEPS, batches
+from xffl.aggregator.shards import ADAPTER_FILE
 from xffl.core.errors import InvalidInput
+from xffl.training import lora
 from xffl.training.arch import build_config
-from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.checkpoint import init_global
+from xffl.training.config import LoraSpec, ModelSpec, TrainingSpec, TrainJob
+from xffl.training.data import ensure_synthetic
 from xffl.training.model import build_model, lm_loss, lm_loss_sum
 from xffl.training.parallelize import (
-    CHECKPOINT_PREFIX,
     apply_checkpointing,
     data_parallel_mode,
     fsdp_threshold,
     parallelize,
 )
+from xffl.training.trainer import train_round
 
 U_BF16 = 2.0**-8  # bf16's unit roundoff (8 significant bits, round to nearest)
 U_FP32 = 2.0**-24
 MODES = ("ddp", "fsdp", "tp")
 CASES = [*(f"prec-{m}-{p}" for m in MODES for p in ("fp32", "bf16")),
          "ac-0", "ac-1", "ac-2", "accum-ddp", "accum-fsdp"]
+
+
+def global0_at(out: Path) -> tuple[Path, object]:
+    """A round-0 global checkpoint of the tiny-test preset (seed 0) in ``out``."""
+    return out, init_global("run-test", ModelSpec(preset="tiny-test"), 0, out)
 
 
 def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -147,7 +157,7 @@ def test_activation_checkpointing_gives_the_same_training(outputs: Callable[...,
     """FSDP2 at dp 2, 4 layers: checkpointing every layer (true) or every 2nd (k=2) trains
     to the same losses and weights as none, bit for bit (the recompute runs the same fp32
     kernels on the same inputs, so it is deterministic on the CPU), wraps the layers it says,
-    and leaves the state-dict names Hugging Face's (checkpoint_wrapper's prefix stays out)."""
+    and leaves the state-dict names Hugging Face's, gathered by state dict or by parameter."""
     for rank in (0, 1):
         off, meta_off = outputs("ac-0", rank)
         assert meta_off["wrapped"] == ""
@@ -158,7 +168,8 @@ def test_activation_checkpointing_gives_the_same_training(outputs: Callable[...,
             for key in off:
                 assert torch.equal(on[key], off[key]), (every, key)
             assert meta["state_names"] == meta_off["state_names"]
-            assert CHECKPOINT_PREFIX not in meta["state_names"]
+            if rank == 0:  # by parameter name too (what a LoRA update gathers)
+                assert meta["kept_names"] == meta_off["state_names"]
     names = outputs("ac-0", 0)[1]["state_names"].split(";")
     config = build_config(ModelSpec(preset="tiny-test", overrides={"num_hidden_layers": 4}))
     assert names == sorted(build_model(config).state_dict())
@@ -229,20 +240,21 @@ def test_auto_picks_fsdp_for_large_models() -> None:
 
 
 def test_checkpointing_every_kth_layer_keeps_the_names() -> None:
-    """One process: every 2nd of 4 layers wrapped, state-dict names unchanged both ways
-    (saved, and loaded back into a wrapped model), the same loss and gradient."""
+    """One process: every 2nd of 4 layers checkpointed, parameter and state-dict names
+    unchanged (saved, and loaded back into a checkpointed model), the same gradient."""
     config = build_config(ModelSpec(preset="tiny-test", overrides={"num_hidden_layers": 4}))
     plain, wrapped = build_model(config, seed=1), build_model(config, seed=1)
     assert apply_checkpointing(wrapped, 2) == 2
     assert apply_checkpointing(build_model(config), 0) == 0
     assert list(wrapped.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in plain.named_parameters()]
     wrapped.load_state_dict(plain.state_dict())
     x, y = batches(config.vocab_size, 1)[0]
     for model in (plain, wrapped):
         lm_loss(model(x), y).backward()
-    grads = {n.replace(CHECKPOINT_PREFIX, ""): p.grad for n, p in wrapped.named_parameters()}
+    grads = dict(wrapped.named_parameters())
     for name, p in plain.named_parameters():
-        assert torch.equal(grads[name], p.grad), name  # type: ignore[arg-type]
+        assert torch.equal(grads[name].grad, p.grad), name  # type: ignore[arg-type]
 
 
 def test_compile_wraps_each_decoder_layer() -> None:
@@ -263,3 +275,29 @@ def test_activation_checkpointing_values() -> None:
     assert TrainingSpec(activation_checkpointing=3).checkpoint_every == 3
     with pytest.raises(ValueError, match="write false"):
         TrainingSpec(activation_checkpointing=0)
+
+
+def test_lora_round_with_checkpointing(tmp_path: Path,
+                                       make_job: Callable[..., TrainJob]) -> None:
+    """A LoRA round (dropout on: the recompute must draw the same masks) with activation
+    checkpointing of every layer writes the adapter of the round without it, bit for bit,
+    under peft's names (the layers are checkpointed before peft wraps the model)."""
+    base, _ = global0_at(tmp_path / "base")
+    spec = LoraSpec(r=4, alpha=8.0, dropout=0.1, target_modules=["q_proj", "down_proj"])
+    adapter0 = tmp_path / "adapter0"
+    lora.init_adapter_global("run-test", ModelSpec(preset="tiny-test"), spec, 0, adapter0,
+                             "base")
+    job = make_job(tmp_path / "data", steps=2, lr=1e-2)
+    assert job.data.synthetic is not None
+    ensure_synthetic(Path(job.data.path), job.data.synthetic, 64, job.training.seq_len)
+    adapters = []
+    for every in (False, True):
+        training = job.training.model_copy(update={"lora": spec,
+                                                   "activation_checkpointing": every})
+        out = tmp_path / f"update-{every}"
+        train_round(job.model_copy(update={"training": training}), 1, adapter0,
+                    Path(job.data.path), out, base_dir=base)
+        adapters.append(load_file(str(out / ADAPTER_FILE)))
+    off, on = adapters
+    assert on.keys() == off.keys() == load_file(str(adapter0 / ADAPTER_FILE)).keys()
+    assert all(torch.equal(on[k], off[k]) for k in off)
