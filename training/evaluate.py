@@ -25,6 +25,7 @@ from torch import nn
 from xffl.training.config import EvaluationSpec, TrainingSpec
 from xffl.training.data import IGNORE, TokenShards
 from xffl.training.loop import autocast
+from xffl.training.parallelize import is_fsdp
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: 
                 sums += torch.stack([loss.double(), (targets != IGNORE).sum().double()])
     finally:
         net.train(was_training)
+        if is_fsdp(net):  # no backward resharded the root: its gathered weights would stay
+            net.reshard()  # type: ignore[operator]
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         tp = dist.get_world_size() // dp_size

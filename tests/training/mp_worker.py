@@ -4,9 +4,10 @@ Usage: ``python -m xffl.training.forked --nproc-per-node 2 -m tests.training.mp_
 CASE ...``. Each case runs in turn in the same gloo process group, from a fresh tiny-test
 model (seed 1), and writes ``OUT/CASE/rank<k>.safetensors`` with what it saw:
 
-- ``prec-MODE-PRECISION`` (MODE ddp, fsdp at dp 2, or tp at tp 2): STEPS steps of SGD on one
-  fixed batch through xffl's loop; the step losses, and the dtypes the first q_proj saw in
-  its first forward (weight, output) and those of the master weights and gradients after;
+- ``prec-MODE-PRECISION`` (MODE ddp, fsdp at dp 2, or tp at tp 2): xffl's evaluation of
+  GLOBAL held-out sequences, then STEPS steps of SGD on one fixed batch through xffl's loop;
+  the held-out and step losses, the dtypes the first q_proj saw in the first forward of each
+  (weight, output), and those of the master weights and gradients after;
 - ``ac-EVERY`` (FSDP2 at dp 2, a 4-layer model, activation checkpointing of every EVERY-th
   layer, 0: none): the step losses, the full weights and rank 0's full state-dict names;
 - ``accum-MODE`` (ddp or fsdp at dp 2): one step of ACCUM micro-batches with lr 0; the
@@ -28,6 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.data import TokenShards, ensure_synthetic
+from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model
 from xffl.training.parallelize import ParallelModel, parallelize
@@ -63,21 +66,35 @@ def _dtype_code(dtype: torch.dtype) -> float:
     return 16.0 if dtype == torch.bfloat16 else 32.0 if dtype == torch.float32 else -1.0
 
 
-def precision_case(mode: str, precision: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """STEPS SGD steps on one batch at ``precision``: losses and the dtypes seen."""
+def held_out(out: Path) -> TokenShards:
+    """GLOBAL held-out sequences of SEQ tokens (synthetic, the same in every process)."""
+    return TokenShards(ensure_synthetic(out / "held-out", "gamma", GLOBAL, SEQ), SEQ)
+
+
+def precision_case(mode: str, precision: str,
+                   out: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The evaluation of held_out(out), then STEPS SGD steps on one batch at ``precision``:
+    the loss of each, and the dtypes seen in the first forward of each."""
     config = build_config(ModelSpec(preset="tiny-test"))
     tp, dp_mode = (2, "fsdp") if mode == "tp" else (1, mode)
     pm = parallelize(build_model(config, seed=1), tp, CPU, dp_mode, precision=precision)
     seen: dict[str, torch.Tensor] = {}
+    phase = ["eval_dtypes"]
     q_proj = pm.module.get_submodule("model.layers.0.self_attn.q_proj")
 
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
         weight = module.weight
         local = weight.to_local() if isinstance(weight, DTensor) else weight
-        seen.setdefault("seen_dtypes", torch.tensor([_dtype_code(local.dtype),
-                                                     _dtype_code(output.dtype)]))
+        seen.setdefault(phase[0], torch.tensor([_dtype_code(local.dtype),
+                                                _dtype_code(output.dtype)]))
 
     handle = q_proj.register_forward_hook(hook)
+    evaluation = evaluate_net(pm.net, held_out(out), GLOBAL, GLOBAL // pm.dp_size, CPU,
+                              precision, pm.dp_rank, pm.dp_size)
+    seen["eval"] = torch.tensor([evaluation.loss], dtype=torch.float64)
+    # the optimizer is made after the evaluation: an FSDP2 root left unsharded by it (no
+    # backward reshards it) would hand SGD its gathered copies, and the root would not learn
+    phase[0] = "seen_dtypes"
     spec = TrainingSpec(steps=STEPS, batch_size=GLOBAL, seq_len=SEQ, lr=LR, grad_clip=0.0,
                         precision=precision)  # type: ignore[arg-type]
     losses = _run(pm, batches(config.vocab_size, 1), spec, LR)
@@ -142,7 +159,7 @@ def main(out: Path, cases: list[str]) -> None:
     for case in cases:
         kind, *args = case.split("-")
         if kind == "prec":
-            record, meta = precision_case(args[0], args[1])
+            record, meta = precision_case(args[0], args[1], out)
         elif kind == "ac":
             record, meta = checkpoint_case(int(args[0]))
         else:

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.conftest import REPO
-from tests.training.mp_worker import ACCUM, GLOBAL, LR, STEPS, batches
+from tests.training.mp_worker import ACCUM, GLOBAL, LR, STEPS, batches, held_out
 from xffl.aggregator.shards import ADAPTER_FILE
 from xffl.core.errors import InvalidInput
 from xffl.training import lora
@@ -66,6 +67,33 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], tu
     return lambda case, rank: _load(out / case / f"rank{rank}.safetensors")
 
 
+class _Sensitivity:
+    """sum |v * dL/dv| over what bf16 rounds, for a loss of ``model`` (see _sensitivities)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.acts: list[torch.Tensor] = []
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)) or "Norm" in type(m).__name__:
+                m.register_forward_hook(self._keep)
+        self.model = model
+
+    def _keep(self, module: nn.Module, args: tuple[object, ...], out: torch.Tensor) -> None:
+        for t in (*(a for a in args if isinstance(a, torch.Tensor)), out):
+            if t.is_floating_point() and t.requires_grad:
+                t.retain_grad()
+                self.acts.append(t)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The sensitivity of the mean loss on (x, y); leaves its gradient in the model."""
+        self.acts.clear()
+        self.model.zero_grad(set_to_none=True)
+        lm_loss(self.model(x), y).backward()
+        total = sum(float((p.detach() * p.grad).abs().sum()) for p in self.model.parameters()
+                    if p.grad is not None)
+        return total + sum(float((t * t.grad).abs().sum()) for t in self.acts
+                           if t.grad is not None)
+
+
 def _sensitivities() -> torch.Tensor:
     """A[s, r]: at fp32 step s of the SGD run the worker makes, sum |v * dL_r/dv| over the
     values v that bf16 rounds (weights; inputs and outputs of every linear, embedding and
@@ -73,31 +101,16 @@ def _sensitivities() -> torch.Tensor:
     change when each v moves by a relative u)."""
     config = build_config(ModelSpec(preset="tiny-test"))
     model = build_model(config, seed=1)
+    sensitivity = _Sensitivity(model)
     x, y = batches(config.vocab_size, 1)[0]
-    acts: list[torch.Tensor] = []
-
-    def keep(module: nn.Module, args: tuple[object, ...], out: torch.Tensor) -> None:
-        for t in (*(a for a in args if isinstance(a, torch.Tensor)), out):
-            if t.is_floating_point() and t.requires_grad:
-                t.retain_grad()
-                acts.append(t)
-
-    for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)) or "Norm" in type(m).__name__:
-            m.register_forward_hook(keep)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = torch.zeros(STEPS, 2, dtype=torch.float64)
     half = GLOBAL // 2
     for s in range(STEPS):
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for r in range(2):
-            acts.clear()
-            model.zero_grad(set_to_none=True)
-            lm_loss(model(x[r * half:(r + 1) * half]), y[r * half:(r + 1) * half]).backward()
+            out[s, r] = sensitivity(x[r * half:(r + 1) * half], y[r * half:(r + 1) * half])
             params = list(model.parameters())
-            out[s, r] = sum(float((p.detach() * p.grad).abs().sum()) for p in params
-                            if p.grad is not None)
-            out[s, r] += sum(float((t * t.grad).abs().sum()) for t in acts if t.grad is not None)
             for g, p in zip(grads, params, strict=True):
                 g += p.grad / 2 if p.grad is not None else 0
         for g, p in zip(grads, model.parameters(), strict=True):
@@ -109,7 +122,7 @@ def _sensitivities() -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.xdist_group("mixed-precision")
 @pytest.mark.parametrize("mode", MODES)
-def test_bf16_against_fp32(mode: str, outputs: Callable[..., tuple[
+def test_bf16_against_fp32(mode: str, tmp_path: Path, outputs: Callable[..., tuple[
         dict[str, torch.Tensor], dict[str, str]]]) -> None:
     """bf16 (DDP: autocast; FSDP2 and tp 2 under FSDP2: its bf16 policy, no autocast) runs
     the same STEPS SGD steps as fp32 within bf16's rounding, and really computes in bf16.
@@ -129,17 +142,25 @@ def test_bf16_against_fp32(mode: str, outputs: Callable[..., tuple[
     learn (or learns from half the data) misses the fp32 losses' fall of 1.0 by more. That it
     is bf16 at all: the first q_proj sees bf16 weights (FSDP2's policy) or fp32 weights and a
     bf16 output (autocast), the master weights and gradients are fp32, and the losses are not
-    the fp32 ones bit for bit.
+    the fp32 ones bit for bit. xffl's evaluation follows the same rule (autocast only without
+    FSDP2): its held-out loss, before any step, within step 0's bound on its own sequences.
     """
     sens = _sensitivities()
+    # the held-out loss before training: the same step-0 bound on its own sequences
+    x, y = held_out(tmp_path).batch(np.arange(GLOBAL))
+    config = build_config(ModelSpec(preset="tiny-test"))
+    eval_bound = 2 * U_BF16 * _Sensitivity(build_model(config, seed=1))(x, y)
     for rank in (0, 1):
         fp32, meta32 = outputs(f"prec-{mode}-fp32", rank)
         bf16, meta16 = outputs(f"prec-{mode}-bf16", rank)
         for meta in (meta32, meta16):
             assert (meta["masters"], meta["grads"]) == ("torch.float32", "torch.float32"), meta
-        assert fp32["seen_dtypes"].tolist() == [32.0, 32.0]
         # FSDP2 (tp 2 runs under FSDP2 too) gathers bf16 weights; DDP keeps fp32 under autocast
-        assert bf16["seen_dtypes"].tolist() == ([32.0, 16.0] if mode == "ddp" else [16.0, 16.0])
+        bf16_seen = [32.0, 16.0] if mode == "ddp" else [16.0, 16.0]
+        for phase in ("eval_dtypes", "seen_dtypes"):  # evaluation, then training
+            assert fp32[phase].tolist() == [32.0, 32.0]
+            assert bf16[phase].tolist() == bf16_seen, phase
+        assert abs(float(bf16["eval"][0] - fp32["eval"][0])) <= eval_bound
         own = sens[:, rank] if mode != "tp" else sens.mean(dim=1)  # tp: dp 1, the whole batch
         earlier = torch.cat([torch.zeros(1, dtype=torch.float64),
                              sens.max(dim=1).values.cumsum(0)[:-1]])
