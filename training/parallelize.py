@@ -262,7 +262,7 @@ def apply_checkpointing(model: nn.Module, every: int) -> int:
     """
     if every < 1:
         return 0
-    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.checkpoint_activation import checkpoint
 
     layers = [layer for i, layer in enumerate(decoder_layers(model))
               if (i + 1) % every == 0]  # torchtitan's count: layers k, 2k, ... (1-based)

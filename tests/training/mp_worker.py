@@ -108,7 +108,7 @@ def precision_case(mode: str, precision: str,
 
 def checkpoint_case(every: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """FSDP2 at dp 2 with checkpointing of every ``every``-th of AC_LAYERS layers."""
-    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.checkpoint_activation import checkpoint
 
     config = build_config(ModelSpec(preset="tiny-test",
                                     overrides={"num_hidden_layers": AC_LAYERS}))
