@@ -174,7 +174,8 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
         raise InvalidInput("training.activation_checkpointing needs a transformers model; "
                            "a model.entry_point model must checkpoint its own blocks.")
     params = num_parameters(config) if job.model.entry_point is None and \
-        spec.data_parallel == "auto" and spec.tensor_parallel == 1 else 0
+        spec.data_parallel == "auto" and spec.tensor_parallel == 1 and \
+        xdist.world_size() > 1 else 0  # auto's choice needs the size (one rank: no choice)
     sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel, params,
                                 device_memory(device)) == "fsdp"
     if (sliced and xdist.world_size() > 1 and job.model.entry_point is None
