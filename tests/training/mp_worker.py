@@ -9,7 +9,8 @@ model (seed 1), and writes ``OUT/CASE/rank<k>.safetensors`` with what it saw:
   the held-out and step losses, the dtypes the first q_proj saw in the first forward of each
   (weight, output), and those of the master weights and gradients after;
 - ``ac-EVERY`` (FSDP2 at dp 2, a 4-layer model, activation checkpointing of every EVERY-th
-  layer, 0: none): the step losses, the full weights and rank 0's full state-dict names;
+  layer, 0: none; ac-2 loaded by the sharded loader): the step losses, the full weights and
+  rank 0's full state-dict names;
 - ``accum-MODE`` (ddp or fsdp at dp 2): one step of ACCUM micro-batches with lr 0; the
   reduced gradient, and under FSDP2 what each parameter's gradient was just before every
   micro-batch's forward (how many elements this rank held of it).
@@ -28,12 +29,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xffl.training.arch import build_config
+from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.data import TokenShards, ensure_synthetic
 from xffl.training.evaluate import evaluate_net
 from xffl.training.loop import make_scheduler, run_steps
 from xffl.training.model import build_model
 from xffl.training.parallelize import ParallelModel, parallelize
+from xffl.training.sharded_load import load_parallel
 
 CPU = torch.device("cpu")
 GLOBAL, SEQ, STEPS, ACCUM, LR = 4, 16, 6, 4, 0.3
@@ -106,14 +109,21 @@ def precision_case(mode: str, precision: str,
              "grads": ",".join(sorted(map(str, grads)))})
 
 
-def checkpoint_case(every: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """FSDP2 at dp 2 with checkpointing of every ``every``-th of AC_LAYERS layers."""
+def checkpoint_case(every: int, out: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """FSDP2 at dp 2 with checkpointing of every ``every``-th of AC_LAYERS layers; at
+    ``every`` 2 loaded into its slices from round 0 on disk, as a sliced site loads it."""
     from torch.distributed._composable.checkpoint_activation import checkpoint
 
-    config = build_config(ModelSpec(preset="tiny-test",
-                                    overrides={"num_hidden_layers": AC_LAYERS}))
-    pm = parallelize(build_model(config, seed=1), 1, CPU, "fsdp", precision="fp32",
-                     checkpointing=every)
+    spec = ModelSpec(preset="tiny-test", overrides={"num_hidden_layers": AC_LAYERS})
+    config = build_config(spec)
+    if every == 2:  # round 0 holds build_model's seed-1 values (the same seeded tensors)
+        if dist.get_rank() == 0:
+            init_global("mp", spec, 1, out / "global0")
+        dist.barrier()
+        pm = load_parallel(out / "global0", config, 1, CPU, "fsdp", every, precision="fp32")
+    else:
+        pm = parallelize(build_model(config, seed=1), 1, CPU, "fsdp", precision="fp32",
+                         checkpointing=every)
     wrapped = [n for n, m in pm.module.named_modules() if checkpoint.state(m) is not None]
     spec = TrainingSpec(steps=3, batch_size=GLOBAL, seq_len=SEQ, lr=LR, grad_clip=0.0,
                         precision="fp32")
@@ -161,7 +171,7 @@ def main(out: Path, cases: list[str]) -> None:
         if kind == "prec":
             record, meta = precision_case(args[0], args[1], out)
         elif kind == "ac":
-            record, meta = checkpoint_case(int(args[0]))
+            record, meta = checkpoint_case(int(args[0]), out / case)
         else:
             record, meta = accum_case(args[0])
         (out / case).mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,8 @@ def test_bf16_against_fp32(mode: str, tmp_path: Path, outputs: Callable[..., tup
 @pytest.mark.xdist_group("mixed-precision")
 def test_activation_checkpointing_gives_the_same_training(outputs: Callable[..., tuple[
         dict[str, torch.Tensor], dict[str, str]]]) -> None:
-    """FSDP2 at dp 2, 4 layers: checkpointing every layer (true) or every 2nd (k=2) trains
+    """FSDP2 at dp 2, 4 layers: checkpointing every layer (true) or every 2nd (k=2, loaded
+    into its slices by the sharded loader, as a sliced site loads it) trains
     to the same losses and weights as none, bit for bit (the recompute runs the same fp32
     kernels on the same inputs, so it is deterministic on the CPU), wraps the layers it says,
     and leaves the state-dict names Hugging Face's, gathered by state dict or by parameter."""
