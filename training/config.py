@@ -159,11 +159,17 @@ class TrainingSpec(_Strict):
     tensor_parallel: int = Field(default=1, ge=1, le=1024, description="ranks splitting "
                                  "every layer Megatron-style; divides ranks and heads")
     data_parallel: Literal["auto", "ddp", "fsdp"] = Field(
-        default="auto", description="across the dp groups; auto: FSDP2 when tp > 1, else DDP")
+        default="auto", description="across the dp groups; auto: FSDP2 when tp > 1 or the "
+        "model has 1 B parameters or more (fewer when its fp32 weights, gradients and AdamW "
+        "states, 16 B a parameter, exceed half of a GPU's memory), else DDP")
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        default="auto", description="auto: bf16 autocast on GPUs, fp32 on CPUs")
-    activation_checkpointing: bool = Field(
-        default=False, description="recompute each layer's activations in the backward pass")
+        default="auto", description="auto: bf16 on GPUs, fp32 on CPUs; bf16 under FSDP2 is "
+        "its mixed-precision policy (bf16 compute, fp32 weights and gradient reductions), "
+        "under DDP or one rank autocast")
+    activation_checkpointing: bool | int = Field(
+        default=False, description="recompute decoder layers' activations in the backward "
+        "pass: true (every layer), k (every k-th layer) or false")
+    compile: bool = Field(default=False, description="torch.compile each decoder layer")
     loss_chunk: int = Field(
         default=1024, ge=0, le=1 << 24, description="tokens per chunk of the LM head and "
         "cross-entropy: at most one chunk's fp32 logits (chunk x vocabulary x 4 bytes) are "
@@ -184,6 +190,21 @@ class TrainingSpec(_Strict):
     stop_when: StopWhen | None = Field(
         default=None, description="end the run early when the federated validation loss stops "
         "improving: {metric: val_loss, patience: N, min_delta: D}")
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _checkpoint_every(cls, value: bool | int) -> bool | int:
+        if not isinstance(value, bool) and value < 1:
+            raise ValueError(f"activation_checkpointing is {value}; write false (off), true "
+                             "(every decoder layer) or a whole number k >= 1 (every k-th "
+                             "decoder layer)")
+        return value
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Every how many decoder layers activations are checkpointed (0: none)."""
+        value = self.activation_checkpointing
+        return int(value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _ddp_and_tp(self) -> TrainingSpec:

@@ -25,6 +25,7 @@ from xffl.training.chunked_loss import DEFAULT_CHUNK, loss_sum, supports
 from xffl.training.config import EvaluationSpec, TrainingSpec
 from xffl.training.data import IGNORE, TokenShards
 from xffl.training.loop import autocast
+from xffl.training.parallelize import is_fsdp
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,14 @@ def evaluate_net(net: nn.Module, held_out: TokenShards, count: int, batch_size: 
             pos = held_out.positions(rows)
             extra = {} if pos is None else {"position_ids": pos.to(device)}
             inputs, targets = inputs.to(device), targets.to(device)
-            with autocast(device, precision):
+            with autocast(device, precision, net):
                 loss = loss_sum(net, inputs, targets, loss_chunk, chunked, **extra)
             if counted:
                 sums += torch.stack([loss.double(), (targets != IGNORE).sum().double()])
     finally:
         net.train(was_training)
+        if is_fsdp(net):  # no backward resharded the root: its gathered weights would stay
+            net.reshard()  # type: ignore[operator]
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         tp = dist.get_world_size() // dp_size

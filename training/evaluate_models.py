@@ -113,7 +113,8 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
                                f"{held_out.vocab_size}).")
         check_tensor_parallel(config, spec.tensor_parallel, xdist.world_size())
         pm = parallelize(load_model(model_dir, job.model.entry_point).to(device),
-                         spec.tensor_parallel, device, spec.data_parallel)
+                         spec.tensor_parallel, device, spec.data_parallel,
+                         precision=spec.precision)
         result = evaluate_net(pm.net, held_out, count, batch_size, device, spec.precision,
                               pm.dp_rank, pm.dp_size, spec.loss_chunk)
         losses[name] = result.loss

@@ -32,7 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from xffl.training.chunked_loss import loss_sum, supports
 from xffl.training.config import TrainingSpec
 from xffl.training.data import IGNORE
-from xffl.training.parallelize import ParallelModel
+from xffl.training.parallelize import ParallelModel, is_fsdp, uses_bf16
 from xffl.training.progress import Speed, StepReporter
 from xffl.training.telemetry import SteadyClock, device_sync, warmup_steps
 
@@ -59,9 +59,12 @@ def make_scheduler(optimizer: torch.optim.Optimizer, spec: TrainingSpec, offset:
     return LambdaLR(optimizer, lambda s: lr_factor(offset + s, total, spec))
 
 
-def autocast(device: torch.device, precision: str) -> AbstractContextManager[object]:
-    """bf16 autocast on GPUs under "auto" (or anywhere under "bf16"); fp32 otherwise."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+def autocast(device: torch.device, precision: str,
+             net: torch.nn.Module | None = None) -> AbstractContextManager[object]:
+    """bf16 autocast on GPUs under "auto" (or anywhere under "bf16"); fp32 otherwise. None
+    around an FSDP2 ``net``: its mixed-precision policy casts the gathered weights instead
+    (:func:`~xffl.training.parallelize.parallelize`)."""
+    if uses_bf16(precision, device) and not is_fsdp(net):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
 
@@ -155,7 +158,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
             extra = {"position_ids": rest[0].to(device)} if rest else {}
             last_micro = micro == spec.grad_accum - 1
             with nullcontext() if last_micro else pm.no_sync():  # backward included (FSDP2)
-                with autocast(device, spec.precision):
+                with autocast(device, spec.precision, pm.net):
                     loss = loss_sum(pm.net, inputs, targets, spec.loss_chunk, chunked,
                                     **extra) * scale
                 torch.autograd.backward(loss)

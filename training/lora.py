@@ -150,8 +150,9 @@ def base_checkpoint_name(key: str) -> str:
 
 def load_sliced_adapted(base_dir: Path, adapter_dir: Path, config: ModelConfig,
                         spec: LoraSpec, freeze_a: bool, device: torch.device,
-                        data_parallel: str, checkpointing: bool = False,
-                        dtype: torch.dtype = torch.float32) -> ParallelModel:
+                        data_parallel: str, checkpointing: int = 0,
+                        dtype: torch.dtype = torch.float32, *, precision: str = "auto",
+                        compile: bool = False) -> ParallelModel:
     """The frozen base in ``base_dir`` (``dtype``) with the global adapter in ``adapter_dir``
     (fp32), sharded over the ranks' mesh as the full model is (:mod:`sharded_load`).
 
@@ -164,7 +165,7 @@ def load_sliced_adapted(base_dir: Path, adapter_dir: Path, config: ModelConfig,
     from xffl.training.checkpoint import read_weights
     from xffl.training.sharded_load import load_sliced, meta_causal_lm
 
-    peft_model = wrap(meta_causal_lm(config, checkpointing, dtype), spec, freeze_a)
+    peft_model = wrap(meta_causal_lm(config, dtype), spec, freeze_a)
     tensors = read_weights(adapter_dir)  # the adapter: small, read whole
     keys = peft_model.state_dict(keep_vars=True)
     # peft's own names of the factors (its adapter name dropped), matched by the parameter
@@ -174,8 +175,10 @@ def load_sliced_adapted(base_dir: Path, adapter_dir: Path, config: ModelConfig,
     by_param = {id(value): name for name, value in own.items()}
     given = {key: tensors[by_param[id(value)]] for key, value in keys.items()
              if id(value) in by_param}
-    return load_sliced(peft_model, base_dir, 1, device, data_parallel,
-                       base_checkpoint_name, given)
+    # activation checkpointing, compilation and FSDP2 reach the decoder layers through peft
+    return load_sliced(peft_model, base_dir, 1, device, data_parallel, base_checkpoint_name,
+                       given, checkpointing=checkpointing, precision=precision,
+                       compile=compile)
 
 
 def adapter_state(peft_model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:

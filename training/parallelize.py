@@ -14,13 +14,22 @@ compose with DTensor parameters). Embeddings, norms and the LM head stay replica
 Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group are
 consecutive (on one node, where SLURM and torchrun place consecutive ranks).
 
+Memory, as torchtitan's ``parallelize_llama`` does it: tensor parallelism first, then
+activation checkpointing of every k-th decoder layer (torch's composable ``checkpoint``;
+the names stay Hugging Face's), then ``torch.compile`` per decoder layer (optional),
+then FSDP2. Under bf16 FSDP2 gets ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``: the sharded master weights, their gradients and the optimizer states
+stay fp32, the gathered weights and the activations are bf16, gradients are reduced in fp32,
+and no autocast runs around the forward (its cast cache would keep a bf16 copy of every
+unsharded weight). DDP and a single process keep fp32 weights under bf16 autocast.
+
 ``torch.distributed.tensor`` (DTensor, FSDP2, the tensor-parallel styles, distributed
 checkpoint) costs 1.3 s of CPU to import. transformers' model code imports it anyway, so
 only a ``model.entry_point`` model on one rank goes without it: this module imports it where
 FSDP2, tensor parallelism or a mesh's state dict needs it. (With a process group, torch's
 DDP constructor imports ``torch._dynamo``, which loads it too.) No object can be a DTensor
 or an FSDP module before that module is loaded, which is what :func:`is_dtensor` and
-:func:`_is_fsdp` rely on.
+:func:`is_fsdp` rely on.
 """
 
 from __future__ import annotations
@@ -43,11 +52,15 @@ from xffl.training.arch import ModelConfig, check_tensor_parallel
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ParallelModel", "check_tensor_parallel", "data_parallel_mode", "decoder_layers",
-           "layer_plan", "parallelize"]
+__all__ = ["ParallelModel", "apply_checkpointing", "check_tensor_parallel", "data_parallel_mode",
+           "decoder_layers", "device_memory", "layer_plan", "parallelize", "uses_bf16"]
 
 MESH_DIMS = ("dp", "tp")
 LAYER_PATTERN = "layers.*."  # how transformers' plans name a module of every decoder layer
+# data_parallel auto: FSDP2 from this many parameters, or from fewer where DDP's replicated
+# 16 B/parameter (fp32 weights, gradients, two AdamW moments) exceed half of the GPU's memory
+FSDP_PARAMS = 1_000_000_000
+TRAINING_BYTES_PER_PARAM = 16
 
 
 def is_dtensor(t: object) -> bool:
@@ -56,7 +69,7 @@ def is_dtensor(t: object) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def _is_fsdp(m: object) -> bool:
+def is_fsdp(m: object) -> bool:
     """Whether ``m`` was sharded by FSDP2 (False while its module was never imported)."""
     mod = sys.modules.get("torch.distributed.fsdp")
     return mod is not None and isinstance(m, mod.FSDPModule)
@@ -110,15 +123,37 @@ def _config_of(model: nn.Module) -> ModelConfig | None:
 DataParallel = Literal["auto", "ddp", "fsdp"]
 
 
-def data_parallel_mode(requested: str, tp: int) -> Literal["ddp", "fsdp"]:
-    """The data-parallel wrapper to use: "auto" is DDP without tensor parallelism, else FSDP2."""
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether ``precision`` means bf16 compute on ``device``: "bf16", or "auto" on CUDA."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of a CUDA device (None for any other device)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def fsdp_threshold(memory: int | None) -> int:
+    """Parameters from which ``auto`` shards: 1 B, or fewer where 16 B/parameter exceed half
+    of ``memory`` (a GPU's bytes; None: not a GPU)."""
+    if memory is None:
+        return FSDP_PARAMS
+    return min(FSDP_PARAMS, memory // (2 * TRAINING_BYTES_PER_PARAM))
+
+
+def data_parallel_mode(requested: str, tp: int, params: int = 0,
+                       memory: int | None = None) -> Literal["ddp", "fsdp"]:
+    """The data-parallel wrapper to use. "auto": FSDP2 when tp > 1 or the model is large
+    (``params`` at or over :func:`fsdp_threshold` of the GPU's ``memory``), else DDP."""
     if requested == "ddp" and tp > 1:
         raise InvalidInput(
             "training.data_parallel ddp cannot be combined with tensor_parallel > 1 in torch; "
             "use data_parallel: fsdp (or auto)."
         )
     if requested == "auto":
-        return "ddp" if tp == 1 else "fsdp"
+        return "fsdp" if tp > 1 or params >= fsdp_threshold(memory) else "ddp"
     if requested not in ("ddp", "fsdp"):
         raise InvalidInput(f"training.data_parallel {requested!r}: use auto, ddp or fsdp.")
     return "ddp" if requested == "ddp" else "fsdp"
@@ -148,10 +183,17 @@ class ParallelModel:
             module.set_requires_gradient_sync(True)
 
     def no_sync(self) -> AbstractContextManager[None]:
-        """Skip the dp gradient reduction (for all but the last micro-batch of a step)."""
+        """Skip the dp gradient reduction (for all but the last micro-batch of a step).
+
+        DDP skips it (its gradients are whole on every rank anyway). FSDP2 at dp > 1 does
+        not: skipping would keep every layer's unsharded fp32 gradient until the last
+        micro-batch (DDP's gradient memory); reduce-scattering each micro-batch keeps only
+        this rank's 1/dp shard. At dp 1 a shard is the whole (tp-local) gradient, so the
+        unsharded one costs no more memory and skipping saves a copy per micro-batch.
+        """
         if isinstance(self.net, DistributedDataParallel):
             return self.net.no_sync()
-        if _is_fsdp(self.module):
+        if is_fsdp(self.module) and self.dp_size == 1:
             return self._fsdp_no_sync()
         return nullcontext()
 
@@ -211,46 +253,84 @@ class ParallelModel:
         return out
 
 
+def apply_checkpointing(model: nn.Module, every: int) -> int:
+    """Activation checkpointing of every ``every``-th decoder layer (1: all; 0: none), with
+    torch's composable ``checkpoint`` (non-reentrant, the RNG state kept for dropout); returns
+    how many layers it applied to.
+
+    torchtitan wraps each layer in ``checkpoint_wrapper`` instead; that puts
+    ``_checkpoint_wrapped_module`` in every module and parameter name below it, which peft
+    then cannot match to its own state dict (its adapter comes out empty). The composable
+    form hooks the layer in place: module, parameter and state-dict names stay Hugging
+    Face's, and FSDP2 composes with it as with the wrapper.
+    """
+    if every < 1:
+        return 0
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    layers = [layer for i, layer in enumerate(decoder_layers(model))
+              if (i + 1) % every == 0]  # torchtitan's count: layers k, 2k, ... (1-based)
+    for layer in layers:
+        checkpoint(layer)
+    return len(layers)
+
+
+def _count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def parallelize(model: nn.Module, tp: int, device: torch.device,
-                data_parallel: str = "auto") -> ParallelModel:
+                data_parallel: str = "auto", *, precision: str = "auto",
+                checkpointing: int = 0, compile: bool = False) -> ParallelModel:
     """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
 
     Every rank must hold the same full weights on entry (they are sliced, not scattered).
-    Without a process group the model is returned as it is. Tensor parallelism needs a
-    transformers model whose family has a plan; FSDP2 shards other models as one unit.
+    Without a process group the model is returned as it is (with its checkpointing and
+    compilation). Tensor parallelism needs a transformers model whose family has a plan;
+    FSDP2 shards other models as one unit. ``precision`` (the spec's) gives FSDP2 its bf16
+    policy; ``checkpointing``: every k-th decoder layer (:func:`apply_checkpointing`);
+    ``compile``: ``torch.compile`` each decoder layer.
     """
     config = _config_of(model)
     if tp > 1 and config is None:
         raise InvalidInput("tensor_parallel > 1 needs a transformers model; a model.entry_point "
                            "model trains with data parallelism only (tensor_parallel: 1).")
-    if not dist.is_available() or not dist.is_initialized():
-        if tp != 1:
-            raise InvalidInput(f"tensor_parallel {tp} needs {tp} or more ranks; got 1 process.")
-        return ParallelModel(module=model, net=model)
-    world = dist.get_world_size()
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed and tp != 1:
+        raise InvalidInput(f"tensor_parallel {tp} needs {tp} or more ranks; got 1 process.")
+    world = dist.get_world_size() if distributed else 1
     if config is not None:
         check_tensor_parallel(config, tp, world)
-    mode = data_parallel_mode(data_parallel, tp)
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS)
-    layers = decoder_layers(model)
-    if tp > 1 and config is not None and config.tp_plan is not None:
+    mode = data_parallel_mode(data_parallel, tp, _count_params(model), device_memory(device))
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS) \
+        if distributed else None
+    if mesh is not None and tp > 1 and config is not None and config.tp_plan is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = config.tp_plan
-        for layer in layers:
+        for layer in decoder_layers(model):
             parallelize_module(layer, mesh["tp"], layer_plan(plan))
+    apply_checkpointing(model, checkpointing)
+    if compile:
+        for layer in decoder_layers(model):
+            layer.compile()  # in place: the module and its parameter names stay
+    if mesh is None:
+        return ParallelModel(module=model, net=model)
     net: nn.Module
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        for layer in layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if uses_bf16(precision, device) else MixedPrecisionPolicy()
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
         net = model
     else:
         net = DistributedDataParallel(
             model, process_group=mesh.get_group("dp"),
             device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
         )
     return ParallelModel(module=model, net=net, dp_rank=mesh.get_local_rank("dp"),
                          dp_size=world // tp, tp_size=tp, mesh=mesh)

@@ -42,31 +42,29 @@ def _restore_buffers(model: nn.Module) -> None:
                 init(module)
 
 
-def meta_causal_lm(config: ModelConfig, checkpointing: bool = False,
-                   dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def meta_causal_lm(config: ModelConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The family's model on the meta device, its parameters in ``dtype`` (buffers, as the
-    rotary tables, keep theirs), ready for training (``checkpointing``: activation
-    checkpointing of every decoder layer). No memory is allocated."""
+    rotary tables, keep theirs), ready for training. No memory is allocated."""
     model = prepare(meta_model(config))
     for param in model.parameters():  # tied parameters stay one object
         param.data = param.data.to(dtype)
-    if checkpointing:
-        model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
 def load_sliced(model: nn.Module, model_dir: Path, tp: int, device: torch.device,
                 data_parallel: str, checkpoint_name: Callable[[str], str] = str,
-                given: Mapping[str, Tensor] | None = None) -> ParallelModel:
+                given: Mapping[str, Tensor] | None = None, *, checkpointing: int = 0,
+                precision: str = "auto", compile: bool = False) -> ParallelModel:
     """A meta-device ``model`` split over the (dp, tp) mesh of all ranks, its slices filled
     one tensor at a time: a state-dict entry from ``given`` (by the model's key) when there,
     else from the checkpoint in ``model_dir``, whose tensor ``checkpoint_name(key)`` it is.
     For meshes whose ranks hold slices (FSDP2, tensor parallel): DDP would wrap the model
-    before its weights exist."""
+    before its weights exist. ``checkpointing``, ``precision``, ``compile``: as
+    :func:`parallelize` takes them."""
     from torch.distributed.tensor import distribute_tensor
 
-    pm = parallelize(model, tp, device, data_parallel)
+    pm = parallelize(model, tp, device, data_parallel, precision=precision,
+                     checkpointing=checkpointing, compile=compile)
     pm.module.to_empty(device=device)
     _restore_buffers(pm.module)
     tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings",
@@ -100,8 +98,9 @@ def load_sliced(model: nn.Module, model_dir: Path, tp: int, device: torch.device
 
 
 def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.device,
-                  data_parallel: str, checkpointing: bool = False) -> ParallelModel:
+                  data_parallel: str, checkpointing: int = 0, *, precision: str = "auto",
+                  compile: bool = False) -> ParallelModel:
     """The checkpoint in ``model_dir`` as a model split over the (dp, tp) mesh of all ranks
-    (``checkpointing``: activation checkpointing of every decoder layer)."""
-    return load_sliced(meta_causal_lm(config, checkpointing), model_dir, tp, device,
-                       data_parallel)
+    (``checkpointing``, ``precision``, ``compile``: as :func:`parallelize` takes them)."""
+    return load_sliced(meta_causal_lm(config), model_dir, tp, device, data_parallel,
+                       checkpointing=checkpointing, precision=precision, compile=compile)

@@ -38,12 +38,13 @@ from xffl.training.encode import encode_update
 from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
-from xffl.training.model import ModelConfig
+from xffl.training.model import ModelConfig, num_parameters
 from xffl.training.optimizer import make_optimizer, rank_seed
 from xffl.training.parallelize import (
     ParallelModel,
     check_tensor_parallel,
     data_parallel_mode,
+    device_memory,
     parallelize,
 )
 from xffl.training.sharded_load import load_parallel
@@ -178,28 +179,32 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
     every rank. A LoRA job's frozen base is kept in bf16 when the round computes in bf16.
     """
     spec = job.training
-    checkpointing = spec.activation_checkpointing
-    if checkpointing and job.model.entry_point is not None:
+    every = spec.checkpoint_every
+    if every and job.model.entry_point is not None:
         raise InvalidInput("training.activation_checkpointing needs a transformers model; "
                            "a model.entry_point model must checkpoint its own blocks.")
-    sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel) == "fsdp"
+    params = num_parameters(config) if job.model.entry_point is None and \
+        spec.data_parallel == "auto" and spec.tensor_parallel == 1 and \
+        xdist.world_size() > 1 else 0  # auto's choice needs the size (one rank: no choice)
+    sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel, params,
+                                device_memory(device)) == "fsdp"
     dtype = lora.frozen_dtype(spec.precision, device) if spec.lora is not None \
         else torch.float32
     if sliced and xdist.world_size() > 1 and job.model.entry_point is None:
         if spec.lora is not None:
             return lora.load_sliced_adapted(weights_dir, model_dir, config, spec.lora,
                                             job.freeze_a, device, spec.data_parallel,
-                                            checkpointing, dtype)
+                                            every, dtype, precision=spec.precision,
+                                            compile=spec.compile)
         return load_parallel(weights_dir, config, spec.tensor_parallel, device,
-                             spec.data_parallel, checkpointing)
+                             spec.data_parallel, every, precision=spec.precision,
+                             compile=spec.compile)
     model = load_model(weights_dir, job.model.entry_point, dtype)
-    if checkpointing:
-        model.gradient_checkpointing_enable(  # type: ignore[operator]
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec.lora is not None:
+    if spec.lora is not None:  # checkpointing reaches the decoder layers through peft
         model = lora.wrap(model, spec.lora, job.freeze_a)
         lora.load_adapter(model, read_weights(model_dir), model_dir)
-    return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel)
+    return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel,
+                       precision=spec.precision, checkpointing=every, compile=spec.compile)
 
 
 def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: float,

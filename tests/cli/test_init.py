@@ -56,8 +56,8 @@ def sparse_checkpoint(folder: Path, preset: str) -> Path:
     return folder
 
 
-FACILITY_JOBS = [("two-facilities", "llama2-7b-two-facilities.yaml", "llama2-7b", 4),
-                 ("llama3-8b", "llama3.1-8b-two-facilities.yaml", "llama3.1-8b", 4),
+FACILITY_JOBS = [("two-facilities", "llama2-7b-two-facilities.yaml", "llama2-7b", 1),
+                 ("llama3-8b", "llama3.1-8b-two-facilities.yaml", "llama3.1-8b", 1),
                  ("llama3-8b-lora", "llama3.1-8b-lora.yaml", "llama3.1-8b", 1)]
 
 
