@@ -295,8 +295,8 @@ def state_terms(parts: ModelParts, layout: Layout) -> dict[str, int]:
         terms["reduce_root"] = grad_unit * parts.root
         terms["head_grad"] = 0 if layout.lora else half * parts.head
     else:  # DDP, or one process: fp32 weights and bf16 from autocast
-        if layout.mode == "ddp":
-            terms["ddp_buckets"] = 4 * trained  # fp32 bucket copies of the gradients
+        # DDP (gradient_as_bucket_view): the gradients are views into its buckets, so the
+        # buckets add nothing beyond the gradients counted above
         if layout.bf16 and not layout.lora:  # autocast's bf16 copies of the fp32 weights, saved
             # for the backward's matmuls (a LoRA base is bf16 already)
             terms["autocast_copies"] = 2 * (local - parts.embedding)
