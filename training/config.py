@@ -131,7 +131,8 @@ class TrainingSpec(_Strict):
 
     A round lasts ``steps`` optimizer steps, or as many as ``tokens`` buys, and stops early
     (writing its checkpoint) when ``time_budget`` seconds are spent or when the SLURM job
-    would otherwise hit its time limit (``time_margin`` seconds are kept for saving). The
+    would otherwise hit its time limit (``time_margin`` seconds are kept for saving; ``auto``
+    sizes them from the update's bytes: :func:`xffl.training.update_save.time_margin`). The
     learning-rate schedule runs over the whole job (rounds x steps), not per round.
     """
 
@@ -140,8 +141,9 @@ class TrainingSpec(_Strict):
                                description="round budget in tokens per site (sets steps)")
     time_budget: float | None = Field(default=None, gt=0,
                                       description="seconds of training per round at most")
-    time_margin: float = Field(default=120.0, ge=0,
-                               description="seconds kept before the SLURM time limit")
+    time_margin: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto", description="seconds kept before the SLURM time limit to save the "
+        "update; auto: 120 plus 8 per GB the update writes")
     batch_size: int = Field(default=8, ge=1, description="sequences per micro-batch per dp rank")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
     seq_len: int = Field(default=64, ge=8, le=1 << 16, description="tokens per sequence")
