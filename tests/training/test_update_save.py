@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,12 +33,12 @@ from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
-from xffl.training.config import ModelSpec
+from xffl.training.config import ModelSpec, TrainingSpec
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.feedback import FOLDER
 from xffl.training.model import build_model
 from xffl.training.parallelize import ParallelModel
-from xffl.training.update_save import gather_tensors, save_update
+from xffl.training.update_save import gather_tensors, global_update_nbytes, save_update
 from xffl.workflows.steps.admit import admit
 
 MiB = 1 << 20
@@ -219,3 +220,25 @@ def test_the_coordinator_admits_the_save_seconds(tmp_path: Path) -> None:
             assert verdict.state == SiteState.REJECTED
             assert "metric 'save_seconds' is -1.0; a duration is never negative" in \
                 verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("spec", ["weights/fp32", "delta/bf16", "delta/nf4"])
+def test_time_margin_auto_grows_with_the_updates_bytes(tmp_path: Path, spec: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time_margin: auto`` keeps 120 s plus 8 s per GB of the update the round will write
+    (its tensors' bytes, exactly: the file less its header); a number is kept as it is."""
+    from xffl.training.trainer import round_deadline
+
+    parent, pm = _global(tmp_path, "tiny-test")
+    exchange = ExchangeSpec.parse(spec)
+    nbytes = global_update_nbytes(parent, exchange)
+    save_new(pm, build_config(ModelSpec(preset="tiny-test")), parent, tmp_path / "u",
+             exchange, None)
+    with (tmp_path / "u" / MODEL_FILE).open("rb") as fh:
+        header = 8 + int.from_bytes(fh.read(8), "little")
+    assert nbytes == (tmp_path / "u" / MODEL_FILE).stat().st_size - header
+    end = time.time() + 3600
+    monkeypatch.setattr("xffl.training.distributed.slurm_end_time", lambda environ=None: end)
+    assert round_deadline(TrainingSpec(), 7.5, 32 * 10**9) == end - (120 + 8 * 32) - 7.5
+    assert round_deadline(TrainingSpec(), 0.0, nbytes) == end - 120 - 8 * nbytes / 1e9
+    assert round_deadline(TrainingSpec(time_margin=30), 0.0, 32 * 10**9) == end - 30
