@@ -9,6 +9,8 @@ the site wrote it before streaming (``full_state_dict``, ``encode_update``, safe
 ``... save_worker memory OUT old|new`` (forked, 2 ranks): FSDP2 at dp 2 over a model at
 Llama-3.1-8B width, saved one way; rank 0 prints a JSON line with its RSS before the save,
 its peak during it (VmHWM, reset just before) and the largest tensor's bytes.
+
+``... save_worker evaluate OUT`` (forked, 2 ranks): ``xffl evaluate``'s load and losses.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import torch.distributed as dist
 from xffl.aggregator.exchange import Manifest
 from xffl.training.arch import ModelConfig, build_config
 from xffl.training.checkpoint import init_global, save_checkpoint
-from xffl.training.config import ModelSpec
+from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.encode import encode_update
+from xffl.training.evaluate_models import eval_model, evaluate_models
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.model import build_model
-from xffl.training.parallelize import ParallelModel, parallelize
+from xffl.training.parallelize import ParallelModel, is_dtensor, parallelize
 from xffl.training.update_save import drain, gather_tensors, save_update
 
 EXCHANGES = ("weights/fp32", "delta/bf16", "delta/int8")
@@ -138,8 +141,34 @@ def memory(out: Path, which: str) -> None:
     dist.destroy_process_group()
 
 
+def eval_job(data: Path) -> TrainJob:
+    """A job whose site holds a quarter of its sequences out, to evaluate on."""
+    return TrainJob(run_id="save-test", site="a", model=ModelSpec(preset="tiny-test"),
+                    training=TrainingSpec(batch_size=2, seq_len=16),
+                    data=DataSpec(path=str(data), validation={"fraction": 0.25}))
+
+
+def evaluate(out: Path) -> None:
+    """``xffl evaluate``'s ranks on ``OUT/global`` (2 gloo ranks): each rank records whether
+    it holds the model in slices; rank 0 writes the losses to ``OUT/losses.json``."""
+    dist.init_process_group("gloo")
+    job = eval_job(out / "data")
+    config = build_config(job.model)
+    pm = eval_model(job, out / "global", config, torch.device("cpu"))
+    sliced = all(is_dtensor(p) and p.to_local().numel() < p.numel()
+                 for p in pm.module.parameters() if p.shape[0] > 1)
+    _, losses = evaluate_models(job, {"global": out / "global"}, out / "data",
+                                dist.get_rank() == 0)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
+        {"sliced": sliced, "losses": losses}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "fsdp":
         fsdp(Path(sys.argv[2]))
+    elif sys.argv[1] == "evaluate":
+        evaluate(Path(sys.argv[2]))
     else:
         memory(Path(sys.argv[2]), sys.argv[3])

@@ -20,6 +20,7 @@ from tests.conftest import REPO
 from tests.training.save_worker import (
     EXCHANGES,
     FSDP_CASES,
+    eval_job,
     manifest,
     perturb,
     save_new,
@@ -34,6 +35,8 @@ from xffl.jobs.states import SiteState
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.data import ensure_synthetic
+from xffl.training.evaluate_models import evaluate_models
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.feedback import FOLDER
 from xffl.training.model import build_model
@@ -242,3 +245,26 @@ def test_time_margin_auto_grows_with_the_updates_bytes(tmp_path: Path, spec: str
     assert round_deadline(TrainingSpec(), 7.5, 32 * 10**9) == end - (120 + 8 * 32) - 7.5
     assert round_deadline(TrainingSpec(), 0.0, nbytes) == end - 120 - 8 * nbytes / 1e9
     assert round_deadline(TrainingSpec(time_margin=30), 0.0, 32 * 10**9) == end - 30
+
+
+@pytest.mark.slow
+def test_evaluate_loads_the_model_in_slices(tmp_path: Path) -> None:
+    """``xffl evaluate`` on two ranks holds every weight as FSDP2 slices (never the whole
+    model per rank) and gets the loss one process gets loading it whole.
+
+    Tolerance: the weights are the checkpoint's bit for bit either way (FSDP2 all-gathers
+    exact copies); only how the token losses are summed differs (per rank, then one
+    all-reduce, against one sum), a reordering of at most a few hundred fp32 additions of
+    terms below 10: relative error below 1e-6 by far; 1e-5 of the loss."""
+    data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
+    init_global("save-test", ModelSpec(preset="tiny-test"), 3, tmp_path / "global")
+    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2",
+           "-m", "tests.training.save_worker", "evaluate", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["sliced"] for r in ranks] == [True, True]
+    _, whole = evaluate_models(eval_job(data), {"global": tmp_path / "global"}, data, True)
+    got = ranks[0]["losses"]["global"]
+    assert abs(got - whole["global"]) <= 1e-5 * whole["global"], (got, whole)
