@@ -171,8 +171,13 @@ class UpdateEncoder:
     """
 
     def __init__(self, shapes: Shapes, exchange: ExchangeSpec, parent_dir: Path,
-                 state_dir: Path | None = None, round: int = 0) -> None:
-        """Open the parent (for a delta) and the residual (for error feedback)."""
+                 state_dir: Path | None = None, round: int = 0, piece: int = PIECE) -> None:
+        """Open the parent (for a delta) and the residual (for error feedback); ``piece``:
+        elements encoded at a time (a multiple of the quantization block)."""
+        if exchange.codec is not None and piece % exchange.codec.block_size:
+            raise ValueError(f"piece {piece} is not a multiple of the block size "
+                             f"{exchange.codec.block_size}")
+        self.piece = piece
         self.shapes = shapes
         self.exchange = exchange
         self.codec: Codec | None = exchange.codec
@@ -220,8 +225,8 @@ class UpdateEncoder:
             return
         if self.codec is None:
             target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.exchange.dtype)
-            for start in range(0, flat.size, PIECE) or [0]:
-                value = self._delta(name, flat, start, min(flat.size, start + PIECE))
+            for start in range(0, flat.size, self.piece) or [0]:
+                value = self._delta(name, flat, start, min(flat.size, start + self.piece))
                 if target is not None:  # rounded by torch, as encode_update rounds
                     narrow = torch.from_numpy(np.ascontiguousarray(value)).to(target)
                     value = (narrow.view(torch.int16).numpy().view(np.uint16)
@@ -232,8 +237,8 @@ class UpdateEncoder:
 
     def _quantized(self, writer: ShardedWriter, name: str, flat: Array, codec: Codec) -> None:
         scales = np.empty(codec.blocks(flat.size), dtype=np.float32)
-        for start in range(0, flat.size, PIECE):  # whole blocks per piece: PIECE % block == 0
-            stop = min(flat.size, start + PIECE)
+        for start in range(0, flat.size, self.piece):  # whole blocks: piece % block == 0
+            stop = min(flat.size, start + self.piece)
             value = self._delta(name, flat, start, stop)
             carried = None if self._residuals is None else self._residuals.carried(
                 name, start, stop)
@@ -279,7 +284,7 @@ def _fsync(path: Path) -> None:
 def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
                 config_json: str, out_dir: Path, manifest: Manifest, exchange: ExchangeSpec,
                 parent_dir: Path, state_dir: Path | None = None,
-                max_shard_bytes: int | None = None) -> Manifest:
+                max_shard_bytes: int | None = None, piece: int = PIECE) -> Manifest:
     """Rank 0: write the update from :func:`gather_tensors`' tensors into ``out_dir``.
 
     The manifest gets the seconds from the first tensor to the last byte on disk (fsync,
@@ -287,7 +292,7 @@ def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
     and the gathering is run to its end first, so the other ranks are not left waiting.
     """
     began = time.perf_counter()
-    encoder = UpdateEncoder(shapes, exchange, parent_dir, state_dir, manifest.round)
+    encoder = UpdateEncoder(shapes, exchange, parent_dir, state_dir, manifest.round, piece)
     try:
         with staged_dir(Path(out_dir)) as tmp:
             with ShardedWriter(tmp, encoder.entries(), {"format": "pt"},

@@ -32,7 +32,7 @@ from xffl.training.evaluate_models import eval_model, evaluate_models
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.model import build_model
 from xffl.training.parallelize import ParallelModel, is_dtensor, parallelize
-from xffl.training.update_save import drain, gather_tensors, save_update
+from xffl.training.update_save import PIECE, drain, gather_tensors, save_update
 
 EXCHANGES = ("weights/fp32", "delta/bf16", "delta/int8")
 #: FSDP2 at dp 2 with an odd vocabulary (uneven shards: 129 and 128 rows), tied embeddings
@@ -72,14 +72,16 @@ def save_old(pm: ParallelModel, config: ModelConfig, parent: Path, out: Path,
 
 
 def save_new(pm: ParallelModel, config: ModelConfig, parent: Path, out: Path,
-             exchange: ExchangeSpec, state_dir: Path | None, round: int = 1) -> Manifest | None:
-    """The streamed update save (collective; rank 0 writes and gets the manifest)."""
+             exchange: ExchangeSpec, state_dir: Path | None, round: int = 1,
+             piece: int = PIECE) -> Manifest | None:
+    """The streamed update save (collective; rank 0 writes and gets the manifest);
+    ``piece``: elements encoded at a time."""
     shapes, gathered = gather_tensors(pm)
     if dist.is_initialized() and dist.get_rank() != 0:
         drain(gathered)
         return None
     return save_update(gathered, shapes, config.to_json(), out, manifest(round), exchange,
-                       parent, state_dir)
+                       parent, state_dir, piece=piece)
 
 
 def fsdp(out: Path) -> None:
