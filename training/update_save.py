@@ -56,6 +56,9 @@ Shapes = dict[str, tuple[int, ...]]
 #: elements encoded at a time (16 MiB of fp32): a multiple of every quantization block size.
 PIECE = 1 << 22
 _STORED = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+#: bytes after which the writer starts the kernel's writeback (without waiting for it), so
+#: that the final fsync, which the other ranks wait for, finds little left to write.
+FLUSH_EVERY = 64 << 20
 
 
 def gather_tensors(pm: ParallelModel) -> tuple[Shapes, Iterator[tuple[str, Tensor | None]]]:
@@ -296,7 +299,8 @@ def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
     try:
         with staged_dir(Path(out_dir)) as tmp:
             with ShardedWriter(tmp, encoder.entries(), {"format": "pt"},
-                               max_shard_bytes=max_shard_bytes) as writer:
+                               max_shard_bytes=max_shard_bytes,
+                               flush_every=FLUSH_EVERY) as writer:
                 for name, tensor in gathered:
                     if tensor is None:
                         raise CheckpointError(f"{name}: rank 0 got no tensor to write.")
