@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from torch import Tensor
 
@@ -272,3 +273,13 @@ def test_evaluate_loads_the_model_in_slices(tmp_path: Path) -> None:
     _, whole = evaluate_models(eval_job(data), {"global": tmp_path / "global"}, data, True)
     got = ranks[0]["losses"]["global"]
     assert abs(got - whole["global"]) <= 1e-5 * whole["global"], (got, whole)
+
+
+@pytest.mark.parametrize("bad", ["soon", -3, float("inf"), True])
+def test_time_margin_is_auto_or_seconds(bad: object) -> None:
+    """Anything else is one error naming what the field takes."""
+    with pytest.raises(ValidationError) as info:
+        TrainingSpec(time_margin=bad)
+    (error,) = info.value.errors()
+    assert error["loc"] == ("time_margin",)
+    assert "must be a number of seconds (0 or more) or auto" in error["msg"]
