@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,18 +28,19 @@ from tests.training.save_worker import (
     save_old,
 )
 from xffl.aggregator import metrics as metric
-from xffl.aggregator.exchange import CONFIG_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.exchange import CONFIG_FILE, Manifest, read_manifest, verify_checkpoint
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
-from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.evaluate_models import evaluate_models
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.feedback import FOLDER
+from xffl.training.launch import launch
 from xffl.training.model import build_model
 from xffl.training.parallelize import ParallelModel
 from xffl.training.update_save import gather_tensors, global_update_nbytes, save_update
@@ -283,3 +284,27 @@ def test_time_margin_is_auto_or_seconds(bad: object) -> None:
     (error,) = info.value.errors()
     assert error["loc"] == ("time_margin",)
     assert "must be a number of seconds (0 or more) or auto" in error["msg"]
+
+
+@pytest.mark.slow
+def test_a_fsdp2_round_writes_its_update_streamed(
+        tmp_path: Path, global0: tuple[Path, Manifest],
+        make_job: Callable[..., TrainJob]) -> None:
+    """A round at dp 2 under FSDP2 through the launcher: rank 1 takes part in every gather
+    while rank 0 writes the bf16 delta; the update verifies, carries its save seconds, and
+    decodes (the global plus the delta) to a model that trained away from the global."""
+    job = make_job(tmp_path / "data", steps=2)
+    job = job.model_copy(update={
+        "training": job.training.model_copy(update={"data_parallel": "fsdp"}),
+        "exchange": ExchangeSpec.parse("delta/bf16")})
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    out = tmp_path / "update"
+    args = ["--job", str(tmp_path / "job.json"), "--round", "1", "--model", str(global0[0]),
+            "--out", str(out)]
+    assert launch(2, "torchrun", args, out) == 0
+    manifest = verify_checkpoint(out)
+    assert manifest.extra["dp"] == 2 and manifest.metrics[metric.SAVE_SECONDS] > 0
+    delta, base = _tensors(out / MODEL_FILE), _tensors(global0[0] / MODEL_FILE)
+    assert sorted(delta) == sorted(base)
+    assert all(d.dtype == torch.bfloat16 for d in delta.values())
+    assert any(bool(d.any()) for d in delta.values())
