@@ -34,7 +34,6 @@ from xffl.training import lora
 from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
-from xffl.training.encode import encode_update
 from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
@@ -150,10 +149,13 @@ def _write_update(job: TrainJob, pm: ParallelModel, model_dir: Path, out_dir: Pa
         state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
         adapter_config = (model_dir / LORA_ADAPTER.config_file).read_text()
 
-        def save() -> Manifest:
-            return lora.save_adapter(encode_update(state, model_dir, job.exchange, state_dir,
-                                                   manifest.round),
-                                     adapter_config, out_dir, manifest)
+        def save() -> Manifest:  # rank 0 holds the adapter (a few MB), written as a model
+            names = sorted(state)
+            return save_update(((n, state[n]) for n in names),
+                               {n: tuple(state[n].shape) for n in names}, adapter_config,
+                               out_dir, manifest, job.exchange, model_dir, state_dir,
+                               config_file=LORA_ADAPTER.config_file,
+                               tensor_file=LORA_ADAPTER.tensor_file)
     else:
         # streamed: one tensor gathered (collective), encoded and written at a time
         shapes, gathered = gather_tensors(pm)

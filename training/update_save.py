@@ -41,7 +41,7 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.quantize import dequantize, quantize
 from xffl.aggregator.shard_writer import Entries, ShardedWriter
-from xffl.aggregator.shards import ModelReader, open_model
+from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model
 from xffl.core.errors import CheckpointError
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.feedback import Residuals
@@ -287,8 +287,11 @@ def _fsync(path: Path) -> None:
 def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
                 config_json: str, out_dir: Path, manifest: Manifest, exchange: ExchangeSpec,
                 parent_dir: Path, state_dir: Path | None = None,
-                max_shard_bytes: int | None = None, piece: int = PIECE) -> Manifest:
-    """Rank 0: write the update from :func:`gather_tensors`' tensors into ``out_dir``.
+                max_shard_bytes: int | None = None, piece: int = PIECE, *,
+                config_file: str = CONFIG_FILE, tensor_file: str = MODEL_FILE) -> Manifest:
+    """Rank 0: write the update from :func:`gather_tensors`' tensors (in ``shapes``' order)
+    into ``out_dir``, with ``config_json`` as ``config_file`` (a LoRA adapter's files:
+    ``tensor_file`` adapter_model.safetensors, ``config_file`` adapter_config.json).
 
     The manifest gets the seconds from the first tensor to the last byte on disk (fsync,
     checksums included) as ``save_seconds``. On a failure nothing is left in ``out_dir``
@@ -299,8 +302,8 @@ def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
     try:
         with staged_dir(Path(out_dir)) as tmp:
             with ShardedWriter(tmp, encoder.entries(), {"format": "pt"},
-                               max_shard_bytes=max_shard_bytes,
-                               flush_every=FLUSH_EVERY) as writer:
+                               max_shard_bytes=max_shard_bytes, flush_every=FLUSH_EVERY,
+                               single_file=tensor_file) as writer:
                 for name, tensor in gathered:
                     if tensor is None:
                         raise CheckpointError(f"{name}: rank 0 got no tensor to write.")
@@ -309,7 +312,7 @@ def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
             encoder.commit()
             for file in writer.shard_files:
                 _fsync(tmp / file)
-            (tmp / CONFIG_FILE).write_text(config_json)
+            (tmp / config_file).write_text(config_json)
             seconds = time.perf_counter() - began
             timed = manifest.model_copy(
                 update={"metrics": {**manifest.metrics, metric.SAVE_SECONDS: seconds}})

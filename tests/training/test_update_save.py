@@ -308,3 +308,38 @@ def test_a_fsdp2_round_writes_its_update_streamed(
     assert sorted(delta) == sorted(base)
     assert all(d.dtype == torch.bfloat16 for d in delta.values())
     assert any(bool(d.any()) for d in delta.values())
+
+
+@pytest.mark.parametrize("spec", ["weights/fp32", "delta/bf16", "delta/nf4"])
+def test_a_lora_adapter_is_written_as_before(tmp_path: Path, spec: str) -> None:
+    """A LoRA update (the adapter's tensors, held whole by rank 0) through the streamed
+    writer: adapter_model.safetensors and adapter_config.json as lora.save_adapter wrote
+    them, the same tensors, the same residual (nf4)."""
+    from xffl.aggregator.kinds import LORA_ADAPTER
+    from xffl.training import lora
+    from xffl.training.config import LoraSpec
+    from xffl.training.encode import encode_update
+
+    lora_spec = LoraSpec(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    parent = tmp_path / "global"
+    lora.init_adapter_global("save-test", ModelSpec(preset="tiny-test"), lora_spec, 0,
+                             parent, "base")
+    gen = torch.Generator().manual_seed(4)
+    state = {name: value + 0.01 * torch.randn(value.shape, generator=gen)
+             for name, value in _tensors(parent / LORA_ADAPTER.tensor_file).items()}
+    config = (parent / LORA_ADAPTER.config_file).read_text()
+    exchange = ExchangeSpec.parse(spec)
+    lora.save_adapter(encode_update(dict(state), parent, exchange, tmp_path / "old-state", 1),
+                      config, tmp_path / "old", manifest())
+    names = sorted(state)
+    save_update(((n, state[n]) for n in names), {n: tuple(state[n].shape) for n in names},
+                config, tmp_path / "new", manifest(), exchange, parent, tmp_path / "new-state",
+                config_file=LORA_ADAPTER.config_file, tensor_file=LORA_ADAPTER.tensor_file)
+    old, new = verify_checkpoint(tmp_path / "old"), verify_checkpoint(tmp_path / "new")
+    assert old.tensors == new.tensors and sorted(old.files) == sorted(new.files)
+    a = _tensors(tmp_path / "old" / LORA_ADAPTER.tensor_file)
+    b = _tensors(tmp_path / "new" / LORA_ADAPTER.tensor_file)
+    assert all(torch.equal(_bits(a[n]), _bits(b[n])) for n in a) and sorted(a) == sorted(b)
+    if not exchange.quantized:
+        assert old.files == new.files
+    assert _residuals(tmp_path / "old-state").keys() == _residuals(tmp_path / "new-state").keys()
