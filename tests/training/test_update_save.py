@@ -215,8 +215,8 @@ def test_the_coordinator_admits_the_save_seconds(tmp_path: Path) -> None:
     sent = manifest().model_copy(update={"parent": read_manifest(parent).digest()})
     for site, seconds in (("a", None), ("b", -1.0)):
         shapes, gathered = gather_tensors(pm)
-        out = save_update(gathered, shapes, config.to_json(), tmp_path / site, sent,
-                          exchange, parent)
+        out = save_update(gathered, shapes, config.to_json(), tmp_path / site,
+                          sent.model_copy(update={"site": site}), exchange, parent)
         assert out.metrics[metric.SAVE_SECONDS] >= 0
         if seconds is not None:
             data = json.loads((tmp_path / site / "manifest.json").read_text())
