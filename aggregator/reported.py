@@ -81,6 +81,9 @@ def check_reported(manifest: Manifest, bounds: Bounds) -> None:
         if not math.isfinite(value) or abs(value) > MAX_METRIC:
             raise CheckpointError(f"metric {name!r} is {value!r}, not a finite number below "
                                   f"{MAX_METRIC:g}")
+    if manifest.metrics.get(SAVE_SECONDS, 0.0) < 0:
+        raise CheckpointError(f"metric {SAVE_SECONDS!r} is {manifest.metrics[SAVE_SECONDS]!r}; "
+                              "a duration is never negative")
     for what, value, cap in (("num_tokens", manifest.num_tokens, bounds.max_tokens),
                              ("num_samples", manifest.num_samples, bounds.max_samples)):
         limit = MAX_COUNT if cap is None else min(cap, MAX_COUNT)

@@ -6,7 +6,15 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from xffl.core.validation import PathText
 from xffl.training.exchange_config import ExchangeSpec
@@ -126,12 +134,24 @@ class StopWhen(_Strict):
                              "as an improvement")
 
 
+def _time_margin(value: object) -> object:
+    """``auto``, or a number of seconds at least 0 (one clear error for anything else)."""
+    if value == "auto" or (isinstance(value, int | float) and not isinstance(value, bool)
+                           and math.isfinite(value) and value >= 0):
+        return value
+    raise ValueError("must be a number of seconds (0 or more) or auto")
+
+
+TimeMargin = Annotated[float | Literal["auto"], BeforeValidator(_time_margin)]
+
+
 class TrainingSpec(_Strict):
     """The local training loop each site runs every round.
 
     A round lasts ``steps`` optimizer steps, or as many as ``tokens`` buys, and stops early
     (writing its checkpoint) when ``time_budget`` seconds are spent or when the SLURM job
-    would otherwise hit its time limit (``time_margin`` seconds are kept for saving). The
+    would otherwise hit its time limit (``time_margin`` seconds are kept for saving; ``auto``
+    sizes them from the update's bytes: :func:`xffl.training.update_save.time_margin`). The
     learning-rate schedule runs over the whole job (rounds x steps), not per round.
     """
 
@@ -140,8 +160,9 @@ class TrainingSpec(_Strict):
                                description="round budget in tokens per site (sets steps)")
     time_budget: float | None = Field(default=None, gt=0,
                                       description="seconds of training per round at most")
-    time_margin: float = Field(default=120.0, ge=0,
-                               description="seconds kept before the SLURM time limit")
+    time_margin: TimeMargin = Field(
+        default="auto", description="seconds kept before the SLURM time limit to save the "
+        "update; auto: 120 plus 8 per GB the update writes")
     batch_size: int = Field(default=8, ge=1, description="sequences per micro-batch per dp rank")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
     seq_len: int = Field(default=64, ge=8, le=1 << 16, description="tokens per sequence")

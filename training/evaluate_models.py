@@ -3,9 +3,10 @@
 ``python -m xffl.training.evaluate_models --job JOB.json --model global=DIR --model a=DIR ...
 --out evaluation.json``, started by the launcher (``python -m xffl.training.launch --module
 xffl.training.evaluate_models ...``) under torchrun, srun or as one process, with the site's
-ranks. Every model is loaded, split over the job's (dp, tp) mesh as the trainer splits it
-and evaluated on the site's held-out sequences (the job's ``data.validation`` and
-``evaluation`` budget, as in every round); rank 0 writes only the numbers::
+ranks. Every model is loaded into its slices over the job's (dp, tp) mesh (FSDP2, one
+tensor at a time: no rank holds the whole model) and evaluated on the site's held-out
+sequences (the job's ``data.validation`` and ``evaluation`` budget, as in every round);
+rank 0 writes only the numbers::
 
     {"format": 1, "site": SITE, "samples": N, "losses": {NAME: LOSS, ...}}
 
@@ -36,8 +37,10 @@ from xffl.training.data import site_splits
 from xffl.training.distributed import DistEnv
 from xffl.training.evaluate import eval_count, evaluate_net
 from xffl.training.forked import option_value
+from xffl.training.model import ModelConfig
 from xffl.training.model import warm_imports as model_warm_imports
-from xffl.training.parallelize import check_tensor_parallel, parallelize
+from xffl.training.parallelize import ParallelModel, check_tensor_parallel, parallelize
+from xffl.training.sharded_load import load_parallel
 
 RESULT_FORMAT = 1
 
@@ -87,6 +90,24 @@ def _verify_on_main(model_dir: Path, is_main: bool) -> None:
         raise failure or RunFailed(f"{model_dir}: checkpoint verification failed on rank 0.")
 
 
+def eval_model(job: TrainJob, model_dir: Path, config: ModelConfig,
+               device: torch.device) -> ParallelModel:
+    """A checkpoint on the job's (dp, tp) mesh, to evaluate.
+
+    With several ranks a transformers model is loaded sharded (FSDP2 over dp, whatever the
+    job's data_parallel: nothing is trained, so nothing is replicated for speed): built on
+    the meta device, each rank reads only its slices (:mod:`sharded_load`), never the whole
+    model. One rank, or a ``model.entry_point`` model, loads it whole.
+    """
+    spec = job.training
+    if xdist.world_size() > 1 and job.model.entry_point is None:
+        return load_parallel(model_dir, config, spec.tensor_parallel, device, "fsdp",
+                             precision=spec.precision)
+    return parallelize(load_model(model_dir, job.model.entry_point).to(device),
+                       spec.tensor_parallel, device, spec.data_parallel,
+                       precision=spec.precision)
+
+
 def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
                     is_main: bool) -> tuple[int, dict[str, float]]:
     """(held-out sequences, NAME -> mean token loss) of every model (collective)."""
@@ -112,9 +133,7 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
                                f"sequences (seq_len {spec.seq_len}, vocabulary "
                                f"{held_out.vocab_size}).")
         check_tensor_parallel(config, spec.tensor_parallel, xdist.world_size())
-        pm = parallelize(load_model(model_dir, job.model.entry_point).to(device),
-                         spec.tensor_parallel, device, spec.data_parallel,
-                         precision=spec.precision)
+        pm = eval_model(job, model_dir, config, device)
         result = evaluate_net(pm.net, held_out, count, batch_size, device, spec.precision,
                               pm.dp_rank, pm.dp_size, spec.loss_chunk)
         losses[name] = result.loss

@@ -72,11 +72,12 @@ class Residuals:
             self._tmp, [(n, "F32", tuple(s)) for n, s in entries],
             {"round": str(round), "carried": str(self.carried_round)})
 
-    def carried(self, name: str) -> Array | None:
-        """The residual of ``name`` carried in (float32, flat), or None at the first round."""
+    def carried(self, name: str, start: int = 0, stop: int | None = None) -> Array | None:
+        """The residual of ``name`` carried in (float32, flat; elements ``[start, stop)``),
+        or None at the first round."""
         if self._reader is None:
             return None
-        out: Array = self._reader.read(name).astype(np.float32).reshape(-1)
+        out: Array = np.array(self._reader.raw(name, start, stop), dtype=np.float32)
         return out
 
     def keep(self, name: str, residual: Array) -> None:

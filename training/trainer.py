@@ -31,10 +31,9 @@ from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
 from xffl.training import lora
-from xffl.training.checkpoint import load_model, read_config, read_weights, save_checkpoint
+from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
-from xffl.training.encode import encode_update
 from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
@@ -55,6 +54,13 @@ from xffl.training.telemetry import (
     peak_memory_bytes,
     per_device_rate,
     round_speed,
+)
+from xffl.training.update_save import (
+    drain,
+    gather_tensors,
+    global_update_nbytes,
+    save_update,
+    time_margin,
 )
 
 T = TypeVar("T")
@@ -88,14 +94,16 @@ def _site_device() -> torch.device:
     return xdist.device_for(xdist.detect_env())
 
 
-def round_deadline(spec: TrainingSpec, reserve: float = 0.0) -> float | None:
+def round_deadline(spec: TrainingSpec, reserve: float = 0.0,
+                   save_bytes: int = 0) -> float | None:
     """When this round must stop training: its time budget from now, or the SLURM limit
-    minus the margin and ``reserve`` seconds (the update's evaluation after training)."""
+    minus the margin (``auto``: sized by the update's ``save_bytes``) and ``reserve``
+    seconds (the update's evaluation after training)."""
     now = time.time()
     ends = [now + spec.time_budget] if spec.time_budget is not None else []
     slurm_end = xdist.slurm_end_time()
     if slurm_end is not None:
-        ends.append(slurm_end - spec.time_margin - reserve)
+        ends.append(slurm_end - time_margin(spec.time_margin, save_bytes) - reserve)
     return min(ends) if ends else None
 
 
@@ -152,17 +160,23 @@ def _write_update(job: TrainJob, pm: ParallelModel, model_dir: Path, out_dir: Pa
         state = lora.adapter_state(pm.module, pm.full_state_dict(lora.is_adapter_param))
         adapter_config = (model_dir / LORA_ADAPTER.config_file).read_text()
 
-        def save() -> Manifest:
-            return lora.save_adapter(encode_update(state, model_dir, job.exchange, state_dir,
-                                                   manifest.round),
-                                     adapter_config, out_dir, manifest)
+        def save() -> Manifest:  # rank 0 holds the adapter (a few MB), written as a model
+            names = sorted(state)
+            return save_update(((n, state[n]) for n in names),
+                               {n: tuple(state[n].shape) for n in names}, adapter_config,
+                               out_dir, manifest, job.exchange, model_dir, state_dir,
+                               config_file=LORA_ADAPTER.config_file,
+                               tensor_file=LORA_ADAPTER.tensor_file)
     else:
-        state = pm.full_state_dict()  # collective: every rank takes part, rank 0 gets them
+        # streamed: one tensor gathered (collective), encoded and written at a time
+        shapes, gathered = gather_tensors(pm)
 
         def save() -> Manifest:
-            return save_checkpoint(encode_update(state, model_dir, job.exchange, state_dir,
-                                                 manifest.round), config,
-                                   out_dir, manifest)
+            return save_update(gathered, shapes, config.to_json(), out_dir, manifest,
+                               job.exchange, model_dir, state_dir)
+
+        if xdist.is_distributed() and xdist.rank() != 0:
+            drain(gathered)  # every rank takes part in every gather
     written = _on_main(save, lambda m: m.model_dump_json(), Manifest.model_validate_json)
     xdist.barrier()
     return written
@@ -281,8 +295,9 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     eval_seconds = time.perf_counter() - eval_began
     # time_budget is training time; the update's evaluation (as long as this one) must also
     # fit before the SLURM limit
-    deadline = _on_main(lambda: round_deadline(spec, reserve=eval_seconds), json.dumps,
-                        json.loads)
+    deadline = _on_main(lambda: round_deadline(
+        spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
+        json.dumps, json.loads)
     speed = round_speed(pm.module, config, spec.seq_len, device, world)
     result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                        deadline=deadline, check_deadline=deadline is not None, prox=prox,
