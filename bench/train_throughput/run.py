@@ -123,7 +123,8 @@ def trial(mode: str, config: ModelConfig, spec: TrainingSpec, shards: TokenShard
         losses = _plain(net, opt, spec, batches[warmup:], device)
     else:
         it = moved()
-        pm = parallelize(model, 1, device)
+        # DDP, as the plain loop's: "auto" would pick FSDP2 for the 1b size, not equal work
+        pm = parallelize(model, 1, device, "ddp")
         opt = make_optimizer(pm.module, spec)
         sched = make_scheduler(opt, spec, 0, warmup + steps)
         run_steps(pm, opt, sched, it, warmup, spec, device)
