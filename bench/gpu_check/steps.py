@@ -240,7 +240,8 @@ def step_fsdp1(mode: str, work: Path, out: Path) -> dict[str, Any]:
         dist.init_process_group("gloo", rank=0, world_size=1)
     model_dir = work / "dense-g0"
     config = read_config(model_dir)
-    pm = load_parallel(model_dir, config, 1, device, "fsdp", True)
+    precision = "auto" if mode == "full" else "bf16"
+    pm = load_parallel(model_dir, config, 1, device, "fsdp", 1, precision=precision)
     units = sum(isinstance(m, FSDPModule) for m in pm.module.modules())
     exact = True
     with open_model(model_dir) as reader:
@@ -257,7 +258,7 @@ def step_fsdp1(mode: str, work: Path, out: Path) -> dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     raw = _job(shape, work / "data-dense", data_parallel="fsdp",
-               activation_checkpointing=True, precision="auto" if mode == "full" else "bf16")
+               activation_checkpointing=True, precision=precision)
     job = TrainJob.model_validate(raw)
     began = time.perf_counter()
     manifest = train_round(job, 1, model_dir, work / "data-dense", work / "fsdp.update")
