@@ -7,7 +7,10 @@ remove '.../shims/tmp.X'``) as the command's output. The hardware probe
 "Impossible to retrieve available hardware", and the persistent shell hands that text to its
 first command (``sbatch --parsable``'s job id included). Here the probe reads only what
 follows a marker, with the probe's own stderr discarded; a new shell's own stderr is
-discarded and its stdout read up to a first marker before it is used. The persistent shell
+discarded and its stdout read up to a first marker before it is used. The probe's answer
+is read as it comes, at most ``PROBE_BYTES`` within ``PROBE_TIMEOUT_S`` (upstream reads it
+whole, with no time limit: a login shell that prints for ever held the deployment and grew
+the coordinator's memory without end). The persistent shell
 stays on the login node even with a ``dataTransferConnection`` (upstream opens it there).
 ``tests/workflows/extensions/test_login.py`` shows upstream's behaviour beside this one.
 """
@@ -29,6 +32,10 @@ _PROBE = ("nproc && free | grep Mem | awk '{print $2}' && df -aT | tail -n +2 | 
           "awk 'NF == 1 {device = $1; getline; $0 = device $0} {print $7, $2, $5}'")
 _MARK = "XFFL_OUTPUT_FOLLOWS"
 SHELL_START_TIMEOUT_S = 60  # for a login shell to get through its start-up files
+# the probe prints two numbers and a line per mount (about 60 bytes): 1 MiB is a node with
+# over 10,000 mounts after its login shell's chatter; it runs for a shell's start at most
+PROBE_BYTES = 1 << 20
+PROBE_TIMEOUT_S = SHELL_START_TIMEOUT_S
 
 
 class LoginShellConnector(SSHConnector):
@@ -37,15 +44,11 @@ class LoginShellConnector(SSHConnector):
     async def _get_available_location(self, location: str) -> Hardware:
         """Upstream's hardware probe, read from a marker on: login-shell noise is not hardware."""
         if location not in self.hardware:
-            async with self._get_ssh_client_process(
-                    location=location, command=f"echo {_MARK} && {_PROBE}",
-                    stderr=asyncio.subprocess.DEVNULL) as proc:
-                result = await proc.wait()
-            out = str(result.stdout)
-            if result.returncode != 0 or _MARK not in out:
+            out, code = await self._probe(location)
+            if code != 0 or _MARK not in out:
                 raise WorkflowExecutionException(
                     f"Impossible to retrieve available hardware for location "
-                    f"{self.deployment_name}: the probe exited {result.returncode}")
+                    f"{self.deployment_name}: the probe exited {code}")
             cores, memory, *mounts = out.split(_MARK, 1)[1].strip().split("\n")
             try:
                 hardware = Hardware(float(cores), float(memory))
@@ -61,6 +64,34 @@ class LoginShellConnector(SSHConnector):
                                                             size=float(size) / 2**10)
             self.hardware[location] = hardware
         return self.hardware[location]
+
+    async def _probe(self, location: str) -> tuple[str, int | None]:
+        """What the hardware probe printed and its exit status: at most PROBE_BYTES, within
+        PROBE_TIMEOUT_S (the login shell prints first; a site that prints for ever fails)."""
+        out = bytearray()
+        async with self._get_ssh_client_process(
+                location=location, command=f"echo {_MARK} && {_PROBE}",
+                stderr=asyncio.subprocess.DEVNULL, encoding=None) as proc:
+
+            async def read() -> int | None:
+                while chunk := await proc.stdout.read(1 << 16):
+                    out.extend(chunk)
+                    if len(out) > PROBE_BYTES:
+                        raise WorkflowExecutionException(
+                            f"Impossible to retrieve available hardware for location "
+                            f"{self.deployment_name}: the probe printed more than "
+                            f"{PROBE_BYTES} bytes")
+                status: int | None = (await proc.wait()).returncode
+                return status
+
+            try:
+                code = await asyncio.wait_for(read(), PROBE_TIMEOUT_S)
+            except TimeoutError:
+                raise WorkflowExecutionException(
+                    f"Impossible to retrieve available hardware for location "
+                    f"{self.deployment_name}: the probe did not end within "
+                    f"{PROBE_TIMEOUT_S} s") from None
+        return out.decode("utf-8", "replace"), code
 
     async def _create_shell(self, command: MutableSequence[str],
                             location: ExecutionLocation) -> Shell:
