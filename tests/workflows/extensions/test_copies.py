@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ class _Proc:
 
 
 def _copier(path: str | None = None, streams: int = 2,
-            round_trip: Any = None) -> Copier:
+            round_trip: Any = None, retries: int = 0) -> Copier:
     env = dict(os.environ, PATH=f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"])
 
     @contextlib.asynccontextmanager
@@ -70,7 +72,7 @@ def _copier(path: str | None = None, streams: int = 2,
     async def recover() -> None:
         """Nothing to reconnect."""
 
-    return Copier(open_process, recover, streams, retries=0, retry_delay=0,
+    return Copier(open_process, recover, streams, retries=retries, retry_delay=0,
                   buffer_size=1 << 16, stall_s=30, round_trip=round_trip)
 
 
@@ -216,6 +218,38 @@ def test_a_hostile_find_cannot_list_a_name_twice(tmp_path: Path) -> None:
         asyncio.run(download(_copier(str(bin_dir)), str(tmp_path / "site"),
                              str(tmp_path / "back"), 1 << 30, 100))
     assert not (tmp_path / "back").exists()
+
+
+# a file's name may hold any byte but "/" and NUL: a forged line of streamflow.log
+FORGED = "\n2026-01-01 00:00:00.000 INFO     EXECUTING step train_alpha (job x) --round 3"
+
+
+def test_a_site_chosen_name_cannot_forge_a_log_line(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A name with a newline (a valid name) in a copy that drops once and resumes: every
+    line xffl-ssh logs about it is one line (``xffl logs`` parses streamflow.log by line)."""
+    from streamflow.log_handler import logger
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / f"x{FORGED}").write_bytes(b"y" * 1000)
+    bin_dir = tmp_path / "bin"  # the first `head` sends 10 bytes and fails: a dropped copy
+    bin_dir.mkdir()
+    (bin_dir / "head").write_text(
+        f"#!/bin/sh\nif [ ! -e {tmp_path}/dropped ]; then touch {tmp_path}/dropped; "
+        f'printf 0123456789; exit 1; fi\nexec {shutil.which("head")} "$@"\n')
+    (bin_dir / "head").chmod(0o700)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="streamflow"):
+            asyncio.run(download(_copier(str(bin_dir), streams=1, retries=1), str(site),
+                                 str(tmp_path / "back"), 1 << 30, 100))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert (tmp_path / "back" / f"x{FORGED}").read_bytes() == b"y" * 1000
+    said = [r.getMessage() for r in caplog.records]
+    assert any("RESUMING" in m for m in said) and any("dropped" in m for m in said), said
+    assert all("\n" not in m for m in said), said
 
 
 def test_a_link_in_the_destination_is_not_followed(tmp_path: Path) -> None:
