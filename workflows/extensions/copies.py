@@ -23,6 +23,12 @@ is resumed from what arrived, once the prefix is shown equal on both sides (SHA-
 after ``retry_delay`` seconds, at most ``retries`` times in one copy. Only then does the copy
 fail, with the reason. Nothing of this decides what is admitted: the coordinator checks an
 update's manifest checksums after the copy, as before.
+
+The site is not trusted to stop talking: every answer of a short command is read as it
+arrives, with a byte cap (:meth:`Copier.stream`: the listing's from the copy's member cap,
+``SHA256_ANSWER_BYTES`` for ``sha256sum``), and every copy has an overall deadline
+(:meth:`Copier.limit`) beside the stall timeout, so a site that trickles a byte per stall
+window fails instead of holding the round. Names the site chose are logged as ``repr``.
 """
 
 from __future__ import annotations
