@@ -142,6 +142,21 @@ def test_a_256_mib_listing_is_refused_at_its_cap(hostile_sshd: tuple[int, Path],
     assert not (tmp_path / "back").exists()
 
 
+def test_an_honest_probe_is_read(hostile_sshd: tuple[int, Path], tmp_path: Path) -> None:
+    port, _ = hostile_sshd
+    conn = _connector(port, "honest", tmp_path)
+
+    async def probe() -> Any:
+        try:
+            return await conn.get_available_locations()
+        finally:
+            await conn.undeploy(False)
+
+    hardware = asyncio.run(probe())[f"127.0.0.1:{port}"].hardware
+    assert (hardware.cores, hardware.memory) == (4.0, 1000.0)
+    assert hardware.storage["/"].size == 2.0  # KiB / 2**10
+
+
 @pytest.mark.parametrize(("user", "why"), [
     ("probe", f"printed more than {login.PROBE_BYTES} bytes"),
     ("probe-slow", "did not end within 3 s"),
