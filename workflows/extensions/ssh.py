@@ -15,6 +15,10 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
   by what the run's round-0 global holds, ``copyReference``, times ``copyFactor`` plus room
   for the JSON files, and never above ``maxCopyBytes``/``maxCopyMembers``). With a
   ``dataTransferConnection`` (a profile's ``transfer_host``) copies go through it;
+* what the site answers is read whole by upstream, bounded only by a stall timeout; here
+  each answer is read as it arrives with a byte cap, and each copy has an overall deadline
+  (its bytes at ``copyMinRate``, never past ``copyTimeout``, the round's time limit), so a
+  site that never stops talking, or trickles, fails its copy instead of the coordinator;
 * the job folders StreamFlow creates at the site are ``mkdir -m 777``: another user of the
   facility could swap a job's ``update/`` before it is copied back. Here they are ``700``;
 * host keys are checked against the user's ``~/.ssh/known_hosts`` only; here the site
