@@ -172,6 +172,34 @@ class Copier:
     connections so that the next channel reconnects).
     """
 
+    def __init__(self, open_process: Open, recover: Callable[[], Any], streams: int,
+                 retries: int, retry_delay: float, buffer_size: int,
+                 stall_s: float = 60.0,
+                 round_trip: Callable[[], Awaitable[float]] | None = None,
+                 timeout_s: float | None = None, min_rate: float = COPY_MIN_RATE) -> None:
+        """A copier with the given channels and retry policy; a stream that moves nothing
+        for ``stall_s`` seconds counts as dropped (a link can die without a word).
+
+        ``round_trip()``, when given, measures the link's round trip in seconds; the copy
+        then uses :func:`streams_for_rtt` of it (at most ``streams``). ``timeout_s`` and
+        ``min_rate`` (bytes/s) set the copy's overall deadline (:meth:`limit`).
+        """
+        self.stall_s = stall_s
+        self.timeout_s = timeout_s
+        self.min_rate = min_rate
+        self.deadline: float | None = None  # time.monotonic() at which the copy has failed
+        self.budget = math.inf
+        self.what = self.why = ""
+        self.round_trip = round_trip
+        self.rtt: float | None = None
+        self.open_process = open_process
+        self.recover = recover
+        self.streams = max(1, streams)
+        self.retries = retries
+        self.retry_delay = retry_delay
+        self.buffer_size = buffer_size
+        self.progress = Progress()
+
     async def bounded(self, awaitable: Awaitable[T]) -> T:
         """``awaitable``, or TimeoutError after ``stall_s`` seconds without its result;
         :class:`CopyDeadline` once the copy's deadline (:meth:`limit`) has passed."""
@@ -200,34 +228,6 @@ class Copier:
             budget, self.why = self.timeout_s, "the round's time limit"
         self.what, self.budget = what, budget
         self.deadline = self.progress.started + budget
-
-    def __init__(self, open_process: Open, recover: Callable[[], Any], streams: int,
-                 retries: int, retry_delay: float, buffer_size: int,
-                 stall_s: float = 60.0,
-                 round_trip: Callable[[], Awaitable[float]] | None = None,
-                 timeout_s: float | None = None, min_rate: float = COPY_MIN_RATE) -> None:
-        """A copier with the given channels and retry policy; a stream that moves nothing
-        for ``stall_s`` seconds counts as dropped (a link can die without a word).
-
-        ``round_trip()``, when given, measures the link's round trip in seconds; the copy
-        then uses :func:`streams_for_rtt` of it (at most ``streams``). ``timeout_s`` and
-        ``min_rate`` (bytes/s) set the copy's overall deadline (:meth:`limit`).
-        """
-        self.stall_s = stall_s
-        self.timeout_s = timeout_s
-        self.min_rate = min_rate
-        self.deadline: float | None = None  # time.monotonic() at which the copy has failed
-        self.budget = math.inf
-        self.what = self.why = ""
-        self.round_trip = round_trip
-        self.rtt: float | None = None
-        self.open_process = open_process
-        self.recover = recover
-        self.streams = max(1, streams)
-        self.retries = retries
-        self.retry_delay = retry_delay
-        self.buffer_size = buffer_size
-        self.progress = Progress()
 
     async def fit_streams(self) -> None:
         """Set ``streams`` to what this copy uses: fewer where the round trip is short

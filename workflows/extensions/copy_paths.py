@@ -88,7 +88,8 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
         return reader.finish()
 
     # the round trip is measured beside the listing (it sets how many streams the copy uses)
-    listing, _ = await asyncio.gather(copier.retrying(what, listed), copier.fit_streams())
+    listing: Listing = (await asyncio.gather(copier.retrying(what, listed),
+                                             copier.fit_streams()))[0]
     copier.limit(listed_bytes + listing.bytes, what)  # the copy's own bytes, listing included
     targets = _local_targets(listing, dst)
     todo = pieces(listing.files, copier.streams)
