@@ -7,6 +7,7 @@ and answers xffl-ssh's commands as a compromised account can; the user name pick
 * ``listing``: ``find`` prints a 256 MiB listing of short names, as fast as the channel takes;
 * ``probe``: the hardware probe prints its marker, then numbers for ever, as fast as it can;
 * ``probe-slow``: the probe prints its marker, then a line a second, for ever;
+* ``shell``: every command (the persistent shell included) prints for ever;
 * ``honest``: the probe answers as a real login node whose shell prints a line first;
 * ``sha``: ``sha256sum`` answers with 1 GB of hex digits;
 * ``folder``: the folder test (``if test -d``) prints for ever;
@@ -89,6 +90,8 @@ def _answer(user: str, command: str) -> tuple[str, Iterator[bytes], float] | Non
     if user == "honest" and "XFFL_OUTPUT_FOLLOWS" in command:  # the login shell talks first
         return "probe", iter([b"Lmod: 3 modules loaded\nXFFL_OUTPUT_FOLLOWS\n4\n1000\n",
                               b"/ ext4 2048\n"]), 0.0
+    if user == "shell":  # the persistent shell, and everything else: for ever
+        return "shell", _repeat(b"y" * 1023 + b"\n", None), 0.0
     if user == "sha" and "sha256sum" in command:
         return "sha256sum", _repeat(b"a" * CHUNK, SHA_BYTES), 0.0
     if user == "folder" and command.startswith("if test -d"):

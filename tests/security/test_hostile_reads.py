@@ -180,6 +180,28 @@ def test_a_probe_that_prints_for_ever_fails_the_probe(
     assert seconds < ENDED_WITHIN_S and rss < RSS_BOUND, (seconds, rss >> 20)
 
 
+def test_a_shell_that_prints_for_ever_is_held_to_its_tail(
+        hostile_sshd: tuple[int, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A login whose every command prints for ever: the persistent shell's start fails at
+    its time limit, and the command run without it (upstream's way on) ends at its own;
+    each holds only the tail of what came (upstream kept all of it)."""
+    monkeypatch.setattr(login, "SHELL_START_TIMEOUT_S", 3)
+    port, _ = hostile_sshd
+    conn = _connector(port, "shell", tmp_path)
+
+    async def echo() -> Any:
+        try:
+            return await conn.run(ExecutionLocation(name=f"127.0.0.1:{port}",
+                                                    deployment="hostile"),
+                                  ["echo", "hello"], capture_output=True, timeout=5)
+        finally:
+            await conn.undeploy(False)
+
+    got, seconds, rss = _attack(echo())
+    assert isinstance(got, (WorkflowExecutionException, TimeoutError)), got
+    assert seconds < ENDED_WITHIN_S and rss < RSS_BOUND, (seconds, rss >> 20)
+
+
 @pytest.mark.parametrize(("user", "word", "cap"), [
     ("sha", "sha256sum", SHA256_ANSWER_BYTES), ("folder", "folder", FOLDER_ANSWER_BYTES)])
 def test_a_short_answer_that_never_ends_is_refused(hostile_sshd: tuple[int, Path],

@@ -205,15 +205,23 @@ class Copier:
         :class:`CopyDeadline` once the copy's deadline (:meth:`limit`) has passed."""
         if self.deadline is None:
             return await asyncio.wait_for(awaitable, self.stall_s)
+        # checked before each wait too: a read of bytes already there never lets a timeout in
         left = self.deadline - time.monotonic()
+        if left <= 0:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            raise self.late()
         try:
-            return await asyncio.wait_for(awaitable, max(0.0, min(self.stall_s, left)))
+            return await asyncio.wait_for(awaitable, min(self.stall_s, left))
         except TimeoutError:
             if time.monotonic() >= self.deadline:
-                raise CopyDeadline(
-                    f"{TIMEOUT_MARK}: the copy of {self.what} was still moving after "
-                    f"{self.budget:.0f} s, its deadline ({self.why})") from None
+                raise self.late() from None
             raise
+
+    def late(self) -> CopyDeadline:
+        """The failure of a copy past its deadline."""
+        return CopyDeadline(f"{TIMEOUT_MARK}: the copy of {self.what} was still moving after "
+                            f"{self.budget:.0f} s, its deadline ({self.why})")
 
     def limit(self, nbytes: int, what: str) -> None:
         """Give the copy (of ``what``) an overall deadline from its start: ``nbytes`` at
