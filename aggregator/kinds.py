@@ -57,7 +57,7 @@ class ModelKind:
             if MODEL_FILE in names and INDEX_FILE in names:
                 raise CheckpointError(f"the manifest lists both {MODEL_FILE} and {INDEX_FILE}")
             allowed = {MODEL_FILE, CONFIG_FILE} if MODEL_FILE in names else {
-                INDEX_FILE, CONFIG_FILE, *(n for n in names if SHARD_NAME.match(n))}
+                INDEX_FILE, CONFIG_FILE, *(n for n in names if SHARD_NAME.fullmatch(n))}
         extra = sorted(names - allowed)
         if extra:
             raise CheckpointError(f"the manifest lists {quoted(extra[0])}, which "

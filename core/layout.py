@@ -150,6 +150,10 @@ class RunLayout:
         """Where the update of ``site`` aggregated in round ``rnd`` is kept."""
         return self.round_dir(rnd) / "updates" / site
 
+    def rejected_update(self, rnd: int, site: str) -> Path:
+        """Where ``site``'s update rejected in round ``rnd`` is kept a while (for a look)."""
+        return self.round_dir(rnd) / "rejected" / site
+
     def attempts_file(self, rnd: int, site: str) -> Path:
         """The failure manager's record of ``site``'s failed attempts in round ``rnd``."""
         return self.round_dir(rnd) / "attempts" / f"{site}.json"

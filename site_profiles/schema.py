@@ -68,8 +68,9 @@ class SshTransfer(_Strict):
     (or moves nothing for ``connect_timeout`` seconds) goes on from its checksummed prefix,
     up to ``retries`` times ``retry_delay`` seconds apart, before the site's step fails (and
     the round's own ``failure.retries`` take over). Transfers run after the SLURM job, so
-    they do not count against its time limit, but they do count against
-    ``failure.round_timeout``.
+    they do not count against its time limit; each copy has a deadline of its own: its bytes
+    at 1 MB/s plus ``connect_timeout`` and ``retry_delay`` per attempt, and never more than
+    ``failure.round_timeout`` (the round deadline under ``late: adopt``).
     """
 
     connect_timeout: int = Field(default=60, ge=1, le=3600,

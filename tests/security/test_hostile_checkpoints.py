@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from tests.aggregator.conftest import write_checkpoint
-from xffl.aggregator.exchange import Manifest, read_manifest, sha256_file
+from xffl.aggregator.exchange import CONFIG_FILE, INDEX_FILE, Manifest, read_manifest, sha256_file
+from xffl.aggregator.kinds import WHOLE_MODEL
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.running import RunningAggregate
 from xffl.aggregator.strategies import run_strategy
+from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
 from xffl.jobs.states import SiteState
 from xffl.training.slurm_job import read_record
@@ -93,6 +95,17 @@ def test_files_the_globals_kind_never_holds_are_a_rejection(tmp_path: Path, name
     verdict, manifest = admit(RunLayout(tmp_path / "run"), "hostile", 1, glob, up)
     assert (verdict.state, manifest) == (SiteState.REJECTED, None)
     assert verdict.reason == f"the manifest lists {name!r}, which a model update never holds"
+
+
+@pytest.mark.parametrize("name", ["model-00001-of-00002.safetensors\n",
+                                  "\nmodel-00001-of-00002.safetensors",
+                                  "model-00001-of-00002.safetensors/x"])
+def test_a_shard_name_is_matched_whole(name: str) -> None:
+    """HEAD's pattern ended in ``$``, which also matches before a final newline."""
+    names = {INDEX_FILE, CONFIG_FILE, "model-00002-of-00002.safetensors", name}
+    WHOLE_MODEL.check_listed(names - {name})
+    with pytest.raises(CheckpointError, match="which a model update never holds"):
+        WHOLE_MODEL.check_listed(names)
 
 
 def _edit(update: Path, **changes: object) -> None:

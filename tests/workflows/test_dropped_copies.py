@@ -199,12 +199,12 @@ def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
     _check_progress(seen_back, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
     log = _check(status, slurm_stack)
     # the copy out was tried again ...
-    retried = re.search(r"copy of (\S+/global) to (\S+) at the site dropped .*; attempt 2 of 6",
-                    log)
+    retried = re.search(r"copy of '(\S+/global)' to '(\S+)' at the site dropped .*; attempt 2 "
+                        r"of 6", log)
     assert retried, log[-3000:]
     # ... and the copy back went on from what had arrived (a prefix whose SHA-256 matched
     # at the site)
-    resumed = re.findall(r"RESUMING copy of (\S+/update) from the site: model\.safetensors "
+    resumed = re.findall(r"RESUMING copy of '(\S+/update)' from the site: 'model\.safetensors' "
                          r"bytes 0\+(\d+) from (\d+)", log)
     assert resumed and 0 < int(resumed[0][2]) < int(resumed[0][1]), (sessions, log[-3000:])
     # both arrived whole: the site's global is the coordinator's round-0 global, and the

@@ -23,6 +23,12 @@ is resumed from what arrived, once the prefix is shown equal on both sides (SHA-
 after ``retry_delay`` seconds, at most ``retries`` times in one copy. Only then does the copy
 fail, with the reason. Nothing of this decides what is admitted: the coordinator checks an
 update's manifest checksums after the copy, as before.
+
+The site is not trusted to stop talking: every answer of a short command is read as it
+arrives, with a byte cap (:meth:`Copier.stream`: the listing's from the copy's member cap,
+``SHA256_ANSWER_BYTES`` for ``sha256sum``), and every copy has an overall deadline
+(:meth:`Copier.limit`) beside the stall timeout, so a site that trickles a byte per stall
+window fails instead of holding the round. Names the site chose are logged as ``repr``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import hashlib
 import math
 import os
 import posixpath
+import re
 import shlex
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -42,6 +49,17 @@ from typing import Any, TypeVar
 import asyncssh
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.log_handler import logger
+
+from xffl.workflows.extensions.failure import TIMEOUT_MARK
+from xffl.workflows.extensions.site_listing import (
+    CopyRefused,
+    Listing,
+    ListingReader,
+    check_listing,
+    listing_bytes,
+)
+
+__all__ = ["CopyRefused", "Listing", "ListingReader", "check_listing", "listing_bytes"]
 
 # a large file is cut into ranges of at least this many bytes when there are spare streams
 MIN_RANGE_BYTES = 64 << 20
@@ -58,6 +76,15 @@ UPLOAD_SLACK_BYTES = 8 << 20
 # on loopback 4 channels copied a 1 GiB file back at 0.57x one channel (bench/transfer).
 STREAM_WINDOW = 2 << 20
 STREAM_RATE = 1e9
+# A copy's overall deadline (Copier.limit) allows its bytes at this rate (8 Mb/s, a slow
+# facility's link), beside one stall window and retry delay per attempt, and never more than
+# the job's round time limit: a site that sends a byte just inside each stall window fails.
+COPY_MIN_RATE = 1e6
+# what the site may answer to the short commands of a copy: `sha256sum` prints 64 hex
+# digits, two spaces, "-" and a newline (69 bytes); a folder test prints "folder\n"
+SHA256_ANSWER_BYTES = 128
+OUTPUT_CHUNK = 1 << 16
+_SHA256_HEX = re.compile(rb"[0-9a-f]{64}")
 
 
 def streams_for_rtt(rtt_s: float, most: int) -> int:
@@ -77,8 +104,8 @@ RETRYABLE = (CopyInterrupted, asyncssh.Error, ConnectionError, asyncio.Incomplet
              TimeoutError)
 
 
-class CopyRefused(WorkflowExecutionException):
-    """The site listed something that a copy never holds (see :func:`check_listing`)."""
+class CopyDeadline(WorkflowExecutionException):
+    """A copy still moving at its overall deadline (see :meth:`Copier.limit`): not retried."""
 
 
 @dataclass
@@ -89,45 +116,6 @@ class Piece:
     start: int
     length: int
     done: int = 0  # bytes of this piece known to be at the destination
-
-
-@dataclass
-class Listing:
-    """The folders and files (relative names, sizes) of one copy."""
-
-    dirs: list[str] = field(default_factory=list)
-    files: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def bytes(self) -> int:
-        """The bytes of all files."""
-        return sum(self.files.values())
-
-
-def check_listing(raw: bytes, what: str, max_bytes: int, max_members: int) -> Listing:
-    """The listing ``find -printf '%y %s %P\\0'`` printed, refused if it names anything but
-    folders and regular files under the copied path, or more than the caps."""
-    out = Listing()
-    entries = [e for e in raw.split(b"\0") if e]
-    if len(entries) > max_members:
-        raise CopyRefused(f"refused to copy {what}: it holds more than {max_members} files "
-                          "and folders")
-    for entry in entries:
-        kind, size, name = [*entry.decode("utf-8", "surrogateescape").split(" ", 2), "", ""][:3]
-        parts = name.split("/")
-        if name.startswith("/") or (any(p in ("", ".", "..") for p in parts) and name != ""):
-            raise CopyRefused(f"refused to copy {name!r} of {what}: not a path under it")
-        if kind == "d":
-            if name:
-                out.dirs.append(name)
-        elif kind == "f" and size.isdigit():
-            out.files[name] = int(size)
-        else:
-            raise CopyRefused(f"refused to copy {name!r} of {what}: not a regular file or "
-                              "folder")
-    if out.bytes > max_bytes:
-        raise CopyRefused(f"refused to copy {what}: it exceeds {max_bytes} bytes")
-    return out
 
 
 def local_listing(src: str) -> Listing:
@@ -184,21 +172,24 @@ class Copier:
     connections so that the next channel reconnects).
     """
 
-    async def bounded(self, awaitable: Awaitable[T]) -> T:
-        """``awaitable``, or TimeoutError after ``stall_s`` seconds without its result."""
-        return await asyncio.wait_for(awaitable, self.stall_s)
-
     def __init__(self, open_process: Open, recover: Callable[[], Any], streams: int,
                  retries: int, retry_delay: float, buffer_size: int,
                  stall_s: float = 60.0,
-                 round_trip: Callable[[], Awaitable[float]] | None = None) -> None:
+                 round_trip: Callable[[], Awaitable[float]] | None = None,
+                 timeout_s: float | None = None, min_rate: float = COPY_MIN_RATE) -> None:
         """A copier with the given channels and retry policy; a stream that moves nothing
         for ``stall_s`` seconds counts as dropped (a link can die without a word).
 
         ``round_trip()``, when given, measures the link's round trip in seconds; the copy
-        then uses :func:`streams_for_rtt` of it (at most ``streams``).
+        then uses :func:`streams_for_rtt` of it (at most ``streams``). ``timeout_s`` and
+        ``min_rate`` (bytes/s) set the copy's overall deadline (:meth:`limit`).
         """
         self.stall_s = stall_s
+        self.timeout_s = timeout_s
+        self.min_rate = min_rate
+        self.deadline: float | None = None  # time.monotonic() at which the copy has failed
+        self.budget = math.inf
+        self.what = self.why = ""
         self.round_trip = round_trip
         self.rtt: float | None = None
         self.open_process = open_process
@@ -208,6 +199,43 @@ class Copier:
         self.retry_delay = retry_delay
         self.buffer_size = buffer_size
         self.progress = Progress()
+
+    async def bounded(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``, or TimeoutError after ``stall_s`` seconds without its result;
+        :class:`CopyDeadline` once the copy's deadline (:meth:`limit`) has passed."""
+        if self.deadline is None:
+            return await asyncio.wait_for(awaitable, self.stall_s)
+        # checked before each wait too: a read of bytes already there never lets a timeout in
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            raise self.late()
+        try:
+            return await asyncio.wait_for(awaitable, min(self.stall_s, left))
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise self.late() from None
+            raise
+
+    def late(self) -> CopyDeadline:
+        """The failure of a copy past its deadline."""
+        return CopyDeadline(f"{TIMEOUT_MARK}: the copy of {self.what} was still moving after "
+                            f"{self.budget:.0f} s, its deadline ({self.why})")
+
+    def limit(self, nbytes: int, what: str) -> None:
+        """Give the copy (of ``what``) an overall deadline from its start: ``nbytes`` at
+        ``min_rate`` plus a stall window and a retry delay per attempt, never more than
+        ``timeout_s`` (the round's); a site that trickles a byte per stall window is cut
+        off there, not held for ever."""
+        attempts = self.retries + 1
+        budget = attempts * (self.stall_s + self.retry_delay) + nbytes / self.min_rate
+        self.why = (f"{nbytes} bytes at {self.min_rate / 1e6:g} MB/s and {attempts} "
+                    f"attempt(s) of {self.stall_s:g} s")
+        if self.timeout_s is not None and self.timeout_s < budget:
+            budget, self.why = self.timeout_s, "the round's time limit"
+        self.what, self.budget = what, budget
+        self.deadline = self.progress.started + budget
 
     async def fit_streams(self) -> None:
         """Set ``streams`` to what this copy uses: fewer where the round trip is short
@@ -228,13 +256,28 @@ class Copier:
         rtt = "" if self.rtt is None else f", round trip {self.rtt * 1e3:.1f} ms"
         return f"{self.progress.attempts} attempt(s), {self.streams} stream(s){rtt}"
 
-    async def output(self, command: str) -> bytes:
-        """The stdout of a short command at the site (it must exit 0)."""
+    async def stream(self, command: str, take: Callable[[bytes], object],
+                     max_bytes: int) -> int:
+        """Hand the stdout of a command at the site to ``take`` as it arrives (it must exit
+        0); more than ``max_bytes`` is refused, and no more of it is read. Its bytes."""
+        got = 0
         async with self.open_process(command, False) as proc:
-            data = await self.bounded(proc.stdout.read())
+            while chunk := await self.bounded(proc.stdout.read(OUTPUT_CHUNK)):
+                got += len(chunk)
+                if got > max_bytes:
+                    raise CopyRefused(f"refused the answer of {command[:80]!r}: more than "
+                                      f"{max_bytes} bytes")
+                take(chunk)
             status = await self.bounded(proc.wait())
         if status.exit_status != 0:
-            raise CopyInterrupted(f"`{command[:80]}` exited {status.exit_status}")
+            raise CopyInterrupted(f"{command[:80]!r} exited {status.exit_status}")
+        return got
+
+    async def output(self, command: str, max_bytes: int) -> bytes:
+        """The stdout of a short command at the site (it must exit 0), at most
+        ``max_bytes`` of it (more is refused)."""
+        data = bytearray()
+        await self.stream(command, data.extend, max_bytes)
         return bytes(data)
 
     async def retrying(self, what: str, attempt: Callable[[], Any]) -> Any:
@@ -269,7 +312,7 @@ class Copier:
                 for p in todo:
                     if 0 < p.done < p.length:
                         await verify(p)
-                        logger.info(f"RESUMING copy of {what}: {p.rel or '.'} bytes "
+                        logger.info(f"RESUMING copy of {what}: {p.rel or '.'!r} bytes "
                                     f"{p.start}+{p.length} from {p.start + p.done}")
             first = False
             gate = asyncio.Semaphore(self.streams)
@@ -291,10 +334,12 @@ class Copier:
 
 
 async def remote_sha256(copier: Copier, path: str, start: int, length: int) -> str:
-    """The SHA-256 of bytes ``[start, start + length)`` of ``path`` at the site."""
+    """The SHA-256 of bytes ``[start, start + length)`` of ``path`` at the site (hex; ""
+    when the site's answer is no such line, which matches no prefix)."""
     out = await copier.output(f"tail -c +{start + 1} {shlex.quote(path)} | head -c {length} "
-                              "| sha256sum")
-    return out.decode("ascii", "replace").split(" ")[0]
+                              "| sha256sum", SHA256_ANSWER_BYTES)
+    digest = out.split(b" ")[0]
+    return digest.decode("ascii") if _SHA256_HEX.fullmatch(digest) else ""
 
 
 def local_sha256(fd: int, start: int, length: int) -> str:

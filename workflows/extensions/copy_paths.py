@@ -20,10 +20,11 @@ from xffl.workflows.extensions.copies import (
     CopyInterrupted,
     CopyRefused,
     Listing,
+    ListingReader,
     Piece,
-    check_listing,
     closing_fds,
     join,
+    listing_bytes,
     local_listing,
     local_sha256,
     pieces,
@@ -39,6 +40,7 @@ _NOFOLLOW_WRITE = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 INLINE_FILE_BYTES = 1 << 20
 INLINE_TOTAL_BYTES = 4 << 20
 _END = "XFFL_END_OF_FILE"
+FOLDER_ANSWER_BYTES = 64  # "folder\n", or nothing
 
 
 def _inside(path: str, real_dst: str) -> bool:
@@ -72,12 +74,23 @@ def _local_targets(listing: Listing, dst: str) -> dict[str, str]:
 async def download(copier: Copier, src: str, dst: str, max_bytes: int,
                    max_members: int) -> Listing:
     """Copy the site's ``src`` (a file or folder) to the local ``dst``; return its listing."""
-    what = f"{src} from the site"
+    what = f"{src!r} from the site"
+    # the listing is checked as it arrives, and read no further than its caps allow
+    cap = listing_bytes(max_members)
+    copier.limit(cap, what)
+
+    listed_bytes = 0
+
+    async def listed() -> Listing:
+        nonlocal listed_bytes
+        reader = ListingReader(src, max_bytes, max_members)
+        listed_bytes = await copier.stream(FIND.format(src=shlex.quote(src)), reader.feed, cap)
+        return reader.finish()
+
     # the round trip is measured beside the listing (it sets how many streams the copy uses)
-    raw, _ = await asyncio.gather(
-        copier.retrying(what, lambda: copier.output(FIND.format(src=shlex.quote(src)))),
-        copier.fit_streams())
-    listing = check_listing(raw, src, max_bytes, max_members)
+    listing: Listing = (await asyncio.gather(copier.retrying(what, listed),
+                                             copier.fit_streams()))[0]
+    copier.limit(listed_bytes + listing.bytes, what)  # the copy's own bytes, listing included
     targets = _local_targets(listing, dst)
     todo = pieces(listing.files, copier.streams)
     async with closing_fds(targets, _NOFOLLOW_WRITE) as fds:
@@ -108,7 +121,7 @@ async def download(copier: Copier, src: str, dst: str, max_bytes: int,
                                       f"more than the {listing.files[p.rel]} bytes it listed")
                 status = await copier.bounded(proc.wait())
             if p.done < p.length:
-                raise CopyInterrupted(f"{join(src, p.rel)}: {p.done} of {p.length} bytes of "
+                raise CopyInterrupted(f"{join(src, p.rel)!r}: {p.done} of {p.length} bytes of "
                                       f"a piece arrived (exit {status.exit_status})")
 
         async def verify(p: Piece) -> None:
@@ -159,8 +172,10 @@ async def destination(copier: Copier, src: str, dst: str) -> str:
     """Where the copy of ``src`` goes: ``dst/basename(src)`` when ``dst`` is a folder at the
     site, else ``dst`` (upstream's ``get_local_to_remote_destination``, asked on a channel
     of its own rather than through the persistent shell: a round trip, not a shell start)."""
-    out = await copier.retrying(f"{src} to {dst} at the site", lambda: copier.output(
-        f"if test -d {shlex.quote(dst)}; then echo folder; fi"))
+    what = f"{src!r} to {dst!r} at the site"
+    copier.limit(FOLDER_ANSWER_BYTES, what)
+    out = await copier.retrying(what, lambda: copier.output(
+        f"if test -d {shlex.quote(dst)}; then echo folder; fi", FOLDER_ANSWER_BYTES))
     return posixpath.join(dst, os.path.basename(src)) if out.strip() == b"folder" else dst
 
 
@@ -169,8 +184,9 @@ async def upload(copier: Copier, src: str, dst: str) -> Listing:
 
     The setup script (folders, sizes, the small files) runs beside the pieces: each piece
     makes its own folder first."""
-    what = f"{src} to {dst} at the site"
+    what = f"{src!r} to {dst!r} at the site"
     listing = local_listing(src)
+    copier.limit(listing.bytes, what)
     paths = {rel: os.path.join(src, *rel.split("/")) if rel else src for rel in listing.files}
     executable = [rel for rel, path in paths.items() if os.stat(path).st_mode & 0o100]
     inline = {}

@@ -15,6 +15,10 @@ what this subclass (registered by xffl's StreamFlow plugin) does instead:
   by what the run's round-0 global holds, ``copyReference``, times ``copyFactor`` plus room
   for the JSON files, and never above ``maxCopyBytes``/``maxCopyMembers``). With a
   ``dataTransferConnection`` (a profile's ``transfer_host``) copies go through it;
+* what the site answers is read whole by upstream, bounded only by a stall timeout; here
+  each answer is read as it arrives with a byte cap, and each copy has an overall deadline
+  (its bytes at ``copyMinRate``, never past ``copyTimeout``, the round's time limit), so a
+  site that never stops talking, or trickles, fails its copy instead of the coordinator;
 * the job folders StreamFlow creates at the site are ``mkdir -m 777``: another user of the
   facility could swap a job's ``update/`` before it is copied back. Here they are ``700``;
 * host keys are checked against the user's ``~/.ssh/known_hosts`` only; here the site
@@ -50,7 +54,7 @@ from xffl.workflows.extensions.caps import (
     reference_caps,
 )
 from xffl.workflows.extensions.connection import KnownHostsContext, round_trip
-from xffl.workflows.extensions.copies import Copier, Progress
+from xffl.workflows.extensions.copies import COPY_MIN_RATE, Copier, Progress
 from xffl.workflows.extensions.copy_paths import destination, download, upload
 from xffl.workflows.extensions.login import LoginShellConnector
 
@@ -67,10 +71,14 @@ class XfflSshConnector(LoginShellConnector):
                  maxCopyBytes: int = MAX_COPY_BYTES, maxCopyMembers: int = MAX_COPY_MEMBERS,
                  copyReference: str | None = None, copyFactor: float = DEFAULT_COPY_FACTOR,
                  copyStreams: int = DEFAULT_STREAMS, copyStreamsFromRtt: bool = True,
-                 copyRetries: int = DEFAULT_COPY_RETRIES, **kwargs: Any) -> None:
+                 copyRetries: int = DEFAULT_COPY_RETRIES, copyTimeout: float | None = None,
+                 copyMinRate: float = COPY_MIN_RATE, **kwargs: Any) -> None:
         """As SSHConnector, with ``knownHosts``, the caps of a copy from the site, the
-        channels of one copy (fewer on a short round trip: ``copyStreamsFromRtt``) and the
-        times a dropped copy is resumed."""
+        channels of one copy (fewer on a short round trip: ``copyStreamsFromRtt``), the
+        times a dropped copy is resumed and its overall deadline (``copyTimeout``, the
+        round's time limit, and ``copyMinRate``: see :meth:`Copier.limit`)."""
+        self.copyTimeout = copyTimeout
+        self.copyMinRate = copyMinRate
         self.knownHosts = knownHosts
         self.copyStreams = copyStreams
         self.copyStreamsFromRtt = copyStreamsFromRtt
@@ -125,6 +133,12 @@ class XfflSshConnector(LoginShellConnector):
                 "copyRetries": {"type": "integer", "minimum": 0, "maximum": 100,
                                 "description": "times one copy is resumed after a dropped "
                                 "connection before it fails"},
+                "copyTimeout": {"type": "number", "exclusiveMinimum": 0, "description":
+                                "seconds one copy may take at most (the round's time "
+                                "limit)"},
+                "copyMinRate": {"type": "number", "exclusiveMinimum": 0, "description":
+                                "bytes/s: a copy fails once it takes longer than its bytes "
+                                "at this rate (plus a stall window per attempt)"},
             },
             "unevaluatedProperties": False,
         })
@@ -152,9 +166,10 @@ class XfflSshConnector(LoginShellConnector):
             proc = await context.__aenter__()
             try:
                 yield proc
-            finally:
+            finally:  # the channel's close, bounded: a site need not answer it
                 with contextlib.suppress(Exception):
-                    await context.__aexit__(None, None, None)
+                    await asyncio.wait_for(context.__aexit__(None, None, None),
+                                           float(self.connectTimeout))
 
         async def recover() -> None:
             # upstream reconnects only once a new channel fails to open on the dead
@@ -175,12 +190,14 @@ class XfflSshConnector(LoginShellConnector):
         return Copier(open_process, recover, self.copyStreams, self.copyRetries,
                       float(self.retryDelay), self.transferBufferSize,
                       stall_s=float(self.connectTimeout),
-                      round_trip=measure if self.copyStreamsFromRtt else None)
+                      round_trip=measure if self.copyStreamsFromRtt else None,
+                      timeout_s=self.copyTimeout, min_rate=self.copyMinRate)
 
     async def copy_remote_to_local(self, src: str, dst: str, location: ExecutionLocation,
                                    read_only: bool = False) -> None:
         """The site's ``src`` to ``dst`` here: checked listing, parallel resumable pieces."""
-        logger.info(f"COPYING from {src} on location {location} to {dst} on local file-system")
+        logger.info(f"COPYING from {src!r} on location {location} to {dst!r} on local "
+                    "file-system")
         copier = self._copier(location)
         caps = self.copy_caps()
         self.progress[src] = copier.progress
@@ -188,7 +205,7 @@ class XfflSshConnector(LoginShellConnector):
             await download(copier, src, dst, caps.bytes, caps.members)
         finally:
             self.progress.pop(src, None)
-        logger.info(f"COMPLETED copy from {src} on location {location} to {dst} on local "
+        logger.info(f"COMPLETED copy from {src!r} on location {location} to {dst!r} on local "
                     f"file-system ({copier.describe()})")
 
     async def copy_local_to_remote(self, src: str, dst: str,
@@ -198,7 +215,7 @@ class XfflSshConnector(LoginShellConnector):
         dst = await destination(self._copier(locations[0]), src, dst)
 
         async def one(location: ExecutionLocation) -> None:
-            logger.info(f"COPYING from {src} on local file-system to {dst} on location "
+            logger.info(f"COPYING from {src!r} on local file-system to {dst!r} on location "
                         f"{location}")
             copier = self._copier(location)
             self.progress[src] = copier.progress
@@ -206,7 +223,7 @@ class XfflSshConnector(LoginShellConnector):
                 await upload(copier, src, dst)
             finally:
                 self.progress.pop(src, None)
-            logger.info(f"COMPLETED copy from {src} on local file-system to {dst} on location "
+            logger.info(f"COMPLETED copy from {src!r} on local file-system to {dst!r} on location "
                         f"{location} ({copier.describe()})")
 
         await asyncio.gather(*(one(location) for location in locations))

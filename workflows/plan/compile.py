@@ -101,6 +101,11 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
     sites, targets, owners = site_targets(
         {s.name: loaded.site_profile(s.name) for s in loaded.spec.sites}, out, final)
     deployments.update(sites)
+    copy_limit = train_time_limit(loaded.spec)
+    for site in loaded.spec.sites:  # no copy to or from a site outlasts a round's job
+        login = deployments.get(f"login-{site.name}")
+        if copy_limit is not None and login is not None:
+            login["config"]["copyTimeout"] = copy_limit
     late = adopting(loaded.spec)
     for site in loaded.spec.sites:  # SLURM sites leave a late job running, then adopt it
         slurm = deployments.get(f"slurm-{site.name}")

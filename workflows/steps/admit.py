@@ -48,6 +48,7 @@ from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import round_report_bounds
 from xffl.workflows.steps.late import read_adopted, read_late
+from xffl.workflows.steps.rejected import keep_rejected
 from xffl.workflows.steps.tool import step_parser
 from xffl.workflows.steps.verdict import VERDICT_FILE, Verdict
 
@@ -223,6 +224,12 @@ def run_step(args: argparse.Namespace) -> int:
                               bounds, spec.exchange, spec.freeze_a,
                               spec.round_deadline.staleness if spec.round_deadline else None)
     _record(layout, verdict, update)
+    if update is not None and verdict.state == SiteState.REJECTED:
+        try:  # a rejected copy from a site is kept a while, within caps, then removed
+            keep_rejected(layout, args.round, args.site, update, Path(args.previous))
+        except OSError as exc:
+            print(f"round {args.round}: site {args.site}: the rejected update was not "
+                  f"moved ({exc})", file=sys.stderr)
     out: dict[str, Any] = {"update": None}
     if manifest is not None and update is not None:
         kept = [MANIFEST_FILE, *manifest.files]  # files of the global's kind (admission)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from xffl.workflows.extensions.copies import (
     Copier,
     CopyRefused,
     Listing,
+    ListingReader,
     check_listing,
     pieces,
     streams_for_rtt,
@@ -31,6 +34,7 @@ from xffl.workflows.extensions.copy_paths import (
     download,
     upload,
 )
+from xffl.workflows.extensions.site_listing import ENTRY_BYTES
 
 
 class _Status:
@@ -50,7 +54,7 @@ class _Proc:
 
 
 def _copier(path: str | None = None, streams: int = 2,
-            round_trip: Any = None) -> Copier:
+            round_trip: Any = None, retries: int = 0) -> Copier:
     env = dict(os.environ, PATH=f"{path}:{os.environ['PATH']}" if path else os.environ["PATH"])
 
     @contextlib.asynccontextmanager
@@ -68,7 +72,7 @@ def _copier(path: str | None = None, streams: int = 2,
     async def recover() -> None:
         """Nothing to reconnect."""
 
-    return Copier(open_process, recover, streams, retries=0, retry_delay=0,
+    return Copier(open_process, recover, streams, retries=retries, retry_delay=0,
                   buffer_size=1 << 16, stall_s=30, round_trip=round_trip)
 
 
@@ -172,10 +176,80 @@ def test_a_copy_uses_the_streams_its_round_trip_needs(tmp_path: Path, rtt: Any,
     (b"d 0 \0f -3 neg\0", "not a regular file or folder"),
     (b"d 0 \0f 2000 big\0", "exceeds 1000 bytes"),
     (b"d 0 \0" + b"".join(b"f 1 f%d\0" % i for i in range(11)), "more than 10 files"),
+    # digits that are not ASCII: str.isdigit() takes them, int() does not (HEAD: ValueError)
+    (b"d 0 \0f \xc2\xb2 squared\0", "not a regular file or folder"),
+    (b"d 0 \0f \xd9\xa3 arabic-three\0", "not a regular file or folder"),
+    # one name twice, or under a file (HEAD: IsADirectoryError/NotADirectoryError on write)
+    (b"d 0 \0f 1 a\0d 0 a\0", "listed twice"),
+    (b"d 0 \0f 1 a\0f 2 a\0", "listed twice"),
+    (b"d 0 \0f 1 a\0f 1 a/b\0", "not in a folder listed before it"),
+    (b"d 0 \0f 1 sub/b\0", "not in a folder listed before it"),
+    (b"f 2 \0f 1 b\0", "not in a folder listed before it"),  # the copied path is a file
+    (b"d 0 \0f 1 " + b"n" * 1100 + b"\0", "longer than 1024 bytes"),
 ])
 def test_a_hostile_listing_is_refused(raw: bytes, why: str) -> None:
     with pytest.raises(CopyRefused, match=why):
         check_listing(raw, "update", max_bytes=1000, max_members=10)
+
+
+def test_a_listing_is_checked_as_it_arrives() -> None:
+    """An entry with no end is refused once it is longer than any entry can be, and the
+    caps are met before the rest of the listing is read."""
+    reader = ListingReader("update", max_bytes=1000, max_members=10)
+    reader.feed(b"d 0 \0f 3 model.safe")
+    reader.feed(b"tensors\0")
+    with pytest.raises(CopyRefused, match="an entry of its listing is longer than"):
+        reader.feed(b"f 1 " + b"n" * ENTRY_BYTES)
+    reader = ListingReader("update", max_bytes=1000, max_members=10)
+    with pytest.raises(CopyRefused, match="more than 10 files"):
+        for i in range(1 << 20):  # stops at the 11th entry, not at the end
+            reader.feed(b"f 1 f%d\0" % i)
+    assert i == 10
+
+
+def test_a_hostile_find_cannot_list_a_name_twice(tmp_path: Path) -> None:
+    """HEAD made folder ``a`` and then opened it as the file ``a``: IsADirectoryError."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "find").write_text("#!/bin/sh\nprintf 'd 0 \\0d 0 a\\0f 3 a\\0'\n")
+    (bin_dir / "find").chmod(0o700)
+    (tmp_path / "site").mkdir()
+    with pytest.raises(CopyRefused, match="listed twice"):
+        asyncio.run(download(_copier(str(bin_dir)), str(tmp_path / "site"),
+                             str(tmp_path / "back"), 1 << 30, 100))
+    assert not (tmp_path / "back").exists()
+
+
+# a file's name may hold any byte but "/" and NUL: a forged line of streamflow.log
+FORGED = "\n2026-01-01 00:00:00.000 INFO     EXECUTING step train_alpha (job x) --round 3"
+
+
+def test_a_site_chosen_name_cannot_forge_a_log_line(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A name with a newline (a valid name) in a copy that drops once and resumes: every
+    line xffl-ssh logs about it is one line (``xffl logs`` parses streamflow.log by line)."""
+    from streamflow.log_handler import logger
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / f"x{FORGED}").write_bytes(b"y" * 1000)
+    bin_dir = tmp_path / "bin"  # the first `head` sends 10 bytes and fails: a dropped copy
+    bin_dir.mkdir()
+    (bin_dir / "head").write_text(
+        f"#!/bin/sh\nif [ ! -e {tmp_path}/dropped ]; then touch {tmp_path}/dropped; "
+        f'printf 0123456789; exit 1; fi\nexec {shutil.which("head")} "$@"\n')
+    (bin_dir / "head").chmod(0o700)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="streamflow"):
+            asyncio.run(download(_copier(str(bin_dir), streams=1, retries=1), str(site),
+                                 str(tmp_path / "back"), 1 << 30, 100))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert (tmp_path / "back" / f"x{FORGED}").read_bytes() == b"y" * 1000
+    said = [r.getMessage() for r in caplog.records]
+    assert any("RESUMING" in m for m in said) and any("dropped" in m for m in said), said
+    assert all("\n" not in m for m in said), said
 
 
 def test_a_link_in_the_destination_is_not_followed(tmp_path: Path) -> None:

@@ -271,7 +271,11 @@ def test_late_adopt_bounds_the_train_step_by_the_deadline_and_configures_the_con
     limits = {s: yaml.safe_load(layout.tool(f"train_{s}").read_text())["requirements"]
               ["ToolTimeLimit"]["timelimit"] for s in ("alpha", "beta")}
     assert limits == dict.fromkeys(("alpha", "beta"), 121 if late == "adopt" else 900)
-    config = yaml.safe_load(layout.streamflow.read_text())["deployments"]["slurm-alpha"]["config"]
+    deployments = yaml.safe_load(layout.streamflow.read_text())["deployments"]
+    config = deployments["slurm-alpha"]["config"]
+    # no copy to or from the SSH site outlasts the time limit of the round's job
+    assert deployments["login-alpha"]["config"]["copyTimeout"] == \
+        (120.5 if late == "adopt" else 900)
     if late == "adopt":
         assert config["late"] == {"runDir": str(layout.root), "site": "alpha", "maxRounds": 3}
     else:
