@@ -1,0 +1,191 @@
+"""Before anything is queued: every site's data folders and, for a LoRA job, its peft.
+
+``xffl submit`` checks them through each site's own connection (the SSH login it already
+verified; the local filesystem for a local site), so a missing, empty or mis-tokenized data
+folder is refused at once instead of failing round 1 after the queue wait. What a site sends
+back is read as numbers only: the size of train.bin and meta.json's fields. A synthetic
+data.path is generated at the site on first use: nothing to check there.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from xffl.core.errors import ConnectionFailed, InvalidInput
+from xffl.jobs.load import LoadedJob
+from xffl.jobs.peft_check import PROBE, install_command
+from xffl.jobs.spec import SiteSpec
+from xffl.site_profiles.schema import SiteProfile, SshConnector
+from xffl.workflows.plan.deployments import site_data_path, site_python, site_workdir
+
+META_LIMIT = 65536  # the most bytes of a site's meta.json read back (xffl writes < 1 KiB)
+ITEM_BYTES = {"uint16": 2, "uint32": 4}  # meta.json's dtypes (xffl.training.data)
+DEFAULT_VOCAB = 256  # a meta.json without vocab_size: bytes (as the trainer reads it)
+_MISSING, _NOT_DIR, _NO_META = 3, 4, 5  # exit codes of the probe script
+
+#: runs a shell command at the site: (exit status, stdout, stderr)
+Runner = Callable[[str], tuple[int, str, str]]
+
+
+@dataclass(frozen=True)
+class Folder:
+    """One data folder of a site: the job spec's field and text, and where it is there."""
+
+    field: str
+    given: str
+    where: str
+
+
+def site_folders(profile: SiteProfile, site: SiteSpec) -> list[Folder]:
+    """The data folders ``site`` reads, resolved as its trainer does (relative: the workdir)."""
+    found = []
+    if site.data.synthetic is None:
+        found.append(Folder("data.path", site.data.path,
+                            site_data_path(profile, site.name, site.data.path)))
+    held_out = site.data.validation
+    if held_out is not None and held_out.path is not None:
+        found.append(Folder("data.validation.path", held_out.path,
+                            site_data_path(profile, site.name, held_out.path)))
+    return found
+
+
+def shell_path(path: str) -> str:
+    """``path`` as one shell word: quoted, with a leading ``~/`` left to the site's $HOME."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return f'"$HOME"/{shlex.quote(path[2:])}'
+    return shlex.quote(path)
+
+
+def probe_script(folder: str) -> str:
+    """Exit 3 (missing), 4 (not a folder) or 5 (no readable meta.json); else print
+    train.bin's size (-1 without it) and the first bytes of meta.json."""
+    return (f'd={shell_path(folder)}; [ -e "$d" ] || exit {_MISSING}; '
+            f'[ -d "$d" ] || exit {_NOT_DIR}; [ -r "$d/meta.json" ] || exit {_NO_META}; '
+            f'stat -c %s "$d/train.bin" 2>/dev/null || echo -1; '
+            f'head -c {META_LIMIT} "$d/meta.json"')
+
+
+def _meta_problem(out: str, vocab: int) -> tuple[str, str] | None:
+    """(what is wrong, the fix) of a probe's output against the model's ``vocab``, or None."""
+    size_text, _, text = out.partition("\n")
+    again = "prepare the data again (`xffl data prepare`)"
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("dtype") not in ITEM_BYTES:
+        return "holds a meta.json that is not xffl's (no dtype uint16 or uint32)", again
+    tokens = meta.get("num_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        return "holds a meta.json whose num_tokens is not a count", again
+    if tokens == 0:
+        return "holds no tokens (meta.json's num_tokens is 0)", \
+            "prepare it from data that is not empty (`xffl data prepare`)"
+    size = int(size_text) if size_text.strip().lstrip("-").isdigit() else -1
+    expected = tokens * ITEM_BYTES[meta["dtype"]]
+    if size != expected:
+        have = "has no train.bin" if size < 0 else f"has a train.bin of {size} bytes"
+        return f"{have}, where meta.json promises {tokens} {meta['dtype']} tokens", again
+    used = meta.get("vocab_size", DEFAULT_VOCAB)
+    if isinstance(used, int) and not isinstance(used, bool) and used > vocab:
+        return (f"was tokenized for a vocabulary of {used} tokens, more than the model's "
+                f"vocab_size {vocab}"), ("prepare it with the model's own tokenizer "
+                                         "(`xffl data prepare --tokenizer`)")
+    return None
+
+
+def _folder_problem(run: Runner, profile: SiteProfile, site: str, folder: Folder,
+                    vocab: int) -> tuple[str, str] | None:
+    """(what is wrong with ``folder`` at the site, the fix), or None when it can train."""
+    rc, out, err = run(probe_script(folder.where))
+    relative = not folder.given.startswith(("/", "~"))
+    if rc == _MISSING:
+        if relative:
+            return ("does not exist", f"{folder.field} {folder.given!r} is relative, so it is "
+                    f"read under the site profile's workdir {site_workdir(profile, site)}: give "
+                    "the folder's absolute path at the site, or prepare the data there")
+        return "does not exist", (f"prepare the data there (`xffl data prepare ... -o "
+                                  f"{shlex.quote(folder.where)}`) or fix {folder.field}")
+    if rc == _NOT_DIR:
+        return "is not a folder", f"point {folder.field} at a folder `xffl data prepare` wrote"
+    if rc == _NO_META:
+        return "has no readable meta.json", ("point it at a folder `xffl data prepare` wrote, "
+                                             "or prepare the data there again")
+    if rc != 0:
+        raise ConnectionFailed(
+            f"site {site!r}: cannot read its {folder.field} folder {folder.where} "
+            f"({(err.strip().splitlines() or [f'exit {rc}'])[-1]}); check the connection "
+            f"with `xffl profiles check {profile.name}`.")
+    return _meta_problem(out, vocab)
+
+
+def _peft_problem(run: Runner, python: str) -> str | None:
+    """Why ``python`` at the site cannot train a LoRA job (peft missing), or None."""
+    rc, _, err = run(f"{shlex.quote(python)} -c {shlex.quote(PROBE)}")
+    if rc == 0:
+        return None
+    if rc == 1 and not err.strip():
+        return (f"its Python {python} cannot import peft, which a LoRA job (training.lora) "
+                f"needs; install it there: `{install_command(python)}`")
+    last = (err.strip().splitlines() or [f"exit {rc}"])[-1]
+    return (f"its Python {python} does not run ({last}); fix python in the site profile "
+            "(`xffl profiles check` shows it)")
+
+
+def _local(command: str) -> tuple[int, str, str]:
+    """Run ``command`` in this machine's shell: a local site's filesystem is this one's."""
+    try:
+        proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                              timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return 124, "", "timed out after 120 s"
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int) -> list[str]:
+    """Every reason ``site`` would fail its first round, as one sentence each."""
+    profile = loaded.site_profile(site.name)
+    where = f"{loaded.path}: site {site.name!r}"
+    found = []
+    remote = isinstance(profile.connector, SshConnector)
+    if loaded.spec.training.lora is not None and (remote or profile.python is not None):
+        problem = _peft_problem(run, site_python(profile))
+        if problem is not None:
+            found.append(f"{where}: {problem}.")
+    for folder in site_folders(profile, site):
+        bad = _folder_problem(run, profile, site.name, folder, vocab)
+        if bad is not None:
+            found.append(f"{where}: its {folder.field} folder {folder.where} {bad[0]}; "
+                         f"{bad[1]}.")
+    return found
+
+
+def check_sites_ready(loaded: LoadedJob) -> None:
+    """InvalidInput (exit 2) naming every site whose data (or peft) would fail round 1.
+
+    One connection per SSH site (host key verified, as every xffl login); a connection that
+    fails is ConnectionFailed (exit 3).
+    """
+    from xffl.site_profiles.remote import connect, run
+    from xffl.training.arch import build_config
+
+    vocab = build_config(loaded.spec.model).vocab_size
+    found: list[str] = []
+    for site in loaded.spec.sites:
+        profile = loaded.site_profile(site.name)
+        if not isinstance(profile.connector, SshConnector):
+            found += site_problems(loaded, site, _local, vocab)
+            continue
+        if loaded.spec.training.lora is None and not site_folders(profile, site):
+            continue  # nothing to ask this site
+        with connect(profile) as client:
+            found += site_problems(loaded, site, partial(run, client), vocab)
+    if found:
+        raise InvalidInput(found[0], lines=found)
