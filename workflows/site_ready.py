@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -69,7 +70,7 @@ def probe_script(folder: str) -> str:
     return (f'd={shell_path(folder)}; [ -e "$d" ] || exit {_MISSING}; '
             f'[ -d "$d" ] || exit {_NOT_DIR}; [ -r "$d/meta.json" ] || exit {_NO_META}; '
             f'stat -c %s "$d/train.bin" 2>/dev/null || echo -1; '
-            f'head -c {META_LIMIT} "$d/meta.json"')
+            f'dd if="$d/meta.json" bs={META_LIMIT} count=1 2>/dev/null')
 
 
 def _meta_problem(out: str, vocab: int) -> tuple[str, str] | None:
@@ -150,21 +151,44 @@ def _local(command: str) -> tuple[int, str, str]:
 
 
 def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int) -> list[str]:
-    """Every reason ``site`` would fail its first round, as one sentence each."""
+    """Every reason ``site`` would fail its first round (``its ...; the fix``), one each."""
     profile = loaded.site_profile(site.name)
-    where = f"{loaded.path}: site {site.name!r}"
     found = []
     remote = isinstance(profile.connector, SshConnector)
     if loaded.spec.training.lora is not None and (remote or profile.python is not None):
         problem = _peft_problem(run, site_python(profile))
         if problem is not None:
-            found.append(f"{where}: {problem}.")
+            found.append(problem)
     for folder in site_folders(profile, site):
         bad = _folder_problem(run, profile, site.name, folder, vocab)
         if bad is not None:
-            found.append(f"{where}: its {folder.field} folder {folder.where} {bad[0]}; "
-                         f"{bad[1]}.")
+            found.append(f"its {folder.field} folder {folder.where} {bad[0]}; {bad[1]}")
     return found
+
+
+@contextmanager
+def site_runner(profile: SiteProfile) -> Iterator[Runner]:
+    """Run shell commands at the site: over one verified SSH login, or here for a local one."""
+    if not isinstance(profile.connector, SshConnector):
+        yield _local
+        return
+    from xffl.site_profiles.remote import connect, run
+
+    with connect(profile) as client:
+        yield partial(run, client)
+
+
+def _asks(loaded: LoadedJob, site: SiteSpec) -> bool:
+    """Whether there is anything to ask ``site`` (a folder to check, or peft)."""
+    return loaded.spec.training.lora is not None or bool(
+        site_folders(loaded.site_profile(site.name), site))
+
+
+def _vocab(loaded: LoadedJob) -> int:
+    """The model's vocab_size (preset or init's config.json, with the overrides)."""
+    from xffl.training.arch import build_config
+
+    return build_config(loaded.spec.model).vocab_size
 
 
 def check_sites_ready(loaded: LoadedJob) -> None:
@@ -173,19 +197,35 @@ def check_sites_ready(loaded: LoadedJob) -> None:
     One connection per SSH site (host key verified, as every xffl login); a connection that
     fails is ConnectionFailed (exit 3).
     """
-    from xffl.site_profiles.remote import connect, run
-    from xffl.training.arch import build_config
-
-    vocab = build_config(loaded.spec.model).vocab_size
+    vocab = _vocab(loaded)
     found: list[str] = []
     for site in loaded.spec.sites:
-        profile = loaded.site_profile(site.name)
-        if not isinstance(profile.connector, SshConnector):
-            found += site_problems(loaded, site, _local, vocab)
+        if not _asks(loaded, site):
             continue
-        if loaded.spec.training.lora is None and not site_folders(profile, site):
-            continue  # nothing to ask this site
-        with connect(profile) as client:
-            found += site_problems(loaded, site, partial(run, client), vocab)
+        with site_runner(loaded.site_profile(site.name)) as run:
+            found += [f"{loaded.path}: site {site.name!r}: {p}."
+                      for p in site_problems(loaded, site, run, vocab)]
     if found:
         raise InvalidInput(found[0], lines=found)
+
+
+def data_rows(loaded: LoadedJob, profile: str) -> list[tuple[str, bool, str]]:
+    """`xffl profiles check NAME --data JOB`: a row (check, ok, detail) per site of the job
+    on profile ``profile``."""
+    sites = [s for s in loaded.spec.sites if s.profile == profile]
+    if not sites:
+        raise InvalidInput(f"{loaded.path}: no site of the job runs on profile {profile!r}; "
+                           "name one of its profiles ("
+                           f"{', '.join(sorted({s.profile for s in loaded.spec.sites}))}).")
+    vocab = _vocab(loaded)
+    rows = []
+    for site in sites:
+        if not _asks(loaded, site):
+            rows.append((f"data {site.name}", True, "synthetic: made at the site on first use"))
+            continue
+        with site_runner(loaded.site_profile(site.name)) as run:
+            problems = site_problems(loaded, site, run, vocab)
+        folders = [f.where for f in site_folders(loaded.site_profile(site.name), site)]
+        rows.append((f"data {site.name}", not problems,
+                     "; ".join(problems) or f"ready: {', '.join(folders) or 'peft'}"))
+    return rows

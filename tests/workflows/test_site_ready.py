@@ -110,3 +110,19 @@ def test_a_relative_data_path_is_read_under_the_workdir(tmp_path: Path,
     done = runner.invoke(app, ["submit", str(_quickstart(tmp_path, "prepared")), "--no-start",
                                "--json"])
     assert done.exit_code == 0, done.output
+
+
+def test_profiles_check_data_shows_each_sites_folders(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`xffl profiles check local --data JOB`: a row per site of the job on that profile;
+    alpha's folder tokenized for a larger vocabulary fails it (exit 1), beta's synthetic
+    data passes."""
+    monkeypatch.chdir(tmp_path)
+    path, folder = bad_data("vocab", tmp_path, tmp_path / "pwned")
+    done = runner.invoke(app, ["profiles", "check", "local", "--data",
+                               str(_quickstart(tmp_path, path)), "--json"])
+    assert done.exit_code == 1, done.output
+    rows = {r["check"]: r for r in json.loads(done.stdout)["checks"]}
+    assert not rows["data alpha"]["ok"] and rows["data beta"]["ok"], rows
+    assert f"its data.path folder {folder} was tokenized for a vocabulary of 50000 tokens" in \
+        rows["data alpha"]["detail"]
