@@ -55,19 +55,18 @@ def site_folders(profile: SiteProfile, site: SiteSpec) -> list[Folder]:
     return found
 
 
-def shell_path(path: str) -> str:
-    """``path`` as one shell word: quoted, with a leading ``~/`` left to the site's $HOME."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return f'"$HOME"/{shlex.quote(path[2:])}'
-    return shlex.quote(path)
+def said(err: str, rc: int) -> str:
+    """The last line a site wrote to stderr (else its exit status), printable and short:
+    a facility's words reach the user's terminal."""
+    last = (err.strip().splitlines() or [f"exit {rc}"])[-1]
+    return "".join(c if c.isprintable() else "?" for c in last)[:200]
 
 
 def probe_script(folder: str) -> str:
     """Exit 3 (missing), 4 (not a folder) or 5 (no readable meta.json); else print
-    train.bin's size (-1 without it) and the first bytes of meta.json."""
-    return (f'd={shell_path(folder)}; [ -e "$d" ] || exit {_MISSING}; '
+    train.bin's size (-1 without it) and the first bytes of meta.json. The folder is one
+    quoted word, as the trainer gets it (a ``~`` is not expanded there either)."""
+    return (f'd={shlex.quote(folder)}; [ -e "$d" ] || exit {_MISSING}; '
             f'[ -d "$d" ] || exit {_NOT_DIR}; [ -r "$d/meta.json" ] || exit {_NO_META}; '
             f'stat -c %s "$d/train.bin" 2>/dev/null || echo -1; '
             f'dd if="$d/meta.json" bs={META_LIMIT} count=1 2>/dev/null')
@@ -106,12 +105,15 @@ def _folder_problem(run: Runner, profile: SiteProfile, site: str, folder: Folder
                     vocab: int) -> tuple[str, str] | None:
     """(what is wrong with ``folder`` at the site, the fix), or None when it can train."""
     rc, out, err = run(probe_script(folder.where))
-    relative = not folder.given.startswith(("/", "~"))
+    relative = not folder.given.startswith(("/", "~"))  # site_data_path's rule
     if rc == _MISSING:
         if relative:
             return ("does not exist", f"{folder.field} {folder.given!r} is relative, so it is "
                     f"read under the site profile's workdir {site_workdir(profile, site)}: give "
                     "the folder's absolute path at the site, or prepare the data there")
+        if folder.given.startswith("~"):
+            return "does not exist", (f"{folder.field} reaches the trainer as written, "
+                                      "without expanding ~: give the folder's absolute path")
         return "does not exist", (f"prepare the data there (`xffl data prepare ... -o "
                                   f"{shlex.quote(folder.where)}`) or fix {folder.field}")
     if rc == _NOT_DIR:
@@ -122,7 +124,7 @@ def _folder_problem(run: Runner, profile: SiteProfile, site: str, folder: Folder
     if rc != 0:
         raise ConnectionFailed(
             f"site {site!r}: cannot read its {folder.field} folder {folder.where} "
-            f"({(err.strip().splitlines() or [f'exit {rc}'])[-1]}); check the connection "
+            f"({said(err, rc)}); check the connection "
             f"with `xffl profiles check {profile.name}`.")
     return _meta_problem(out, vocab)
 
@@ -135,8 +137,7 @@ def _peft_problem(run: Runner, python: str) -> str | None:
     if rc == 1 and not err.strip():
         return (f"its Python {python} cannot import peft, which a LoRA job (training.lora) "
                 f"needs; install it there: `{install_command(python)}`")
-    last = (err.strip().splitlines() or [f"exit {rc}"])[-1]
-    return (f"its Python {python} does not run ({last}); fix python in the site profile "
+    return (f"its Python {python} does not run ({said(err, rc)}); fix python in the site profile "
             "(`xffl profiles check` shows it)")
 
 
