@@ -91,10 +91,10 @@ def test_load_tokens_checks_size_against_meta(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="dtype"):
         read_meta(tmp_path)
     # a folder that is not there says so (not "no meta.json"), and where a relative one is
-    with pytest.raises(InvalidInput, match="no such folder.*under the site profile's workdir"):
+    with pytest.raises(InvalidInput, match=r"no such folder.*under the site profile's workdir"):
         read_meta(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(InvalidInput, match="no meta.json"):
+    with pytest.raises(InvalidInput, match=r"no meta\.json"):
         read_meta(tmp_path / "empty")
 
 
