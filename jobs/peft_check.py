@@ -8,10 +8,11 @@ import shlex
 #: the peft xffl is tested with (pyproject.toml's dependency), for install commands
 PEFT_REQUIREMENT = "peft>=0.13,<1"
 
-#: a Python one-liner that exits 0 when peft is importable, 1 when it is not (no import:
-#: finding the package is enough, and importing it would cost seconds of torch)
+#: a Python one-liner that exits 0 when peft is importable, PROBE_MISSING when it is not (no
+#: import: finding the package is enough, and importing it would cost seconds of torch)
+PROBE_MISSING = 3
 PROBE = ("import importlib.util as u, sys; "
-         "sys.exit(0 if u.find_spec('peft') is not None else 1)")
+         f"sys.exit(0 if u.find_spec('peft') is not None else {PROBE_MISSING})")
 
 
 def peft_installed() -> bool:

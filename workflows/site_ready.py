@@ -19,7 +19,7 @@ from functools import partial
 
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.jobs.load import LoadedJob
-from xffl.jobs.peft_check import PROBE, install_command
+from xffl.jobs.peft_check import PROBE, PROBE_MISSING, install_command
 from xffl.jobs.spec import SiteSpec
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 from xffl.workflows.plan.deployments import site_data_path, site_python, site_workdir
@@ -134,7 +134,7 @@ def _peft_problem(run: Runner, python: str) -> str | None:
     rc, _, err = run(f"{shlex.quote(python)} -c {shlex.quote(PROBE)}")
     if rc == 0:
         return None
-    if rc == 1 and not err.strip():
+    if rc == PROBE_MISSING:
         return (f"its Python {python} cannot import peft, which a LoRA job (training.lora) "
                 f"needs; install it there: `{install_command(python)}`")
     return (f"its Python {python} does not run ({said(err, rc)}); fix python in the site profile "
