@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -94,18 +95,31 @@ def show(name: NameArg, json_out: JsonOpt = False) -> None:
 
 @app.command("check", cls=XfflCommand)
 @handle_errors
-def check(name: NameArg, json_out: JsonOpt = False) -> None:
+def check(name: NameArg, data: Annotated[Path | None, typer.Option(
+        "--data", metavar="JOB", help="Also check the data folders (and peft, for LoRA) of "
+        "JOB's sites on this profile, as `xffl submit` does.")] = None,
+           json_out: JsonOpt = False) -> None:
     """Check a site: SSH login (host key verified), SLURM, partition, workdir, remote xffl.
 
     Exit 0 when every check passes, 3 when the connection, login or host key fails, 1 when
     connected but a check failed.
 
-    Example: xffl profiles check leonardo
+    Example: xffl profiles check leonardo --data job.yaml
     """
     from xffl.site_profiles.lookup import find_profile
     from xffl.site_profiles.remote import check_site
 
+    loaded = None
+    if data is not None:  # a broken job is exit 2 before any login
+        from xffl.jobs.load import load_job
+
+        loaded = load_job(data)
     result = check_site(name, find_profile(name))
+    if loaded is not None and result.connected:
+        from xffl.workflows.site_ready import data_rows
+
+        for check_row in data_rows(loaded, name):
+            result.add(*check_row)
     if json_out:
         print_json(result.as_dict())
     else:

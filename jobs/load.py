@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
+from xffl.jobs.peft_check import install_command, peft_installed
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.tracking import resolve
 from xffl.site_profiles.lookup import PLACEHOLDER, find_profile, unfilled
@@ -139,6 +141,10 @@ def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: ModelConfig) ->
                     "aggregation.lora."]
         return []
     errors = []
+    if not peft_installed():
+        errors.append(f"{_at(doc, path, ('training', 'lora'))}: a LoRA job needs the peft "
+                      f"package, which this Python ({sys.executable}) cannot import; install "
+                      f"it: `{install_command(sys.executable)}`.")
     if spec.exchange.update == "delta":
         errors.append(f"{_at(doc, path, ('exchange', 'update'))}: a LoRA job sends its "
                       "adapter, which is already small; use exchange.update: weights "

@@ -148,6 +148,10 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError as exc:
+        if not Path(path).is_dir():
+            raise InvalidInput(f"{path}: no such folder; prepare the data there (`xffl data "
+                               "prepare`) or fix data.path (a relative one is read under the "
+                               "site profile's workdir).") from exc
         raise InvalidInput(f"{path}: no {META_FILE}; is this a token-shard directory?") from exc
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"{meta_path}: unreadable ({exc}).") from exc

@@ -20,6 +20,7 @@ from xffl.site_profiles.privacy import check_workdir
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan.compile import write_plan
 from xffl.workflows.plan.deployments import site_workdir
+from xffl.workflows.site_ready import check_sites_ready
 from xffl.workflows.supervisor import spawn
 
 
@@ -78,6 +79,9 @@ def submit(job_path: Path, name: str | None = None, start: bool = True,
     preflight(loaded.profiles)
     for site, profile in profiles.items():
         check_workdir(site, profile, site_workdir(profile, site))
+    # every site's data folders (and peft, for LoRA) through its own login: a problem there
+    # is refused now, not after round 1's queue wait
+    check_sites_ready(loaded)
     registry_file = registry_path()
     registry = Registry(registry_file)
     run_id = new_run_id(name or loaded.spec.name)

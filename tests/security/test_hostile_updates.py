@@ -25,6 +25,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from tests.security.hostile_site import ADMITTED, VARIANTS
+from tests.workflows.site_data import write_shards
 from xffl.cli.app import app
 
 runner = CliRunner()
@@ -64,7 +65,9 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     coordinator = [xffl_home / "runs", xffl_home / "sites", xffl_home / "registry.db",
                    xffl_home / "registry.db-wal", xffl_home / "registry.db-shm"]
-    xffl_home.mkdir()
+    for i in range(len(VARIANTS)):  # data the hostile sites never read, there as submit checks
+        for folder in ("nothing", "nothing-held-out"):
+            write_shards(xffl_home / "sites" / f"h{i:02d}" / folder, 64)
     before = snapshot(tmp_path, coordinator)
 
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "500"])

@@ -90,6 +90,12 @@ def test_load_tokens_checks_size_against_meta(tmp_path: Path) -> None:
     (tmp_path / "meta.json").write_text("{}")
     with pytest.raises(InvalidInput, match="dtype"):
         read_meta(tmp_path)
+    # a folder that is not there says so (not "no meta.json"), and where a relative one is
+    with pytest.raises(InvalidInput, match=r"no such folder.*under the site profile's workdir"):
+        read_meta(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidInput, match=r"no meta\.json"):
+        read_meta(tmp_path / "empty")
 
 
 @pytest.mark.parametrize(("n", "dp"), [(10, 1), (10, 2), (11, 2), (13, 4)])

@@ -1,8 +1,9 @@
 """Failure policy on real runs (local sites): retries, quorum and resume.
 
-A site's data that does not exist yet is a real failure of that site's training job (the
-trainer exits 2); creating the data afterwards with `xffl data prepare` is the fix a user
-would make before `xffl resume`. The SIGKILL and cron-tick cases run on the SLURM stack
+A site's data whose meta.json promises a flags.bin that is not there (a prepare that did not
+finish; `xffl submit` checks the tokens, not the flags) is a real failure of that site's
+training job (the trainer exits 2); preparing the data again with `xffl data prepare` is the
+fix a user would make before `xffl resume`. The SIGKILL and cron-tick cases run on the SLURM stack
 (tests/workflows/test_failure_slurm.py).
 """
 
@@ -18,13 +19,14 @@ from typer.testing import CliRunner
 from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.workflows.runs import admitted, reused
+from tests.workflows.site_data import write_shards
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.jobs.follow import wait_for_run
 from xffl.jobs.registry import Registry
 
 runner = CliRunner()
-BETA_DATA = "prepared/beta"  # relative to the site's workdir; nothing there at first
+BETA_DATA = "prepared/beta"  # relative to the site's workdir; its flags missing at first
 
 
 def _spec(name: str, rounds: int = 2, **failure: object) -> dict:
@@ -43,7 +45,10 @@ def admitted_sites(status: dict, rnd: int) -> list[dict]:
     return list(row["sites"])
 
 
-def _broken_beta(spec: dict) -> dict:
+def _broken_beta(spec: dict, xffl_home: Path) -> dict:
+    folder = write_shards(xffl_home / "sites" / "beta" / BETA_DATA, 4096)
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "flags": "flags.bin"}))
     spec["sites"][1]["data"] = {"path": BETA_DATA}
     return spec
 
@@ -65,7 +70,7 @@ def _prepare_beta(xffl_home: Path) -> None:
     text = xffl_home / "beta.txt"
     text.write_text("hjy-kuq vaz! wyx hez-qav!\n" * 400)
     out = xffl_home / "sites" / "beta" / BETA_DATA
-    result = runner.invoke(app, ["data", "prepare", str(text), "-o", str(out)])
+    result = runner.invoke(app, ["data", "prepare", str(text), "-o", str(out), "--force"])
     assert result.exit_code == 0, result.output
 
 
@@ -73,7 +78,7 @@ def _prepare_beta(xffl_home: Path) -> None:
 def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     """Also DiLoCo over nf4 deltas with error feedback: resumed, the kept update and the
     site's residual carry on, and only codes and scales travel."""
-    spec = _broken_beta(_spec("quorum", retries=1))
+    spec = _broken_beta(_spec("quorum", retries=1), xffl_home)
     spec.update(exchange={"update": "delta", "dtype": "nf4"},
                 aggregation={"strategy": "diloco"})
     code, status = _submit(tmp_path, spec, "--wait")
@@ -86,8 +91,7 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 2
     assert "attempt 1:" in sites["beta"]["reason"] and "attempt 2:" in sites["beta"]["reason"]
     # the reason is the trainer's own sentence, as StreamFlow reported the step's failure
-    assert f"{BETA_DATA}: no meta.json; is this a token-shard directory?" in (
-        sites["beta"]["reason"])
+    assert f"{BETA_DATA}/flags.bin: meta.json promises 4096 flags" in sites["beta"]["reason"]
     assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()
 
     _prepare_beta(xffl_home)
@@ -125,7 +129,8 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
 
 @pytest.mark.slow
 def test_min_sites_one_goes_on_without_the_failed_site(tmp_path: Path, xffl_home: Path) -> None:
-    code, status = _submit(tmp_path, _broken_beta(_spec("quorum1", min_sites=1)), "--wait")
+    spec = _broken_beta(_spec("quorum1", min_sites=1), xffl_home)
+    code, status = _submit(tmp_path, spec, "--wait")
     assert code == 0 and status["state"] == "completed", status["message"]
     run_dir = Path(status["run_dir"])
     for r in status["rounds"]:

@@ -211,7 +211,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                                   (staged.batch_template(site.name), False)):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(batch_script(run_id, site.name, profile, site.ranks, data_path,
-                                             by_hand=by_hand))
+                                             by_hand=by_hand,
+                                             lora=spec.training.lora is not None))
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
     _dump(staged.tool("admit"), cwl.admit_tool(str(final)))
     _dump(staged.tool("aggregate"), cwl.aggregate_tool(str(final), names))

@@ -82,18 +82,21 @@ class BatchPaths:
     """Where the hand-run batch script finds its inputs, relative to the submit folder."""
 
     model: str = "rounds/0/global"
+    base: str = "rounds/0/base"  # a LoRA job's frozen base model (RunLayout.base_model)
     job_file: str = "jobs/{site}.json"
     out: str = "updates/{site}"
 
 
 def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str, *,
-                 by_hand: bool) -> str:
+                 by_hand: bool, lora: bool = False) -> str:
     """The batch script of ``site`` from the one template, for StreamFlow or for sbatch.
 
     ``by_hand``: a complete script (``sbatch/<site>.sh``) that trains one round from paths
     relative to the folder it is submitted from. Otherwise: the Jinja2 template that
     StreamFlow renders again with each round's command (``{{streamflow_command}}``); the
     site's own lines sit in a raw block there (the profile schema refuses ``{%`` in them).
+    ``lora``: the hand-run script also passes the frozen base model (``--base``), as the
+    workflow's tool does.
     """
     import jinja2
 
@@ -117,7 +120,7 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
         options=sbatch_options(slurm), setup=profile.setup, env=sorted(profile.env.items()),
         python=site_python(profile), launcher=profile.launcher, data=data_path,
         model=paths.model, job_file=paths.job_file.format(site=site),
-        out=paths.out.format(site=site),
+        out=paths.out.format(site=site), base=paths.base if lora else "",
     )
 
 
