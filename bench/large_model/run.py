@@ -118,7 +118,8 @@ def run(gib: float, rounds: int, workdir: Path, timeout: float) -> dict[str, Any
         "model": {"init": str(w0)},
         "training": {"update_fn": "xffl.training.streamed:add_delta", "steps": 1,
                      "batch_size": 1},
-        "sites": [{"name": s, "profile": "local", "data": {"path": f"data/{s}"}}
+        "sites": [{"name": s, "profile": "local",
+                   "data": {"path": f"data/{s}", "synthetic": "alpha"}}
                   for s in SITES],
     }
     job = workdir / "job.yaml"
