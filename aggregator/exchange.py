@@ -129,7 +129,8 @@ def tensor_index(path: Path) -> list[TensorInfo]:
     ]
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or folder by its path (a folder: the names in it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -151,8 +152,8 @@ def staged_dir(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         for child in tmp.iterdir():
-            _fsync_path(child)
-        _fsync_path(tmp)
+            fsync_path(child)
+        fsync_path(tmp)
         if final.exists():
             old = final.parent / f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}"
             final.rename(old)
@@ -160,7 +161,7 @@ def staged_dir(final: Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

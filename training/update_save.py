@@ -18,7 +18,6 @@ tensor's codes next to its scales (``save_file`` groups the tensors by dtype).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from xffl.aggregator.exchange import (
     CONFIG_FILE,
     Manifest,
     finalize_manifest,
+    fsync_path,
     read_manifest,
     staged_dir,
 )
@@ -276,14 +276,6 @@ class UpdateEncoder:
             self._parent = None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
                 config_json: str, out_dir: Path, manifest: Manifest, exchange: ExchangeSpec,
                 parent_dir: Path, state_dir: Path | None = None,
@@ -311,7 +303,7 @@ def save_update(gathered: Iterator[tuple[str, Tensor | None]], shapes: Shapes,
                     del tensor
             encoder.commit()
             for file in writer.shard_files:
-                _fsync(tmp / file)
+                fsync_path(tmp / file)
             (tmp / config_file).write_text(config_json)
             seconds = time.perf_counter() - began
             timed = manifest.model_copy(
