@@ -69,14 +69,21 @@ def _fits(est: Estimate, gib: float) -> bool:
     return est.peak <= FIT_SHARE * gib * GIB
 
 
-def _estimate(parts: ModelParts, spec: TrainingSpec, ranks: int, gpu: bool) -> Estimate:
-    return estimate(parts, site_layout(spec, ranks, parts, gpu=gpu))
+def _estimate(parts: ModelParts, spec: TrainingSpec, ranks: int, gpu: bool,
+              gib: float | None) -> Estimate:
+    return estimate(parts, site_layout(spec, ranks, parts, gpu=gpu,
+                                       gpu_memory=_bytes(gib)))
+
+
+def _bytes(gib: float | None) -> int | None:
+    """One GPU's bytes (None: not declared)."""
+    return None if gib is None else int(gib * GIB)
 
 
 def find_fix(parts: ModelParts, spec: TrainingSpec, ranks: int, gib: float) -> str:
     """The changes, tried in turn and kept, that bring the estimate under 90 % of ``gib``."""
     done: list[str] = []
-    layout = site_layout(spec, ranks, parts)
+    layout = site_layout(spec, ranks, parts, gpu_memory=_bytes(gib))
     steps: list[tuple[str, dict[str, Any]]] = []
     if layout.mode == "ddp":
         steps.append(("data_parallel: fsdp", {"data_parallel": "fsdp"}))
@@ -85,14 +92,14 @@ def find_fix(parts: ModelParts, spec: TrainingSpec, ranks: int, gib: float) -> s
     for text, update in steps:
         spec = spec.model_copy(update=update)
         done.append(text)
-        est = _estimate(parts, spec, ranks, True)
+        est = _estimate(parts, spec, ranks, True, gib)
         if _fits(est, gib):
             return f"{', '.join(done)} (estimated {est.gib:.1f} GiB)"
     tokens = spec.batch_size * spec.grad_accum
     for batch in range(spec.batch_size - 1, 0, -1):
         trial = spec.model_copy(update={"batch_size": batch,
                                         "grad_accum": max(1, tokens // batch)})
-        est = _estimate(parts, trial, ranks, True)
+        est = _estimate(parts, trial, ranks, True, gib)
         if _fits(est, gib):
             done.append(f"batch_size: {batch}, grad_accum: {trial.grad_accum} (the same "
                         "sequences per step)")
@@ -101,7 +108,7 @@ def find_fix(parts: ModelParts, spec: TrainingSpec, ranks: int, gib: float) -> s
     fsdp = spec.model_copy(update={"data_parallel": "fsdp", "batch_size": 1,
                                    "grad_accum": max(1, tokens)})
     for more in range(ranks + tp, MAX_RANKS + 1, tp):
-        est = _estimate(parts, fsdp, more, True)
+        est = _estimate(parts, fsdp, more, True, gib)
         if _fits(est, gib):
             return (f"{', '.join([*done, 'batch_size: 1'])} and ranks: {more} (FSDP2 shards "
                     f"the weights and optimizer over more GPUs; estimated {est.gib:.1f} GiB)")
@@ -151,8 +158,9 @@ def check_sites(loaded: LoadedJob) -> SiteChecks:
         warnings.extend(node_warnings)
         gpus = profile.slurm.gpus_per_node if profile.slurm is not None else None
         gpu = gib is not None or bool(gpus)
-        est = _estimate(parts, training, site.ranks, gpu) if parts else None
-        layout = site_layout(training, site.ranks, parts) if parts else None
+        est = _estimate(parts, training, site.ranks, gpu, gib) if parts else None
+        layout = site_layout(training, site.ranks, parts, gpu_memory=_bytes(gib)) \
+            if parts else None
         shape = (f"{layout.mode} dp {layout.dp} x tp {layout.tp}" if layout else
                  f"tp {training.tensor_parallel}")
         fits = None if gib is None or est is None else _fits(est, gib)

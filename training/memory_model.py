@@ -25,8 +25,11 @@ if TYPE_CHECKING:
     from xffl.training.config import LoraSpec, TrainingSpec
 
 GIB = 1 << 30
-#: ``data_parallel: auto`` shards with FSDP2 from this many parameters (the trainer's rule)
-AUTO_FSDP_PARAMS = 1_000_000_000
+#: ``data_parallel: auto`` shards with FSDP2 from this many parameters, or from fewer where
+#: DDP's replicated 16 B/parameter (fp32 weights, gradients, two AdamW moments) exceed half
+#: of the GPU's memory: the trainer's rule (:func:`xffl.training.parallelize.parallelize`)
+FSDP_PARAMS = 1_000_000_000
+TRAINING_BYTES_PER_PARAM = 16
 #: CUDA context (~0.5-1 GiB with cuBLAS/cuDNN workspaces), NCCL's buffers and channels
 #: (~0.5-1 GiB per communicator), allocator rounding/fragmentation with expandable segments
 CUDA_RESERVE_BYTES = 3 * GIB
@@ -199,20 +202,32 @@ def checkpoint_every(value: bool | int | None) -> int:
     return 1 if value is True else max(int(value), 0)
 
 
-def resolve_data_parallel(requested: str, tp: int, params: int, ranks: int) -> DataParallel:
-    """The wrapper the trainer uses: ``auto`` is FSDP2 with tp > 1 or from ~1B parameters."""
+def fsdp_threshold(memory: int | None) -> int:
+    """Parameters from which ``auto`` shards: 1 B, or fewer where 16 B/parameter exceed half
+    of ``memory`` (a GPU's bytes; None: not a GPU)."""
+    if memory is None:
+        return FSDP_PARAMS
+    return min(FSDP_PARAMS, memory // (2 * TRAINING_BYTES_PER_PARAM))
+
+
+def resolve_data_parallel(requested: str, tp: int, params: int, ranks: int,
+                          memory: int | None = None) -> DataParallel:
+    """The wrapper the trainer uses: ``auto`` is FSDP2 with tp > 1 or from
+    :func:`fsdp_threshold` parameters of a GPU of ``memory`` bytes."""
     if ranks <= 1 and tp == 1:
         return "none"  # world 1: no process group, the model as it is
     if requested == "auto":
-        return "fsdp" if tp > 1 or params >= AUTO_FSDP_PARAMS else "ddp"
+        return "fsdp" if tp > 1 or params >= fsdp_threshold(memory) else "ddp"
     return "ddp" if requested == "ddp" else "fsdp"
 
 
 def site_layout(spec: TrainingSpec, ranks: int, parts: ModelParts, *, gpu: bool = True,
-                data_parallel: str | None = None) -> Layout:
-    """The Layout of a site running ``spec`` on ``ranks`` ranks (``data_parallel`` overrides)."""
+                data_parallel: str | None = None, gpu_memory: int | None = None) -> Layout:
+    """The Layout of a site running ``spec`` on ``ranks`` ranks (``data_parallel`` overrides;
+    ``gpu_memory``: one GPU's bytes, which ``auto``'s choice depends on)."""
     tp = spec.tensor_parallel
-    mode = resolve_data_parallel(data_parallel or spec.data_parallel, tp, parts.total, ranks)
+    mode = resolve_data_parallel(data_parallel or spec.data_parallel, tp, parts.total, ranks,
+                                 gpu_memory)
     bf16 = spec.precision == "bf16" or (spec.precision == "auto" and gpu)
     return Layout(dp=max(ranks // tp, 1), tp=tp, mode=mode, gpu=gpu, bf16=bf16,
                   batch=spec.batch_size,

@@ -48,19 +48,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xffl.core.errors import InvalidInput
 from xffl.training.arch import ModelConfig, check_tensor_parallel
+from xffl.training.memory_model import fsdp_threshold
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["ParallelModel", "apply_checkpointing", "check_tensor_parallel", "data_parallel_mode",
-           "decoder_layers", "device_memory", "layer_plan", "parallelize", "uses_bf16"]
+           "decoder_layers", "device_memory", "fsdp_threshold", "layer_plan", "parallelize",
+           "uses_bf16"]
 
 MESH_DIMS = ("dp", "tp")
 LAYER_PATTERN = "layers.*."  # how transformers' plans name a module of every decoder layer
-# data_parallel auto: FSDP2 from this many parameters, or from fewer where DDP's replicated
-# 16 B/parameter (fp32 weights, gradients, two AdamW moments) exceed half of the GPU's memory
-FSDP_PARAMS = 1_000_000_000
-TRAINING_BYTES_PER_PARAM = 16
 
 
 def is_dtensor(t: object) -> bool:
@@ -133,14 +131,6 @@ def device_memory(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.get_device_properties(device).total_memory)
-
-
-def fsdp_threshold(memory: int | None) -> int:
-    """Parameters from which ``auto`` shards: 1 B, or fewer where 16 B/parameter exceed half
-    of ``memory`` (a GPU's bytes; None: not a GPU)."""
-    if memory is None:
-        return FSDP_PARAMS
-    return min(FSDP_PARAMS, memory // (2 * TRAINING_BYTES_PER_PARAM))
 
 
 def data_parallel_mode(requested: str, tp: int, params: int = 0,

@@ -137,3 +137,17 @@ def test_config_counts_equal_the_meta_models(preset: str, monkeypatch: pytest.Mo
     fast = model_parts(config, lora)
     monkeypatch.setattr(memory_model, "LLAMA_LIKE", ())
     assert fast == model_parts(config, lora)
+
+
+def test_auto_is_the_trainers_choice_on_a_small_gpu() -> None:
+    """`xffl validate` and the trainer decide ``auto`` by one rule: a 0.74 B model is under
+    the 1 B threshold, but its 16 B/parameter (11.9 GB) exceed half of a 16 GiB card, so both
+    shard it; on an 80 GiB card (or with no GPU declared) both replicate it."""
+    from xffl.training.parallelize import data_parallel_mode
+
+    mid = model_parts(apply_overrides(PRESETS["llama3.1-8b"], {"num_hidden_layers": 1,
+                                                             "tie_word_embeddings": True}))
+    assert 0.5e9 < mid.total < 1e9
+    for memory, mode in ((16 * GIB, "fsdp"), (80 * GIB, "ddp"), (None, "ddp")):
+        layout = site_layout(TrainingSpec(), 4, mid, gpu_memory=memory)
+        assert layout.mode == mode == data_parallel_mode("auto", 1, mid.total, memory)
