@@ -37,7 +37,8 @@ from xffl.training.data import TokenShards, site_splits
 from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
-from xffl.training.model import ModelConfig, num_parameters
+from xffl.training.memory_model import model_parts
+from xffl.training.model import ModelConfig
 from xffl.training.optimizer import make_optimizer, rank_seed
 from xffl.training.parallelize import (
     ParallelModel,
@@ -197,7 +198,8 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
     if every and job.model.entry_point is not None:
         raise InvalidInput("training.activation_checkpointing needs a transformers model; "
                            "a model.entry_point model must checkpoint its own blocks.")
-    params = num_parameters(config) if job.model.entry_point is None and \
+    # counted from config.json as xffl validate counts it (no meta-device model built)
+    params = model_parts(config).total if job.model.entry_point is None and \
         spec.data_parallel == "auto" and spec.tensor_parallel == 1 and \
         xdist.world_size() > 1 else 0  # auto's choice needs the size (one rank: no choice)
     sliced = data_parallel_mode(spec.data_parallel, spec.tensor_parallel, params,
