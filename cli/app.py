@@ -131,6 +131,8 @@ for command in (init.init, submit.submit, status.status, watch.watch, runs.runs,
                 round.round_, schedule.schedule, report.report, provenance.provenance,
                 export.export, evaluate.evaluate, simulate.simulate):
     app.command(name=command.__name__.rstrip("_"), cls=XfflCommand)(command)
+# `xffl ls`: `xffl runs` under the name ls users type; hidden from the help, which lists runs
+app.command(name="ls", cls=XfflCommand, hidden=True)(runs.runs)
 app.add_typer(profiles.app, name="profiles")
 # the name of xffl <= 0.1 for the same commands, kept for scripts; hidden from the help
 app.add_typer(profiles.app, name="sites", hidden=True, deprecated=True)

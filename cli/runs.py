@@ -24,7 +24,7 @@ def runs(
                                       "without the header line.")] = False,
 ) -> None:
     """List the runs, newest first (an 80-column terminal shows run, state, rounds and
-    message; --json or --tsv every field).
+    message; --json or --tsv every field). `xffl ls` is the same command.
 
     Example: xffl runs --json
     """

@@ -12,6 +12,7 @@ from xffl.cli.tables import Markup, Rows, say
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
+    from xffl.jobs.records import RunRecord
     from xffl.jobs.status import RunStatus, SiteStatus
 
 
@@ -35,6 +36,17 @@ def _hardware(site: SiteStatus) -> list[str]:
             fmt("save_s", site.save_seconds)]
 
 
+def title(run: RunRecord) -> str:
+    """The state, the rounds done and the message of a run, the count said once: a message
+    that already counts the rounds ("3 rounds completed", "2 of 4 rounds completed; ...")
+    stands for it."""
+    said = (f"{run.rounds_done} rounds", f"{run.rounds_done} of {run.rounds_total} rounds")
+    if run.message and any(s in run.message for s in said):
+        return f"{run.state} — {run.message}"
+    return f"{run.state} — {run.rounds_done}/{run.rounds_total} rounds" + (
+        f" — {run.message}" if run.message else "")
+
+
 def render_status(data: RunStatus, tsv: bool = False) -> None:
     """Print a run's status as a header and a rounds x sites table; ``tsv``: the table's
     rows alone (no header, title or footer lines)."""
@@ -42,9 +54,7 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
 
     run = data.run
     if not tsv:
-        say(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(run.state)} — "
-            f"{run.rounds_done}/{run.rounds_total} rounds"
-            + (f" — {markup_safe(run.message)}" if run.message else ""))
+        say(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(title(run))}")
     table = Rows(("round", "site", "state", "samples", "tokens", "loss", "val loss", "queue s",
                   "start s", "train s", "xfer s", "other s", "agg s", "MB in/out", "device",
                   "GPUs", "tok/s per GPU", "TFLOP/s", "MFU", "peak GiB", "save s"),

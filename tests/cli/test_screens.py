@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,13 +92,13 @@ def test_a_terminal_of_80_columns_cuts_nothing(finished_run: str, argv: tuple[st
         assert whole in text, (whole, text)
 
 
-def _on_a_pty(*argv: str) -> list[str]:
-    """What ``xffl ARGV`` shows on an 80-column pseudo-terminal, escapes removed."""
+def _on_a_pty(*argv: str, columns: int = 80) -> list[str]:
+    """What ``xffl ARGV`` shows on a pseudo-terminal ``columns`` wide, escapes removed."""
     import pty
     import re
 
     leader, follower = pty.openpty()
-    env = {**os.environ, "COLUMNS": "80", "LINES": "24", "TERM": "xterm"}
+    env = {**os.environ, "COLUMNS": str(columns), "LINES": "24", "TERM": "xterm"}
     for name in ("FORCE_COLOR", "NO_COLOR"):
         env.pop(name, None)
     try:
@@ -145,3 +146,70 @@ def test_tsv_is_the_rows_alone(finished_run: str) -> None:
     assert all(len(line.split("\t")) == 21 for line in status)
     assert [line.split("\t")[:3] for line in _xffl("runs", "--tsv", terminal=False)] == [
         [RUN, "completed", "1/1"]]
+
+
+def _failed_runs() -> list[str]:
+    """Three runs beside the long-named one: two failed ones whose messages are the
+    supervisor's own, each ending in its resume hint (one with a site's path in it), and one
+    still running; their ids, the long one first."""
+    from xffl.jobs.status import orphan_message
+
+    registry = Registry()
+    ids = [RUN, "sft-lora-20261127-093512-7c1e", "llama3-8b-two-facilities-20261128-080000-0d0d",
+           "quickstart-20261128-101010-aa55"]
+    path = "/leonardo_work/EUHPC_A02_045/xffl/sites/beta/prepared/beta/flags.bin"
+    messages = {ids[1]: f"round 1: 1 valid update(s), the job needs 2 (failure.min_sites) "
+                        f"(beta: attempt 1: xffl.training (rank 0): {path}: meta.json promises "
+                        f"4096 flags (one byte a token); prepare the data again.); `xffl resume "
+                        f"{ids[1]}` continues from the last completed round",
+                ids[2]: orphan_message(ids[2])}
+    for run_id in ids[1:]:
+        registry.create_run(run_id, run_id.rsplit("-", 3)[0], Path("job.yaml"), Path("/tmp"), 3,
+                            ["alpha", "beta"])
+        registry.set_state(run_id, "failed" if run_id in messages else "running",
+                           messages.get(run_id, "supervisor started"))
+    return ids
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("command", ["runs", "ls"])
+def test_runs_prints_every_id_and_resume_hint_whole(finished_run: str, columns: int,
+                                                    command: str) -> None:
+    """Issue 44 item 7: rich shrank the id column below its values and cropped every line at
+    the terminal's width (at 100 columns `broken-20261128-1005` lost `51-`); a word of a
+    message is never split either, so the resume hint's id is there to copy."""
+    import re
+
+    ids = _failed_runs()
+    lines = _on_a_pty(command, columns=columns)
+    text = "\n".join(lines)
+    assert max(len(line) for line in lines) <= columns, text
+    for run_id in ids:
+        assert run_id in lines[0] + "".join(f"\n{line}" for line in lines), (run_id, text)
+    for run_id in ids[1:3]:  # `xffl resume ID`: a fold may come between the words only
+        assert re.search(rf"`xffl resume\s+{re.escape(run_id)}`", text), (run_id, text)
+    assert "…" not in text
+
+
+def test_ls_is_runs_and_hidden_from_the_help(finished_run: str) -> None:
+    assert _xffl("ls", terminal=False) == _xffl("runs", terminal=False)
+    assert not any(line.split()[:1] == ["ls"] for line in _xffl("--help", terminal=False))
+
+
+def test_an_80_column_status_names_the_columns_it_hid(finished_run: str) -> None:
+    """Issue 44 (Low): the compact table says what it left out and where to see it."""
+    text = " ".join(_on_a_pty("status", "last", "--no-live"))
+    note = "14 columns hidden to fit 80 columns: tokens, queue s, start s, xfer s, other s, " \
+           "agg s, MB in/out, device, GPUs, tok/s per GPU, TFLOP/s, MFU, peak GiB, save s"
+    assert note in re.sub(r"\s+", " ", text), text
+
+
+def test_the_status_title_says_the_rounds_once(finished_run: str) -> None:
+    """Issue 44 (Low): `completed — 1/1 rounds — 1 rounds completed ...` said it twice."""
+    registry = Registry()
+    registry.set_state(RUN, "completed", "1 rounds completed")
+    assert _xffl("status", "--no-live", terminal=False)[0] == \
+        f"run {RUN}: completed — 1 rounds completed"
+    registry.set_state(RUN, "failed", "the workflow ended after round 0, not 1")
+    assert _xffl("status", "--no-live", terminal=False)[0] == \
+        f"run {RUN}: failed — 1/1 rounds — the workflow ended after round 0, not 1"
