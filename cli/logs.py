@@ -10,24 +10,36 @@ from typing import Annotated, Any
 
 import typer
 
-from xffl.cli.common import console, handle_errors, markup_safe, print_json, printable, resolve_run
+from xffl.cli.common import (
+    console,
+    handle_errors,
+    markup_safe,
+    print_json,
+    printable,
+    resolve_run,
+    state,
+)
+from xffl.cli.logs_view import causes, without_tracebacks
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.watch import TimeoutOpt
-from xffl.core.errors import ConnectionFailed, InvalidInput
+from xffl.core.errors import ConnectionFailed, ExitCode, InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.jobs.records import RunRecord
 from xffl.jobs.registry import Registry
+from xffl.jobs.states import RunState
 
 _EXEC = re.compile(r"EXECUTING step (?P<step>\S+) \(job (?P<job>\S+)\) .* into directory "
                    r"(?P<dir>\S+?):?$")
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 
-def tail(path: Path, lines: int) -> list[str]:
-    """The last ``lines`` lines of ``path`` (none if it does not exist)."""
+def tail(path: Path, lines: int, everything: bool = True) -> list[str]:
+    """The last ``lines`` lines of ``path`` (none if it does not exist); unless
+    ``everything``, of its lines without tracebacks (:func:`without_tracebacks`)."""
     if not path.is_file():
         return []
-    return path.read_text(errors="replace").splitlines()[-lines:]
+    text = path.read_text(errors="replace").splitlines()
+    return (text if everything else without_tracebacks(text))[-lines:]
 
 
 def step_runs(log: Path, site: str) -> list[dict[str, str]]:
@@ -127,15 +139,21 @@ def slurm_step_output(run: RunRecord, site: str, step_dir: str | None,
     return []
 
 
-def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> dict[str, Any]:
-    """The log lines `xffl logs` shows, as a dict."""
+def collect(registry: Registry, run: RunRecord, site: str | None, rnd: int | None,
+            lines: int) -> dict[str, Any]:
+    """The log lines `xffl logs` shows, as a dict: first, for a failed or cancelled run, its
+    ``cause`` (the registry's words; with a site, that site's); without a site, the logs'
+    tails, their tracebacks hidden unless --debug."""
     from xffl.jobs.slurm_view import load_profiles
 
     root = Path(run.run_dir)
     sf_log = RunLayout(root).streamflow_log
+    cause = causes(registry, run)
     if site is None:
-        return {"run_id": run.id, "runner_log": tail(RunLayout(root).supervisor_log, lines),
-                "streamflow_log": tail(sf_log, lines)}
+        return {"run_id": run.id, "cause": cause,
+                "runner_log": tail(RunLayout(root).supervisor_log, lines, state.debug),
+                "streamflow_log": tail(sf_log, lines, state.debug)}
+    cause = cause[:1] + [c for c in cause[1:] if f", site {site}: " in c]
     if site not in run.sites:
         raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
     executions = step_runs(sf_log, site)
@@ -156,7 +174,7 @@ def collect(run: RunRecord, site: str | None, rnd: int | None, lines: int) -> di
     else:
         source = "streamflow.log"
         out = local_step_lines(sf_log, site, execution["job"], index + 1, execution["dir"])
-    return {"run_id": run.id, "site": site, "round": index + 1,
+    return {"run_id": run.id, "cause": cause, "site": site, "round": index + 1,
             "attempt": int(execution["attempt"]), "source": source,
             "directory": execution["dir"], "lines": out[-lines:]}
 
@@ -168,10 +186,11 @@ def _show(line: str) -> None:
 
 
 def follow_logs(registry: Registry, run: RunRecord, site: str | None, lines: int,
-           timeout: float) -> None:
+                timeout: float) -> RunRecord:
     """Print new log lines as they come until the run ends (exit 4 after ``timeout``).
 
-    Without a site: supervisor.log and streamflow.log. With one: the step lines of its latest
+    Without a site: supervisor.log and streamflow.log (their tracebacks hidden unless
+    --debug). With one: the step lines of its latest
     training step, read as they are written (a local site's ``steps.log`` in the step's
     folder; a SLURM site's job output, read over SSH every few seconds); a new round or
     attempt of the site is announced by a header line and followed in turn.
@@ -187,13 +206,12 @@ def follow_logs(registry: Registry, run: RunRecord, site: str | None, lines: int
 
         def each_run(_: RunRecord) -> None:
             for i, source in enumerate(tails):
-                new = source.read()
+                new = source.read() if state.debug else without_tracebacks(source.read())
                 for line in new[-lines:] if first[i] else new:
                     _show(line)
                 first[i] = False
 
-        wait_for_run(registry, run.id, timeout, on_update=each_run, poll=0.5)
-        return
+        return wait_for_run(registry, run.id, timeout, on_update=each_run, poll=0.5)
     if site not in run.sites:
         raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
     profile = load_profiles(layout.root).get(site)
@@ -227,7 +245,15 @@ def follow_logs(registry: Registry, run: RunRecord, site: str | None, lines: int
             _show(line)
         current["printed"] = max(current["printed"], len(out))
 
-    wait_for_run(registry, run.id, timeout, on_update=each_step, poll=5.0 if remote else 0.5)
+    return wait_for_run(registry, run.id, timeout, on_update=each_step,
+                        poll=5.0 if remote else 0.5)
+
+
+def _cause(lines: list[str]) -> None:
+    """The cause of a run's end, as the registry says it, before (or after) its logs."""
+    console.print("[bold]== cause ==[/bold]")
+    for line in lines:
+        console.print(printable(line), markup=False, soft_wrap=True)
 
 
 @handle_errors
@@ -248,8 +274,13 @@ def logs(
     """Show a run's output: without --site, the tails of supervisor.log and streamflow.log; with
     --site, that site's training job output (a SLURM site's job stdout, read over SSH).
 
+    A failed or cancelled run's output starts with its cause, per site, as `xffl status` has
+    it. The tracebacks of StreamFlow's and the supervisor's internals are left out (a note
+    on the line they belong to says so); `xffl logs --debug` shows every line.
+
     With -f the lines keep coming until the run ends (or --timeout, exit 4): a site's trainer
-    prints a step line (step, loss, tokens/s, ETA) every 10 s or so.
+    prints a step line (step, loss, tokens/s, ETA) every 10 s or so. Exit 0 when the run
+    completed; 1, after its cause, when it failed or was cancelled (as `xffl watch`).
 
     Example: xffl logs last --site alpha --round 1
     """
@@ -263,12 +294,17 @@ def logs(
     registry = Registry()
     record = resolve_run(registry, run)
     if follow:
-        follow_logs(registry, record, site, lines, timeout)
+        final = follow_logs(registry, record, site, lines, timeout)
+        if final.state != RunState.COMPLETED:  # as `xffl watch`: exit 1, and why
+            _cause(causes(registry, final) or [f"run {final.id} {final.state}"])
+            raise typer.Exit(int(ExitCode.RUN_FAILED))
         return
-    data = collect(record, site, rnd, lines)
+    data = collect(registry, record, site, rnd, lines)
     if as_json:
         print_json(data)
         return
+    if data["cause"]:
+        _cause(data["cause"])
     if site is None:
         for key, title in (("runner_log", "supervisor.log"), ("streamflow_log", "streamflow.log")):
             console.print(f"[bold]== {title} ==[/bold]")
