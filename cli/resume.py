@@ -34,11 +34,9 @@ def resume(
     record = resolve_run(registry, run)
     pid = resume_run(registry, record)
     if wait:
-        if not as_json:
-            console.print(f"run {record.id} resumed from round {record.rounds_done + 1}; "
-                          "following it (Ctrl-C stops following, not the run)", soft_wrap=True)
         final = follow(registry, registry.get_run(record.id), timeout, as_json=as_json,
-                       spawned=pid)
+                       spawned=pid, intro=f"run {record.id} resumed from round "
+                       f"{record.rounds_done + 1}; following it")
         outcome(registry, final, as_json)
         return
     if as_json:

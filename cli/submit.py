@@ -54,8 +54,6 @@ def submit(
                 f"runner pid {submitted.pid}; follow it with `xffl watch {run.id}`."
                 if submitted.pid else markup_safe(run.message)), soft_wrap=True)
         return
-    if not as_json:
-        console.print(f"submitted run [bold]{run.id}[/bold]; following it (Ctrl-C stops "
-                      "following, not the run)", soft_wrap=True)
-    final = follow(registry, run, timeout, as_json=as_json, spawned=submitted.pid)
+    final = follow(registry, run, timeout, as_json=as_json, spawned=submitted.pid,
+                   intro=f"submitted run [bold]{run.id}[/bold]; following it")
     outcome(registry, final, as_json)

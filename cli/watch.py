@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from xffl.cli.common import console, handle_errors, markup_safe, print_json, resolve_run
+from xffl.cli.common import (
+    console,
+    err_console,
+    error_json,
+    handle_errors,
+    markup_safe,
+    print_json,
+    resolve_run,
+)
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode, InvalidInput
 from xffl.jobs.records import RunRecord
@@ -25,23 +33,60 @@ def copies(run: RunRecord) -> list[str]:
     return [c.describe() for c in copies_in_flight(run.run_dir)]
 
 
+def latest_loss(registry: Registry, run: RunRecord) -> str:
+    """The loss of the run's latest completed round, training and validation where known:
+    ``round 2 loss 3.1462 val loss 3.5974``; empty before the first one."""
+    done = [r for r in registry.rounds(run.id) if r.state == "completed" and r.loss is not None]
+    if not done:
+        return ""
+    last = done[-1]
+    return f"round {last.round} loss {last.loss:.4f}" + (
+        f" val loss {last.val_loss:.4f}" if last.val_loss is not None else "")
+
+
 def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool = False,
-           spawned: int | None = None) -> RunRecord:
-    """Wait for ``run`` to end: a progress bar on a terminal, one line per change in a pipe."""
+           spawned: int | None = None, intro: str = "") -> RunRecord:
+    """Wait for ``run`` to end: a progress bar on a terminal, one line per change in a pipe,
+    after the markup line ``intro`` (not under ``as_json``). Ctrl-C from the intro on stops
+    following, not the run: exit 130, saying how to follow or cancel it."""
+    try:
+        if intro and not as_json:
+            console.print(f"{intro} (Ctrl-C stops following, not the run)", soft_wrap=True)
+        return _follow(registry, run, timeout, as_json, spawned)
+    except KeyboardInterrupt:
+        message = (f"interrupted: run {run.id} goes on; follow it with `xffl watch {run.id}`, "
+                   f"cancel it with `xffl cancel {run.id}`.")
+        err_console.print(message, soft_wrap=True, markup=False)
+        if as_json:
+            error_json(ExitCode.INTERRUPTED, message)
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+
+
+def _follow(registry: Registry, run: RunRecord, timeout: float, as_json: bool,
+            spawned: int | None) -> RunRecord:
+    """:func:`follow`, its Ctrl-C aside; the latest round's loss beside the round counts."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from xffl.jobs.follow import wait_for_run
 
     if as_json:
         return wait_for_run(registry, run.id, timeout, spawned=spawned)
+    losses: dict[int, str] = {}
+
+    def loss(r: RunRecord) -> list[str]:
+        """The latest loss, read from the registry once per completed round."""
+        if r.rounds_done not in losses:
+            losses[r.rounds_done] = latest_loss(registry, r)
+        return [losses[r.rounds_done]] if losses[r.rounds_done] else []
+
     if not console.is_terminal:  # a log file or a pipe: plain lines, flushed as they come
         seen: list[tuple[str, int]] = []
 
         def line(r: RunRecord) -> None:
             if not seen or seen[-1] != (r.state, r.rounds_done):
                 seen.append((r.state, r.rounds_done))
-                console.print(f"{r.id} {r.state} {r.rounds_done}/{r.rounds_total} rounds",
-                              soft_wrap=True, markup=False)
+                console.print("; ".join([f"{r.id} {r.state} {r.rounds_done}/{r.rounds_total} "
+                                         "rounds", *loss(r)]), soft_wrap=True, markup=False)
             for text in copies(r):
                 console.print(f"{r.id} {text}", soft_wrap=True, markup=False)
             console.file.flush()
@@ -54,7 +99,7 @@ def follow(registry: Registry, run: RunRecord, timeout: float, *, as_json: bool 
 
         def update(r: RunRecord) -> None:
             label = r.state if r.finished else f"{r.state}: round {r.rounds_done + 1}"
-            label = "; ".join([label, *copies(r)])
+            label = "; ".join([label, *loss(r), *copies(r)])
             progress.update(task, completed=r.rounds_done, description=label)
 
         return wait_for_run(registry, run.id, timeout, on_update=update, spawned=spawned)
@@ -102,16 +147,17 @@ def watch(
 ) -> None:
     """Follow a run until it ends: a progress bar on a terminal, one line per round in a pipe.
 
-    Exit 0 when it completed, 1 when it failed or was cancelled, 4 after --timeout (Ctrl-C
-    stops following, not the run); 2 at once for a waiting run that nothing would move (no
-    runner, no cron entry: submitted with --no-start and never scheduled).
+    Beside the round counts, the latest round's training and validation loss.
+
+    Exit 0 when it completed, 1 when it failed or was cancelled, 4 after --timeout, 130 on
+    Ctrl-C (it stops following, not the run, and says how to follow or cancel it); 2 at
+    once for a waiting run that nothing would move (no runner, no cron entry: submitted
+    with --no-start and never scheduled).
 
     Example: xffl watch last
     """
     registry = Registry()
     record = resolve_run(registry, run)
     _something_to_follow(record)
-    if not as_json:
-        console.print(f"following run [bold]{record.id}[/bold] (Ctrl-C stops following, not "
-                      "the run)", soft_wrap=True)
-    outcome(registry, follow(registry, record, timeout, as_json=as_json), as_json)
+    outcome(registry, follow(registry, record, timeout, as_json=as_json,
+                             intro=f"following run [bold]{record.id}[/bold]"), as_json)

@@ -101,5 +101,66 @@ def test_ctrl_c_stops_following_not_the_run(xffl_home: Path) -> None:
         proc.kill()
         holder.kill()
         holder.wait()
-    assert proc.returncode == 130 and err == "interrupted\n"
+    # issue 44 (Low): it says the run goes on, and how to follow or cancel it
+    assert proc.returncode == 130 and err == (
+        f"interrupted: run {run_id} goes on; follow it with `xffl watch {run_id}`, cancel it "
+        f"with `xffl cancel {run_id}`.\n")
     assert Registry().get_run(run_id).state == "waiting"
+
+
+def test_ctrl_c_during_submit_wait_says_the_run_goes_on(xffl_home: Path) -> None:
+    """`xffl submit --wait` interrupted while it follows: exit 130, the run (its supervisor
+    in a session of its own) goes on, and the words say how to follow or cancel it."""
+    proc = subprocess.Popen([XFFL, "submit", str(QUICKSTART), "--wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=os.environ,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("submitted run ") and "following it" in first, first
+        run_id = first.split()[2].rstrip(";")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert err.endswith(f"interrupted: run {run_id} goes on; follow it with `xffl watch "
+                            f"{run_id}`, cancel it with `xffl cancel {run_id}`.\n"), err
+        assert not Registry().get_run(run_id).finished  # it goes on
+    finally:
+        proc.kill()
+        for run in Registry().list_runs():
+            runner.invoke(app, ["cancel", run.id])
+
+
+def _one_round_done(run_id: str) -> None:
+    """Round 1 of the run completed with a training and a validation loss; round 2 going."""
+    from xffl.jobs.records import RoundRecord
+
+    registry = Registry()
+    registry.start_round(run_id, 1, ["alpha", "beta"])
+    registry.finish_round(run_id, RoundRecord(round=1, state="completed", started=time.time(),
+                                              ended=time.time(), loss=3.354575, val_loss=5.1234))
+    registry.start_round(run_id, 2, ["alpha", "beta"])
+    registry.set_state(run_id, "running", "supervisor started")
+
+
+def test_watch_shows_the_latest_rounds_loss_while_it_runs(xffl_home: Path) -> None:
+    """Issue 44 (Low): round counts and the latest round's training and validation loss,
+    in a pipe (one line per change) and on a terminal (the progress bar's words)."""
+    run_id = _waiting_run()
+    holder = _runner(run_id)
+    try:
+        before = runner.invoke(app, ["watch", run_id, "--timeout", "0.3"])
+        _one_round_done(run_id)
+        piped = runner.invoke(app, ["watch", run_id, "--timeout", "0.3"])
+        env = {**os.environ, "COLUMNS": "160", "FORCE_COLOR": "1", "TERM": "xterm"}
+        on_terminal = subprocess.run([XFFL, "watch", run_id, "--timeout", "1"],
+                                     capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert before.stdout.splitlines()[1] == f"{run_id} waiting 0/3 rounds"  # no loss yet
+    assert piped.exit_code == 4, piped.output
+    assert piped.stdout.splitlines()[1] == \
+        f"{run_id} running 1/3 rounds; round 1 loss 3.3546 val loss 5.1234"
+    assert on_terminal.returncode == 4, on_terminal.stderr
+    assert "running: round 2; round 1 loss 3.3546 val loss 5.1234" in on_terminal.stdout
