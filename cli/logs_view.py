@@ -17,6 +17,8 @@ _TRACEBACK = ("Traceback (most recent call last):", "Exception Group Traceback")
 # the sentences Python writes between the tracebacks of a chained exception
 _CHAINED = ("During handling of the above exception, another exception occurred:",
             "The above exception was the direct cause of the following exception:")
+# an exception's line: `sqlite3.ProgrammingError: ...`, `KeyboardInterrupt`
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit|Warning)\b.*$")
 HIDDEN = "(traceback hidden: --debug shows it)"
 
 
@@ -37,14 +39,23 @@ def causes(registry: Registry, run: RunRecord) -> list[str]:
     return lines
 
 
+def _starts_traceback(line: str) -> bool:
+    """Whether ``line`` opens a traceback (an exception group's is drawn ``  + Exception
+    Group Traceback ...``)."""
+    return line.strip(" \t+|").startswith(_TRACEBACK)
+
+
 def _traceback_end(lines: list[str], i: int) -> int:
     """The index after the traceback that starts at ``lines[i]``: its indented frames, its
     exception's line, and any exception chained to it (a blank line, Python's sentence, the
     next traceback)."""
     while True:
+        group = lines[i][:1] in (" ", "\t")  # an exception group's: indented, end included
         i += 1
         while i < len(lines) and (lines[i][:1] in (" ", "\t") or not lines[i].strip()):
             i += 1
+        if group:
+            return i
         i += 1  # the exception's own line: `sqlite3.ProgrammingError: ...`, and its message's
         while i < len(lines) and lines[i][:1] in (" ", "\t"):  # next lines, indented
             i += 1
@@ -55,7 +66,7 @@ def _traceback_end(lines: list[str], i: int) -> int:
             j += 1
             while j < len(lines) and not lines[j].strip():
                 j += 1
-            if j < len(lines) and lines[j].strip().startswith(_TRACEBACK):
+            if j < len(lines) and _starts_traceback(lines[j]):
                 i = j
                 continue
         return min(i, len(lines))
@@ -70,7 +81,7 @@ def without_tracebacks(lines: list[str]) -> list[str]:
     in_record = False
     i = 0
     while i < len(lines):
-        if not lines[i].strip().startswith(_TRACEBACK):
+        if not _starts_traceback(lines[i]):
             in_record = in_record or bool(_STAMP.match(lines[i]))
             out.append(lines[i])
             i += 1
@@ -84,10 +95,18 @@ def without_tracebacks(lines: list[str]) -> list[str]:
         if in_record and out:
             out[-1] += f" {HIDDEN}"
         else:
-            last = lines[end - 1].strip() if end - 1 > i else ""
-            out.append(f"{last} {HIDDEN}" if last else HIDDEN)
+            raised = _exception(lines[i:end])
+            out.append(f"{raised} {HIDDEN}" if raised else HIDDEN)
         i = end
     return _said_once(out)
+
+
+def _exception(block: list[str]) -> str:
+    """The line of a traceback that names what was raised: an exception group's own, else
+    the last exception's (a chained one's cause comes first)."""
+    named = [m[0] for line in block if (m := _RAISED.match(line.strip(" \t+|")))]
+    groups = [line for line in named if line.split(":")[0].endswith("Group")]
+    return (groups or named or [""])[0 if groups else -1]
 
 
 def _said_once(lines: list[str]) -> list[str]:
