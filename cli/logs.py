@@ -148,12 +148,11 @@ def collect(registry: Registry, run: RunRecord, site: str | None, rnd: int | Non
 
     root = Path(run.run_dir)
     sf_log = RunLayout(root).streamflow_log
-    cause = causes(registry, run)
+    cause = causes(registry, run, site)
     if site is None:
         return {"run_id": run.id, "cause": cause,
                 "runner_log": tail(RunLayout(root).supervisor_log, lines, state.debug),
                 "streamflow_log": tail(sf_log, lines, state.debug)}
-    cause = cause[:1] + [c for c in cause[1:] if f", site {site}: " in c]
     if site not in run.sites:
         raise InvalidInput(f"run {run.id} has no site {site!r} (sites: {', '.join(run.sites)})")
     executions = step_runs(sf_log, site)

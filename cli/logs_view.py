@@ -22,20 +22,21 @@ _RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit|W
 HIDDEN = "(traceback hidden: --debug shows it)"
 
 
-def causes(registry: Registry, run: RunRecord) -> list[str]:
+def causes(registry: Registry, run: RunRecord, site: str | None = None) -> list[str]:
     """Why a failed or cancelled run ended, as the registry recorded it: the run's message,
-    then each site that failed a round, with its attempts and its reason; none otherwise."""
+    then each site (or only ``site``) that failed a round, with its attempts and its reason;
+    none otherwise."""
     if run.state not in (RunState.FAILED, RunState.CANCELLED):
         return []
     lines = [f"run {run.id} {run.state}: {run.message}" if run.message
              else f"run {run.id} {run.state}"]
     for rnd in registry.rounds(run.id):
-        for site in rnd.sites:
-            if site.state != "failed":
+        for row in rnd.sites:
+            if row.state != "failed" or site not in (None, row.site):
                 continue
-            tries = f" after {site.attempts} attempts" if site.attempts > 1 else ""
-            lines.append(f"round {rnd.round}, site {site.site}: failed{tries}"
-                         + (f": {site.reason}" if site.reason else ""))
+            tries = f" after {row.attempts} attempts" if row.attempts > 1 else ""
+            lines.append(f"round {rnd.round}, site {row.site}: failed{tries}"
+                         + (f": {row.reason}" if row.reason else ""))
     return lines
 
 

@@ -1,13 +1,17 @@
 """Tables for people and for pipes: boxes on a terminal, one tab-separated row per record otherwise.
 
 On a terminal nothing is cut (rich's default at 80 columns turns ``completed`` into
-``comp…`` and a loss into ``3.35…``): ids, numbers and states keep their width, headers wrap
-at spaces, only the columns of free text (messages, paths, reasons) fold; a table whose
+``comp…`` and a loss into ``3.35…``, and its own shrinking of a table too wide crops every
+line): xffl fixes every width itself. Ids, numbers and states keep their width, headers wrap
+at spaces, only the columns of free text (messages, paths, reasons) fold, at spaces or after
+a ``/`` in a path, never inside a word (a run id in a message stays whole). A table whose
 least widths do not fit the terminal keeps only its ``compact`` columns (the ones a narrow
-terminal, 80 columns, has room for), and is printed as plain rows only if even those do not
-fit. In a pipe or a file the table is always plain rows, like ``squeue -h`` with a header:
-no boxes, no padding, no wrapping, nothing cut, so that ``cut -f``, ``awk -F'\\t'`` and
-``grep`` see one record per line; ``tsv`` leaves out the title and the header line too.
+terminal, 80 columns, has room for) and says which it hid; if even their free text does not
+fit beside them, it goes on the lines under its row; the table is printed as plain rows only
+if its compact columns cannot fit at all. In a pipe or a file the table is always plain rows,
+like ``squeue -h`` with a header: no boxes, no padding, no wrapping, nothing cut, so that
+``cut -f``, ``awk -F'\\t'`` and ``grep`` see one record per line; ``tsv`` leaves out the
+title and the header line too.
 """
 
 from __future__ import annotations

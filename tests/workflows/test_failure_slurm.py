@@ -135,6 +135,14 @@ def test_controller_outage_quorum_and_resume(tmp_path: Path,
         assert "beta: attempt 1: Error submitting job /rounds/train_beta/0.0 to Slurm: sbatch: " \
             "error: Batch job submission failed: Unable to contact slurm controller" \
             in failed["message"]
+        # `xffl logs` of the failed run: its cause first, per site, StreamFlow's and the
+        # supervisor's tracebacks hidden (issue 44 item 6)
+        logs = runner.invoke(app, ["logs", failed["run_id"]])
+        assert logs.exit_code == 0, logs.output
+        assert logs.stdout.splitlines()[:2] == [
+            "== cause ==", f"run {failed['run_id']} failed: {failed['message']}"]
+        assert "round 1, site beta: failed: attempt 1: Error submitting job" in logs.stdout
+        assert "Traceback" not in logs.stdout, logs.stdout
     finally:
         stack_mod.start_slurmctld(slurm_stack.dir, "beta")
 
