@@ -46,7 +46,8 @@ def list_profiles(json_out: JsonOpt = False) -> None:
         print_json(rows)
         return
     table = Rows(("name", "connector", "host", "scheduler", "partition", "source"),
-                 text=("host", "source"))
+                 text=("host", "source"),
+                 compact=("name", "connector", "host", "partition", "source"))
     for r in rows:
         table.add(*(r[k] for k in ("name", "connector", "host", "scheduler", "partition",
                                        "source")))

@@ -137,8 +137,9 @@ class Rows:
         if console.is_terminal and self.compact and (self._boxed(compact, fold=0)
                                                      or self._stacked(compact)):
             hidden = [h for h in self.headers if h not in self.compact]
-            say(f"[dim]{len(hidden)} columns hidden to fit {console.width} columns: "
-                f"{markup_safe(', '.join(hidden))} (a wider terminal, a pipe or --tsv "
+            say(f"[dim]{len(hidden)} column{'s' * (len(hidden) > 1)} hidden to fit "
+                f"{console.width} columns: "
+                f"{markup_safe(', '.join(hidden))} (a wider terminal or a pipe "
                 "shows them)[/dim]")
             return
         self._plain(header=True)

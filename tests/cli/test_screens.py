@@ -213,3 +213,12 @@ def test_the_status_title_says_the_rounds_once(finished_run: str) -> None:
     registry.set_state(RUN, "failed", "the workflow ended after round 0, not 1")
     assert _xffl("status", "--no-live", terminal=False)[0] == \
         f"run {RUN}: failed — 1/1 rounds — the workflow ended after round 0, not 1"
+
+
+def test_an_80_column_profile_list_keeps_each_host_whole(xffl_home: Path) -> None:
+    """A host name folds nowhere (it is no path): the scheduler column makes room for it."""
+    lines = _on_a_pty("profiles", "list")
+    text = "\n".join(lines)
+    assert max(len(line) for line in lines) <= 80 and "─" in text, text
+    assert "login.leonardo.cineca.it:22" in text, text
+    assert "1 column hidden to fit 80 columns: scheduler" in text, text
