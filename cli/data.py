@@ -139,6 +139,9 @@ def _report(meta: dict[str, Any], output: Path, json_out: bool, max_bad: int | N
     console.print(f"wrote {summary['num_tokens']} tokens ({summary['loss_tokens']} in the loss"
                   f"{examples}; {summary['dtype']}, vocabulary {summary['vocab_size']}) from "
                   f"{summary['inputs']} input(s) to {output}", soft_wrap=True)
+    if meta.get("layout") == "packed" and meta.get("examples") is not None:
+        console.print("packed: a job reads the examples as windows of training.seq_len + 1 "
+                      "tokens, the sequences `xffl status` counts", soft_wrap=True)
     if meta.get("truncated"):
         console.print(f"cut {meta['truncated']} example(s) longer than --seq-len + 1 tokens",
                       soft_wrap=True)
