@@ -28,7 +28,7 @@ def export(
         "--max-shard-size", help="Split a larger merged model into Hugging Face shards, "
         "e.g. 5GB; 0 never splits.")] = DEFAULT_MAX_SHARD_SIZE,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
-    with_tokenizer: Annotated[bool, typer.Option(
+    tokenizer: Annotated[bool, typer.Option(
         "--tokenizer/--no-tokenizer", help="Write the job's tokenizer and chat template "
         "(model.tokenizer, else model.init's) beside the model.")] = True,
     as_json: JsonOpt = False,
@@ -73,17 +73,17 @@ def export(
         raise InvalidInput(f"run {record.id} has no global model after round {rnd}; "
                            "`xffl status` shows its completed rounds.")
     verify_checkpoint(layout.global_dir(rnd))
-    tokenizer = tokenizer_source(layout) if with_tokenizer else None
-    if with_tokenizer and tokenizer is None:
+    source = tokenizer_source(layout) if tokenizer else None
+    if tokenizer and source is None:
         err_console.print(f"[yellow]warning:[/yellow] run {record.id}'s job names no tokenizer "
                           "(model.tokenizer, or a model.init folder with one): the export has "
                           "none; set model.tokenizer in the job to have it written.",
                           soft_wrap=True)
     files = export_global(layout, rnd, output, merge=merge, max_shard_bytes=max_bytes,
-                          tokenizer=tokenizer)
+                          tokenizer=source)
     data: dict[str, Any] = {"run_id": record.id, "round": rnd, "output": str(output),
                             "merged": merge, "files": files,
-                            "tokenizer": None if tokenizer is None else str(tokenizer)}
+                            "tokenizer": None if source is None else str(source)}
     if as_json:
         print_json(data)
         return
