@@ -7,7 +7,15 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from xffl.cli.common import XfflCommand, XfflSubGroup, console, handle_errors, print_json
+from xffl.cli.common import (
+    XfflCommand,
+    XfflSubGroup,
+    console,
+    err_console,
+    handle_errors,
+    markup_safe,
+    print_json,
+)
 from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput
 
@@ -68,6 +76,11 @@ def prepare(
         "of each, cut at a line start; of examples, each with probability F (by --seed).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the examples' validation draw.")] = 0,
+    max_bad: Annotated[int | None, typer.Option(
+        "--max-bad", metavar="N", min=0, help="Skip up to N bad examples (a line that is not "
+        "JSON, a field missing or of the wrong type), each reported by file, line and field "
+        "and counted in meta.json's skipped; the N + 1st stops (default: the first stops).")
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Tokenize text files or examples into train.bin + meta.json, what a job's data.path names.
@@ -75,6 +88,8 @@ def prepare(
     Example: xffl data prepare corpus/*.txt -o /scratch/me/xffl-data --tokenizer tokenizer.json
 
     Example: xffl data prepare chats.jsonl --format chat --tokenizer MODEL_DIR -o DIR
+
+    Example: xffl data prepare chats.jsonl --format chat --tokenizer MODEL_DIR -o DIR --max-bad 10
     """
     from xffl.training.prepare import prepare as run_prepare
     from xffl.training.prepare_examples import Options, prepare_examples
@@ -83,6 +98,9 @@ def prepare(
     _check(inputs, output, force, validation_fraction, pack, seq_len)
     texts = all(p.is_file() and p.suffix.lower() == ".txt" for p in inputs)
     if texts and format == "text" and pack:
+        if max_bad is not None:
+            raise InvalidInput("--max-bad skips bad examples of .jsonl, .json, .parquet, .csv "
+                               "or datasets inputs; text files hold none: leave it out.")
         meta = run_prepare(inputs, output, tokenizer=tokenizer, eos=eos, force=force,
                            validation_fraction=validation_fraction)
     else:
@@ -93,11 +111,18 @@ def prepare(
         fields = Fields(text_field, instruction_field, input_field, response_field,
                         messages_field)
         meta = prepare_examples(inputs, output, tokenizer, eos, Options(
-            format, fields, train_on, None if pack else seq_len, validation_fraction, seed))
-    _report(meta, output, json_out)
+            format, fields, train_on, None if pack else seq_len, validation_fraction, seed,
+            max_bad), on_skip=_skipped)
+    _report(meta, output, json_out, max_bad)
 
 
-def _report(meta: dict[str, Any], output: Path, json_out: bool) -> None:
+def _skipped(message: str) -> None:
+    """Report one bad example left out (on stderr: --json keeps stdout for the summary)."""
+    err_console.print(f"[yellow]skipped:[/yellow] {markup_safe(message)}", soft_wrap=True)
+
+
+def _report(meta: dict[str, Any], output: Path, json_out: bool, max_bad: int | None) -> None:
+    """The summary of what was written: JSON, or a few lines."""
     held = meta.get("validation")
     summary = {"out": str(output), "num_tokens": meta["num_tokens"],
                "loss_tokens": meta.get("loss_tokens", meta["num_tokens"]),
@@ -105,6 +130,7 @@ def _report(meta: dict[str, Any], output: Path, json_out: bool) -> None:
                "vocab_size": meta["vocab_size"], "dtype": meta["dtype"],
                "inputs": len(meta["sources"]),
                "validation_tokens": None if held is None else held["num_tokens"],
+               "skipped": meta["skipped"]["count"] if "skipped" in meta else None,
                "files": sorted(str(f) for f in output.iterdir() if f.is_file())}
     if json_out:
         print_json(summary)
@@ -113,8 +139,15 @@ def _report(meta: dict[str, Any], output: Path, json_out: bool) -> None:
     console.print(f"wrote {summary['num_tokens']} tokens ({summary['loss_tokens']} in the loss"
                   f"{examples}; {summary['dtype']}, vocabulary {summary['vocab_size']}) from "
                   f"{summary['inputs']} input(s) to {output}", soft_wrap=True)
+    if meta.get("layout") == "packed" and meta.get("examples") is not None:
+        console.print("packed: a job reads the examples as windows of training.seq_len + 1 "
+                      "tokens, the sequences `xffl status` counts", soft_wrap=True)
     if meta.get("truncated"):
         console.print(f"cut {meta['truncated']} example(s) longer than --seq-len + 1 tokens",
+                      soft_wrap=True)
+    if "skipped" in meta:
+        console.print(f"skipped {meta['skipped']['count']} bad example(s) of at most "
+                      f"{max_bad} (--max-bad), counted in {output / 'meta.json'}",
                       soft_wrap=True)
     if held is not None:
         console.print(f"held out {held['num_tokens']} tokens in {output / held['path']}",

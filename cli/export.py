@@ -28,6 +28,9 @@ def export(
         "--max-shard-size", help="Split a larger merged model into Hugging Face shards, "
         "e.g. 5GB; 0 never splits.")] = DEFAULT_MAX_SHARD_SIZE,
     force: Annotated[bool, typer.Option("--force", help="Replace OUTPUT if it exists.")] = False,
+    tokenizer: Annotated[bool, typer.Option(
+        "--tokenizer/--no-tokenizer", help="Write the job's tokenizer and chat template "
+        "(model.tokenizer, else model.init's) beside the model.")] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a run's global model where other tools read it, without xffl's manifest.
@@ -35,7 +38,9 @@ def export(
     A whole-model run gives model.safetensors (or shards) and config.json, which
     transformers' from_pretrained loads; a LoRA run gives adapter_model.safetensors and
     adapter_config.json, which peft's PeftModel.from_pretrained loads onto the base, or with
-    --merge the base with the adapter folded in, streamed tensor by tensor.
+    --merge the base with the adapter folded in, streamed tensor by tensor. The job's
+    tokenizer and chat template (model.tokenizer, else model.init's own) are written beside
+    it, so that AutoTokenizer, apply_chat_template and generate work on OUTPUT alone.
 
     The default is the last completed round's global; a run that failed or was cancelled
     before completing any round is refused (its round 0 is the untrained initial model:
@@ -45,7 +50,7 @@ def export(
     """
     from xffl.aggregator.exchange import verify_checkpoint
     from xffl.core.layout import RunLayout
-    from xffl.workflows.export import export_global
+    from xffl.workflows.export import export_global, tokenizer_source
 
     if output is None:
         raise InvalidInput("xffl export needs -o/--output: the folder to write.")
@@ -68,9 +73,17 @@ def export(
         raise InvalidInput(f"run {record.id} has no global model after round {rnd}; "
                            "`xffl status` shows its completed rounds.")
     verify_checkpoint(layout.global_dir(rnd))
-    files = export_global(layout, rnd, output, merge=merge, max_shard_bytes=max_bytes)
+    source = tokenizer_source(layout) if tokenizer else None
+    if tokenizer and source is None:
+        err_console.print(f"[yellow]warning:[/yellow] run {record.id}'s job names no tokenizer "
+                          "(model.tokenizer, or a model.init folder with one): the export has "
+                          "none; set model.tokenizer in the job to have it written.",
+                          soft_wrap=True)
+    files = export_global(layout, rnd, output, merge=merge, max_shard_bytes=max_bytes,
+                          tokenizer=source)
     data: dict[str, Any] = {"run_id": record.id, "round": rnd, "output": str(output),
-                            "merged": merge, "files": files}
+                            "merged": merge, "files": files,
+                            "tokenizer": None if source is None else str(source)}
     if as_json:
         print_json(data)
         return

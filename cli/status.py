@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # what an 80-column terminal shows of the rounds x sites table (`--json`, `--tsv` or a wider
 # terminal show every column)
-COMPACT = ("round", "site", "state", "samples", "loss", "val loss", "train s")
+COMPACT = ("round", "site", "state", "sequences", "loss", "val loss", "train s")
 
 
 def _num(value: Any, fmt: str = "{}") -> str:
@@ -55,7 +55,7 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
     run = data.run
     if not tsv:
         say(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(title(run))}")
-    table = Rows(("round", "site", "state", "samples", "tokens", "loss", "val loss", "queue s",
+    table = Rows(("round", "site", "state", "sequences", "tokens", "loss", "val loss", "queue s",
                   "start s", "train s", "xfer s", "other s", "agg s", "MB in/out", "device",
                   "GPUs", "tok/s per GPU", "TFLOP/s", "MFU", "peak GiB", "save s"),
                  text=("state", "device"), compact=COMPACT)
@@ -143,7 +143,12 @@ def status(
                                       "tab-separated: no header, title or footer lines "
                                       "(`xffl status --tsv | cut -f2,6`).")] = False,
 ) -> None:
-    """Show a run's state and a rounds x sites table (state, samples, loss, durations).
+    """Show a run's state and a rounds x sites table (state, sequences, loss, durations).
+
+    sequences: a site's training data in windows of training.seq_len + 1 tokens (those its
+    round read, unless the job declares the data's size), the weight of `weighting: samples`;
+    not the examples `xffl data prepare` counted: packed examples fill windows end to end, a
+    padded example is one window.
 
     Each site's round is broken down into SLURM queue wait, training and transfer +
     orchestration (until its update was in place); `xffl report` draws the same numbers.
@@ -155,7 +160,7 @@ def status(
     in flight shows each one's bytes so far, MB/s and ETA (--json: ``copies``; every finished
     copy with its bytes, seconds and MB/s: ``transfers``).
 
-    An 80-column terminal shows the table's main columns (round, site, state, samples, loss,
+    An 80-column terminal shows the table's main columns (round, site, state, sequences, loss,
     val loss, train s); a wider one, a pipe, --tsv and --json every column.
 
     Example: xffl status quickstart-20261122-051000-a3f9

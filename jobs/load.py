@@ -23,7 +23,7 @@ from xffl.training.arch import (
     check_tensor_parallel,
     known_fields,
 )
-from xffl.training.config import matches_target
+from xffl.training.config import TOKENIZER_FILES, matches_target
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,24 @@ def _check_model(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
     except ValueError as exc:
         return [f"{_at(doc, path, ('model', 'overrides'))}: {exc}; fix the value."]
     errors = [*_check_tensor_parallel(doc, spec, path, config),
-              *_check_lora(doc, spec, path, config)]
+              *_check_lora(doc, spec, path, config), *_check_tokenizer(doc, spec, path)]
     if not errors and model.init is not None and model.entry_point is None:
         mismatch = _check_init_weights(Path(model.init), base)
         if mismatch:
             return [f"{_at(doc, path, ('model', 'init'))}: {mismatch}; the weights must be "
                     "those of the folder's config.json (re-export the checkpoint)."]
     return errors
+
+
+def _check_tokenizer(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
+    """model.tokenizer must be a folder holding a tokenizer (what xffl export copies)."""
+    folder = spec.model.tokenizer
+    if folder is None or any((Path(folder) / n).is_file() for n in TOKENIZER_FILES):
+        return []
+    what = "holds no tokenizer.json or tokenizer_config.json" if Path(folder).is_dir() \
+        else "is not a folder"
+    return [f"{_at(doc, path, ('model', 'tokenizer'))}: {folder} {what}; point it at the "
+            "model's tokenizer folder (the one `xffl data prepare --tokenizer` took)."]
 
 
 def _check_init_weights(init: Path, config: ModelConfig) -> str | None:
@@ -237,9 +248,10 @@ def load_job(path: Path) -> LoadedJob:
     errors.extend(_check_placeholders(path))
     profiles, profile_errors = _check_profiles(doc, path)
     errors.extend(profile_errors)
-    if spec is not None and spec.model.init is not None:  # where the job file is
-        init = (path.parent / spec.model.init).resolve()
-        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"init": str(init)})})
+    if spec is not None:  # model.init and model.tokenizer: where the job file is
+        where = {k: str((path.parent / v).resolve()) for k in ("init", "tokenizer")
+                 if (v := getattr(spec.model, k)) is not None}
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update=where)})
     if spec is not None:
         errors.extend(_check_model(doc, spec, path))
         errors.extend(_check_slurm_overrides(doc, spec, path, profiles))

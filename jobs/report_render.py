@@ -168,7 +168,7 @@ def plot_throughput(data: ReportData, path: Path) -> None:
     fig.savefig(path, format="png")
 
 
-COLUMNS = ("round", "site", "state", "samples", "tokens", "loss", "train s", "queue wait s",
+COLUMNS = ("round", "site", "state", "sequences", "tokens", "loss", "train s", "queue wait s",
            "start-up s", "transfer s", "other s", "aggregate s", "tokens/s", "MB in",
            "MB out", "val loss", "val loss of update")
 STYLE = """

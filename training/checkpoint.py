@@ -104,8 +104,9 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
     ``model.entry_point`` model with ``model.init`` is the init's tensors, not built.
     """
     config = build_config(model)
-    extra = {"preset": model.preset, "init": model.init, "seed": seed,
-             "entry_point": model.entry_point}
+    # the architecture's origin: the init's config.json, or the preset (never both)
+    origin = {"preset": model.preset} if model.init is None else {"init": model.init}
+    extra = {**origin, "seed": seed, "entry_point": model.entry_point}
     if model.init is not None:  # copied tensor by tensor: a multi-GB init never sits in RAM
         try:
             if model.entry_point is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -12,7 +12,9 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -37,6 +39,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: a folder holding one of these is a tokenizer transformers' AutoTokenizer loads
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 class ModelSpec(_Strict):
     """Which model to train: a transformers causal LM, from a checkpoint or a preset.
 
@@ -45,7 +51,8 @@ class ModelSpec(_Strict):
     it, ``preset`` names a bundled config (no weights) and round 0 is seeded. Field names of
     ``overrides`` are the family's config.json names (hidden_size, ...). ``entry_point``
     (``package.module:function``) builds a model of the user's own from that config instead
-    (see xffl.training.entry).
+    (see xffl.training.entry). ``tokenizer`` is what ``xffl export`` writes beside the model,
+    so that the export is one folder transformers generates with.
     """
 
     preset: str = Field(default="tiny", description="bundled config (no weights): tiny, "
@@ -59,6 +66,19 @@ class ModelSpec(_Strict):
     entry_point: EntryPoint | None = Field(
         default=None, description="package.module:function building the model from the "
         "config; imported at the sites, on the coordinator only with --trust-entry-point")
+    tokenizer: PathText | None = Field(
+        default=None, description="the model's tokenizer folder on the coordinator "
+        "(tokenizer.json, its config and chat template), relative to the job file's folder; "
+        "xffl export writes it beside the model (null: model.init's own, if it has one)")
+
+    @model_serializer(mode="wrap")
+    def _what_applies(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Dumped (job.json, a site's job file): ``preset`` left out when ``init`` is set,
+        since the init's config.json is the architecture then, not the (default) preset."""
+        data: dict[str, Any] = handler(self)
+        if self.init is not None:
+            data.pop("preset", None)
+        return data
 
 
 _MODULE_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")  # mlp.0: Sequential children

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,13 @@ def wrap(model: nn.Module, spec: LoraSpec, freeze_a: bool) -> nn.Module:
     """``model`` as a peft model with ``spec``'s adapter; only the adapter is trainable."""
     from peft import get_peft_model
 
-    peft_model: nn.Module = get_peft_model(model, peft_config(spec))
+    with warnings.catch_warnings():
+        # peft's PeftModel reads transformers' deprecated ``is_gradient_checkpointing`` (its
+        # own code, not a call of xffl's): one FutureWarning per rank and round in every
+        # LoRA site's log, about nothing the user can change; only that warning is hidden
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        peft_model: nn.Module = get_peft_model(model, peft_config(spec))
     for name, param in peft_model.named_parameters():
         param.requires_grad_(is_adapter_param(name) and not (freeze_a and ".lora_A." in name))
     return peft_model

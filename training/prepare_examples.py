@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,10 @@ import numpy as np
 
 from xffl.aggregator.exchange import staged_dir
 from xffl.core.errors import InvalidInput
+from xffl.training.bad_examples import BadExamples
 from xffl.training.data import FLAGS_FILE, LOSS, META_FILE, START, TOKENS_FILE
-from xffl.training.render import Fields, Format, Renderer, TrainOn
-from xffl.training.sources import examples
+from xffl.training.render import Fields, Format, Renderer, Segment, TrainOn
+from xffl.training.sources import BadExample, Record, examples
 
 BATCH = 256  # examples tokenized together (the tokenizer's batch runs on all cores)
 VALIDATION_DIR = "validation"
@@ -177,15 +178,31 @@ class _Sink:
         return meta
 
 
-def _batches(src: Path) -> Iterator[list[tuple[str, dict[str, Any]]]]:
-    batch: list[tuple[str, dict[str, Any]]] = []
-    for item in examples(src):
-        batch.append(item)
+def _batches(src: Path, bad: BadExamples) -> Iterator[list[tuple[str, Record]]]:
+    """The input's examples in batches of :data:`BATCH`, its bad ones handed to ``bad``."""
+    batch: list[tuple[str, Record]] = []
+    for where, record in examples(src):
+        if isinstance(record, BadExample):
+            bad.add(record)
+            continue
+        batch.append((where, record))
         if len(batch) == BATCH:
             yield batch
             batch = []
     if batch:
         yield batch
+
+
+def _rendered(renderer: Renderer, src: Path, batch: list[tuple[str, Record]],
+              bad: BadExamples) -> list[list[Segment]]:
+    """The segments of the batch's examples that render, its bad ones handed to ``bad``."""
+    out = []
+    for where, record in batch:
+        try:
+            out.append(renderer.segments(str(src), where, record))
+        except BadExample as exc:
+            bad.add(exc)
+    return out
 
 
 def _sha256(path: Path) -> str | None:
@@ -208,13 +225,16 @@ class Options:
     seq_len: int | None = None  # padded to seq_len + 1 tokens a window when set
     validation_fraction: float | None = None
     seed: int = 0
+    max_bad: int | None = None  # bad examples skipped and counted (None: stop at the first)
 
 
 def prepare_examples(inputs: Sequence[Path], out: Path, tokenizer: Path | None,
-                     eos: str | None, options: Options) -> dict[str, Any]:
+                     eos: str | None, options: Options,
+                     on_skip: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Tokenize the examples of ``inputs`` into the token-shard directory ``out``; its meta.
 
     ``out`` appears only when complete (written in a staging folder, renamed into place).
+    Up to ``options.max_bad`` bad examples are left out, each told to ``on_skip``.
     """
     encoder = Encoder(tokenizer, eos)
     renderer = Renderer(options.fmt, options.fields, options.train_on, encoder.template,
@@ -223,24 +243,28 @@ def prepare_examples(inputs: Sequence[Path], out: Path, tokenizer: Path | None,
     layout = Layout(None if options.seq_len is None else options.seq_len + 1, encoder.pad_id)
     fraction = options.validation_fraction
     rng = np.random.default_rng([SPLIT_SALT, options.seed])
+    bad = BadExamples(options.max_bad or 0, on_skip)
     with staged_dir(out) as tmp:
         train = _Sink(tmp, dtype, layout)
         held = None if fraction is None else _Sink(tmp / VALIDATION_DIR, dtype, layout)
         sources = []
         for src in inputs:
-            count = 0
-            for batch in _batches(src):
-                segments = [renderer.segments(str(src), where, rec) for where, rec in batch]
+            count, bad_before = 0, bad.count
+            for batch in _batches(src, bad):
+                segments = _rendered(renderer, src, batch, bad)
                 encoded = encoder.encode(["".join(t for t, _ in segs) for segs in segments])
                 done = [(ids, token_flags(segs, starts))
                         for segs, (ids, starts) in zip(segments, encoded, strict=True)]
                 if held is None or fraction is None:
                     train.add(done)
                 else:
-                    drawn = (rng.random(len(batch)) < fraction).tolist()
+                    drawn = (rng.random(len(done)) < fraction).tolist()
                     train.add([d for d, h in zip(done, drawn, strict=True) if not h])
                     held.add([d for d, h in zip(done, drawn, strict=True) if h])
-                count += len(batch)
+                count += len(done)
+            if count == 0 and bad.count > bad_before:
+                raise InvalidInput(f"{src}: every example of it is bad ({bad.count - bad_before} "
+                                   "skipped); fix the file, or the --format and field options.")
             if count == 0:
                 raise InvalidInput(f"{src}: no example in it (an empty input); name inputs "
                                    "that hold examples.")
@@ -264,6 +288,8 @@ def prepare_examples(inputs: Sequence[Path], out: Path, tokenizer: Path | None,
                                    "num_tokens": vmeta["num_tokens"],
                                    "loss_tokens": vmeta["loss_tokens"],
                                    "examples": vmeta["examples"], "path": VALIDATION_DIR}
+        if options.max_bad is not None:
+            extra["skipped"] = bad.meta()
         meta = train.finish({**common, "tokenizer": encoder.describe(tmp, tokenizer),
                              "sources": sources, **extra})
     return meta

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from xffl.core.errors import InvalidInput
+from xffl.training.sources import BadExample
 
 Format = Literal["text", "instruction", "chat"]
 TrainOn = Literal["response", "prompt+response"]
@@ -104,8 +105,8 @@ class Renderer:
         except InvalidInput:
             raise
         except Exception as exc:  # the template's own raise_exception, or a jinja error
-            raise InvalidInput(f"{src}: {where}: field {self.fields.messages!r}: the chat "
-                               f"template refused the conversation ({exc}).") from exc
+            raise BadExample(f"{src}: {where}: field {self.fields.messages!r}: the chat "
+                             f"template refused the conversation ({exc}).") from exc
 
     def _turns(self, src: str, where: str, messages: list[dict[str, str]]) -> list[Segment]:
         full = self._render(messages, False)
@@ -120,10 +121,10 @@ class Renderer:
             start = len(prompt)
             if not (full.startswith(prompt) and full.startswith(end_text)
                     and done <= start <= len(end_text)):
-                raise InvalidInput(f"{src}: {where}: field {self.fields.messages!r}: the chat "
-                                   "template does not render the conversation turn by turn "
-                                   f"(message {k} changes what comes before it); use "
-                                   "--train-on prompt+response or another template.")
+                raise BadExample(f"{src}: {where}: field {self.fields.messages!r}: the chat "
+                                 "template does not render the conversation turn by turn "
+                                 f"(message {k} changes what comes before it); use "
+                                 "--train-on prompt+response or another template.")
             segments += [(full[done:start], False), (full[start:len(end_text)], True)]
             done = len(end_text)
         segments.append((full[done:], False))
@@ -132,12 +133,12 @@ class Renderer:
 
 def _string(src: str, where: str, record: dict[str, Any], field: str) -> str:
     if field not in record:
-        raise InvalidInput(f"{src}: {where}: field {field!r} is missing; name the field that "
-                           "holds it (e.g. --response-field).")
+        raise BadExample(f"{src}: {where}: field {field!r} is missing; name the field that "
+                         "holds it (e.g. --response-field).")
     value = record[field]
     if not isinstance(value, str):
-        raise InvalidInput(f"{src}: {where}: field {field!r} is {type(value).__name__}, not "
-                           "a string.")
+        raise BadExample(f"{src}: {where}: field {field!r} is {type(value).__name__}, not "
+                         "a string.")
     return value
 
 
@@ -146,26 +147,26 @@ def _messages(src: str, where: str, record: dict[str, Any],
     """The record's messages: a non-empty list of {role, content} with a known role."""
     value = record.get(field)
     if field not in record:
-        raise InvalidInput(f"{src}: {where}: field {field!r} is missing; name the field that "
-                           "holds the messages with --messages-field.")
+        raise BadExample(f"{src}: {where}: field {field!r} is missing; name the field that "
+                         "holds the messages with --messages-field.")
     if not isinstance(value, list) or not value:
-        raise InvalidInput(f"{src}: {where}: field {field!r} is not a non-empty list of "
-                           "messages.")
+        raise BadExample(f"{src}: {where}: field {field!r} is not a non-empty list of "
+                         "messages.")
     out: list[dict[str, str]] = []
     for i, message in enumerate(value):
         name = f"{field}[{i}]"
         if not isinstance(message, dict):
-            raise InvalidInput(f"{src}: {where}: field {name!r} is not an object with role "
-                               "and content.")
+            raise BadExample(f"{src}: {where}: field {name!r} is not an object with role "
+                             "and content.")
         role = _string(src, where, message, "role") if "role" in message else None
         if role not in ROLES:
-            raise InvalidInput(f"{src}: {where}: field {name + '.role'!r}: unknown role "
-                               f"{role!r}; use one of {', '.join(ROLES)}.")
+            raise BadExample(f"{src}: {where}: field {name + '.role'!r}: unknown role "
+                             f"{role!r}; use one of {', '.join(ROLES)}.")
         if not isinstance(message.get("content"), str):
-            raise InvalidInput(f"{src}: {where}: field {name + '.content'!r} is missing or "
-                               "not a string.")
+            raise BadExample(f"{src}: {where}: field {name + '.content'!r} is missing or "
+                             "not a string.")
         out.append({"role": role, "content": message["content"]})
     if all(m["role"] != "assistant" for m in out):
-        raise InvalidInput(f"{src}: {where}: field {field!r} has no assistant message: "
-                           "nothing to learn from it.")
+        raise BadExample(f"{src}: {where}: field {field!r} has no assistant message: "
+                         "nothing to learn from it.")
     return out

@@ -1,7 +1,11 @@
 """A site's examples, streamed from JSON lines, JSON, Parquet, CSV or a ``datasets`` folder.
 
 Each reader yields ``(where, record)`` pairs: ``where`` names the example for an error
-message ("line 12", "row 7"), ``record`` is the example's fields as a dict. Nothing reads a
+message ("line 12", "row 7"), ``record`` is the example's fields as a dict, or the
+:class:`BadExample` that says why that one example cannot be used (a JSON line that is not
+JSON, an array element that is not an object): the reader goes on with the next one, and
+the caller decides whether to stop or skip it. What spoils the rest of an input (a JSON
+array cut short, an unreadable Parquet batch) stays an :class:`InvalidInput`. Nothing reads a
 whole file: JSON lines go line by line, a JSON array element by element, Parquet and CSV in
 record batches through pyarrow, and a folder written by ``datasets.Dataset.save_to_disk``
 through datasets, which memory-maps its Arrow files. So memory stays flat in the input's size.
@@ -20,6 +24,14 @@ from typing import Any
 from xffl.core.errors import InvalidInput
 
 Record = dict[str, Any]
+
+
+class BadExample(InvalidInput):
+    """One example that cannot be used, named by file and line, element or row (and field);
+    the input's other examples can."""
+
+
+Item = tuple[str, Record | BadExample]  # where, and the example or why it is bad
 BATCH_ROWS = 1024  # rows a pyarrow / datasets batch holds: a few MB of text
 READ_BYTES = 1 << 20  # the read size of a JSON array
 # a JSON decode error this close to the end of what was read may be the read's cut (a
@@ -49,38 +61,42 @@ def kind(path: Path) -> str:
     return suffix[1:]
 
 
-def _object(path: Path, where: str, value: Any) -> Record:
+def _object(path: Path, where: str, value: Any) -> Record | BadExample:
     if not isinstance(value, dict):
-        raise InvalidInput(f"{path}: {where}: a JSON {type(value).__name__}, not an object; "
-                           "each example must be an object of fields.")
+        return BadExample(f"{path}: {where}: a JSON {type(value).__name__}, not an object; "
+                          "each example must be an object of fields.")
     return value
 
 
-def _too_deep(path: Path, where: str) -> InvalidInput:
+def _too_deep(path: Path, where: str) -> BadExample:
     """The refusal of a JSON value nested deeper than Python's parser recurses."""
-    return InvalidInput(f"{path}: {where}: JSON nested too deep for Python's parser (about "
+    return BadExample(f"{path}: {where}: JSON nested too deep for Python's parser (about "
                         f"{sys.getrecursionlimit()} levels); flatten the example's fields.")
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, Record]]:
-    """One example per non-blank line; a line that is not UTF-8 or not a JSON object fails."""
+def _jsonl(path: Path) -> Iterator[Item]:
+    """One example per non-blank line; a line that is not UTF-8 or not a JSON object is a
+    bad example (the next line is read all the same)."""
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, 1):
             where = f"line {number}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise InvalidInput(f"{path}: {where}: not UTF-8 (byte {exc.start}); save the "
-                                   "file as UTF-8.") from exc
+                yield where, BadExample(f"{path}: {where}: not UTF-8 (byte {exc.start}); save "
+                                        "the file as UTF-8.")
+                continue
             if not line.strip():
                 continue
             try:
                 value = json.loads(line)
             except ValueError as exc:
-                raise InvalidInput(f"{path}: {where}: not JSON ({exc}); each line must be one "
-                                   "JSON object.") from exc
-            except RecursionError as exc:
-                raise _too_deep(path, where) from exc
+                yield where, BadExample(f"{path}: {where}: not JSON ({exc}); each line must "
+                                        "be one JSON object.")
+                continue
+            except RecursionError:
+                yield where, _too_deep(path, where)
+                continue
             yield where, _object(path, where, value)
 
 
@@ -99,7 +115,7 @@ def _text_chunks(path: Path) -> Iterator[str]:
         yield decoder.decode(b"", final=True)
 
 
-def _json(path: Path) -> Iterator[tuple[str, Record]]:
+def _json(path: Path) -> Iterator[Item]:
     """A top-level JSON array, element by element (else the file is read as JSON lines)."""
     chunks = _text_chunks(path)
     buf = ""
@@ -124,8 +140,8 @@ def _json(path: Path) -> Iterator[tuple[str, Record]]:
             continue
         try:
             value, end = decoder.raw_decode(buf, pos)
-        except RecursionError as exc:
-            raise _too_deep(path, f"element {number + 1}") from exc
+        except RecursionError as exc:  # where the element ends is unknown: the rest is lost
+            raise InvalidInput(_too_deep(path, f"element {number + 1}").message) from exc
         except json.JSONDecodeError as exc:
             more = next(chunks, None) if _maybe_cut(exc, len(buf)) else None
             if not more:
@@ -144,7 +160,7 @@ def _maybe_cut(exc: json.JSONDecodeError, read: int) -> bool:
     return exc.msg.startswith("Unterminated string") or exc.pos >= read - CUT_MARGIN
 
 
-def _arrow_batches(path: Path, what: str) -> Iterator[tuple[str, Record]]:
+def _arrow_batches(path: Path, what: str) -> Iterator[Item]:
     """Rows of a Parquet or CSV file, record batch by record batch."""
     import pyarrow as pa
 
@@ -173,7 +189,7 @@ def _arrow_batches(path: Path, what: str) -> Iterator[tuple[str, Record]]:
         raise InvalidInput(f"{path}: row {row + 1}: unreadable as {what} ({exc}).") from exc
 
 
-def _datasets(path: Path) -> Iterator[tuple[str, Record]]:
+def _datasets(path: Path) -> Iterator[Item]:
     """Rows of a save_to_disk folder (memory-mapped Arrow files, read a batch at a time)."""
     import datasets
 
@@ -191,8 +207,8 @@ def _datasets(path: Path) -> Iterator[tuple[str, Record]]:
             yield f"row {row}", dict(zip(names, values, strict=True))
 
 
-def examples(path: Path) -> Iterator[tuple[str, Record]]:
-    """The examples of one input, in order, as (where, record) pairs."""
+def examples(path: Path) -> Iterator[Item]:
+    """The examples of one input, in order, as (where, record or BadExample) pairs."""
     what = kind(path)
     if what == "jsonl":
         return _jsonl(path)

@@ -25,7 +25,7 @@ def test_prepare_bytes_json(tmp_path: Path) -> None:
     assert json.loads(result.stdout) == {
         "out": str(out), "num_tokens": 22, "loss_tokens": 22, "examples": None,
         "vocab_size": 256, "dtype": "uint16", "inputs": 1, "validation_tokens": None,
-        "files": sorted(str(f) for f in out.iterdir())}
+        "skipped": None, "files": sorted(str(f) for f in out.iterdir())}
     assert {Path(f).name for f in json.loads(result.stdout)["files"]} >= {"meta.json"}
     assert bytes(load_tokens(tmp_path / "d").astype("uint8")) == b"hello federated world\n"
 

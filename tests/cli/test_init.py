@@ -104,6 +104,8 @@ def test_the_two_facility_jobs(tmp_path: Path, xffl_home: Path, template: str, s
         spec = json.loads((plan / "jobs" / f"{site}.json").read_text())
         assert spec["training"]["tensor_parallel"] == tp
         assert spec["model"]["init"] == str(base)
+        assert "preset" not in spec["model"]  # the init is the architecture, not a preset
+    assert "preset" not in json.loads((plan / "job.json").read_text())["model"]
     # the base's config is the architecture: a config and weights that disagree are refused
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "intermediate_size": 1024}))

@@ -101,7 +101,7 @@ def test_report_of_the_quickstart(tmp_path: Path, quickstart_run: FinishedRun,
     # the table has the breakdown's columns (not a terminal: tab-separated, cli/tables.py)
     table = runner.invoke(app, ["status", run_id])
     assert table.exit_code == 0, table.output
-    assert ("round\tsite\tstate\tsamples\ttokens\tloss\tval loss\tqueue s\tstart s\ttrain s\t"
+    assert ("round\tsite\tstate\tsequences\ttokens\tloss\tval loss\tqueue s\tstart s\ttrain s\t"
             "xfer s\tother s\tagg s\tMB in/out\tdevice\tGPUs\ttok/s per GPU\tTFLOP/s\tMFU\t"
             "peak GiB\tsave s\n") in table.stdout, table.stdout
     # StreamFlow brought every round's global to each site and its update back, timed

@@ -275,7 +275,9 @@ def test_a_template_that_refuses_a_conversation_is_one_line(tmp_path: Path) -> N
                                  "--tokenizer", str(folder), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == (f"error: {src}: line 2: field 'messages': the chat "
-                                     "template refused the conversation (user first).")
+                                     "template refused the conversation (user first); or "
+                                     "pass --max-bad N to skip and count up to N bad "
+                                     "examples.")
     assert not (tmp_path / "out").exists()
 
 

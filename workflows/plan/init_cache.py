@@ -49,7 +49,8 @@ def init_key(model: ModelSpec, seed: int, max_shard_bytes: int | None) -> str | 
     except metadata.PackageNotFoundError:
         return None
     data = {"init": INIT_VERSION, **versions, "seed": seed,
-            "shard": max_shard_bytes, "model": model.model_dump(mode="json")}
+            "shard": max_shard_bytes,
+            "model": model.model_dump(mode="json", exclude={"tokenizer"})}  # no part of the weights
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:40]
 
 
