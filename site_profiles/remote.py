@@ -238,6 +238,7 @@ class SiteCheck:
     rows: list[tuple[str, bool, str]] = field(default_factory=list)
     connected: bool = True
     credential: SiteCredential | None = None
+    not_checked: list[str] = field(default_factory=list)  # checks the failure left unreached
 
     @property
     def ok(self) -> bool:
@@ -246,10 +247,37 @@ class SiteCheck:
     def add(self, check: str, ok: bool, detail: str) -> None:
         self.rows.append((check, ok, detail))
 
+    def unreached(self, profile: SiteProfile) -> None:
+        """Name every check of an SSH site that its rows so far do not hold (not run)."""
+        done = {c for c, _, _ in self.rows}
+        self.not_checked = [c for c in ssh_checks(profile) if c not in done]
+
     def as_dict(self) -> dict[str, object]:
         return {"site": self.site, "ok": self.ok, "connected": self.connected,
                 "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
+                "not_checked": list(self.not_checked),
                 "credential": self.credential.as_dict() if self.credential else None}
+
+
+def ssh_checks(profile: SiteProfile) -> list[str]:
+    """The checks of an SSH site, in the order check_site runs them."""
+    partition = profile.slurm.partition if profile.slurm else None
+    return ["login", "connect", "slurm commands", *(["partition"] if partition else []),
+            "workdir writable", "workdir private", "xffl importable",
+            *(["transfer host"] if isinstance(profile.connector, SshConnector)
+              and profile.connector.transfer_host is not None else [])]
+
+
+def _missing_certificate(cred: SiteCredential, renew: str | None) -> str | None:
+    """What is wrong when a profile that renews a certificate (``renew``: its facility logs in
+    with certificates, as 2FA sites do) logs in with a key that has none; else None."""
+    last = cred.endpoints[-1] if cred.endpoints else None
+    if renew is None or last is None or last.certificate is not None:
+        return None
+    what = (f"{last.detail}-cert.pub does not exist" if last.method == "key"
+            else f"{last.method} {last.detail} holds no certificate")
+    return (f"{last.endpoint}: no certificate ({what}); this facility logs in with a "
+            f"certificate: get one with `{renew}`")
 
 
 def _workdir_script(workdir: str) -> str:
@@ -317,6 +345,7 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
     except XfflError as exc:
         check.connected = False
         check.add("login", False, exc.message)
+        check.unreached(profile)
         return check
     cred = site_credential(name, login, conn.renew)
     check.credential = cred
@@ -325,16 +354,21 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
                 not c.certificate.valid_after <= now < (c.expires or math.inf)]
     problem = cred.problem or (f"{unusable[0].endpoint}: certificate not valid now"
                                if unusable else None)
-    check.add("login", problem is None, f"{login.describe()} with {cred.describe()}" + (
-        f"; {renew_advice(conn.renew)}" if problem else ""))
-    if problem is not None:  # do not knock on the door with a credential that cannot work
+    no_cert = None if problem else _missing_certificate(cred, conn.renew)
+    check.add("login", problem is None and no_cert is None,
+              f"{login.describe()} with {cred.describe()}"
+              + (f"; {renew_advice(conn.renew)}" if problem else "")
+              + (f" — {no_cert}" if no_cert else ""))
+    if problem is not None or no_cert is not None:  # do not knock with what cannot work
         check.connected = False
+        check.unreached(profile)
         return check
     try:
         client = connect(profile)
     except ConnectionFailed as exc:
         check.connected = False
         check.add("connect", False, exc.message)
+        check.unreached(profile)
         return check
     with client:
         check.add("connect", True, f"{login.describe()} (host key verified)")
