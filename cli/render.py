@@ -26,7 +26,7 @@ def render(
         bool, typer.Option(help="Also write the seeded initial model (rounds/0/global).")
     ] = True,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace a non-empty OUT folder (its files are deleted first).")] = False,
+        "--force", help="Replace a non-empty DIR (its files are deleted first).")] = False,
     trust_entry_point: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
