@@ -7,16 +7,17 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import paramiko
 
 from xffl.core.errors import ConnectionFailed, XfflError
-from xffl.site_profiles.credentials import SiteCredential, renew_advice, site_credential
+from xffl.site_profiles.credentials import renew_advice, site_credential
 from xffl.site_profiles.login import Login, known_hosts_path, resolve
 from xffl.site_profiles.lookup import placeholders
 from xffl.site_profiles.schema import SiteProfile, SshConnector
+from xffl.site_profiles.site_check import SiteCheck, missing_certificate
 
 CONNECT_TIMEOUT = 15.0
 
@@ -230,56 +231,6 @@ def _keep(buffer: bytearray, data: bytes) -> None:
     buffer += data[:max(0, MAX_OUTPUT - len(buffer))]
 
 
-@dataclass
-class SiteCheck:
-    """The outcome of ``check_site``: one row (check, ok, detail) per check."""
-
-    site: str
-    rows: list[tuple[str, bool, str]] = field(default_factory=list)
-    connected: bool = True
-    credential: SiteCredential | None = None
-    not_checked: list[str] = field(default_factory=list)  # checks the failure left unreached
-
-    @property
-    def ok(self) -> bool:
-        return self.connected and all(ok for _, ok, _ in self.rows)
-
-    def add(self, check: str, ok: bool, detail: str) -> None:
-        self.rows.append((check, ok, detail))
-
-    def unreached(self, profile: SiteProfile) -> None:
-        """Name every check of an SSH site that its rows so far do not hold (not run)."""
-        done = {c for c, _, _ in self.rows}
-        self.not_checked = [c for c in ssh_checks(profile) if c not in done]
-
-    def as_dict(self) -> dict[str, object]:
-        return {"site": self.site, "ok": self.ok, "connected": self.connected,
-                "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
-                "not_checked": list(self.not_checked),
-                "credential": self.credential.as_dict() if self.credential else None}
-
-
-def ssh_checks(profile: SiteProfile) -> list[str]:
-    """The checks of an SSH site, in the order check_site runs them."""
-    partition = profile.slurm.partition if profile.slurm else None
-    return ["login", "connect", "slurm commands", *(["partition"] if partition else []),
-            "workdir writable", "workdir private", "xffl importable",
-            *(["transfer host"] if isinstance(profile.connector, SshConnector)
-              and profile.connector.transfer_host is not None else [])]
-
-
-def _missing_certificate(cred: SiteCredential, renew: str | None) -> str | None:
-    """What is wrong when a profile that renews a certificate (``renew``: its facility logs in
-    with certificates, as 2FA sites do) logs in with a key that has none; else None."""
-    last = cred.endpoints[-1] if cred.endpoints else None
-    if renew is None or last is None or last.certificate is not None:
-        return None
-    what = (f"{last.detail}-cert.pub does not exist" if last.method == "key"
-            else f"{last.method} {last.detail} holds no certificate")
-    return (f"{last.endpoint}: no certificate ({what}); this facility logs in with a "
-            f"certificate: get one with `{renew}`")
-
-
 def _workdir_script(workdir: str) -> str:
     """Create the workdir owner-only if missing, prove it writable, print its mode (octal)."""
     probe = f"{workdir.rstrip('/')}/.xffl-write-test"
@@ -354,7 +305,7 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
                 not c.certificate.valid_after <= now < (c.expires or math.inf)]
     problem = cred.problem or (f"{unusable[0].endpoint}: certificate not valid now"
                                if unusable else None)
-    no_cert = None if problem else _missing_certificate(cred, conn.renew)
+    no_cert = None if problem else missing_certificate(cred, conn.renew)
     check.add("login", problem is None and no_cert is None,
               f"{login.describe()} with {cred.describe()}"
               + (f"; {renew_advice(conn.renew)}" if problem else "")
