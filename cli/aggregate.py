@@ -103,16 +103,16 @@ def aggregate(
         "exchange.update/exchange.dtype, and its block_size); anything but "
         "weights/fp32 needs --previous, the global the round started from.")] = None,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace OUT if it exists.")] = False,
+        "--force", help="Replace DIR if it exists.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check UPDATE directories and write their aggregate under the chosen strategy to OUT.
+    """Check UPDATE directories and write their aggregate under the chosen strategy to DIR.
 
-    With --run RUN --round R (`xffl aggregate --run last --round 2 -o OUT`), the round's
+    With --run RUN --round R (`xffl aggregate --run last --round 2 -o DIR`), the round's
     updates as the run kept them are aggregated again under the run's job: the result is
     the round's global, bit for bit.
 
-    Example: xffl aggregate --strategy fedavg -o OUT UPDATE...
+    Example: xffl aggregate --strategy fedavg -o DIR UPDATE...
     """
     if output is None:
         raise InvalidInput("xffl aggregate needs -o/--output: the global checkpoint to write.")

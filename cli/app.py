@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from typer._click.exceptions import UsageError  # Typer 0.28 vendors click
@@ -38,6 +38,7 @@ from xffl.cli.common import (
     err_console,
     error_json,
     no_env_help,
+    show_usage_error,
     state,
 )
 from xffl.core.errors import ExitCode
@@ -62,7 +63,10 @@ class XfflGroup(XfflSubGroup):
         if "--debug" in args[:end]:
             args = ["--debug", *(a for a in args[:end] if a != "--debug"), *args[end:]]
         ctx.meta[_JSON_META] = "--json" in args[:end] or _env_true("XFFL_JSON")
-        rest: list[str] = super().parse_args(ctx, args)
+        try:
+            rest: list[str] = super().parse_args(ctx, args)
+        except UsageError as exc:
+            _usage_error(ctx, exc)
         return rest
 
     def invoke(self, ctx: Any) -> Any:  # typer's vendored Context
@@ -71,9 +75,18 @@ class XfflGroup(XfflSubGroup):
         try:
             return super().invoke(ctx)
         except UsageError as exc:
-            if ctx.meta.get(_JSON_META):
-                error_json(ExitCode.INVALID_INPUT, exc.format_message())
-            raise
+            _usage_error(ctx, exc)
+
+
+def _usage_error(ctx: Any, exc: UsageError) -> NoReturn:
+    """Report a usage error as xffl reports every error (``error: ...``; under ``--json`` the
+    error object on stdout too) and exit 2; ``xffl`` alone still prints its help."""
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        raise exc
+    if ctx.meta.get(_JSON_META):
+        error_json(ExitCode.INVALID_INPUT, exc.format_message())
+    show_usage_error(exc)
+    raise typer.Exit(int(ExitCode.INVALID_INPUT))
 
 
 _JSON_META = "xffl.json"

@@ -145,6 +145,19 @@ def quiet_stdout() -> None:
     os.close(devnull)
 
 
+def show_usage_error(exc: Any) -> None:
+    """A usage error (typer's vendored click UsageError) as every other error reads: its usage
+    line and help hint, then ``error: MESSAGE`` (click's own says ``Error:``)."""
+    ctx = exc.ctx
+    if ctx is not None:
+        err_console.print(ctx.get_usage(), markup=False, highlight=False, soft_wrap=True)
+        if ctx.command.get_help_option(ctx) is not None:
+            err_console.print(f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help.",
+                              markup=False, highlight=False, soft_wrap=True)
+        err_console.print()
+    err_console.print(error_text(exc.format_message()), soft_wrap=True)
+
+
 def error_text(line: str) -> Text:
     """``error: LINE`` as plain text: user values never read as rich markup, one line always."""
     flat = line.replace("\r", "\\r").replace("\n", "\\n")

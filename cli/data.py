@@ -28,7 +28,7 @@ TrainOnOpt = Literal["response", "prompt+response"]
 
 def _check(inputs: list[Path], output: Path, force: bool, fraction: float | None,
            pack: bool, seq_len: int | None) -> None:
-    """InvalidInput unless the inputs exist, OUT may be written and the options agree."""
+    """InvalidInput unless the inputs exist, DIR may be written and the options agree."""
     from xffl.training.prepare import check_inputs
 
     check_inputs(inputs, output, force, fraction)
@@ -45,7 +45,7 @@ def prepare(
     inputs: Annotated[list[Path], typer.Argument(
         metavar="INPUT...", help="Text files (.txt), or examples: .jsonl, .json, .parquet, "
         ".csv files or datasets save_to_disk folders, read in this order.")],
-    output: Annotated[Path, output_option("Token-shard directory to create.")],
+    output: Annotated[Path, output_option("Token-shard folder to create.")],
     tokenizer: Annotated[Path | None, typer.Option(
         help="A model folder (its tokenizer and chat template) or a tokenizer.json "
         "(default: byte-level, 256 tokens).")] = None,
@@ -70,9 +70,9 @@ def prepare(
         metavar="N", help="--pad: the job's training.seq_len.")] = None,
     eos: Annotated[str | None, typer.Option(
         help="Special token of the tokenizer to put after each file (text) or example.")] = None,
-    force: Annotated[bool, typer.Option(help="Replace a non-empty output directory.")] = False,
+    force: Annotated[bool, typer.Option(help="Replace a non-empty DIR.")] = False,
     validation_fraction: Annotated[float | None, typer.Option(
-        metavar="F", help="Hold out F (0 < F < 1) in OUT/validation: of text files, the last F "
+        metavar="F", help="Hold out F (0 < F < 1) in DIR/validation: of text files, the last F "
         "of each, cut at a line start; of examples, each with probability F (by --seed).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the examples' validation draw.")] = 0,

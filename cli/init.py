@@ -43,11 +43,11 @@ def init(
         "LoRA instruction tuning of a tiny chat model on this machine (data written to "
         "DIR/data)."
     )] = "quickstart",
-    force: Annotated[bool, typer.Option("--force", help="Replace FOLDER/job.yaml if it "
+    force: Annotated[bool, typer.Option("--force", help="Replace DIR/job.yaml if it "
                                         "exists.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a starter job spec into FOLDER (and copy the profile templates it needs).
+    """Write a starter job spec into DIR (and copy the profile templates it needs).
 
     Example: xffl init demo && xffl submit demo/job.yaml --wait
     """

@@ -10,9 +10,10 @@ RunArg = Annotated[str, typer.Argument(metavar="RUN",
                                        help="Run id, an unambiguous prefix, or 'last'.")]
 
 
-def output_option(help: str) -> Any:
-    """The ``-o/--output/--out`` option every command that writes a file or folder takes."""
-    return typer.Option("-o", "--output", "--out", help=help)
+def output_option(help: str, metavar: str = "DIR") -> Any:
+    """The ``-o/--output/--out`` option every command that writes a file or folder takes: a
+    folder is ``DIR`` in every help text, as in the docs (a file: ``FILE``)."""
+    return typer.Option("-o", "--output", "--out", metavar=metavar, help=help)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", envvar="XFFL_JSON",

@@ -102,8 +102,8 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
            json_out: JsonOpt = False) -> None:
     """Check a site: SSH login (host key verified), SLURM, partition, workdir, remote xffl.
 
-    Exit 0 when every check passes, 3 when the connection, login or host key fails, 1 when
-    connected but a check failed.
+    Exit 0 when every check passes, 3 when the connection, login or host key fails (the
+    checks it left unreached are listed as "not run"), 1 when connected but a check failed.
 
     Example: xffl profiles check leonardo --data job.yaml
     """
@@ -116,17 +116,23 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
 
         loaded = load_job(data)
     result = check_site(name, find_profile(name))
-    if loaded is not None and result.connected:
-        from xffl.workflows.site_ready import data_rows
+    if loaded is not None:
+        from xffl.workflows.site_ready import data_rows, data_site_names
 
-        for check_row in data_rows(loaded, name):
-            result.add(*check_row)
+        if result.connected:
+            for check_row in data_rows(loaded, name):
+                result.add(*check_row)
+        else:
+            result.not_checked += [f"data {s}" for s in data_site_names(loaded, name)]
     if json_out:
         print_json(result.as_dict())
     else:
         table = Rows(("check", "ok", "detail"), title=f"site {name}", text=("detail",))
         for row, ok, detail in result.rows:
             table.add(row, Markup("[green]yes[/green]" if ok else "[red]NO[/red]"), detail)
+        for row in result.not_checked:
+            table.add(row, Markup("[yellow]not run[/yellow]"),
+                      "not reached: a check above failed first")
         table.print()
     if not result.connected:
         raise typer.Exit(int(ExitCode.CONNECTION))

@@ -15,7 +15,7 @@ from xffl.jobs.registry import Registry
 def provenance(
     run: RunArg = "last",
     output: Annotated[Path | None, output_option(
-        "The crate to write (default: <run>.crate.zip here).")] = None,
+        "The crate to write (default: <run>.crate.zip here).", metavar="FILE")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a Workflow Run RO-Crate (zip) of RUN: every StreamFlow execution of its plan,

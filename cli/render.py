@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from xffl.cli.common import console, handle_errors, print_json
+from xffl.cli.common import console, err_console, handle_errors, print_json
 from xffl.cli.options import JsonOpt, TrustOpt, output_option
 from xffl.core.errors import InvalidInput
 from xffl.jobs.registry import new_run_id
+
+if TYPE_CHECKING:
+    from xffl.core.layout import RunLayout
+    from xffl.jobs.load import LoadedJob
 
 
 @handle_errors
@@ -22,7 +26,7 @@ def render(
         bool, typer.Option(help="Also write the seeded initial model (rounds/0/global).")
     ] = True,
     force: Annotated[bool, typer.Option(
-        "--force", help="Replace a non-empty OUT folder (its files are deleted first).")] = False,
+        "--force", help="Replace a non-empty DIR (its files are deleted first).")] = False,
     trust_entry_point: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -40,7 +44,7 @@ def render(
     """
     from xffl.jobs.load import load_job
     from xffl.jobs.trust import require_consent
-    from xffl.workflows.plan.compile import write_initial_model, write_plan
+    from xffl.workflows.plan.compile import write_plan
 
     loaded = load_job(job)
     if init_model:  # before anything is written
@@ -53,7 +57,7 @@ def render(
     run_id = new_run_id(f"render-{loaded.spec.name}")
     layout = write_plan(loaded, run_id, output)
     if init_model:
-        write_initial_model(layout, loaded.spec, run_id, trusted=trust_entry_point)
+        _write_initial_model(layout, loaded, run_id, trust_entry_point)
     root = layout.root
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     if as_json:
@@ -62,3 +66,28 @@ def render(
     console.print(f"plan written to {root}:")
     for f in files:
         console.print(f"  {f}")
+
+
+def _write_initial_model(layout: RunLayout, loaded: LoadedJob, run_id: str,
+                         trusted: bool) -> None:
+    """Round 0's model (a LoRA job's frozen base, then its adapter), with a progress bar on a
+    terminal: a multi-GB ``model.init`` takes minutes to copy."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from xffl.workflows.plan.compile import write_initial_model
+
+    what = ("the frozen base (rounds/0/base)" if loaded.spec.training.lora is not None
+            else "the initial model (rounds/0/global)")
+    with Progress(TextColumn(f"writing {what}"), BarColumn(), TaskProgressColumn(),
+                  TimeRemainingColumn(), console=err_console,
+                  transient=False, disable=not err_console.is_terminal) as bar:
+        task = bar.add_task("initial model", total=None)
+        write_initial_model(layout, loaded.spec, run_id, trusted=trusted,
+                            progress=lambda done, total: bar.update(task, completed=done,
+                                                                    total=total))

@@ -197,10 +197,13 @@ def _merge(model: type[BaseModel], errors: list[Any]) -> list[tuple[Loc, str]]:
     return out
 
 
-def validate_doc(doc: YamlDoc, model: type[M], what: str) -> M:
-    """Validate a YAML document against ``model``; raise InvalidInput with one line per error."""
+def validate_doc(doc: YamlDoc, model: type[M], what: str,
+                 context: dict[str, Any] | None = None) -> M:
+    """Validate a YAML document against ``model``; raise InvalidInput with one line per error.
+
+    ``context`` reaches every validator (pydantic's validation context)."""
     try:
-        return model.model_validate(doc.data)
+        return model.model_validate(doc.data, context=context)
     except ValidationError as exc:
         lines = []
         for loc, text in _merge(model, exc.errors()):

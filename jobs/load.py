@@ -24,6 +24,7 @@ from xffl.training.arch import (
     known_fields,
 )
 from xffl.training.config import TOKENIZER_FILES, matches_target
+from xffl.training.exchange_config import LORA_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def _check_lora(doc: YamlDoc, spec: JobSpec, path: Path, config: ModelConfig) ->
     if spec.exchange.update == "delta":
         errors.append(f"{_at(doc, path, ('exchange', 'update'))}: a LoRA job sends its "
                       "adapter, which is already small; use exchange.update: weights "
-                      "(exchange.dtype: bf16 halves it).")
+                      "(`exchange: {update: weights, dtype: bf16}` halves it).")
     if spec.model.entry_point is None:  # a model of the user's own is checked when built
         from xffl.training.model import linear_modules
 
@@ -232,6 +233,13 @@ def _check_deadline(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
     return errors
 
 
+def _is_lora(doc: YamlDoc) -> bool:
+    """Whether the raw document asks for a LoRA job (training.lora), before validation: the
+    exchange's own checks word their fixes for it."""
+    training = doc.data.get("training") if isinstance(doc.data, dict) else None
+    return isinstance(training, dict) and training.get("lora") is not None
+
+
 def load_job(path: Path) -> LoadedJob:
     """Read and validate ``path`` and resolve its site profiles; errors are InvalidInput.
 
@@ -242,7 +250,7 @@ def load_job(path: Path) -> LoadedJob:
     errors: list[str] = []
     spec: JobSpec | None = None
     try:
-        spec = validate_doc(doc, JobSpec, "job spec")
+        spec = validate_doc(doc, JobSpec, "job spec", context={LORA_CONTEXT: _is_lora(doc)})
     except InvalidInput as exc:
         errors.extend(exc.lines)
     errors.extend(_check_placeholders(path))

@@ -41,7 +41,7 @@ class TrackingSpec(BaseModel):
         default=None, description="folder on the coordinator for TensorBoard event files "
         "(relative: to the job file's folder); a run's go to <folder>/<run id>/")
     mlflow: str | None = Field(
-        default=None, description="MLflow tracking URI: a folder or file:FOLDER (a file store, "
+        default=None, description="MLflow tracking URI: a folder or file:DIR (a file store, "
         "relative: to the job file's folder; file: alone is mlruns there) or an http(s):// "
         "tracking server (it gets the user's MLFLOW_TRACKING_* credentials only when the "
         "user configured that server outside the job: MLFLOW_TRACKING_URI, or "

@@ -7,16 +7,17 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import paramiko
 
 from xffl.core.errors import ConnectionFailed, XfflError
-from xffl.site_profiles.credentials import SiteCredential, renew_advice, site_credential
+from xffl.site_profiles.credentials import renew_advice, site_credential
 from xffl.site_profiles.login import Login, known_hosts_path, resolve
 from xffl.site_profiles.lookup import placeholders
 from xffl.site_profiles.schema import SiteProfile, SshConnector
+from xffl.site_profiles.site_check import SiteCheck, missing_certificate
 
 CONNECT_TIMEOUT = 15.0
 
@@ -230,28 +231,6 @@ def _keep(buffer: bytearray, data: bytes) -> None:
     buffer += data[:max(0, MAX_OUTPUT - len(buffer))]
 
 
-@dataclass
-class SiteCheck:
-    """The outcome of ``check_site``: one row (check, ok, detail) per check."""
-
-    site: str
-    rows: list[tuple[str, bool, str]] = field(default_factory=list)
-    connected: bool = True
-    credential: SiteCredential | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.connected and all(ok for _, ok, _ in self.rows)
-
-    def add(self, check: str, ok: bool, detail: str) -> None:
-        self.rows.append((check, ok, detail))
-
-    def as_dict(self) -> dict[str, object]:
-        return {"site": self.site, "ok": self.ok, "connected": self.connected,
-                "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
-                "credential": self.credential.as_dict() if self.credential else None}
-
-
 def _workdir_script(workdir: str) -> str:
     """Create the workdir owner-only if missing, prove it writable, print its mode (octal)."""
     probe = f"{workdir.rstrip('/')}/.xffl-write-test"
@@ -317,6 +296,7 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
     except XfflError as exc:
         check.connected = False
         check.add("login", False, exc.message)
+        check.unreached(profile)
         return check
     cred = site_credential(name, login, conn.renew)
     check.credential = cred
@@ -325,16 +305,21 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
                 not c.certificate.valid_after <= now < (c.expires or math.inf)]
     problem = cred.problem or (f"{unusable[0].endpoint}: certificate not valid now"
                                if unusable else None)
-    check.add("login", problem is None, f"{login.describe()} with {cred.describe()}" + (
-        f"; {renew_advice(conn.renew)}" if problem else ""))
-    if problem is not None:  # do not knock on the door with a credential that cannot work
+    no_cert = None if problem else missing_certificate(cred, conn.renew)
+    check.add("login", problem is None and no_cert is None,
+              f"{login.describe()} with {cred.describe()}"
+              + (f"; {renew_advice(conn.renew)}" if problem else "")
+              + (f" — {no_cert}" if no_cert else ""))
+    if problem is not None or no_cert is not None:  # do not knock with what cannot work
         check.connected = False
+        check.unreached(profile)
         return check
     try:
         client = connect(profile)
     except ConnectionFailed as exc:
         check.connected = False
         check.add("connect", False, exc.message)
+        check.unreached(profile)
         return check
     with client:
         check.add("connect", True, f"{login.describe()} (host key verified)")

@@ -27,7 +27,13 @@ from xffl.training.model import (
     needs_conversion,
 )
 from xffl.training.seeded import write_seeded
-from xffl.training.streamed import copy_init, expected_tensors, init_tensors, model_layout
+from xffl.training.streamed import (
+    Progress,
+    copy_init,
+    expected_tensors,
+    init_tensors,
+    model_layout,
+)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -95,13 +101,17 @@ def save_checkpoint(model: nn.Module | dict[str, Tensor], config: ModelConfig, o
 
 
 def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
-                max_shard_bytes: int | None = None) -> Manifest:
+                max_shard_bytes: int | None = None, *, keep_dtype: bool = False,
+                progress: Progress | None = None) -> Manifest:
     """Write the round-0 global checkpoint: a seeded random init, or ``model.init``'s weights.
 
     Both are streamed (memory: a few MiB, whatever the model), except the seeded init of a
     ``model.entry_point`` model, which its own code builds in memory (the one case that runs
     the user's code here: callers ask the user first, :mod:`xffl.jobs.trust`). A
     ``model.entry_point`` model with ``model.init`` is the init's tensors, not built.
+    ``model.init``'s weights are widened to fp32, unless ``keep_dtype`` (a LoRA job's frozen
+    base: a bf16 checkpoint stays bf16, byte for byte). ``progress`` follows the streamed
+    writes: (elements written, elements in all).
     """
     config = build_config(model)
     # the architecture's origin: the init's config.json, or the preset (never both)
@@ -122,7 +132,8 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
                 return save_checkpoint(load_pretrained(Path(model.init)), config,
                                        Path(out_dir), manifest)
             return copy_init(Path(model.init), config, model.entry_point, Path(out_dir),
-                             manifest, max_shard_bytes)
+                             manifest, max_shard_bytes, keep_dtype=keep_dtype,
+                             progress=progress)
         except (ValueError, CheckpointError) as exc:
             text = exc.message if isinstance(exc, CheckpointError) else str(exc)
             raise InvalidInput(f"model.init {model.init}: {text.rstrip('.')}.") from exc
@@ -136,4 +147,4 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
     manifest = Manifest(kind="global", run_id=run_id, round=0, extra={
         **extra, "num_parameters": sum(t.numel for t in layout)})
     return write_seeded(layout, seed, Path(out_dir), manifest, config.to_json().encode(),
-                        max_shard_bytes)
+                        max_shard_bytes, progress=progress)

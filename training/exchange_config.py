@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from xffl.aggregator.codec import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, QUANTIZED, Codec, valid_block
 
 # the exchange's dtype names and the safetensors dtypes they are written as
 EXCHANGE_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+#: the validation context's key that says the job trains a LoRA adapter
+LORA_CONTEXT = "lora"
 
 
 class ExchangeSpec(BaseModel):
@@ -53,10 +62,17 @@ class ExchangeSpec(BaseModel):
                          f"bytes to every {value} elements; {fix}")
 
     @model_validator(mode="after")
-    def _quantized_delta(self) -> ExchangeSpec:
+    def _quantized_delta(self, info: ValidationInfo) -> ExchangeSpec:
+        # a LoRA job (the job spec's loader says so in the context) sends its adapter's
+        # weights, never a delta (xffl.jobs.load): no quantized exchange fits it
+        if self.quantized and (info.context or {}).get(LORA_CONTEXT):
+            raise ValueError(f"dtype {self.dtype} quantizes a delta, but a LoRA job sends "
+                             "its adapter's weights (already small); use `exchange: "
+                             "{update: weights, dtype: bf16}` (half the bytes of fp32)")
         if self.quantized and self.update != "delta":
             raise ValueError(f"dtype {self.dtype} quantizes the change from the round's "
-                             "global; set update: delta (weights cannot travel quantized)")
+                             "global; set update: delta (weights cannot travel quantized): "
+                             f"`exchange: {{update: delta, dtype: {self.dtype}}}`")
         if not self.quantized and self.block_size is not None:
             raise ValueError(f"block_size applies to int8, nf4 and fp4, not {self.dtype}; "
                              "remove it")

@@ -20,7 +20,7 @@ import hashlib
 import math
 import os
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,19 +130,25 @@ def _blocks_ahead(seed: int, layout: Sequence[TensorInit],
 
 
 def write_seeded(layout: Sequence[TensorInit], seed: int, out_dir: Path, manifest: Manifest,
-                 config_json: bytes, max_shard_bytes: int | None) -> Manifest:
+                 config_json: bytes, max_shard_bytes: int | None,
+                 progress: Callable[[int, int], None] | None = None) -> Manifest:
     """Write the seeded tensors of ``layout`` (in its order, fp32) as a checkpoint.
 
     ``out_dir`` gets the safetensors file (or Hugging Face shards and index), ``config_json``
     as config.json and the manifest, atomically. Memory: a few blocks, whatever the model.
+    ``progress`` gets (elements written, elements in all) after each block.
     """
     entries = [(t.name, "F32", t.shape) for t in layout]
     workers = max(1, min(4, os.cpu_count() or 1))
+    total, done = sum(t.numel for t in layout), 0
     with staged_dir(Path(out_dir)) as tmp:
         with ShardedWriter(tmp, entries, {"format": "pt"},
                            max_shard_bytes=max_shard_bytes) as writer:
             for name, block in _blocks_ahead(seed, layout, workers):
                 writer.write_chunk(name, block)
+                done += block.size
+                if progress is not None:
+                    progress(done, total)
         (tmp / CONFIG_FILE).write_bytes(config_json)
         return finalize_manifest(tmp, manifest, checksums=writer.checksums)
 

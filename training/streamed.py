@@ -41,6 +41,8 @@ from xffl.training.model import model_layout as family_layout
 from xffl.training.seeded import TensorInit
 
 Array = np.ndarray
+#: a long write's progress: (elements written, elements in all)
+Progress = Callable[[int, int], None]
 #: elements a checkpoint is copied by (16 MiB in fp32): large reads and writes, small memory.
 COPY_PIECE = 1 << 22
 
@@ -121,6 +123,16 @@ def check_init(reader: ModelReader, shapes: dict[str, tuple[int, ...]]) -> None:
                              f"model expects {shape}")
 
 
+def _raw_pieces(reader: ModelReader, names: list[str],
+                piece: int) -> Iterator[tuple[str, Array]]:
+    """(name, piece of its storage elements, as stored: bf16 as its bits) of every tensor in
+    order, at most ``piece`` elements each, read through memory maps."""
+    for name in names:
+        if reader.entry(name).numel == 0:  # the writer still wants the (empty) tensor
+            yield name, np.empty(0, storage_dtype(reader.entry(name).dtype))
+        yield from ((name, chunk) for chunk in reader.chunks(name, piece))
+
+
 def _f32_pieces(reader: ModelReader, names: list[str],
                 piece: int) -> Iterator[tuple[str, Array]]:
     """(name, float32 piece) of every tensor in order, at most ``piece`` elements each.
@@ -161,13 +173,16 @@ def _f32_pieces(reader: ModelReader, names: list[str],
 
 def copy_init(init: Path, config: ModelConfig, entry_point: str | None, out_dir: Path,
               manifest: Manifest, max_shard_bytes: int | None,
-              piece: int = COPY_PIECE) -> Manifest:
+              piece: int = COPY_PIECE, *, keep_dtype: bool = False,
+              progress: Progress | None = None) -> Manifest:
     """Write ``init``'s weights as fp32 into ``out_dir`` (a global checkpoint), streamed.
 
     Memory: two pieces of ``piece`` elements (16 MiB in fp32 by default) and their raw
     bytes, whatever the model; fp32 tensors are copied as they are, other float types
-    widened (bf16 and fp16 exactly). With ``entry_point`` the tensors are ``init``'s own
-    (:func:`init_tensors`): the entry point is not imported.
+    widened (bf16 and fp16 exactly). ``keep_dtype`` (a LoRA job's frozen base, never
+    trained): every tensor keeps its checkpoint's dtype, byte for byte. With
+    ``entry_point`` the tensors are ``init``'s own (:func:`init_tensors`): the entry point
+    is not imported. ``progress`` gets (elements written, elements in all) after each piece.
     """
     with open_model(init) as reader:
         if entry_point is None:
@@ -176,12 +191,19 @@ def copy_init(init: Path, config: ModelConfig, entry_point: str | None, out_dir:
         else:
             shapes = init_tensors(reader)
         names = sorted(shapes)  # as safetensors orders them
-        entries = [(n, "F32", shapes[n]) for n in names]
+        entries = [(n, reader.entry(n).dtype if keep_dtype else "F32", shapes[n])
+                   for n in names]
+        total, done = sum(reader.entry(n).numel for n in names), 0
+        pieces = (_raw_pieces(reader, names, piece) if keep_dtype
+                  else _f32_pieces(reader, names, piece))
         with staged_dir(Path(out_dir)) as tmp:
             with ShardedWriter(tmp, entries, {"format": "pt"},
                                max_shard_bytes=max_shard_bytes) as writer:
-                for name, values in _f32_pieces(reader, names, piece):
+                for name, values in pieces:
                     writer.write_chunk(name, values)
+                    done += values.size
+                    if progress is not None:
+                        progress(done, total)
             (tmp / CONFIG_FILE).write_text(config.to_json())
             return finalize_manifest(tmp, manifest, checksums=writer.checksums)
 

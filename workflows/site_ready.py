@@ -210,14 +210,21 @@ def check_sites_ready(loaded: LoadedJob) -> None:
         raise InvalidInput(found[0], lines=found)
 
 
-def data_rows(loaded: LoadedJob, profile: str) -> list[tuple[str, bool, str]]:
-    """`xffl profiles check NAME --data JOB`: a row (check, ok, detail) per site of the job
-    on profile ``profile``."""
-    sites = [s for s in loaded.spec.sites if s.profile == profile]
+def data_site_names(loaded: LoadedJob, profile: str) -> list[str]:
+    """The job's sites on profile ``profile`` (InvalidInput naming its profiles if none)."""
+    sites = [s.name for s in loaded.spec.sites if s.profile == profile]
     if not sites:
         raise InvalidInput(f"{loaded.path}: no site of the job runs on profile {profile!r}; "
                            "name one of its profiles ("
                            f"{', '.join(sorted({s.profile for s in loaded.spec.sites}))}).")
+    return sites
+
+
+def data_rows(loaded: LoadedJob, profile: str) -> list[tuple[str, bool, str]]:
+    """`xffl profiles check NAME --data JOB`: a row (check, ok, detail) per site of the job
+    on profile ``profile``."""
+    names = data_site_names(loaded, profile)
+    sites = [s for s in loaded.spec.sites if s.name in names]
     vocab = _vocab(loaded)
     rows = []
     for site in sites:

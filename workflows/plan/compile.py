@@ -10,6 +10,7 @@ batch scripts come from one Jinja2 template (:func:`xffl.workflows.plan.deployme
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,12 +232,16 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
 
 
 def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str,
-                        trusted: bool = False) -> None:
+                        trusted: bool = False,
+                        progress: Callable[[int, int], None] | None = None) -> None:
     """Write the round-0 global checkpoint (the seeded initial model) unless it exists.
 
     A seeded model comes from the cache of initial models when an earlier run built it
     (:mod:`xffl.workflows.plan.init_cache`), else it is built and cached. When that needs the
     spec's ``model.entry_point``, only if the user ``trusted`` it (:mod:`xffl.jobs.trust`).
+    A LoRA job's frozen base keeps ``model.init``'s dtypes (a bf16 checkpoint stays bf16: it
+    is never trained, and the sites load it in their own compute dtype). ``progress`` follows
+    the writing of the model: (elements written, elements in all).
     """
     from xffl.aggregator.exchange import MANIFEST_FILE
     from xffl.core.sizes import parse_size
@@ -255,7 +260,8 @@ def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str,
         if key is None or not init_cache.reuse(key, base, run_id):
             from xffl.training.checkpoint import init_global  # torch is heavy: only when needed
 
-            init_global(run_id, spec.model, spec.training.seed, base, shard_bytes)
+            init_global(run_id, spec.model, spec.training.seed, base, shard_bytes,
+                        keep_dtype=lora is not None, progress=progress)
             if key is not None:
                 init_cache.store(key, base)
     if lora is not None:
