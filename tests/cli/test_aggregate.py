@@ -118,7 +118,7 @@ def test_max_shard_size_option(tmp_path: Path) -> None:
 def test_help_ends_with_example() -> None:
     result = runner.invoke(app, ["aggregate", "--help"])
     assert result.exit_code == 0
-    assert "xffl aggregate --strategy fedavg -o OUT UPDATE..." in result.output
+    assert "xffl aggregate --strategy fedavg -o DIR UPDATE..." in result.output
 
 
 def test_an_existing_output_is_kept_unless_forced(tmp_path: Path) -> None:
