@@ -298,7 +298,7 @@ VARIANTS: list[tuple[Attack, str | None]] = [
     (_edit(parent="0" * 64), "trained from global 000000000000"),
     (_edit(site="honest"), "says it comes from site 'honest'"),
     (_edit(kind="global"), "kind is 'global'"),
-    (_edit(format_version=2), "format version 2"),
+    (_edit(format_version=1), "format version 1 (written by xffl "),
     (_config_changed, "config.json differs from the global model's"),
     (_flip_bit, "checksum mismatch for model.safetensors"),
     (_rewrite_model(_nan_tensor), "holds non-finite values"),
