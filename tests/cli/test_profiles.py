@@ -72,7 +72,7 @@ def test_check_alpha(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def
     data = json.loads(as_json.stdout)
     assert data["ok"] and [c["check"] for c in data["checks"]] == [
         "login", "connect", "slurm commands", "partition", "workdir writable", "workdir private",
-        "xffl importable"]
+        "xffl importable", "versions", "exchange format", "gpus"]
     assert data["checks"][0]["detail"] == \
         f"{slurm_stack.user}@127.0.0.1:{slurm_stack.clusters['alpha'].ssh_port} with key "\
         f"{slurm_stack.ssh_key}"
