@@ -145,15 +145,16 @@ def _peft_problem(run: Runner, python: str) -> str | None:
             "(`xffl profiles check` shows it)")
 
 
-def _version_problem(run: Runner, python: str) -> str | None:
+def _version_problem(run: Runner, python: str) -> tuple[str | None, bool]:
     """Why ``python`` at the site cannot train for this coordinator (no xffl, or one of
-    another exchange format, with the install command), or None."""
+    another exchange format, with the install command), or None; and whether it answered."""
     rc, out, err = run(probe_command(python))
     versions = parse_probe(out) if rc == 0 else None
     if versions is None:
-        return (f"its Python {python} does not answer xffl's version probe ({said(err, rc)}); "
-                "fix python in the site profile (`xffl profiles check` shows it)")
-    return format_problem(python, versions)
+        why = said(err, rc) if rc else "it printed no answer the probe prints"
+        return (f"its Python {python} does not answer xffl's version probe ({why}); "
+                "fix python in the site profile (`xffl profiles check` shows it)"), False
+    return format_problem(python, versions), True
 
 
 def _local(command: str) -> tuple[int, str, str]:
@@ -177,11 +178,12 @@ def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int,
     ``versions``: its xffl's exchange format among them."""
     profile = loaded.site_profile(site.name)
     found = []
+    answered = True
     if _own_python(profile) and versions:
-        problem = _version_problem(run, site_python(profile))
+        problem, answered = _version_problem(run, site_python(profile))
         if problem is not None:
             found.append(problem)
-    if loaded.spec.training.lora is not None and _own_python(profile) and not found:
+    if loaded.spec.training.lora is not None and _own_python(profile) and answered:
         problem = _peft_problem(run, site_python(profile))
         if problem is not None:
             found.append(problem)

@@ -154,3 +154,30 @@ def test_a_site_whose_xffl_writes_another_format_is_refused_at_submit(
             ) in text, text
     assert "site 'beta'" not in text and "Traceback" not in text
     _no_runs()
+
+
+@pytest.mark.parametrize("answer", ["missing", "garbage"])
+def test_a_site_python_that_does_not_answer_the_probe_is_refused_at_submit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, xffl_home: Path, answer: str) -> None:
+    """A profile's python that is not there, or that answers with an escape where the format
+    should be: one line naming the site and that Python (the site's text not echoed)."""
+    monkeypatch.chdir(tmp_path)
+    python = tmp_path / "python"
+    if answer == "garbage":
+        python.write_text("#!/bin/sh\nprintf 'xffl-versions {\"format\": \"2\\033[2J\"}\\n'\n")
+        python.chmod(0o755)
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    (profiles / "odd.yaml").write_text(yaml.safe_dump({
+        "name": "odd", "connector": {"type": "local"}, "python": str(python)}))
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["sites"][0]["profile"] = "odd"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = runner.invoke(app, ["submit", str(job), "--trust-entry-point"])
+    assert done.exit_code == 2, done.output
+    text = " ".join(done.output.split())
+    assert f"site 'alpha': its Python {python} does not answer xffl's version probe (" in text
+    why = "not found" if answer == "missing" else "it printed no answer the probe prints"
+    assert why in text and "\x1b" not in done.output, text
+    _no_runs()
