@@ -17,7 +17,7 @@ from xffl.site_profiles.credentials import SiteCredential, renew_advice, site_cr
 from xffl.site_profiles.login import Login, known_hosts_path, resolve
 from xffl.site_profiles.lookup import placeholders
 from xffl.site_profiles.schema import SiteProfile, SshConnector
-from xffl.site_profiles.versions import gres_of, probe_command, python_rows
+from xffl.site_profiles.versions import SiteVersions, gres_of, probe_command, python_rows
 
 CONNECT_TIMEOUT = 15.0
 
@@ -239,6 +239,7 @@ class SiteCheck:
     rows: list[tuple[str, bool, str]] = field(default_factory=list)
     connected: bool = True
     credential: SiteCredential | None = None
+    versions: SiteVersions | None = None  # what the site's Python answered the probe
 
     @property
     def ok(self) -> bool:
@@ -250,7 +251,8 @@ class SiteCheck:
     def as_dict(self) -> dict[str, object]:
         return {"site": self.site, "ok": self.ok, "connected": self.connected,
                 "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
-                "credential": self.credential.as_dict() if self.credential else None}
+                "credential": self.credential.as_dict() if self.credential else None,
+                "versions": self.versions.model_dump() if self.versions else None}
 
 
 def _workdir_script(workdir: str) -> str:
@@ -285,7 +287,8 @@ def _check_local(check: SiteCheck, profile: SiteProfile, workdir: str) -> None:
         answer = (proc.returncode, proc.stdout, proc.stderr)
     except subprocess.TimeoutExpired:
         answer = (124, "", "timed out after 120 s")
-    for row in python_rows(python, *answer, gres=None, partition=None):
+    rows, check.versions = python_rows(python, *answer, gres=None, partition=None)
+    for row in rows:
         check.add(*row)
     try:
         Path(workdir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -363,7 +366,8 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
             _add_private(check, workdir, _octal(out.split()[-1] if out.split() else ""))
         python = profile.python or "python3"
         answer = run(client, probe_command(python, full=True), 120)
-        for row in python_rows(python, *answer, gres=gres, partition=partition):
+        rows, check.versions = python_rows(python, *answer, gres=gres, partition=partition)
+        for row in rows:
             check.add(*row)
     dtn = transfer_login(profile)
     if dtn is not None:

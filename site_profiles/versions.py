@@ -151,20 +151,24 @@ def gres_of(out: str) -> str:
     return ", ".join(groups[:8]) + (f" (+{len(groups) - 8} more)" if len(groups) > 8 else "")
 
 
+Rows = list[tuple[str, bool, str]]
+
+
 def python_rows(python: str, rc: int, out: str, err: str, gres: str | None,
-                partition: str | None) -> list[tuple[str, bool, str]]:
+                partition: str | None) -> tuple[Rows, SiteVersions | None]:
     """``xffl profiles check``'s rows from the full probe's answer (exit status, stdout,
-    stderr): xffl importable, its versions, its exchange format against this xffl's, GPUs."""
+    stderr): xffl importable, its versions, its exchange format against this xffl's, GPUs;
+    and the answer itself (None when there was none)."""
     versions = parse_probe(out) if rc == 0 else None
     if versions is None:
         last = (err.strip().splitlines() or [f"exit {rc}" if rc else "no answer to the probe"])
         said = "".join(c if c.isprintable() else "?" for c in last[-1])[:200]
-        return [("xffl importable", False, f"{python}: {said}")]
-    rows = [("xffl importable", versions.error is None,
+        return [("xffl importable", False, f"{python}: {said}")], None
+    rows: Rows = [("xffl importable", versions.error is None,
              python if versions.error is None else f"{python}: {versions.error}"),
             ("versions", True, versions.summary())]
     problem = format_problem(python, versions)
     rows.append(("exchange format", problem is None, problem or
                  f"{versions.format}, as this xffl {xffl_version()} reads"))
     rows.append(("gpus", True, gpu_detail(versions, gres, partition)))
-    return rows
+    return rows, versions

@@ -46,7 +46,9 @@ def test_this_pythons_answer_is_this_xffl() -> None:
     assert versions.transformers == metadata.version("transformers")
     assert versions.error is None and versions.gpus is not None
     assert format_problem(sys.executable, versions) is None
-    names = [row[0] for row in python_rows(sys.executable, rc, out, "", "gpu:4", "p")]
+    rows, answer = python_rows(sys.executable, rc, out, "", "gpu:4", "p")
+    assert answer == versions
+    names = [row[0] for row in rows]
     assert names == ["xffl importable", "versions", "exchange format", "gpus"]
 
 
@@ -61,7 +63,7 @@ def test_another_xffls_format_is_refused_naming_both(tmp_path: Path) -> None:
         f"xffl {xffl_version()} reads format {FORMAT_VERSION}; install this xffl "
         f"{xffl_version()} there: `{shlex.quote(python)} -m pip install "
         f"xffl-{xffl_version()}-py3-none-any.whl`")
-    rows = {r[0]: r for r in python_rows(python, *_probe(python, full=True), None, None)}
+    rows = {r[0]: r for r in python_rows(python, *_probe(python, full=True), None, None)[0]}
     assert rows["exchange format"][1] is False and rows["xffl importable"][1] is True
     assert "xffl 9.9.9 (exchange format 99)" in rows["versions"][2]
 
