@@ -93,3 +93,8 @@ def test_an_update_of_another_format_is_rejected_at_aggregation(
     assert (f"format version 99 (written by xffl 9.9.9), where this xffl {xffl_version()} "
             f"reads format version {FORMAT_VERSION}") in str(sites["alpha"]["reason"]), \
         sites["alpha"]["reason"]
+    # the admitted update, written by beta's real trainer, names the xffl that wrote it
+    shown = json.loads(runner.invoke(app, ["status", run_id, "--json"]).stdout)
+    beta = json.loads((Path(shown["run_dir"]) / "rounds" / "2" / "updates" / "beta" /
+                       "manifest.json").read_text())
+    assert (beta["format_version"], beta["xffl_version"]) == (FORMAT_VERSION, xffl_version())
