@@ -3,8 +3,8 @@
 A checkpoint is a directory holding the model (``model.safetensors``, or Hugging Face shards
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``; see
 :mod:`xffl.aggregator.shards`), ``config.json`` for the model architecture and
-``manifest.json``: format version, run id, round, site, sample and
-token counts, metrics, the sha256 of every file, the tensor index and the digest of the
+``manifest.json``: format version and the xffl version that wrote it, run id, round, site,
+sample and token counts, metrics, the sha256 of every file, the tensor index and the digest of the
 parent global checkpoint. Directories are written under a temporary name, fsynced and then
 renamed, so a reader sees a whole checkpoint or none. Nothing here unpickles anything.
 """
@@ -35,9 +35,10 @@ from xffl.aggregator.shards import (
 )
 from xffl.aggregator.shards import CONFIG_FILE as CONFIG_FILE  # the model's config.json
 from xffl.core.errors import CheckpointError
+from xffl.core.versions import FORMAT_VERSION as FORMAT_VERSION  # the exchange format's
+from xffl.core.versions import VERSION_PATTERN, format_mismatch, same_format, xffl_version
 from xffl.core.words import WORD_CHARS, capped
 
-FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read only below this
 _CHUNK = 8 << 20
@@ -57,6 +58,8 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     format_version: int = FORMAT_VERSION
+    #: the xffl that wrote the checkpoint (:func:`finalize_manifest` sets it; a site's word)
+    xffl_version: str | None = Field(default=None, pattern=VERSION_PATTERN)
     kind: Literal["update", "global"]
     run_id: str
     round: int = Field(ge=0)
@@ -170,7 +173,8 @@ def staged_dir(final: Path) -> Iterator[Path]:
 def finalize_manifest(
     directory: Path, manifest: Manifest, *, checksums: Mapping[str, str] | None = None
 ) -> Manifest:
-    """Fill in file checksums and the tensor index, then write manifest.json into ``directory``.
+    """Fill in file checksums, the tensor index and this xffl's version, then write
+    manifest.json into ``directory``.
 
     ``checksums`` may carry sha256 values the caller computed while writing a file (the
     streaming aggregator hashes its output as it goes), so that file is not read again.
@@ -181,7 +185,8 @@ def finalize_manifest(
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST_FILE
     }
-    full = manifest.model_copy(update={"files": files, "tensors": tensor_index(directory)})
+    full = manifest.model_copy(update={"files": files, "tensors": tensor_index(directory),
+                                       "xffl_version": xffl_version()})
     (directory / MANIFEST_FILE).write_text(full.model_dump_json(indent=2) + "\n")
     return full
 
@@ -205,16 +210,35 @@ def read_small_file(path: Path, limit: int = MAX_JSON_BYTES) -> bytes:
         os.close(fd)
 
 
-def read_manifest(directory: Path) -> Manifest:
-    """Parse a checkpoint's manifest.json (no checksum verification)."""
-    path = Path(directory) / MANIFEST_FILE
+def _other_format(raw: bytes) -> str | None:
+    """Why a manifest that is not this format's is refused (both versions), or None: read
+    before its fields are, since another format's fields are not this one's."""
     try:
-        return Manifest.model_validate_json(read_small_file(path))
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or "format_version" not in data or \
+            same_format(data["format_version"]):
+        return None
+    return format_mismatch(data["format_version"], data.get("xffl_version"))
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Parse a checkpoint's manifest.json (no checksum verification); one of another
+    exchange format is refused naming both formats and both xffl versions."""
+    path = Path(directory) / MANIFEST_FILE
+    raw = b""
+    try:
+        raw = read_small_file(path)
+        return Manifest.model_validate_json(raw)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{directory}: no {MANIFEST_FILE}.") from exc
     except OSError as exc:  # a link (ELOOP with O_NOFOLLOW), a folder, unreadable
         raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc}).") from exc
     except ValidationError as exc:
+        other = _other_format(raw)
+        if other is not None:
+            raise CheckpointError(f"{path}: {other}.") from exc
         first = exc.errors()[0]
         loc = capped(".".join(str(p) for p in first["loc"]), WORD_CHARS)  # keys are the site's
         raise CheckpointError(f"{path}: invalid manifest ({loc}: {first['msg']}).") from exc
@@ -227,10 +251,9 @@ def verify_checkpoint(directory: Path) -> Manifest:
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    if manifest.format_version != FORMAT_VERSION:
+    if not same_format(manifest.format_version):
         raise CheckpointError(
-            f"{directory}: format version {manifest.format_version}, expected {FORMAT_VERSION}."
-        )
+            f"{directory}: {format_mismatch(manifest.format_version, manifest.xffl_version)}.")
     if not {MODEL_FILE, INDEX_FILE, ADAPTER_FILE} & set(manifest.files):
         raise CheckpointError(
             f"{directory}: the manifest lists neither {MODEL_FILE} nor {INDEX_FILE} (nor an "

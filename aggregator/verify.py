@@ -26,7 +26,6 @@ import numpy as np
 from xffl.aggregator.contents import check_config, check_contents, check_listed
 from xffl.aggregator.dtypes import decode, encode
 from xffl.aggregator.exchange import (
-    FORMAT_VERSION,
     Manifest,
     TensorInfo,
     index_of,
@@ -48,6 +47,7 @@ from xffl.aggregator.shards import (
     open_model,
 )
 from xffl.core.errors import CheckpointError
+from xffl.core.versions import format_mismatch, same_format
 from xffl.core.words import quoted
 
 _SCAN_BYTES = 16 << 20
@@ -225,9 +225,8 @@ def _check_fields(
 ) -> Bounds | None:
     """The manifest's own fields: format, kind, site (one of ``bounds``' when it names the
     sites), run, round and parent; returns the site's bounds. Raises CheckpointError."""
-    if manifest.format_version != FORMAT_VERSION:
-        raise CheckpointError(f"format version {manifest.format_version}, expected "
-                              f"{FORMAT_VERSION}")
+    if not same_format(manifest.format_version):
+        raise CheckpointError(format_mismatch(manifest.format_version, manifest.xffl_version))
     if manifest.kind != "update":
         raise CheckpointError(f"kind is '{manifest.kind}', expected 'update'")
     if not manifest.site:

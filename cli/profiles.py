@@ -100,7 +100,9 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
         "--data", metavar="JOB", help="Also check the data folders (and peft, for LoRA) of "
         "JOB's sites on this profile, as `xffl submit` does.")] = None,
            json_out: JsonOpt = False) -> None:
-    """Check a site: SSH login (host key verified), SLURM, partition, workdir, remote xffl.
+    """Check a site: SSH login (host key verified), SLURM, partition, workdir, and its Python:
+    xffl importable, its versions (Python, xffl and its exchange format, torch and its CUDA or
+    ROCm build, transformers) and GPUs (those torch sees there, the partition's GRES).
 
     Exit 0 when every check passes, 3 when the connection, login or host key fails (the
     checks it left unreached are listed as "not run"), 1 when connected but a check failed.

@@ -18,6 +18,7 @@ from xffl.site_profiles.login import Login, known_hosts_path, resolve
 from xffl.site_profiles.lookup import placeholders
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 from xffl.site_profiles.site_check import SiteCheck, missing_certificate
+from xffl.site_profiles.versions import gres_of, probe_command, python_rows
 
 CONNECT_TIMEOUT = 15.0
 
@@ -257,10 +258,15 @@ def _add_private(check: SiteCheck, workdir: str, mode: int | None) -> None:
 
 def _check_local(check: SiteCheck, profile: SiteProfile, workdir: str) -> None:
     python = profile.python or sys.executable
-    proc = subprocess.run([python, "-c", "import xffl.training"], capture_output=True,
-                          text=True, timeout=120, check=False)
-    check.add("xffl importable", proc.returncode == 0,
-              python if proc.returncode == 0 else (proc.stderr.strip().splitlines() or [""])[-1])
+    try:
+        proc = subprocess.run(["sh", "-c", probe_command(python, full=True)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        answer = (proc.returncode, proc.stdout, proc.stderr)
+    except subprocess.TimeoutExpired:
+        answer = (124, "", "timed out after 120 s")
+    rows, check.versions = python_rows(python, *answer, gres=None, partition=None)
+    for row in rows:
+        check.add(*row)
     try:
         Path(workdir).mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = Path(workdir) / ".xffl-write-test"
@@ -329,9 +335,11 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         check.add("slurm commands", not lacking,
                   "sbatch squeue sinfo found" if not lacking else f"missing: {' '.join(lacking)}")
         partition = profile.slurm.partition if profile.slurm else None
-        if partition:
-            rc, out, err = run(client, f"sinfo -h -p {shlex.quote(partition)}")
+        gres = None
+        if partition:  # its GRES (%G) too: the GPUs row shows them
+            rc, out, err = run(client, f"sinfo -h -p {shlex.quote(partition)} -o %G")
             ok = rc == 0 and bool(out.strip())
+            gres = gres_of(out) if ok else None
             check.add("partition", ok, partition if ok else
                       f"{partition}: {err.strip() or 'not found (sinfo printed nothing)'}")
         rc, out, err = run(client, _workdir_script(workdir))
@@ -340,9 +348,10 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         if rc == 0:
             _add_private(check, workdir, _octal(out.split()[-1] if out.split() else ""))
         python = profile.python or "python3"
-        rc, out, err = run(client, f"{shlex.quote(python)} -c 'import xffl.training'", 120)
-        check.add("xffl importable", rc == 0, python if rc == 0 else
-                  f"{python}: {(err.strip().splitlines() or [f'exit {rc}'])[-1]}")
+        answer = run(client, probe_command(python, full=True), 120)
+        rows, check.versions = python_rows(python, *answer, gres=gres, partition=partition)
+        for row in rows:
+            check.add(*row)
     dtn = transfer_login(profile)
     if dtn is not None:
         try:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from xffl.site_profiles.credentials import SiteCredential
 from xffl.site_profiles.schema import SiteProfile, SshConnector
+from xffl.site_profiles.versions import SiteVersions
 
 
 @dataclass
@@ -17,6 +18,7 @@ class SiteCheck:
     connected: bool = True
     credential: SiteCredential | None = None
     not_checked: list[str] = field(default_factory=list)  # checks the failure left unreached
+    versions: SiteVersions | None = None  # what the site's Python answered the probe
 
     @property
     def ok(self) -> bool:
@@ -37,14 +39,16 @@ class SiteCheck:
         return {"site": self.site, "ok": self.ok, "connected": self.connected,
                 "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in self.rows],
                 "not_checked": list(self.not_checked),
-                "credential": self.credential.as_dict() if self.credential else None}
+                "credential": self.credential.as_dict() if self.credential else None,
+                "versions": self.versions.model_dump() if self.versions else None}
 
 
 def ssh_checks(profile: SiteProfile) -> list[str]:
     """The checks of an SSH site, in the order check_site runs them."""
     partition = profile.slurm.partition if profile.slurm else None
     return ["login", "connect", "slurm commands", *(["partition"] if partition else []),
-            "workdir writable", "workdir private", "xffl importable",
+            "workdir writable", "workdir private", "xffl importable", "versions",
+            "exchange format", "gpus",
             *(["transfer host"] if isinstance(profile.connector, SshConnector)
               and profile.connector.transfer_host is not None else [])]
 

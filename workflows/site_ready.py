@@ -1,10 +1,13 @@
-"""Before anything is queued: every site's data folders and, for a LoRA job, its peft.
+"""Before anything is queued: every site's xffl (its exchange format), its data folders and,
+for a LoRA job, its peft.
 
 ``xffl submit`` checks them through each site's own connection (the SSH login it already
-verified; the local filesystem for a local site), so a missing, empty or mis-tokenized data
-folder is refused at once instead of failing round 1 after the queue wait. What a site sends
-back is read as numbers only: the size of train.bin and meta.json's fields. A synthetic
-data.path is generated at the site on first use: nothing to check there.
+verified; the local filesystem for a local site), so a site whose xffl writes another
+exchange format, or a missing, empty or mis-tokenized data folder, is refused at once instead
+of failing round 1 after the queue wait (or after its GPU-hours, at aggregation). What a
+site sends back is read as numbers and checked words only: the probe's versions
+(:mod:`xffl.site_profiles.versions`), the size of train.bin and meta.json's fields. A
+synthetic data.path is generated at the site on first use: nothing to check there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from xffl.jobs.load import LoadedJob
 from xffl.jobs.peft_check import PROBE, PROBE_MISSING, install_command
 from xffl.jobs.spec import SiteSpec
 from xffl.site_profiles.schema import SiteProfile, SshConnector
+from xffl.site_profiles.versions import format_problem, parse_probe, probe_command
 from xffl.workflows.plan.deployments import site_data_path, site_python, site_workdir
 
 META_LIMIT = 65536  # the most bytes of a site's meta.json read back (xffl writes < 1 KiB)
@@ -141,6 +145,18 @@ def _peft_problem(run: Runner, python: str) -> str | None:
             "(`xffl profiles check` shows it)")
 
 
+def _version_problem(run: Runner, python: str) -> tuple[str | None, bool]:
+    """Why ``python`` at the site cannot train for this coordinator (no xffl, or one of
+    another exchange format, with the install command), or None; and whether it answered."""
+    rc, out, err = run(probe_command(python))
+    versions = parse_probe(out) if rc == 0 else None
+    if versions is None:
+        why = said(err, rc) if rc else "it printed no answer the probe prints"
+        return (f"its Python {python} does not answer xffl's version probe ({why}); "
+                "fix python in the site profile (`xffl profiles check` shows it)"), False
+    return format_problem(python, versions), True
+
+
 def _local(command: str) -> tuple[int, str, str]:
     """Run ``command`` in this machine's shell: a local site's filesystem is this one's."""
     try:
@@ -151,12 +167,23 @@ def _local(command: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int) -> list[str]:
-    """Every reason ``site`` would fail its first round (``its ...; the fix``), one each."""
+def _own_python(profile: SiteProfile) -> bool:
+    """Whether the site trains with a Python of its own (not this process's interpreter)."""
+    return isinstance(profile.connector, SshConnector) or profile.python is not None
+
+
+def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int,
+                  versions: bool = True) -> list[str]:
+    """Every reason ``site`` would fail its first round (``its ...; the fix``), one each;
+    ``versions``: its xffl's exchange format among them."""
     profile = loaded.site_profile(site.name)
     found = []
-    remote = isinstance(profile.connector, SshConnector)
-    if loaded.spec.training.lora is not None and (remote or profile.python is not None):
+    answered = True
+    if _own_python(profile) and versions:
+        problem, answered = _version_problem(run, site_python(profile))
+        if problem is not None:
+            found.append(problem)
+    if loaded.spec.training.lora is not None and _own_python(profile) and answered:
         problem = _peft_problem(run, site_python(profile))
         if problem is not None:
             found.append(problem)
@@ -180,9 +207,10 @@ def site_runner(profile: SiteProfile) -> Iterator[Runner]:
 
 
 def _asks(loaded: LoadedJob, site: SiteSpec) -> bool:
-    """Whether there is anything to ask ``site`` (a folder to check, or peft)."""
-    return loaded.spec.training.lora is not None or bool(
-        site_folders(loaded.site_profile(site.name), site))
+    """Whether there is anything to ask ``site`` (its Python's xffl, a folder, or peft)."""
+    profile = loaded.site_profile(site.name)
+    return _own_python(profile) or loaded.spec.training.lora is not None or bool(
+        site_folders(profile, site))
 
 
 def _vocab(loaded: LoadedJob) -> int:
@@ -193,7 +221,7 @@ def _vocab(loaded: LoadedJob) -> int:
 
 
 def check_sites_ready(loaded: LoadedJob) -> None:
-    """InvalidInput (exit 2) naming every site whose data (or peft) would fail round 1.
+    """InvalidInput (exit 2) naming every site whose xffl, data (or peft) would fail round 1.
 
     One connection per SSH site (host key verified, as every xffl login); a connection that
     fails is ConnectionFailed (exit 3).
@@ -228,11 +256,12 @@ def data_rows(loaded: LoadedJob, profile: str) -> list[tuple[str, bool, str]]:
     vocab = _vocab(loaded)
     rows = []
     for site in sites:
-        if not _asks(loaded, site):
+        if loaded.spec.training.lora is None and not site_folders(
+                loaded.site_profile(site.name), site):
             rows.append((f"data {site.name}", True, "synthetic: made at the site on first use"))
             continue
-        with site_runner(loaded.site_profile(site.name)) as run:
-            problems = site_problems(loaded, site, run, vocab)
+        with site_runner(loaded.site_profile(site.name)) as run:  # versions: their own rows
+            problems = site_problems(loaded, site, run, vocab, versions=False)
         folders = [f.where for f in site_folders(loaded.site_profile(site.name), site)]
         rows.append((f"data {site.name}", not problems,
                      "; ".join(problems) or f"ready: {', '.join(folders) or 'peft'}"))

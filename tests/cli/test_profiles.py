@@ -19,6 +19,7 @@ from tests.site_profiles.test_remote import (
 )
 from xffl.cli import profiles
 from xffl.cli.submit import submit
+from xffl.core.versions import FORMAT_VERSION, xffl_version
 
 app = typer.Typer()
 app.add_typer(profiles.app, name="profiles")
@@ -57,7 +58,11 @@ def test_show() -> None:
 def test_check_local() -> None:
     result = runner.invoke(app, ["profiles", "check", "local", "--json"])
     assert result.exit_code == 0, result.output
-    assert check("profiles-check", json.loads(result.stdout))["ok"] is True
+    data = check("profiles-check", json.loads(result.stdout))
+    assert data["ok"] is True
+    # the site's answer, structured: this Python's xffl and format
+    assert (data["versions"]["xffl"], data["versions"]["format"]) == (xffl_version(),
+                                                                     FORMAT_VERSION)
 
 
 @pytest.mark.slow
@@ -72,7 +77,7 @@ def test_check_alpha(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def
     data = json.loads(as_json.stdout)
     assert data["ok"] and [c["check"] for c in data["checks"]] == [
         "login", "connect", "slurm commands", "partition", "workdir writable", "workdir private",
-        "xffl importable"]
+        "xffl importable", "versions", "exchange format", "gpus"]
     assert data["checks"][0]["detail"] == \
         f"{slurm_stack.user}@127.0.0.1:{slurm_stack.clusters['alpha'].ssh_port} with key "\
         f"{slurm_stack.ssh_key}"

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -298,7 +299,7 @@ VARIANTS: list[tuple[Attack, str | None]] = [
     (_edit(parent="0" * 64), "trained from global 000000000000"),
     (_edit(site="honest"), "says it comes from site 'honest'"),
     (_edit(kind="global"), "kind is 'global'"),
-    (_edit(format_version=2), "format version 2"),
+    (_edit(format_version=1), "format version 1 (written by xffl "),
     (_config_changed, "config.json differs from the global model's"),
     (_flip_bit, "checksum mismatch for model.safetensors"),
     (_rewrite_model(_nan_tensor), "holds non-finite values"),
@@ -343,7 +344,10 @@ def honest_update(model: Path, out: Path, site: str, rnd: int, run_id: str) -> N
 
 
 def main(argv: list[str]) -> int:
-    """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``."""
+    """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``;
+    answer ``python -c SOURCE`` (xffl submit's version probe) as the real Python does."""
+    if argv[:1] == ["-c"]:
+        return subprocess.call([sys.executable, *argv])
     job = json.loads(Path(_arg(argv, "--job")).read_text())
     site, rnd = job["site"], int(_arg(argv, "--round"))
     out = Path(_arg(argv, "--out"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import platform
 import re
 import shlex
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import paramiko
@@ -13,6 +15,7 @@ import yaml
 
 from tests.conftest import QUICKSTART, REPO
 from xffl.core.errors import ConnectionFailed
+from xffl.core.versions import FORMAT_VERSION, xffl_version
 from xffl.site_profiles.lookup import bundled_dir, load_profile_file
 from xffl.site_profiles.remote import check_site, connect, preflight, run
 from xffl.site_profiles.schema import SiteProfile
@@ -65,8 +68,8 @@ def test_bundled_profiles_load(name: str) -> None:
 def test_local_profile_checks(xffl_home: Path) -> None:
     result = check_site("local", load_profile_file(bundled_dir() / "local.yaml"))
     assert result.ok, result.rows
-    assert {r[0] for r in result.rows} == {"xffl importable", "workdir writable",
-                                           "workdir private"}
+    assert {r[0] for r in result.rows} == {"xffl importable", "versions", "exchange format",
+                                           "gpus", "workdir writable", "workdir private"}
 
 
 def test_a_workdir_others_can_write_fails_the_check(xffl_home: Path) -> None:
@@ -100,7 +103,16 @@ def test_check_alpha_passes(tmp_path: Path, slurm_stack) -> None:  # type: ignor
     assert result.ok, result.rows
     assert [r[0] for r in result.rows] == [
         "login", "connect", "slurm commands", "partition", "workdir writable", "workdir private",
-        "xffl importable"]
+        "xffl importable", "versions", "exchange format", "gpus"]
+    rows = {r[0]: r[2] for r in result.rows}
+    # the site's Python (this venv's, over SSH) and the partition's GRES as sinfo lists them
+    assert rows["versions"] == (
+        f"Python {platform.python_version()}, xffl {xffl_version()} (exchange format "
+        f"{FORMAT_VERSION}), torch {metadata.version('torch')} (CPU only), transformers "
+        f"{metadata.version('transformers')}")
+    assert rows["exchange format"] == f"{FORMAT_VERSION}, as this xffl {xffl_version()} reads"
+    assert rows["gpus"].startswith(f"0 where the probe ran; partition "
+                                   f"{slurm_stack.clusters['alpha'].partition}: GRES "), rows
     client = connect(profile)
     with client:
         rc, out, _ = run(client, "echo $SLURM_CONF", timeout=10)
@@ -161,7 +173,7 @@ def test_an_unreachable_transfer_host_is_one_line(tmp_path: Path,
     with pytest.raises(ConnectionFailed, match=why):
         preflight({"alpha": profile})
     assert [r[0] for r in check_site("alpha", load_profile_file(
-        write_profile(tmp_path, slurm_stack))).rows][-1] == "xffl importable"
+        write_profile(tmp_path, slurm_stack))).rows][-1] == "gpus"
 
 
 @pytest.mark.slow

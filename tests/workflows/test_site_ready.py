@@ -14,8 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.site_profiles.other_xffl import other_xffl_python
 from tests.workflows.site_data import bad_data, write_shards
 from xffl.cli.app import app
+from xffl.core.versions import FORMAT_VERSION, install_command, xffl_version
 from xffl.jobs.peft_check import PEFT_REQUIREMENT
 
 runner = CliRunner()
@@ -126,3 +128,56 @@ def test_profiles_check_data_shows_each_sites_folders(tmp_path: Path,
     assert not rows["data alpha"]["ok"] and rows["data beta"]["ok"], rows
     assert f"its data.path folder {folder} was tokenized for a vocabulary of 50000 tokens" in \
         rows["data alpha"]["detail"]
+
+
+def test_a_site_whose_xffl_writes_another_format_is_refused_at_submit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, xffl_home: Path) -> None:
+    """Site alpha's Python is a real one whose xffl is 9.9.9 of exchange format 99
+    (tests/site_profiles/other_xffl.py): submit names the site, its Python, both xffl
+    versions, both formats and the install command, and registers nothing."""
+    monkeypatch.chdir(tmp_path)  # no xffl.egg-info in the folder the site's Python starts in
+    python = other_xffl_python(tmp_path / "alpha")
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    (profiles / "other.yaml").write_text(yaml.safe_dump({
+        "name": "other", "connector": {"type": "local"}, "python": str(python)}))
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["sites"][0]["profile"] = "other"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = runner.invoke(app, ["submit", str(job), "--trust-entry-point"])
+    assert done.exit_code == 2, done.output
+    text = " ".join(done.output.split())
+    assert (f"{job}: site 'alpha': its Python {python} has xffl 9.9.9, which writes exchange "
+            f"format 99, where this xffl {xffl_version()} reads format {FORMAT_VERSION}; "
+            f"install this xffl {xffl_version()} there: `{install_command(str(python))}`."
+            ) in text, text
+    assert "site 'beta'" not in text and "Traceback" not in text
+    _no_runs()
+
+
+@pytest.mark.parametrize("answer", ["missing", "garbage"])
+def test_a_site_python_that_does_not_answer_the_probe_is_refused_at_submit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, xffl_home: Path, answer: str) -> None:
+    """A profile's python that is not there, or that answers with an escape where the format
+    should be: one line naming the site and that Python (the site's text not echoed)."""
+    monkeypatch.chdir(tmp_path)
+    python = tmp_path / "python"
+    if answer == "garbage":
+        python.write_text("#!/bin/sh\nprintf 'xffl-versions {\"format\": \"2\\033[2J\"}\\n'\n")
+        python.chmod(0o755)
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    (profiles / "odd.yaml").write_text(yaml.safe_dump({
+        "name": "odd", "connector": {"type": "local"}, "python": str(python)}))
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["sites"][0]["profile"] = "odd"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = runner.invoke(app, ["submit", str(job), "--trust-entry-point"])
+    assert done.exit_code == 2, done.output
+    text = " ".join(done.output.split())
+    assert f"site 'alpha': its Python {python} does not answer xffl's version probe (" in text
+    why = "not found" if answer == "missing" else "it printed no answer the probe prints"
+    assert why in text and "\x1b" not in done.output, text
+    _no_runs()

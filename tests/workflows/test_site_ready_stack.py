@@ -16,10 +16,12 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.site_profiles.other_xffl import other_xffl_python
 from tests.stack.profiles import write_profile
 from tests.stack.stack import StackInfo
 from tests.workflows.site_data import bad_data
 from xffl.cli.app import app
+from xffl.core.versions import FORMAT_VERSION, install_command, xffl_version
 
 runner = CliRunner()
 
@@ -93,3 +95,44 @@ def test_a_lora_job_is_refused_where_a_sites_python_lacks_peft(tmp_path: Path,
     assert f"`{shlex.quote(str(bare))} -m pip install 'peft>=0.13,<1'`" in text, text
     assert "site 'beta'" not in text  # beta's Python has it
     assert _queued(slurm_stack, "xffl-nopeft") == []
+
+
+@pytest.mark.slow
+def test_a_site_whose_xffl_writes_another_format_is_refused_before_the_queue(
+        tmp_path: Path, slurm_stack: StackInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Site alpha's profile names a Python in alpha's workdir whose xffl is 9.9.9 of exchange
+    format 99 (a real interpreter: tests/site_profiles/other_xffl.py), asked over alpha's SSH
+    login: submit names the site, both versions and the install command (exit 2), registers
+    nothing and queues nothing in either cluster; `xffl profiles check` shows the same."""
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    workdir = Path(slurm_stack.clusters["alpha"].work_dir)
+    python = other_xffl_python(workdir / f"other-xffl-{tmp_path.name}")
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="otherxffl", rounds=1)
+    for site in spec["sites"]:
+        site.update(ranks=1, profile=write_profile(
+            profiles, slurm_stack.clusters[site["name"]], slurm_stack))
+        site["data"]["path"] = str(tmp_path / "data" / site["name"])
+    alpha = profiles / f"{spec['sites'][0]['profile']}.yaml"
+    alpha.write_text(yaml.safe_dump({**yaml.safe_load(alpha.read_text()),
+                                     "python": str(python)}))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = runner.invoke(app, ["submit", str(job)])
+    assert done.exit_code == 2, done.output
+    text = " ".join(done.output.split())
+    assert (f"{job}: site 'alpha': its Python {python} has xffl 9.9.9, which writes exchange "
+            f"format 99, where this xffl {xffl_version()} reads format {FORMAT_VERSION}; "
+            f"install this xffl {xffl_version()} there: `{install_command(str(python))}`."
+            ) in text, text
+    assert "site 'beta'" not in text and "Traceback" not in text
+    listed = runner.invoke(app, ["runs", "--json"])
+    assert listed.exit_code == 0 and json.loads(listed.stdout) == [], listed.output
+    assert _queued(slurm_stack, "xffl-otherxffl") == []
+    monkeypatch.chdir(tmp_path)  # where `profiles check` finds site_profiles/
+    checked = runner.invoke(app, ["profiles", "check", alpha.stem, "--json"])
+    assert checked.exit_code == 1, checked.output
+    rows = {r["check"]: r for r in json.loads(checked.stdout)["checks"]}
+    assert not rows["exchange format"]["ok"] and "xffl 9.9.9" in rows["exchange format"]["detail"]
+    assert "xffl 9.9.9 (exchange format 99)" in rows["versions"]["detail"], rows

@@ -1,0 +1,30 @@
+"""A real Python whose xffl is another one: another version and another exchange format.
+
+The wrapper runs this venv's interpreter with a folder first on PYTHONPATH holding what an
+xffl install of another version leaves there for Python to find: its ``.dist-info`` (so
+``importlib.metadata.version('xffl')`` answers that version) and a ``sitecustomize`` that gives
+xffl's exchange format another number before anything of xffl is imported (so the probe reads
+it, and a trainer run with it writes manifests of that format).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+
+def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99) -> Path:
+    """Write ``folder/python`` (and what it puts on PYTHONPATH beside it); return its path."""
+    lib = folder / "other-xffl"
+    info = lib / f"xffl-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: xffl\nVersion: {version}\n")
+    (lib / "sitecustomize.py").write_text(
+        f"import xffl.core.versions\nxffl.core.versions.FORMAT_VERSION = {fmt}\n")
+    python = folder / "python"
+    python.write_text("#!/bin/sh\n"
+                      f"PYTHONPATH={shlex.quote(str(lib))}${{PYTHONPATH:+:$PYTHONPATH}} "
+                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    return python
