@@ -50,7 +50,8 @@ def test_a_key_without_its_certificate_is_not_a_login_where_the_facility_needs_o
     assert f"{key}-cert.pub does not exist" in login["detail"]
     assert f"get one with `{RENEW}`" in login["detail"]
     assert data["not_checked"] == ["connect", "slurm commands", "partition",
-                                   "workdir writable", "workdir private", "xffl importable"]
+                                   "workdir writable", "workdir private", "xffl importable",
+                                   "versions", "exchange format", "gpus"]
     table = runner.invoke(app, ["profiles", "check", "hpc"])
     assert table.exit_code == 3
     for name in data["not_checked"]:
@@ -70,4 +71,5 @@ def test_a_plain_key_facility_still_tries_the_key(tmp_path: Path,
     assert [(c["check"], c["ok"]) for c in data["checks"]] == [("login", True),
                                                                ("connect", False)]
     assert data["not_checked"] == ["slurm commands", "partition", "workdir writable",
-                                   "workdir private", "xffl importable"]
+                                   "workdir private", "xffl importable", "versions",
+                                   "exchange format", "gpus"]
