@@ -12,6 +12,7 @@ from xffl.cli.tables import Markup, Rows, say
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
+    from xffl.jobs.records import FinalLoss
     from xffl.jobs.status import RunStatus, SiteStatus
 
 
@@ -33,6 +34,14 @@ def _hardware(site: SiteStatus) -> list[str]:
             fmt("tokens_per_s_per_gpu", site.tokens_per_s_per_gpu), fmt("tflops", site.tflops),
             fmt("mfu", site.mfu), fmt("peak_memory_gib", site.peak_memory_gib),
             fmt("save_s", site.save_seconds)]
+
+
+def final_line(final: FinalLoss) -> str:
+    """The status line of the final model's held-out loss."""
+    sites = ", ".join(f"{markup_safe(s)} {v:.4f}" for s, v in final.sites.items())
+    return (f"final model (the global after round {final.round}): held-out loss "
+            f"[bold]{final.val_loss:.4f}[/bold], the mean over the sites' held-out targets "
+            f"(median across sites {final.val_loss_median:.4f}; {sites})")
 
 
 def render_status(data: RunStatus, tsv: bool = False) -> None:
@@ -79,6 +88,8 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
         say(f"global val loss: the mean over the sites' held-out targets, each site's loss at "
             f"most {VAL_LOSS_FACTOR:g} x ln(vocabulary); training.stop_when reads "
             f"{VAL_LOSS_ROBUST}: {last.val_loss_median:.4f} in round {last.record.round}")
+    if data.final_loss is not None:
+        say(final_line(data.final_loss))
     if data.copies:
         moving = Rows(("site", "copy", "MB so far", "of MB", "MB/s", "ETA s"),
                       title="copies in flight")
@@ -134,6 +145,11 @@ def status(
                                       "(`xffl status --tsv | cut -f2,6`).")] = False,
 ) -> None:
     """Show a run's state and a rounds x sites table (state, samples, loss, durations).
+
+    After the last round every site evaluates the final global model on its held-out data;
+    the line `final model (the global after round R): held-out loss L` (--json:
+    ``final_loss``) gives their mean over all the held-out targets and the median across
+    sites.
 
     Each site's round is broken down into SLURM queue wait, training and transfer +
     orchestration (until its update was in place); `xffl report` draws the same numbers.

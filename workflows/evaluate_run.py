@@ -102,15 +102,18 @@ def site_row(plan: EvaluationPlan, outdir: Path, site: str) -> SiteRow:
         return SiteRow(site, error=f"the evaluation at the site failed: {why}")
     try:
         return SiteRow(site, result=parse_evaluation(path, site, plan.models,
-                                                     plan.budgets[site]))
+                                                     plan.budgets[site], plan.seq_lens[site]))
     except EvaluationRejected as exc:
         return SiteRow(site, error=f"its evaluation file was rejected: {exc}")
     except Exception as exc:  # a problem parse_evaluation did not foresee: still this row's
         return SiteRow(site, error=f"its evaluation file was rejected: {first_line(exc)}")
 
 
-def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float) -> Outcome:
-    """Evaluate round ``rnd`` of ``record`` at every site; record and return the matrix."""
+def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float,
+                 final: bool = False) -> Outcome:
+    """Evaluate round ``rnd`` of ``record`` at every site; record and return the matrix
+    (``final``: round ``rnd``'s global model alone, returned unrecorded:
+    :mod:`xffl.workflows.final_evaluation` records what it makes of it)."""
     from streamflow.log_handler import logger as sf_logger
 
     from xffl.workflows.streamflow_run import ErrorLines, logging_to
@@ -125,8 +128,9 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     if set(profiles) != {s.name for s in spec.sites}:
         raise InvalidInput(f"run {record.id} has no resolved site profiles (profiles.json); "
                            "it was planned by an older xffl.")
-    plan = write_evaluation(layout, record.id, spec, profiles, rnd)
-    name = f"{record.id}-evaluate-r{rnd}-{time.strftime('%Y%m%d-%H%M%S')}"
+    plan = write_evaluation(layout, record.id, spec, profiles, rnd, final)
+    kind = "final" if final else "evaluate"
+    name = f"{record.id}-{kind}-r{rnd}-{time.strftime('%Y%m%d-%H%M%S')}"
     outdir = layout.workflow_outputs(name)
     registry.event(record.id, EVENT, f"StreamFlow workflow {name}: round {rnd}'s models "
                    f"({', '.join(plan.models)}) sent to {', '.join(plan.sites)}")
@@ -148,7 +152,8 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     outcome = Outcome(run_id=record.id, round=rnd, models=plan.models,
                       rows=[site_row(plan, outdir, s) for s in plan.sites],
                       seconds=time.monotonic() - started)
-    registry.record_evaluations(record.id, outcome.cells())
+    if not final:
+        registry.record_evaluations(record.id, outcome.cells())
     registry.event(record.id, EVENT, f"round {rnd}: {len(outcome.rows) - len(outcome.failed)} "
                    f"of {len(outcome.rows)} sites evaluated {len(plan.models)} models")
     return outcome
