@@ -157,8 +157,8 @@ def draw_breakdown(data: ReportData) -> Figure:
         ax.set_ylabel("seconds from the round's start")
         ax.grid(True, axis="y", alpha=0.3)
         fig.legend(loc="outside lower center", ncols=3, fontsize=8).set_gid(LEGEND_ID)
-        for i, label in enumerate(ax.get_xticklabels()):
-            label.set_gid(f"{TEXT_ID}-tick-{i}")
+        for i, tick in enumerate(ax.get_xticklabels()):
+            tick.set_gid(f"{TEXT_ID}-tick-{i}")
     ax.set_title(_plain(f"{data.run_id}: round-time breakdown per site")).set_gid(
         f"{TEXT_ID}-title")
     return fig

@@ -292,6 +292,15 @@ def test_evaluation_runs_as_slurm_jobs_at_both_facilities(
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
     assert result.exit_code == 0, result.output
     run_id = json.loads(result.stdout)["run_id"]
+    # after its round the run evaluated its final global at both sites, as SLURM jobs too
+    final = json.loads(result.stdout)["final_loss"]
+    assert final["round"] == 1 and final["site_tokens"] == {"alpha": 13 * 64, "beta": 13 * 64}
+    for name in ("alpha", "beta"):  # its records first: the count below starts after them
+        deadline = time.monotonic() + 30
+        while not any(r.get("Name") == f"xffl-{run_id}-{name}.eval-r1"
+                      for r in slurm_stack.jobcomp_records(name)):
+            assert time.monotonic() < deadline, slurm_stack.jobcomp_records(name)[-3:]
+            time.sleep(0.5)
     before = {n: len(slurm_stack.jobcomp_records(n)) for n in ("alpha", "beta")}
 
     began = time.monotonic()
