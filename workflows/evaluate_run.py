@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +76,17 @@ async def _execute(layout: RunLayout, name: str, outdir: Path, timeout: float) -
     # each site's failed attempts are written into this execution's own folder
     config["failureManager"]["config"]["run_dir"] = str(outdir)
     context, pristine = open_context(config)
+    me, loop = asyncio.current_task(), asyncio.get_running_loop()
+    if me is not None and threading.current_thread() is threading.main_thread():
+        # xffl cancel (of a run in its final evaluation): stop StreamFlow, whose connectors
+        # scancel the jobs, as the supervisor does for main.cwl
+        loop.add_signal_handler(signal.SIGTERM, me.cancel)
     try:
         await asyncio.wait_for(execute_workflow(context, pristine, WORKFLOW, name, outdir),
                                timeout)
     finally:
+        with contextlib.suppress(Exception):
+            loop.remove_signal_handler(signal.SIGTERM)
         # steps still running (a timeout, a failed step): cancelled and their ends collected
         # here, not reported by asyncio.run's shutdown after StreamFlow is closed
         steps = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -140,6 +149,9 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     try:
         with logging_to(layout.evaluate_log):
             asyncio.run(_execute(layout, name, outdir, timeout))
+    except asyncio.CancelledError as exc:  # SIGTERM (xffl cancel): its jobs were stopped
+        raise RunFailed(f"the evaluation of round {rnd} was stopped (SIGTERM); its jobs "
+                        "were cancelled.") from exc
     except TimeoutError as exc:
         raise TimedOut(f"the evaluation of round {rnd} did not finish within {timeout:g} s; "
                        f"its jobs were stopped (see {layout.evaluate_log}).") from exc

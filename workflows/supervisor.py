@@ -179,6 +179,8 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
         from xffl.workflows.final_evaluation import after_last_round
 
         finished = after_last_round(registry, done, spec, finished)
+        if registry.get_run(run.id).state == RunState.CANCELLED:  # xffl cancel meanwhile
+            return 1
         registry.set_state(run.id, RunState.COMPLETED, finished, ended=time.time())
     elif done.rounds_done < last:  # the workflow ended without recording its rounds
         registry.set_state(run.id, RunState.FAILED, f"the workflow ended after round "
