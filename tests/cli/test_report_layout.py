@@ -88,3 +88,18 @@ def test_the_quickstarts_report_at_1200px(quickstart_run: FinishedRun, tmp_path:
     assert summary["sites"] == ("alpha (2 ranks, profile local); "
                                 "beta (2 ranks, profile local)")
     assert summary["rounds"] == "3 of 3 completed (completed)"
+
+
+def test_without_chromium_the_layout_test_fails_under_ci(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """CI installs Chromium (scripts/install-system-deps.sh): there its absence is a failure,
+    never a skip; elsewhere a skip."""
+    from tests.cli import browser
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no chromium on it
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="chromium is not installed"):
+        browser.chromium()
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception):
+        browser.chromium()
