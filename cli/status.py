@@ -12,7 +12,7 @@ from xffl.cli.tables import Markup, Rows, say
 from xffl.jobs.registry import Registry
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RunRecord
+    from xffl.jobs.records import FinalLoss, RunRecord
     from xffl.jobs.status import RunStatus, SiteStatus
 
 
@@ -45,6 +45,14 @@ def title(run: RunRecord) -> str:
         return f"{run.state} — {run.message}"
     return f"{run.state} — {run.rounds_done}/{run.rounds_total} rounds" + (
         f" — {run.message}" if run.message else "")
+
+
+def final_line(final: FinalLoss) -> str:
+    """The status line of the final model's held-out loss."""
+    sites = ", ".join(f"{markup_safe(s)} {v:.4f}" for s, v in final.sites.items())
+    return (f"final model (the global after round {final.round}): held-out loss "
+            f"[bold]{final.val_loss:.4f}[/bold], the mean over the sites' held-out targets "
+            f"(median across sites {final.val_loss_median:.4f}; {sites})")
 
 
 def render_status(data: RunStatus, tsv: bool = False) -> None:
@@ -89,6 +97,8 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
         say(f"global val loss: the mean over the sites' held-out targets, each site's loss at "
             f"most {VAL_LOSS_FACTOR:g} x ln(vocabulary); training.stop_when reads "
             f"{VAL_LOSS_ROBUST}: {last.val_loss_median:.4f} in round {last.record.round}")
+    if data.final_loss is not None:
+        say(final_line(data.final_loss))
     if data.copies:
         moving = Rows(("site", "copy", "MB so far", "of MB", "MB/s", "ETA s"),
                       title="copies in flight")
@@ -149,6 +159,11 @@ def status(
     round read, unless the job declares the data's size), the weight of `weighting: samples`;
     not the examples `xffl data prepare` counted: packed examples fill windows end to end, a
     padded example is one window.
+
+    After the last round every site evaluates the final global model on its held-out data;
+    the line `final model (the global after round R): held-out loss L` (--json:
+    ``final_loss``) gives their mean over all the held-out targets and the median across
+    sites.
 
     Each site's round is broken down into SLURM queue wait, training and transfer +
     orchestration (until its update was in place); `xffl report` draws the same numbers.

@@ -175,6 +175,11 @@ class RunLayout:
         return self.round_dir(rnd) / "validation.json"
 
     @property
+    def final_validation(self) -> Path:
+        """The final model's held-out loss: every site's evaluation of the last global."""
+        return self.root / "final-validation.json"
+
+    @property
     def stopped(self) -> Path:
         """Why the run stopped before its last round (training.stop_when), when it did."""
         return self.root / "stopped.json"

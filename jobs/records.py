@@ -118,3 +118,18 @@ class EvalCell:
     model: str
     loss: float
     samples: int
+
+
+@dataclass(frozen=True)
+class FinalLoss:
+    """The final model's held-out loss: after the last round every site evaluated the final
+    global (the global after ``round``) on its held-out data, as in every round; the mean
+    over all the sites' held-out targets and the median across the sites' own losses."""
+
+    round: int
+    val_loss: float
+    val_loss_median: float
+    val_samples: int
+    val_tokens: int
+    sites: dict[str, float]  # each site's own mean loss
+    site_tokens: dict[str, int]  # each site's held-out targets in the loss: its weight

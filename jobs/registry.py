@@ -13,7 +13,7 @@ from typing import Any
 
 from xffl.core.fstype import on_network_filesystem
 from xffl.core.paths import private_dir, registry_path
-from xffl.jobs.records import EvalCell, RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.records import EvalCell, FinalLoss, RoundRecord, RunRecord, SiteRound, Transfer
 from xffl.jobs.registry_schema import SCHEMA, migrate
 from xffl.jobs.states import RoundState, RunState, SiteState
 
@@ -84,7 +84,7 @@ class Registry:
             for table, col in (("runs", "id"), ("rounds", "run_id"), ("site_rounds", "run_id"),
                                ("events", "run_id"), ("slurm_jobs", "run_id"),
                                ("transfers", "run_id"), ("evaluations", "run_id"),
-                               ("queue_estimates", "run_id")):
+                               ("queue_estimates", "run_id"), ("final_losses", "run_id")):
                 db.execute(f"DELETE FROM {table} WHERE {col} = ?", (run_id,))
 
     def get_run(self, run_id: str) -> RunRecord:
@@ -319,6 +319,28 @@ class Registry:
             " run_id = ? ORDER BY round, data_site, model", (run_id,))
         return [EvalCell(r["round"], r["data_site"], r["model"], r["loss"], r["samples"])
                 for r in rows]
+
+    def record_final(self, run_id: str, final: FinalLoss) -> None:
+        """Store the final model's held-out loss (replacing an earlier one)."""
+        with self._db() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO final_losses (run_id, round, val_loss, val_loss_median,"
+                " val_samples, val_tokens, sites, site_tokens, recorded) VALUES"
+                " (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, final.round, final.val_loss, final.val_loss_median, final.val_samples,
+                 final.val_tokens, json.dumps(final.sites), json.dumps(final.site_tokens),
+                 time.time()))
+
+    def final_loss(self, run_id: str) -> FinalLoss | None:
+        """The final model's held-out loss of a run, if it was measured."""
+        rows = self._select("SELECT * FROM final_losses WHERE run_id = ?", (run_id,))
+        if not rows:
+            return None
+        r = rows[0]
+        return FinalLoss(round=r["round"], val_loss=r["val_loss"],
+                         val_loss_median=r["val_loss_median"], val_samples=r["val_samples"],
+                         val_tokens=r["val_tokens"], sites=json.loads(r["sites"]),
+                         site_tokens=json.loads(r["site_tokens"]))
 
     def events(self, run_id: str) -> list[tuple[float, str, str]]:
         """The run's event log: (time, kind, message)."""

@@ -41,6 +41,11 @@ CREATE TABLE IF NOT EXISTS evaluations (
     loss REAL NOT NULL, samples INTEGER NOT NULL, recorded REAL NOT NULL,
     PRIMARY KEY (run_id, round, data_site, model)
 );
+CREATE TABLE IF NOT EXISTS final_losses (
+    run_id TEXT PRIMARY KEY, round INTEGER NOT NULL, val_loss REAL NOT NULL,
+    val_loss_median REAL NOT NULL, val_samples INTEGER NOT NULL, val_tokens INTEGER NOT NULL,
+    sites TEXT NOT NULL, site_tokens TEXT NOT NULL, recorded REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS queue_estimates (
     run_id TEXT NOT NULL, site TEXT NOT NULL, queue_wait_s REAL NOT NULL,
     source TEXT NOT NULL, recorded REAL NOT NULL, PRIMARY KEY (run_id, site)

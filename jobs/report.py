@@ -10,7 +10,9 @@ The round's aggregation follows. The report itself (PNG plots and one HTML page)
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from xffl.jobs.breakdown import rounds_broken_down
@@ -124,6 +126,13 @@ class ReportData:
     # the latest cross-site evaluation (`xffl evaluate`): round, sites (rows: held-out data),
     # models (columns: global, each site's update), losses
     cross_site: dict[str, Any] = field(default_factory=lambda: cross_site_matrix([]))
+    # the summary at the top: the model, each site with its ranks and profile, the seconds
+    # from submit to the run's end (to now while it runs), and the final model's held-out
+    # loss (xffl.jobs.records.FinalLoss as a dict; None until measured)
+    model: str = ""
+    site_setup: list[str] = field(default_factory=list)
+    wall_s: float | None = None
+    final_loss: dict[str, Any] | None = None
 
     def site_names(self) -> list[str]:
         """The run's sites, then any other site the registry recorded, in order."""
@@ -156,7 +165,31 @@ def assemble(registry: Registry, run: RunRecord) -> ReportData:
                                loss=rnd.loss, aggregate_s=rnd.aggregate_seconds, wall_s=wall,
                                sites=rows, val_loss=rnd.val_loss, val_samples=rnd.val_samples,
                                val_tokens=rnd.val_tokens))
+    final = registry.final_loss(run.id)
+    model, setup = describe_job(run)
     return ReportData(run_id=run.id, name=run.name, state=run.state, message=run.message,
                       rounds_done=run.rounds_done, rounds_total=run.rounds_total,
                       sites=list(run.sites), run_dir=run.run_dir, rounds=rounds,
-                      cross_site=cross_site_matrix(registry.evaluations(run.id)))
+                      cross_site=cross_site_matrix(registry.evaluations(run.id)),
+                      model=model, site_setup=setup,
+                      wall_s=(run.ended if run.ended is not None else time.time()) - run.created,
+                      final_loss=None if final is None else asdict(final))
+
+
+def describe_job(run: RunRecord) -> tuple[str, list[str]]:
+    """The run's model and each site's set-up, in words, from its job file (``-`` and no
+    sites when it cannot be read)."""
+    from xffl.jobs.spec import JobSpec
+
+    try:
+        spec = JobSpec.of_run(Path(run.run_dir))
+    except Exception:  # a run dir moved or written by an older xffl: the summary says "-"
+        return "-", []
+    model = spec.model
+    text = (f"{Path(model.init).name} (from {model.init})" if model.init is not None
+            else f"preset {model.preset} (seeded weights)")
+    if spec.training.lora is not None:
+        text += f", LoRA adapter of rank {spec.training.lora.r}"
+    setup = [f"{s.name} ({s.ranks} rank{'s' if s.ranks != 1 else ''}, profile {s.profile})"
+             for s in spec.sites]
+    return text, setup

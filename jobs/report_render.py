@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from matplotlib.figure import Figure
 
 from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt, megabytes
 from xffl.jobs.report_matrix import plot_cross_site
+from xffl.jobs.report_summary import summary_html
 
 # the parts of a site's round, bottom to top, with their colours
 SEGMENTS = (("queue_wait_s", "queue wait (SLURM)", "#9e9e9e"),
@@ -126,9 +128,16 @@ def _bars(data: ReportData) -> list[tuple[RoundRow, SiteRow]]:
             if s.delivered_s is not None]
 
 
-def plot_breakdown(data: ReportData, path: Path) -> None:
+LEGEND_ID = "breakdown-legend"  # the SVG ids the page's layout test measures
+BAR_ID = "breakdown-bar"
+TEXT_ID = "breakdown-text"
+
+
+def draw_breakdown(data: ReportData) -> Figure:
     """Stacked bars per site and round: queue wait, start-up, training, transfer, other and
-    the round's aggregation."""
+    the round's aggregation; the legend outside the axes, below them, so that it covers no
+    bar and no text. In the SVG the legend is the group ``breakdown-legend``, every bar
+    segment ``breakdown-bar-<part>-<i>`` and the title and round labels ``breakdown-text-*``."""
     bars = _bars(data)
     fig, ax = _figure(width=max(7.5, min(30.0, 0.45 * len(bars) + 3)))
     if not bars:
@@ -139,15 +148,36 @@ def plot_breakdown(data: ReportData, path: Path) -> None:
         for key, label, colour in SEGMENTS:
             heights = [float((getattr(r, key) if key == "aggregate_s" else getattr(s, key))
                              or 0.0) for r, s in bars]
-            ax.bar(xs, heights, bottom=bottoms, color=colour, label=label, width=0.7)
+            drawn = ax.bar(xs, heights, bottom=bottoms, color=colour, label=label, width=0.7)
+            for i, patch in enumerate(drawn.patches):
+                patch.set_gid(f"{BAR_ID}-{key}-{i}")
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
         ax.set_xticks(xs, [_plain(f"r{r.round} {s.site}") for r, s in bars],
                       rotation=90 if len(bars) > 8 else 0, fontsize=8)
         ax.set_ylabel("seconds from the round's start")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    ax.set_title(_plain(f"{data.run_id}: round-time breakdown per site"))
-    fig.savefig(path, format="png")
+        fig.legend(loc="outside lower center", ncols=3, fontsize=8).set_gid(LEGEND_ID)
+        for i, tick in enumerate(ax.get_xticklabels()):
+            tick.set_gid(f"{TEXT_ID}-tick-{i}")
+    ax.set_title(_plain(f"{data.run_id}: round-time breakdown per site")).set_gid(
+        f"{TEXT_ID}-title")
+    return fig
+
+
+def plot_breakdown(data: ReportData, path: Path) -> None:
+    """The round-time breakdown (:func:`draw_breakdown`) as a PNG."""
+    draw_breakdown(data).savefig(path, format="png")
+
+
+def inline_svg(fig: Figure) -> str:
+    """``fig`` as an ``<svg>`` element to put into the page (the page's style keeps it
+    within its box; its text is drawn as paths: no font or markup of the data's)."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    text = buf.getvalue()
+    start = text.index("<svg")
+    head_end = text.index(">", start)
+    return f'{text[start:head_end]} class="plot"{text[head_end:]}'
 
 
 def plot_throughput(data: ReportData, path: Path) -> None:
@@ -171,15 +201,22 @@ def plot_throughput(data: ReportData, path: Path) -> None:
 COLUMNS = ("round", "site", "state", "sequences", "tokens", "loss", "train s", "queue wait s",
            "start-up s", "transfer s", "other s", "aggregate s", "tokens/s", "MB in",
            "MB out", "val loss", "val loss of update")
+# a page that fits a 1200 px window: wide tables wrap their headers and, if still too wide
+# (many columns, long names), scroll inside their own box; plots shrink to the page
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 80em; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
-table { border-collapse: collapse; font-size: 0.9em; }
-th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
-th { background: #f0f0f0; } td.text { text-align: left; }
+.box { max-width: 100%; overflow-x: auto; }
+table { border-collapse: collapse; font-size: 0.8em; }
+th, td { border: 1px solid #ccc; padding: 0.2em 0.3em; text-align: right; }
+th { background: #f0f0f0; font-weight: 600; } td { white-space: nowrap; }
+td.text { text-align: left; }
 tr.global td { font-weight: bold; border-bottom: 2px solid #888; }
-.note { color: #555; } .reason { color: #a33; font-size: 0.85em; }
-img { max-width: 100%; border: 1px solid #ddd; }
+table.summary { font-size: 1em; } table.summary th, table.summary td { text-align: left; }
+table.summary td { white-space: normal; }
+.note { color: #555; overflow-wrap: anywhere; }
+.reason { color: #a33; font-size: 0.85em; white-space: normal; min-width: 16em; }
+img, svg.plot { max-width: 100%; height: auto; border: 1px solid #ddd; }
 """
 
 
@@ -220,7 +257,8 @@ def table_html(data: ReportData) -> str:
         rows.append(_row(values, css="global"))
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "\n".join(rows) or f'<tr><td colspan="{len(COLUMNS)}">{NO_DATA}</td></tr>'
-    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
+    return (f'<div class="box"><table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n'
+            "</tbody>\n</table></div>")
 
 
 HARDWARE_COLUMNS = ("round", "site", "device", "GPUs", "tokens/s per GPU", "TFLOP/s per GPU",
@@ -236,7 +274,8 @@ def hardware_html(data: ReportData) -> str:
             for rnd in data.rounds for s in rnd.sites]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in HARDWARE_COLUMNS)
     body = "\n".join(rows) or f'<tr><td colspan="{len(HARDWARE_COLUMNS)}">{NO_DATA}</td></tr>'
-    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>"
+    return (f'<div class="box"><table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n'
+            "</tbody>\n</table></div>")
 
 
 def _img(folder: Path, name: str, alt: str) -> str:
@@ -245,8 +284,9 @@ def _img(folder: Path, name: str, alt: str) -> str:
             f'<p class="note">Also as <a href="{name}">{name}</a>.</p>')
 
 
-def page_html(data: ReportData, folder: Path) -> str:
-    """The whole report page, with the plots in ``folder`` embedded."""
+def page_html(data: ReportData, folder: Path, breakdown: str) -> str:
+    """The whole report page, with the plots in ``folder`` embedded and the breakdown
+    (``breakdown``: an inline ``<svg>``)."""
     e = html.escape
     done = [r for r in data.rounds if r.state == "completed"]
     note = "" if done else f'<p class="note">{NO_DATA}: the plots are empty.</p>'
@@ -261,14 +301,15 @@ def page_html(data: ReportData, folder: Path) -> str:
 <body>
 <h1>xffl run {e(data.run_id)}</h1>
 <p>{e(data.state)} — {data.rounds_done}/{data.rounds_total} rounds{message}</p>
+{summary_html(data)}
 <p class="note">sites: {e(", ".join(data.sites))}; run directory: {e(data.run_dir)};
 report written {e(time.strftime("%Y-%m-%d %H:%M:%S"))}.</p>
 {note}
 <h2>Validation loss per round</h2>
 <p class="note">Every round each site evaluates the global model it receives, before
 training, on its own held-out data (never trained on, never moved); the federated value is
-their mean weighted by the held-out sequences each evaluated. Round r shows the global model
-of round r &minus; 1.</p>
+the mean over all the sites' held-out targets. Round r shows the global model of round
+r &minus; 1; the final model (the last round's global) is in the summary above.</p>
 {_img(folder, "validation.png", "validation loss per round")}
 <h2>Cross-site validation</h2>
 <p class="note">The latest `xffl evaluate`: every site's update of that round and the
@@ -283,7 +324,8 @@ global loss (their weighted mean).</p>
 SLURM), training (the training loop), transfer + orchestration (the rest until the site's
 update was in place on the coordinator: moving models, starting jobs and processes,
 StreamFlow), then the round's aggregation.</p>
-{_img(folder, "breakdown.png", "round-time breakdown per site")}
+<div>{breakdown}</div>
+<p class="note">Also as <a href="breakdown.png">breakdown.png</a>.</p>
 <h2>Throughput</h2>
 <p class="note">Tokens per second of training at each site.</p>
 {_img(folder, "throughput.png", "training throughput per site")}
@@ -306,8 +348,10 @@ def render_all(data: ReportData, folder: Path) -> list[str]:
     plot_validation(data, folder / "validation.png")
     plot_cross_site(data.cross_site, data.run_id, folder / "cross-site.png")
     plot_loss(data, folder / "loss.png")
-    plot_breakdown(data, folder / "breakdown.png")
+    breakdown = draw_breakdown(data)
+    breakdown.savefig(folder / "breakdown.png", format="png")
     plot_throughput(data, folder / "throughput.png")
-    (folder / "report.html").write_text(page_html(data, folder), encoding="utf-8")
+    (folder / "report.html").write_text(page_html(data, folder, inline_svg(breakdown)),
+                                        encoding="utf-8")
     return ["validation.png", "cross-site.png", "loss.png", "breakdown.png", "throughput.png",
             "report.html"]

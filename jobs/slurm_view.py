@@ -238,6 +238,14 @@ def recorded_view(registry: Registry, run: RunRecord) -> list[SlurmJob]:
             for r in registry.slurm_jobs(run.id)]
 
 
+def rounds_left(run: RunRecord) -> bool:
+    """Whether a running run has a round to train: not after its last round or an early
+    stop, while its final global is evaluated (whose jobs are no round's)."""
+    from xffl.core.layout import RunLayout
+
+    return run.rounds_done < run.rounds_total and not RunLayout(Path(run.run_dir)).stopped.exists()
+
+
 def slurm_view(registry: Registry, run: RunRecord, live: bool = True) -> list[SlurmJob]:
     """SLURM's view of a run: live over SSH while it runs, else the recorded jobs.
 
@@ -247,7 +255,7 @@ def slurm_view(registry: Registry, run: RunRecord, live: bool = True) -> list[Sl
     if not slurm_sites(Path(run.run_dir)):
         return []
     recorded = recorded_view(registry, run)
-    if live and not run.finished:
+    if live and not run.finished and rounds_left(run):
         current = live_view(registry, run)
         seen = {(j.round, j.site) for j in current}
         recorded = [j for j in recorded if (j.round, j.site) not in seen] + current

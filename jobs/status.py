@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from xffl.jobs.inflight import CopyInFlight, FinishedCopy, copies_in_flight, finished_copies
 from xffl.jobs.profiles_json import may_log_in
-from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
+from xffl.jobs.records import FinalLoss, RoundRecord, RunRecord, SiteRound
 from xffl.jobs.registry import Registry
 from xffl.jobs.round_lock import holder
 from xffl.jobs.states import RoundState, RunState
@@ -177,6 +177,8 @@ class RunStatus:
     estimates: list[SiteEstimate] = field(default_factory=list)
     copies: list[CopyInFlight] = field(default_factory=list)  # in flight now
     transfers: list[FinishedCopy] = field(default_factory=list)  # every finished copy
+    # the final model's held-out loss, evaluated at every site after the last round
+    final_loss: FinalLoss | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The `xffl status --json` object: the run's fields, then the rest by name."""
@@ -189,7 +191,8 @@ class RunStatus:
                 "slurm": [j.as_dict() for j in self.slurm],
                 "estimates": [e.as_dict() for e in self.estimates],
                 "copies": [asdict(c) for c in self.copies],
-                "transfers": [asdict(t) for t in self.transfers]}
+                "transfers": [asdict(t) for t in self.transfers],
+                "final_loss": None if self.final_loss is None else asdict(self.final_loss)}
 
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
@@ -255,7 +258,8 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         slurm=jobs,
         estimates=site_estimates(registry, run) if uses_deadline(Path(run.run_dir)) else [],
         copies=copies_in_flight(run.run_dir) if not run.finished else [],
-        transfers=finished_copies(registry.transfers(run.id), [r.record for r in rounds]))
+        transfers=finished_copies(registry.transfers(run.id), [r.record for r in rounds]),
+        final_loss=registry.final_loss(run.id))
 
 
 def uses_deadline(run_dir: Path) -> bool:

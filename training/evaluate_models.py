@@ -8,7 +8,9 @@ tensor at a time: no rank holds the whole model) and evaluated on the site's hel
 sequences (the job's ``data.validation`` and ``evaluation`` budget, as in every round);
 rank 0 writes only the numbers::
 
-    {"format": 1, "site": SITE, "samples": N, "losses": {NAME: LOSS, ...}}
+    {"format": 1, "site": SITE, "samples": N, "tokens": T, "losses": {NAME: LOSS, ...}}
+
+(``tokens``: the held-out targets in the loss, the site's weight in a federated mean.)
 
 Nothing but that file leaves the site: the data and the held-out split stay where they are.
 """
@@ -109,8 +111,9 @@ def eval_model(job: TrainJob, model_dir: Path, config: ModelConfig,
 
 
 def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
-                    is_main: bool) -> tuple[int, dict[str, float]]:
-    """(held-out sequences, NAME -> mean token loss) of every model (collective)."""
+                    is_main: bool) -> tuple[int, int, dict[str, float]]:
+    """(held-out sequences, their targets in the loss, NAME -> mean token loss) of every
+    model (collective)."""
     spec = job.training
     if job.data.validation is None:
         raise InvalidInput(f"site {job.site} has no held-out data; add data.validation "
@@ -124,6 +127,7 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
     device = xdist.device_for(xdist.detect_env())
     batch_size = job.evaluation.batch(spec)
     losses: dict[str, float] = {}
+    tokens = 0  # the same for every model: it depends on the data alone
     for name, model_dir in models.items():
         _verify_on_main(model_dir, is_main)
         config = read_config(model_dir)
@@ -136,11 +140,11 @@ def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,
         pm = eval_model(job, model_dir, config, device)
         result = evaluate_net(pm.net, held_out, count, batch_size, device, spec.precision,
                               pm.dp_rank, pm.dp_size, spec.loss_chunk)
-        losses[name] = result.loss
+        losses[name], tokens = result.loss, result.tokens
         del pm
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return count, losses
+    return count, tokens, losses
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,13 +164,13 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> int:
         raise InvalidInput("give at least one --model NAME=DIR.")
     data_dir = args.data if args.data is not None else Path(job.data.path)
     prepare_data(job, data_dir, env.local_rank)
-    samples, losses = evaluate_models(job, models, data_dir, env.is_main)
+    samples, tokens, losses = evaluate_models(job, models, data_dir, env.is_main)
     if env.is_main:
         bad = sorted(n for n, v in losses.items() if not math.isfinite(v))
         if bad:
             raise RunFailed(f"site {job.site}: the loss of {', '.join(bad)} is not finite.")
         write_json(args.out, {"format": RESULT_FORMAT, "site": job.site,
-                              "samples": samples, "losses": losses})
+                              "samples": samples, "tokens": tokens, "losses": losses})
         print(f"xffl.training.evaluate_models: site {job.site}: {len(losses)} model(s) on "
               f"{samples} held-out sequences", flush=True)
     return ExitCode.OK

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +76,17 @@ async def _execute(layout: RunLayout, name: str, outdir: Path, timeout: float) -
     # each site's failed attempts are written into this execution's own folder
     config["failureManager"]["config"]["run_dir"] = str(outdir)
     context, pristine = open_context(config)
+    me, loop = asyncio.current_task(), asyncio.get_running_loop()
+    if me is not None and threading.current_thread() is threading.main_thread():
+        # xffl cancel (of a run in its final evaluation): stop StreamFlow, whose connectors
+        # scancel the jobs, as the supervisor does for main.cwl
+        loop.add_signal_handler(signal.SIGTERM, me.cancel)
     try:
         await asyncio.wait_for(execute_workflow(context, pristine, WORKFLOW, name, outdir),
                                timeout)
     finally:
+        with contextlib.suppress(Exception):
+            loop.remove_signal_handler(signal.SIGTERM)
         # steps still running (a timeout, a failed step): cancelled and their ends collected
         # here, not reported by asyncio.run's shutdown after StreamFlow is closed
         steps = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -102,15 +111,18 @@ def site_row(plan: EvaluationPlan, outdir: Path, site: str) -> SiteRow:
         return SiteRow(site, error=f"the evaluation at the site failed: {why}")
     try:
         return SiteRow(site, result=parse_evaluation(path, site, plan.models,
-                                                     plan.budgets[site]))
+                                                     plan.budgets[site], plan.seq_lens[site]))
     except EvaluationRejected as exc:
         return SiteRow(site, error=f"its evaluation file was rejected: {exc}")
     except Exception as exc:  # a problem parse_evaluation did not foresee: still this row's
         return SiteRow(site, error=f"its evaluation file was rejected: {first_line(exc)}")
 
 
-def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float) -> Outcome:
-    """Evaluate round ``rnd`` of ``record`` at every site; record and return the matrix."""
+def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float,
+                 final: bool = False) -> Outcome:
+    """Evaluate round ``rnd`` of ``record`` at every site; record and return the matrix
+    (``final``: round ``rnd``'s global model alone, returned unrecorded:
+    :mod:`xffl.workflows.final_evaluation` records what it makes of it)."""
     from streamflow.log_handler import logger as sf_logger
 
     from xffl.workflows.streamflow_run import ErrorLines, logging_to
@@ -125,8 +137,9 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     if set(profiles) != {s.name for s in spec.sites}:
         raise InvalidInput(f"run {record.id} has no resolved site profiles (profiles.json); "
                            "it was planned by an older xffl.")
-    plan = write_evaluation(layout, record.id, spec, profiles, rnd)
-    name = f"{record.id}-evaluate-r{rnd}-{time.strftime('%Y%m%d-%H%M%S')}"
+    plan = write_evaluation(layout, record.id, spec, profiles, rnd, final)
+    kind = "final" if final else "evaluate"
+    name = f"{record.id}-{kind}-r{rnd}-{time.strftime('%Y%m%d-%H%M%S')}"
     outdir = layout.workflow_outputs(name)
     registry.event(record.id, EVENT, f"StreamFlow workflow {name}: round {rnd}'s models "
                    f"({', '.join(plan.models)}) sent to {', '.join(plan.sites)}")
@@ -136,6 +149,9 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     try:
         with logging_to(layout.evaluate_log):
             asyncio.run(_execute(layout, name, outdir, timeout))
+    except asyncio.CancelledError as exc:  # SIGTERM (xffl cancel): its jobs were stopped
+        raise RunFailed(f"the evaluation of round {rnd} was stopped (SIGTERM); its jobs "
+                        "were cancelled.") from exc
     except TimeoutError as exc:
         raise TimedOut(f"the evaluation of round {rnd} did not finish within {timeout:g} s; "
                        f"its jobs were stopped (see {layout.evaluate_log}).") from exc
@@ -148,7 +164,8 @@ def evaluate_run(registry: Registry, record: RunRecord, rnd: int, timeout: float
     outcome = Outcome(run_id=record.id, round=rnd, models=plan.models,
                       rows=[site_row(plan, outdir, s) for s in plan.sites],
                       seconds=time.monotonic() - started)
-    registry.record_evaluations(record.id, outcome.cells())
+    if not final:
+        registry.record_evaluations(record.id, outcome.cells())
     registry.event(record.id, EVENT, f"round {rnd}: {len(outcome.rows) - len(outcome.failed)} "
                    f"of {len(outcome.rows)} sites evaluated {len(plan.models)} models")
     return outcome

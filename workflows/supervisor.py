@@ -9,10 +9,12 @@ StreamFlow workflow named after the run; a resumed run or a cron tick is one mor
 inputs (``executions/<name>.yml``) start from the last completed round's global model.
 
 The supervisor starts the workflow, watches it (a failed step ends it at once: StreamFlow
-does not always end a workflow whose loop lost a step), and records the run's state; the
-plan's own steps record the rounds (admit and aggregate write to the registry named in
-``run.json``). Site failures, retries, quorum and round timeouts happen inside the workflow,
-through xffl's StreamFlow plugin (:mod:`xffl.workflows.extensions.failure`).
+does not always end a workflow whose loop lost a step), and records the run's state; after
+the last round it has every site evaluate the final global
+(:mod:`xffl.workflows.final_evaluation`). The plan's own steps record the rounds (admit
+and aggregate write to the registry named in ``run.json``). Site failures, retries, quorum
+and round timeouts happen inside the workflow, through xffl's StreamFlow plugin
+(:mod:`xffl.workflows.extensions.failure`).
 """
 
 from __future__ import annotations
@@ -174,6 +176,11 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
     done = registry.get_run(run.id)
     finished = completion(done, layout)
     if finished is not None:
+        from xffl.workflows.final_evaluation import after_last_round
+
+        finished = after_last_round(registry, done, spec, finished)
+        if registry.get_run(run.id).state == RunState.CANCELLED:  # xffl cancel meanwhile
+            return 1
         registry.set_state(run.id, RunState.COMPLETED, finished, ended=time.time())
     elif done.rounds_done < last:  # the workflow ended without recording its rounds
         registry.set_state(run.id, RunState.FAILED, f"the workflow ended after round "

@@ -34,14 +34,15 @@ MODELS = ["global", "alpha", "beta"]
 
 
 def _result(site: str, losses: str) -> str:
-    return f'{{"format": 1, "site": "{site}", "samples": 8, "losses": {losses}}}'
+    return f'{{"format": 1, "site": "{site}", "samples": 8, "tokens": 512, "losses": {losses}}}'
 
 
 @pytest.mark.parametrize("loss", ["9" * 400, "-" + "9" * 400, "1" + "0" * 5000],
                          ids=["400-digits", "negative", "5001-digits"])
 def test_a_big_integer_loss_rejects_that_row_only(tmp_path: Path, loss: str) -> None:
     plan = EvaluationPlan(round=1, models=MODELS, sites=["alpha", "beta"],
-                          budgets={"alpha": 8, "beta": 8}, config=tmp_path, inputs=tmp_path)
+                          budgets={"alpha": 8, "beta": 8}, config=tmp_path, inputs=tmp_path,
+                          seq_lens={"alpha": 64, "beta": 64})
     (tmp_path / result_name("alpha")).write_text(
         _result("alpha", json.dumps(dict.fromkeys(MODELS, 2.5))))
     (tmp_path / result_name("beta")).write_text(

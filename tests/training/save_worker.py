@@ -159,7 +159,7 @@ def evaluate(out: Path) -> None:
     pm = eval_model(job, out / "global", config, torch.device("cpu"))
     sliced = all(is_dtensor(p) and p.to_local().numel() < p.numel()
                  for p in pm.module.parameters() if p.shape[0] > 1)
-    _, losses = evaluate_models(job, {"global": out / "global"}, out / "data",
+    _, _, losses = evaluate_models(job, {"global": out / "global"}, out / "data",
                                 dist.get_rank() == 0)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
         {"sliced": sliced, "losses": losses}))

@@ -271,7 +271,7 @@ def test_evaluate_loads_the_model_in_slices(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["sliced"] for r in ranks] == [True, True]
-    _, whole = evaluate_models(eval_job(data), {"global": tmp_path / "global"}, data, True)
+    _, _, whole = evaluate_models(eval_job(data), {"global": tmp_path / "global"}, data, True)
     got = ranks[0]["losses"]["global"]
     assert abs(got - whole["global"]) <= 1e-5 * whole["global"], (got, whole)
 

@@ -202,7 +202,7 @@ def test_runs_it_cannot_evaluate_are_refused(changes: dict[str, Any], says: str)
     assert says in caught.value.message and caught.value.exit_code == 2
 
 
-GOOD = {"format": 1, "site": "beta", "samples": 52,
+GOOD = {"format": 1, "site": "beta", "samples": 52, "tokens": 52 * 64,
         "losses": {"global": 4.1, "alpha": 5.0, "beta": 3.9}}
 
 
@@ -213,8 +213,9 @@ def _write(tmp_path: Path, text: str | bytes) -> Path:
 
 
 def test_a_good_file_is_read_under_the_coordinators_name(tmp_path: Path) -> None:
-    got = parse_evaluation(_write(tmp_path, json.dumps(GOOD)), "beta", MODELS, 128)
-    assert (got.site, got.samples, got.losses) == ("beta", 52, GOOD["losses"])
+    got = parse_evaluation(_write(tmp_path, json.dumps(GOOD)), "beta", MODELS, 128, 64)
+    assert (got.site, got.samples, got.tokens, got.losses) == ("beta", 52, 52 * 64,
+                                                               GOOD["losses"])
 
 
 @pytest.mark.parametrize(("text", "reason"), [
@@ -231,6 +232,10 @@ def test_a_good_file_is_read_under_the_coordinators_name(tmp_path: Path) -> None
      "the loss of model alpha is -0.5"),
     (json.dumps({**GOOD, "samples": 129}), "samples is 129, outside 1..128"),
     (json.dumps({**GOOD, "samples": 0}), "samples is 0, outside 1..128"),
+    (json.dumps({**GOOD, "tokens": 52 * 64 + 1}), "tokens is 3329, outside 0..3328"),
+    (json.dumps({**GOOD, "tokens": -1}), "tokens is -1, outside 0..3328"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "tokens"}), "field tokens: Field "
+                                                                   "required"),
     (json.dumps({**GOOD, "samples": 52.0}), "field samples: Input should be a valid integer"),
     (json.dumps({**GOOD, "samples": True}), "field samples: Input should be a valid integer"),
     (json.dumps({**GOOD, "losses": {**GOOD["losses"], "beta": "3.9"}}), "field losses.beta"),
@@ -241,13 +246,14 @@ def test_a_good_file_is_read_under_the_coordinators_name(tmp_path: Path) -> None
     ("[" * 20_000, "not JSON"),
     (json.dumps(GOOD) + " " * (10 << 20), "bytes, more than the 65536 allowed"),
 ], ids=["extra-key", "nan", "overflow", "big-int-loss", "big-int-samples", "not-sent",
-        "missing", "negative", "over-budget", "zero-samples", "float-samples", "bool-samples",
+        "missing", "negative", "over-budget", "zero-samples", "over-targets", "negative-targets",
+        "no-targets", "float-samples", "bool-samples",
         "string-loss", "format", "site",
         "not-an-object", "not-utf8", "deep", "10MB"])
 def test_a_hostile_file_is_rejected_with_its_reason(tmp_path: Path, text: str | bytes,
                                                     reason: str) -> None:
     with pytest.raises(EvaluationRejected) as caught:
-        parse_evaluation(_write(tmp_path, text), "beta", MODELS, 128)
+        parse_evaluation(_write(tmp_path, text), "beta", MODELS, 128, 64)
     assert reason in str(caught.value)
 
 
@@ -257,9 +263,9 @@ def test_a_link_or_a_missing_file_is_rejected(tmp_path: Path) -> None:
     link = tmp_path / "evaluation-beta.json"
     os.symlink(target, link)
     with pytest.raises(EvaluationRejected, match="unreadable evaluation file"):
-        parse_evaluation(link, "beta", MODELS, 128)
+        parse_evaluation(link, "beta", MODELS, 128, 64)
     with pytest.raises(EvaluationRejected, match="no evaluation file came back"):
-        parse_evaluation(tmp_path / "none.json", "beta", MODELS, 128)
+        parse_evaluation(tmp_path / "none.json", "beta", MODELS, 128, 64)
 
 
 @pytest.mark.slow
@@ -286,6 +292,15 @@ def test_evaluation_runs_as_slurm_jobs_at_both_facilities(
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
     assert result.exit_code == 0, result.output
     run_id = json.loads(result.stdout)["run_id"]
+    # after its round the run evaluated its final global at both sites, as SLURM jobs too
+    final = json.loads(result.stdout)["final_loss"]
+    assert final["round"] == 1 and final["site_tokens"] == {"alpha": 13 * 64, "beta": 13 * 64}
+    for name in ("alpha", "beta"):  # its records first: the count below starts after them
+        deadline = time.monotonic() + 30
+        while not any(r.get("Name") == f"xffl-{run_id}-{name}.eval-r1"
+                      for r in slurm_stack.jobcomp_records(name)):
+            assert time.monotonic() < deadline, slurm_stack.jobcomp_records(name)[-3:]
+            time.sleep(0.5)
     before = {n: len(slurm_stack.jobcomp_records(n)) for n in ("alpha", "beta")}
 
     began = time.monotonic()

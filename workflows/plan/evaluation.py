@@ -163,16 +163,17 @@ def evaluate_config(spec: JobSpec, profiles: dict[str, SiteProfile], layout: Run
     }
 
 
-def check_evaluable(spec: JobSpec) -> None:
-    """InvalidInput unless every site can evaluate every update of the job as it is kept."""
+def check_evaluable(spec: JobSpec, final: bool = False) -> None:
+    """InvalidInput unless every site can evaluate every update of the job as it is kept
+    (``final``: the global model alone, as the final evaluation after the last round does)."""
     if spec.training.lora is not None:
         raise InvalidInput("this run trains a LoRA adapter (training.lora): its updates are "
                            "adapters, which xffl evaluate does not load; evaluate a whole-model "
                            "run.")
-    if spec.exchange.update == "delta":
+    if not final and spec.exchange.update == "delta":
         raise InvalidInput(f"this run's updates are deltas (exchange: {spec.exchange.label()}); "
                            "xffl evaluate needs whole weights (exchange.update: weights).")
-    if any(s.name == GLOBAL for s in spec.sites):
+    if not final and any(s.name == GLOBAL for s in spec.sites):
         raise InvalidInput(f"a site is named {GLOBAL!r}, the name of the global model's "
                            "column; xffl evaluate cannot tell them apart.")
     missing = [s.name for s in spec.sites if s.data.validation is None]
@@ -222,6 +223,7 @@ class EvaluationPlan:
     budgets: dict[str, int]  # the most held-out sequences each site may report
     config: Path
     inputs: Path
+    seq_lens: dict[str, int]  # the targets one held-out sequence of each site holds
 
 
 def _dump(path: Path, data: Any) -> None:
@@ -230,14 +232,16 @@ def _dump(path: Path, data: Any) -> None:
 
 
 def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
-                     profiles: dict[str, SiteProfile], rnd: int) -> EvaluationPlan:
-    """Write the evaluation workflow of round ``rnd`` into the run directory."""
-    check_evaluable(spec)
+                     profiles: dict[str, SiteProfile], rnd: int,
+                     final: bool = False) -> EvaluationPlan:
+    """Write the evaluation workflow of round ``rnd`` into the run directory (``final``: of
+    round ``rnd``'s global model alone, no update)."""
+    check_evaluable(spec, final)
     if not layout.global_dir(rnd).is_dir():
         raise InvalidInput(f"run {run_id} has no global model after round {rnd}; "
                            "`xffl status` shows its completed rounds.")
     sites = [s.name for s in spec.sites]
-    kept = [s for s in sites if layout.kept_update(rnd, s).is_dir()]
+    kept = [] if final else [s for s in sites if layout.kept_update(rnd, s).is_dir()]
     sent = {s: sent_update(layout, rnd, s) for s in kept}  # a refusal comes before the plan
     envs = site_envs(spec, profiles)
     for site in spec.sites:
@@ -258,6 +262,8 @@ def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
     }
     _dump(inputs, order)
     _dump(layout.streamflow_evaluate, evaluate_config(spec, profiles, layout, inputs))
-    budgets = {s.name: report_bounds(spec, s)[2] or 0 for s in spec.sites}
-    return EvaluationPlan(round=rnd, models=[GLOBAL, *kept], sites=sites, budgets=budgets,
-                          config=layout.streamflow_evaluate, inputs=inputs)
+    bounds = {s.name: report_bounds(spec, s) for s in spec.sites}
+    return EvaluationPlan(round=rnd, models=[GLOBAL, *kept], sites=sites,
+                          budgets={s: b[2] or 0 for s, b in bounds.items()},
+                          config=layout.streamflow_evaluate, inputs=inputs,
+                          seq_lens={s: b[3] or 0 for s, b in bounds.items()})

@@ -59,9 +59,16 @@ def federated(rnd: int, verdicts: list[Verdict]) -> FederatedValidation | None:
     """The admitted sites' validation losses weighted by their held-out targets in the loss
     (None: no admitted site measured any; a site whose held-out sequences hold no target in
     the loss weighs nothing, and its loss of no target is left out)."""
-    measured: list[tuple[str, float, int, int]] = [
-        (v.site, v.val_loss, v.val_samples or 0, v.val_tokens) for v in verdicts
-        if v.accepted and v.val_loss is not None and v.val_tokens]
+    return combine(rnd, [(v.site, v.val_loss, v.val_samples or 0, v.val_tokens)
+                         for v in verdicts if v.accepted and v.val_loss is not None])
+
+
+def combine(rnd: int, rows: list[tuple[str, float, int, int | None]]
+            ) -> FederatedValidation | None:
+    """The federated loss of (site, loss, held-out sequences, their targets in the loss)
+    rows: the mean weighted by the targets, and the median of the sites' own losses (None:
+    no row has a target; a row without one weighs nothing and is left out)."""
+    measured = [(s, value, n, t) for s, value, n, t in rows if t]
     if not measured:
         return None
     total = sum(t for *_, t in measured)

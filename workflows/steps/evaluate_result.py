@@ -3,8 +3,10 @@
 A site's ``evaluation-<site>.json`` comes from a facility the coordinator does not control.
 It is read with a size cap (links and other file types refused), parsed by a pydantic model
 that forbids any other key, and checked against what the coordinator itself sent: the model
-names must be exactly those it sent, every loss finite and not negative, and ``samples`` a
-whole number from 1 to the site's evaluation budget. The site a result belongs to is the
+names must be exactly those it sent, every loss finite and not negative, ``samples`` a
+whole number from 1 to the site's evaluation budget and ``tokens`` (the held-out targets in
+the loss: the site's weight in a federated mean) a whole number from 0 to ``samples`` x
+``seq_len``, what those sequences hold. The site a result belongs to is the
 step it came back from, never a name inside the file.
 """
 
@@ -29,13 +31,15 @@ class EvaluationRejected(Exception):
 
 
 class _Result(BaseModel):
-    """The file's shape: ``{"format": 1, "site", "samples", "losses": {NAME: LOSS}}``."""
+    """The file's shape: ``{"format": 1, "site", "samples", "tokens", "losses": {NAME:
+    LOSS}}``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     format: Literal[1]
     site: StrictStr
     samples: StrictInt
+    tokens: StrictInt
     losses: dict[StrictStr, StrictFloat | StrictInt]
 
 
@@ -46,14 +50,17 @@ class SiteEvaluation:
     site: str
     samples: int
     losses: dict[str, float]
+    tokens: int = 0  # the held-out targets in the loss: the site's weight in a federated mean
 
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def parse_evaluation(path: Path, site: str, models: list[str], budget: int) -> SiteEvaluation:
-    """``site``'s result in ``path``, checked against the ``models`` sent and its ``budget``.
+def parse_evaluation(path: Path, site: str, models: list[str], budget: int,
+                     seq_len: int) -> SiteEvaluation:
+    """``site``'s result in ``path``, checked against the ``models`` sent, its ``budget`` and
+    the targets a held-out sequence holds (``seq_len``).
 
     EvaluationRejected with the reason for anything else.
     """
@@ -98,7 +105,11 @@ def parse_evaluation(path: Path, site: str, models: list[str], budget: int) -> S
     if not 1 <= result.samples <= budget:
         raise EvaluationRejected(f"samples is {_short(result.samples)}, outside 1..{budget} "
                                  "(the job's evaluation budget)")
-    return SiteEvaluation(site=site, samples=result.samples, losses=losses)
+    if not 0 <= result.tokens <= result.samples * seq_len:
+        raise EvaluationRejected(f"tokens is {_short(result.tokens)}, outside "
+                                 f"0..{result.samples * seq_len} (samples x seq_len)")
+    return SiteEvaluation(site=site, samples=result.samples, losses=losses,
+                          tokens=result.tokens)
 
 
 def _short(value: float) -> str:
