@@ -1,7 +1,8 @@
-"""The steps of the one-GPU check, one per process: ``python steps.py STEP --work W --out O``.
+"""The steps of the one-GPU check: ``python steps.py STEP[,STEP...] --work W --out O``.
 
-Each step writes ``O/STEP.json`` ({"ok": bool, ...numbers}) and exits 0 when it ran; the
-driver (run.py) judges ``ok``, keeps each step under its own timeout and prints the summary.
+Each step writes ``O/STEP.json`` ({"ok": bool, ...numbers}; a step that raised: ok false and
+the traceback's tail), and the process exits 0; the driver (run.py) judges ``ok``, keeps each
+step (on the GPU) or the whole CPU dry run under its timeout and prints the summary.
 The steps use xffl's own code paths: round 0 as ``xffl render`` writes it, the per-rank
 trainer started through ``xffl.training.launch`` (as a batch script does), the coordinator's
 admission checks and FedAvg, the sharded loader and ``train_round`` under a one-rank group.
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +266,8 @@ def step_fsdp1(mode: str, work: Path, out: Path) -> dict[str, Any]:
     manifest = train_round(job, 1, model_dir, work / "data-dense", work / "fsdp.update")
     seconds = time.perf_counter() - began
     dist.destroy_process_group()
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # the next step's trainers start afresh
+        os.environ.pop(key, None)
     losses = manifest.extra["losses"]
     dense = _load_json(out / "dense.json")
     plain = dense.get("extra", {}).get("losses", [])
@@ -328,17 +332,26 @@ STEPS = {"init": step_init, "dense": step_dense, "admit": step_admit, "parity": 
 
 
 def main() -> int:
-    """Run one step and write its JSON."""
+    """Run the steps given (comma-separated, in turn) and write each one's JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("step", choices=sorted(STEPS))
+    parser.add_argument("steps", help=f"comma-separated, of {', '.join(STEPS)}")
     parser.add_argument("--mode", choices=sorted(SHAPES), default="full")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    steps = args.steps.split(",")
+    if unknown := [s for s in steps if s not in STEPS]:
+        parser.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = STEPS[args.step](args.mode, args.work, args.out)
-    (args.out / f"{args.step}.json").write_text(json.dumps(result, indent=1, default=str))
+    for step in steps:
+        began = time.perf_counter()
+        try:
+            result = STEPS[step](args.mode, args.work, args.out)
+        except Exception:  # this step failed; the next ones in this process still run
+            result = {"ok": False, "error": traceback.format_exc()[-1500:]}
+        result["step_s"] = round(time.perf_counter() - began, 1)
+        (args.out / f"{step}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

@@ -2,8 +2,10 @@
 
 A model at Llama-3.1-8B's widths (hidden 4096, MLP 14336, 32 heads over 8 kv heads, the
 128256-token vocabulary; ``--layers`` decoder layers, 1 by default, the head tied unless
-``--untied``) is sharded by FSDP2 over two gloo ranks (torchrun), as a site at dp 2 holds it
-after training, and its fp32 update is saved two ways, each in a fresh launch:
+``--untied``) is sharded by FSDP2 over two gloo ranks (torchrun's agent, the ranks forked from
+one interpreter that imported torch: :mod:`xffl.training.forked`, as a CPU site starts them), as
+a site at dp 2 holds it after training, and its fp32 update is saved two ways, each in a fresh
+launch:
 
 - ``whole`` (the baseline, the save before streaming): torch's ``get_model_state_dict``
   (full state dict, CPU offload) gathers every tensor into rank 0's memory, safetensors'
@@ -47,6 +49,14 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def warm_imports(argv: list[str]) -> None:
+    """What a rank imports, imported once before the ranks are forked (xffl.training.forked)."""
+    import torch.distributed  # noqa: F401
+
+    import xffl.training.parallelize
+    import xffl.training.update_save  # noqa: F401
 
 
 def worker(way: str, out: Path, overrides: dict[str, Any]) -> None:
@@ -100,9 +110,10 @@ def worker(way: str, out: Path, overrides: dict[str, Any]) -> None:
 
 
 def launch(way: str, out: Path, overrides: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One save ``way`` by two gloo ranks under torchrun; rank 0's measurements."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(Path(__file__).resolve()), "--worker", way, "--out", str(out),
+    """One save ``way`` by two gloo ranks under torchrun's agent (forked); rank 0's
+    measurements."""
+    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+           "bench.save_update.run", "--worker", way, "--out", str(out),
            "--overrides", json.dumps(overrides)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
                           cwd=REPO)

@@ -1,20 +1,21 @@
 """Workers for the streamed update save's tests (tests/training/test_update_save.py).
 
-``python -m xffl.training.forked --nproc-per-node 2 -m tests.training.save_worker fsdp OUT``:
-on two gloo ranks (FSDP2 at dp 2, or tp 2), for each case and exchange, rank 0 writes the
-update once as
-the site wrote it before streaming (``full_state_dict``, ``encode_update``, safetensors'
-``save_file``) into ``OUT/<case>/old`` and once streamed into ``OUT/<case>/new``.
+``python -m xffl.training.forked --nproc-per-node 2 -m tests.training.save_worker OUT``: one
+launch of two gloo ranks runs every case in turn, each into a folder of its own:
 
-``... save_worker memory OUT old|new`` (forked, 2 ranks): FSDP2 at dp 2 over a model at
-Llama-3.1-8B width, saved one way; rank 0 prints a JSON line with its RSS before the save,
-its peak during it (VmHWM, reset just before) and the largest tensor's bytes.
-
-``... save_worker evaluate OUT`` (forked, 2 ranks): ``xffl evaluate``'s load and losses.
+- ``OUT/memory``: FSDP2 at dp 2 over a model at Llama-3.1-8B width, saved streamed (first,
+  on a fresh heap); rank 0 writes ``memory.json``: its RSS before the save, its peak during
+  it (VmHWM, reset just before) and the largest tensor's bytes.
+- ``OUT/fsdp``: (FSDP2 at dp 2, or tp 2) for each case and exchange, rank 0 writes the update
+  once as the site wrote it before streaming (``full_state_dict``, ``encode_update``,
+  safetensors' ``save_file``) into ``<case>/<exchange>/old`` and once streamed into ``new``.
+- ``OUT/evaluate`` (its ``global`` and ``data`` made by the test): ``xffl evaluate``'s load
+  and losses, one ``rank<r>.json`` per rank.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -86,7 +87,6 @@ def save_new(pm: ParallelModel, config: ModelConfig, parent: Path, out: Path,
 
 def fsdp(out: Path) -> None:
     """Both saves of every case and exchange, on 2 gloo ranks."""
-    dist.init_process_group("gloo")
     for case, (preset, overrides, tp) in FSDP_CASES.items():
         spec = ModelSpec(preset=preset, overrides=overrides)
         config = build_config(spec)
@@ -104,7 +104,6 @@ def fsdp(out: Path) -> None:
                 save(pm, config, parent, where / which, exchange, where / f"{which}-state")
             dist.barrier()
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def _status(field: str) -> int:
@@ -116,10 +115,10 @@ def _status(field: str) -> int:
 
 
 def memory(out: Path, which: str) -> None:
-    """Under FSDP2 at dp 2, save the wide model ``which`` way; rank 0 prints its RSS before
-    the save and its peak during it. The model is sharded on the meta device and only then
-    given memory (each rank holds its half, as the sharded loader leaves it)."""
-    dist.init_process_group("gloo")
+    """Under FSDP2 at dp 2, save the wide model ``which`` way; rank 0 writes its RSS before
+    the save and its peak during it to ``OUT/memory.json``. The model is sharded on the meta
+    device and only then given memory (each rank holds its half, as the sharded loader
+    leaves it)."""
     config = build_config(ModelSpec(preset="llama3.1-8b", overrides=WIDE))
     with torch.device("meta"):
         model = build_model(config)
@@ -138,9 +137,10 @@ def memory(out: Path, which: str) -> None:
     peak = _status("VmHWM")
     dist.barrier()
     if dist.get_rank() == 0:
-        print(json.dumps({"before": before, "peak": peak, "largest": largest,
-                          "tied": model.lm_head.weight is model.model.embed_tokens.weight}))
-    dist.destroy_process_group()
+        (out / "memory.json").write_text(json.dumps(
+            {"before": before, "peak": peak, "largest": largest,
+             "tied": model.lm_head.weight is model.model.embed_tokens.weight}))
+    dist.barrier()
 
 
 def eval_job(data: Path) -> TrainJob:
@@ -152,8 +152,7 @@ def eval_job(data: Path) -> TrainJob:
 
 def evaluate(out: Path) -> None:
     """``xffl evaluate``'s ranks on ``OUT/global`` (2 gloo ranks): each rank records whether
-    it holds the model in slices; rank 0 writes the losses to ``OUT/losses.json``."""
-    dist.init_process_group("gloo")
+    it holds the model in slices and its losses to ``OUT/rank<r>.json``."""
     job = eval_job(out / "data")
     config = build_config(job.model)
     pm = eval_model(job, out / "global", config, torch.device("cpu"))
@@ -164,13 +163,18 @@ def evaluate(out: Path) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
         {"sliced": sliced, "losses": losses}))
     dist.barrier()
+
+
+def main(out: Path) -> None:
+    """Every case in one process group: the wide model's save first, on a fresh heap."""
+    dist.init_process_group("gloo")
+    (out / "memory").mkdir(parents=True, exist_ok=True)
+    memory(out / "memory", "new")
+    gc.collect()
+    fsdp(out / "fsdp")
+    evaluate(out / "evaluate")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "fsdp":
-        fsdp(Path(sys.argv[2]))
-    elif sys.argv[1] == "evaluate":
-        evaluate(Path(sys.argv[2]))
-    else:
-        memory(Path(sys.argv[2]), sys.argv[3])
+    main(Path(sys.argv[1]))

@@ -70,6 +70,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("chunked-loss-parallel")  # one worker launches the ranks once
 @pytest.mark.parametrize("mesh", MESHES)
 def test_parallel_chunked_loss_matches_one_process(mesh: str, launched: Path,
                                                    tmp_path: Path) -> None:

@@ -79,6 +79,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lora-fsdp")  # one worker launches the ranks once
 def test_one_fsdp2_unit_per_decoder_layer_and_the_base_sharded(
         launched: dict[str, Any]) -> None:
     """FSDP2 shards the peft model per decoder layer (its LoRA factors inside) plus the root,
@@ -93,6 +94,7 @@ def test_one_fsdp2_unit_per_decoder_layer_and_the_base_sharded(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lora-fsdp")
 @pytest.mark.parametrize("case", ["fp32", "qwen2"])
 def test_an_fsdp2_rank_pair_trains_one_process_adapter(launched: dict[str, Any],
                                                        case: str) -> None:
@@ -127,6 +129,7 @@ def test_an_fsdp2_rank_pair_trains_one_process_adapter(launched: dict[str, Any],
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lora-fsdp")
 def test_the_sharded_lora_load_never_holds_the_whole_base(launched: dict[str, Any]) -> None:
     """While the LoRA model loads, a rank's CPU tensors (torch's profiler, every allocation
     and free) never exceed its shard of the base, plus the largest single base tensor as
@@ -144,6 +147,7 @@ def test_the_sharded_lora_load_never_holds_the_whole_base(launched: dict[str, An
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lora-fsdp")
 def test_a_bf16_round_keeps_the_frozen_base_in_bf16(launched: dict[str, Any]) -> None:
     """precision bf16: the frozen base is bfloat16 (half its memory) and the adapter float32
     (peft's autocast_adapter_dtype), under FSDP2; the adapter written out is float32.

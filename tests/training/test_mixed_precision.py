@@ -7,6 +7,7 @@ references are computed here, in one process, from the same seeded model and bat
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from collections.abc import Callable
@@ -94,6 +95,7 @@ class _Sensitivity:
                            if t.grad is not None)
 
 
+@functools.cache  # the same fp32 run for every mode: computed once (never modified)
 def _sensitivities() -> torch.Tensor:
     """A[s, r]: at fp32 step s of the SGD run the worker makes, sum |v * dL_r/dv| over the
     values v that bf16 rounds (weights; inputs and outputs of every linear, embedding and

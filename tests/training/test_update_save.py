@@ -126,20 +126,31 @@ def test_streamed_save_writes_the_update_of_before(tmp_path: Path, preset: str,
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of 2 forked gloo ranks running every case of tests/training/save_worker.py
+    (the wide model's save, the FSDP2 and tp saves, the sliced evaluation); its folder."""
+    out = tmp_path_factory.mktemp("save")
+    ensure_synthetic(out / "evaluate" / "data", "alpha", 64, 16)
+    init_global("save-test", ModelSpec(preset="tiny-test"), 3, out / "evaluate" / "global")
+    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2",
+           "-m", "tests.training.save_worker", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
-def test_streamed_save_under_fsdp2_and_tp(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("update-save")  # one worker launches the ranks once
+def test_streamed_save_under_fsdp2_and_tp(launched: Path) -> None:
     """Two gloo ranks, FSDP2 at dp 2 (uneven shards of an odd vocabulary; tied embeddings)
     and tp 2: the streamed update (each tensor's blocks sent to rank 0) equals the one
     gathered whole by torch's get_model_state_dict, for each exchange
     (tests/training/save_worker.py)."""
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2",
-           "-m", "tests.training.save_worker", "fsdp", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     for case in FSDP_CASES:
         for spec in EXCHANGES:
-            where = tmp_path / case / spec.replace("/", "-")
+            where = launched / "fsdp" / case / spec.replace("/", "-")
             assert_same_update(where / "old", where / "new", ExchangeSpec.parse(spec).quantized)
 
 
@@ -188,21 +199,17 @@ def test_a_failed_write_runs_the_gathering_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_rank0_memory_is_the_largest_tensor_plus_a_constant(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("update-save")
+def test_rank0_memory_is_the_largest_tensor_plus_a_constant(launched: Path) -> None:
     """FSDP2 at dp 2 over a model at Llama-3.1-8B width (one layer, the 128256 x 4096 fp32
     embedding of 2 GiB the largest tensor): rank 0's peak RSS while saving rises by at most
     the largest tensor plus 256 MiB. Gathering the whole state dict first (the save before
     streaming) raised it by 7.2 GB here: the model, plus full_tensor()'s copies over gloo."""
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2",
-           "-m", "tests.training.save_worker", "memory", str(tmp_path), "new"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = json.loads((launched / "memory" / "memory.json").read_text())
     rise = seen["peak"] - seen["before"]
     assert seen["largest"] == 128256 * 4096 * 4
     assert rise <= seen["largest"] + 256 * MiB, f"{rise / MiB:.0f} MiB"
-    verify_checkpoint(tmp_path / "new")
+    verify_checkpoint(launched / "memory" / "new")
 
 
 def test_the_coordinator_admits_the_save_seconds(tmp_path: Path) -> None:
@@ -254,7 +261,8 @@ def test_time_margin_auto_grows_with_the_updates_bytes(tmp_path: Path, spec: str
 
 
 @pytest.mark.slow
-def test_evaluate_loads_the_model_in_slices(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("update-save")
+def test_evaluate_loads_the_model_in_slices(launched: Path) -> None:
     """``xffl evaluate`` on two ranks holds every weight as FSDP2 slices (never the whole
     model per rank) and gets the loss one process gets loading it whole.
 
@@ -262,16 +270,11 @@ def test_evaluate_loads_the_model_in_slices(tmp_path: Path) -> None:
     exact copies); only how the token losses are summed differs (per rank, then one
     all-reduce, against one sum), a reordering of at most a few hundred fp32 additions of
     terms below 10: relative error below 1e-6 by far; 1e-5 of the loss."""
-    data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
-    init_global("save-test", ModelSpec(preset="tiny-test"), 3, tmp_path / "global")
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2",
-           "-m", "tests.training.save_worker", "evaluate", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    where = launched / "evaluate"
+    data = where / "data"
+    ranks = [json.loads((where / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["sliced"] for r in ranks] == [True, True]
-    _, _, whole = evaluate_models(eval_job(data), {"global": tmp_path / "global"}, data, True)
+    _, _, whole = evaluate_models(eval_job(data), {"global": where / "global"}, data, True)
     got = ranks[0]["losses"]["global"]
     assert abs(got - whole["global"]) <= 1e-5 * whole["global"], (got, whole)
 
