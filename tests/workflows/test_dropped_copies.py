@@ -48,16 +48,13 @@ PROXY = Path(__file__).resolve().parents[2] / "bench" / "transfer" / "proxy.py"
 RATE = 2_000_000  # bytes/s each way: the 12.6 MB update takes ~6 s, a command's kB ~1 ms
 
 
-def _job(tmp_path: Path, stack: Any, name: str, beta_port: int | None = None,
-         width: int = 8192) -> Path:
-    """One round of the quickstart with an MLP ``width`` wide, one rank a site, beta at
-    ``beta_port`` if given. The default: a 12.6 MB update, far more than the socket buffers
-    on the way hold."""
+def _job(tmp_path: Path, stack: Any, name: str, beta_port: int | None = None) -> Path:
     profiles = tmp_path / "site_profiles"
     profiles.mkdir(exist_ok=True)
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec.update(name=name, rounds=1)
-    spec["model"]["overrides"] = {"intermediate_size": width}
+    # a wider MLP: a 12.6 MB update, far more than the socket buffers on the way hold
+    spec["model"]["overrides"] = {"intermediate_size": 8192}
     spec["training"].update(steps=2, batch_size=4)
     for site in spec["sites"]:
         site["ranks"] = 1
