@@ -23,8 +23,6 @@ def test_round_two_steps_fit_the_deadline(tmp_path: Path, xffl_home: Path) -> No
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec.update(name="deadline", rounds=2)
     spec["round_deadline"] = {"seconds": 6, "min_steps": 2, "max_steps": 400, "startup": 5}
-    for site in spec["sites"]:  # the formula is per site, whatever its ranks: one each
-        site["ranks"] = 1
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
