@@ -39,16 +39,8 @@ def session_serving(*words: str) -> int | None:
     return None
 
 
-def kill_session_serving(*words: str, timeout: float = 60.0, after: float = 0.0) -> str:
-    """SIGKILL the sshd session serving the first command that holds ``words``, ``after``
-    seconds after it is seen running (polled, at most ``timeout`` s); return that session's
-    command line."""
-    deadline = time.monotonic() + timeout
-    while (pid := session_serving(*words)) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no sshd session ran a command with {words} in {timeout} s")
-        time.sleep(0.02)
-    time.sleep(after)
+def kill_session(pid: int) -> str:
+    """SIGKILL the sshd session process ``pid``; return its command line, timed."""
     line = _cmdline(pid)
     os.kill(pid, signal.SIGKILL)
     return f"{time.strftime('%H:%M:%S')} {pid} {line}"

@@ -5,6 +5,7 @@ final adapter as transformers, peft and `xffl export --merge` read it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ runner = CliRunner()
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"r": 4, "alpha": 8, "target_modules": TARGETS}
 SITES = ("alpha", "beta")
+# two rounds: round 2 is already a later round (trained from an aggregated global, the
+# base linked, not sent again); a third adds no path, only a site round's CPU per rank
+ROUNDS = (1, 2)
 
 
 def tensor_bytes(directory: Path) -> dict[str, bytes]:
@@ -37,14 +41,14 @@ def tensor_bytes(directory: Path) -> dict[str, bytes]:
 def base_sent_once(status: dict[str, Any], base0: Path, staged: dict[str, list[Path]]) -> None:
     """The frozen base crossed to each facility once (StreamFlow links its first copy in the
     later rounds: ``staged`` lists each facility's new ``base`` entries), and that copy and
-    the run's own hold the init's tensors bit for bit after three rounds of training."""
+    the run's own hold the init's tensors bit for bit after the rounds of training."""
     rounds = Path(status["run_dir"]) / "rounds"
     reference = tensor_bytes(base0)
     assert tensor_bytes(rounds / "0" / "base") == reference
     base_bytes = sum(f.stat().st_size for f in (rounds / "0" / "base").iterdir())
     for site in SITES:
         copies = [p for p in staged[site] if not p.is_symlink()]
-        assert len(staged[site]) == 3 and len(copies) == 1, (site, staged)  # links: 2, 3
+        assert len(staged[site]) == len(ROUNDS) and len(copies) == 1, (site, staged)  # links
         assert all(p.resolve() == copies[0] for p in staged[site])
         assert tensor_bytes(copies[0]) == reference
         received = [t.bytes for t in Registry().transfers(status["run_id"])
@@ -60,7 +64,7 @@ def adapters_only(status: dict[str, Any]) -> None:
     mean fell every round."""
     rounds = Path(status["run_dir"]) / "rounds"
     a0 = load_file(str(rounds / "0" / "global" / ADAPTER_FILE))
-    for r in (1, 2, 3):
+    for r in ROUNDS:
         for site in SITES:
             update = rounds / str(r) / "updates" / site
             assert sorted(p.name for p in update.iterdir()) == sorted(  # + SLURM's record
@@ -69,19 +73,19 @@ def adapters_only(status: dict[str, Any]) -> None:
         assert set(verify_checkpoint(rounds / str(r) / "global").files) == {
             ADAPTER_FILE, ADAPTER_CONFIG_FILE}
     done = [r for r in status["rounds"] if r["state"] == "completed"]
-    assert [r["round"] for r in done] == [1, 2, 3]
+    assert [r["round"] for r in done] == list(ROUNDS)
     for site in SITES:
         losses = [next(s["loss"] for s in r["sites"] if s["site"] == site) for r in done]
-        assert losses[0] > losses[1] > losses[2], (site, losses)
+        assert all(a > b for a, b in itertools.pairwise(losses)), (site, losses)
     means = [r["loss"] for r in done]
-    assert means[0] > means[1] > means[2], means
+    assert all(a > b for a, b in itertools.pairwise(means)), means
 
 
 def globals_are_weighted_means(run_dir: Path) -> None:
     """Every round's global adapter is the sample-weighted mean of the updates that came back
     (the sites hold unequal data, so an unweighted mean is not one)."""
     rounds = run_dir / "rounds"
-    for r in (1, 2, 3):
+    for r in ROUNDS:
         ups = {s: verify_checkpoint(rounds / str(r) / "updates" / s) for s in SITES}
         assert len({u.num_samples for u in ups.values()}) == len(SITES), ups
         tensors = {s: load_file(str(rounds / str(r) / "updates" / s / ADAPTER_FILE))
@@ -115,7 +119,7 @@ def freeze_a_is_exact(run_dir: Path) -> None:
     """
     rounds = run_dir / "rounds"
     a0 = load_file(str(rounds / "0" / "global" / ADAPTER_FILE))
-    for r in (1, 2, 3):
+    for r in ROUNDS:
         g = load_file(str(rounds / str(r) / "global" / ADAPTER_FILE))
         ups = [rounds / str(r) / "updates" / s for s in SITES]
         w = np.array([read_manifest(u).num_samples for u in ups], dtype=np.float64)

@@ -3,8 +3,11 @@
 Beta's login is reached through bench/transfer/proxy.py at 2 MB/s, so that copying its
 12.6 MB update (or the round's global) takes seconds; in one round the test SIGKILLs the
 sshd session process serving the global's copy out (``dd`` of it at the site), then the one
-serving the update's copy back (``head`` of it there), each 1.5 s after it started (~3 MB
-in), while ``xffl watch`` and ``xffl status`` show it. With the default failure policy
+serving the update's copy back (``head`` of it there). Each drop waits on events, not on
+time: once the coordinator's progress file shows a megabyte moved, the proxy is stopped
+(SIGSTOP: the copy holds still, partway, however slow the machine), ``xffl watch`` and
+``xffl status`` are read until they show it, the session is killed and the proxy goes on
+(SIGCONT). With the default failure policy
 (``failure.retries`` 0) the round completes, beta's SLURM job ran once, each copy resumed
 (the update back from what had arrived), and both copies hold the bytes they copied (the
 site's global is the coordinator's, the coordinator's update the site's).
@@ -17,11 +20,13 @@ import contextlib
 import hashlib
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +36,12 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
-from tests.stack.sessions import kill_session_serving, session_serving
+from tests.stack.sessions import kill_session, session_serving
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
+from xffl.jobs.inflight import copies_in_flight
+from xffl.jobs.registry import Registry
 
 runner = CliRunner()
 PROXY = Path(__file__).resolve().parents[2] / "bench" / "transfer" / "proxy.py"
@@ -68,16 +75,25 @@ def _job(tmp_path: Path, stack: Any, name: str, beta_port: int | None = None) ->
     return job
 
 
+@dataclass(frozen=True)
+class Proxy:
+    """The rate-capped proxy in front of beta's login port: its port and its process."""
+
+    port: int
+    proc: subprocess.Popen[str]
+
+
 @pytest.fixture
-def slow_beta(slurm_stack: Any) -> Iterator[int]:  # type: ignore[no-untyped-def]
-    """The port of a 100 kB/s proxy in front of beta's login port."""
+def slow_beta(slurm_stack: Any) -> Iterator[Proxy]:
+    """A 2 MB/s proxy in front of beta's login port."""
     proc = subprocess.Popen([sys.executable, str(PROXY),
                              str(slurm_stack.clusters["beta"].ssh_port), "0", str(RATE)],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        yield int(proc.stdout.readline())
+        yield Proxy(int(proc.stdout.readline()), proc)
     finally:
+        proc.send_signal(signal.SIGCONT)  # in case a failed drop left it stopped
         proc.kill()
         proc.wait(timeout=10)
 
@@ -87,8 +103,8 @@ XFFL = str(Path(sys.executable).parent / "xffl")
 
 def _status_in_flight(direction: str, deadline: float) -> list[str]:
     """What `xffl status` and `xffl status --json` print once both show beta's copy in
-    ``direction`` in flight with some bytes moved (read again until then: a copy just
-    started, or just resumed from nothing, has none yet), or the last they printed."""
+    ``direction`` in flight with some bytes moved (read again until then), or the last they
+    printed."""
     printed: list[str] = []
     while time.monotonic() < deadline:
         procs = [subprocess.Popen([XFFL, "status", "last", "--no-live", *opts],
@@ -103,34 +119,82 @@ def _status_in_flight(direction: str, deadline: float) -> list[str]:
     return printed
 
 
-def _run_with_drops(tmp_path: Path, stack: Any, port: int, name: str,
+def _watched(line: str, deadline: float) -> str:
+    """What `xffl watch` printed until a line matched ``line`` (or until ``deadline``)."""
+    watch = subprocess.Popen([XFFL, "watch", "last", "--timeout", "120"],
+                             stdout=subprocess.PIPE, text=True)
+    assert watch.stdout is not None
+    printed: list[str] = []
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), watch.kill)
+    timer.start()
+    try:
+        for text in watch.stdout:  # one line per poll (0.5 s) while the run goes on
+            printed.append(text)
+            if re.search(line, text):
+                break
+    finally:
+        timer.cancel()
+        watch.kill()
+        watch.wait(timeout=60)
+    return "".join(printed)
+
+
+MOVED = 1_000_000  # bytes: more than a checkpoint's JSON files, a 13th of the update
+
+
+def _moving(direction: str, deadline: float) -> None:
+    """Wait until the last run's coordinator reports beta's copy in ``direction`` with MOVED
+    bytes moved (its progress file, rewritten every half second while the copy runs): the
+    model's file is then partway, ~0.5 s into its ~6 s at the proxy's rate."""
+    while time.monotonic() < deadline:
+        runs = Registry().list_runs()
+        if runs and any(c.site == "beta" and c.direction == direction and c.bytes >= MOVED
+                        for c in copies_in_flight(runs[0].run_dir)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"beta's copy {direction} never showed {MOVED} bytes moved")
+
+
+WATCHED = {"in": r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s",
+           "out": r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s"}
+
+
+def _run_with_drops(tmp_path: Path, stack: Any, proxy: Proxy, name: str,
                     drops: Sequence[tuple[tuple[str, ...], str]]
                     ) -> tuple[dict[str, Any], list[str], list[list[str]]]:
     """Submit the job (beta through the proxy); for each ``(words, direction)`` of ``drops``
-    in turn, once a command with ``words`` runs, start `xffl watch` and `xffl status`
-    (:func:`_status_in_flight`), and kill the session serving that command 1.5 s later;
-    (the run's status, the killed sessions' command lines, what `xffl watch`, `xffl status`
-    and `xffl status --json` printed meanwhile, a list per drop)."""
+    in turn, once a command with ``words`` runs and the copy has moved bytes, stop the proxy
+    (the copy holds still), read `xffl watch`, `xffl status` and `xffl status --json` until
+    they show it, kill the session serving that command and let the proxy go on; (the run's
+    status, the killed sessions' command lines, what `xffl watch`, `xffl status` and `xffl
+    status --json` printed meanwhile, a list per drop)."""
     killed: list[str] = []
     seen: list[list[str]] = []
 
     def drop() -> None:
         for words, direction in drops:
             deadline = time.monotonic() + 240
-            while session_serving(*words) is None:
+            # the session, not the command: the command may have handed its last bytes to
+            # sshd before the kill, and sshd holds them until the proxy takes them
+            while (session := session_serving(*words)) is None:
                 assert time.monotonic() < deadline, f"no command with {words} ran"
                 time.sleep(0.02)
-            watch = subprocess.Popen([XFFL, "watch", "last", "--timeout", "3"],
-                                     stdout=subprocess.PIPE, text=True)
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                status = pool.submit(_status_in_flight, direction, time.monotonic() + 60)
-                killed.append(kill_session_serving(*words, timeout=5, after=1.5))
-                seen.append([watch.communicate(timeout=60)[0], *status.result(timeout=120)])
+            _moving(direction, time.monotonic() + 120)
+            proxy.proc.send_signal(signal.SIGSTOP)
+            try:  # the frozen copy: watched and shown side by side, the freeze kept short
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    watch = pool.submit(_watched, WATCHED[direction], time.monotonic() + 120)
+                    status = pool.submit(_status_in_flight, direction, time.monotonic() + 120)
+                    watched, shown = watch.result(timeout=180), status.result(timeout=180)
+                killed.append(kill_session(session))
+            finally:
+                proxy.proc.send_signal(signal.SIGCONT)
+            seen.append([watched, *shown])
 
     killer = threading.Thread(target=drop, daemon=True)
     killer.start()
-    result = runner.invoke(app, ["submit", str(_job(tmp_path, stack, name, port)), "--wait",
-                                 "--json"])
+    result = runner.invoke(app, ["submit", str(_job(tmp_path, stack, name, proxy.port)),
+                                 "--wait", "--json"])
     killer.join(timeout=120)
     assert len(killed) == len(seen) == len(drops), ("a copy was never seen in flight", killed)
     assert result.exit_code == 0, result.output
@@ -182,7 +246,7 @@ def _check(status: dict[str, Any], stack: Any) -> str:
 
 @pytest.mark.slow
 def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
-        tmp_path: Path, slurm_stack: Any, slow_beta: int,  # type: ignore[no-untyped-def]
+        tmp_path: Path, slurm_stack: Any, slow_beta: Proxy,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One round, two drops at beta: the global's copy out (``dd`` there), then the
     update's copy back (``head`` of it there; its path names the update folder, so the
@@ -195,8 +259,8 @@ def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
          (("head -c", work, "/update/model.safetensors"), "out")))
     assert all("@" in session for session in sessions)
     # `xffl watch` and `xffl status` showed each copy in flight: bytes so far, MB/s, ETA
-    _check_progress(seen_out, "in", r"copy-out to beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
-    _check_progress(seen_back, "out", r"copy-back from beta: [\d.]+ of 12\.8 MB, [\d.]+ MB/s")
+    _check_progress(seen_out, "in", WATCHED["in"])
+    _check_progress(seen_back, "out", WATCHED["out"])
     log = _check(status, slurm_stack)
     # the copy out was tried again ...
     retried = re.search(r"copy of '(\S+/global)' to '(\S+)' at the site dropped .*; attempt 2 "

@@ -1,8 +1,9 @@
 """Failure policy on the real two-cluster stack, inside the run's one StreamFlow workflow: a
-scancelled job is retried; a controller outage is survived with a quorum of one, stops a run
-that needs both sites, and `xffl resume` finishes that run once the controller is back
-without training the site that had finished; two cron ticks at once run one round, and a
-coordinator killed after writing a global resumes to the bytes the cron ticks gave."""
+scancelled job is retried and one past the round timeout is scancelled; a controller outage
+is survived with a quorum of one, stops a run that needs both sites, and `xffl resume`
+finishes that run once the controller is back without training the site that had
+finished; two cron ticks at once run one round, and a coordinator killed after writing a
+global resumes to the bytes the cron ticks gave."""
 
 from __future__ import annotations
 
@@ -61,17 +62,45 @@ def _sites(status: dict, rnd: int) -> dict[str, dict]:
     return {s["site"]: s for s in r["sites"]}
 
 
+def _profile_as(stack: Any, cluster: str, name: str, folder: Path,
+                setup: list[str]) -> str:
+    """A profile of ``cluster`` named ``name``, written to ``folder/name.yaml``."""
+    scratch = folder.parent / f"{name}-profile"
+    scratch.mkdir()
+    written = scratch / f"{write_profile(scratch, stack.clusters[cluster], stack, setup)}.yaml"
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump({**yaml.safe_load(written.read_text()),
+                                                         "name": name}))
+    return name
+
+
 @pytest.mark.slow
-def test_scancelled_job_is_retried(tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scancelled_job_is_retried_and_one_past_the_round_timeout_is_scancelled(
+        tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round, three sites (one run instead of two: a run's fixed costs and alpha's
+    training once): beta's first job is scancelled by an operator and retried; gamma (a
+    second site at cluster alpha) sleeps in its batch script past the round timeout, is
+    scancelled by xffl and not retried (a timeout is not); alpha and beta's retry make the
+    global."""
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
-    job = _job(tmp_path, slurm_stack, "retry", rounds=1, steps=3, retries=1)
+    # the timeout leaves alpha's and beta's rounds ample time and gamma none. Such a round
+    # (copy-in, sbatch, torch start-up, 3 steps, copy-back) takes ~6 s idle, but once took
+    # over 30 s in CI with three test workers on 2 cores; the test waits out the timeout
+    # idle, so a wide one costs little
+    job = _job(tmp_path, slurm_stack, "retry", rounds=1, steps=3, retries=1, min_sites=2,
+               round_timeout=75)
     # beta's first job waits in its batch script until it is cancelled; the retry trains
     first = tmp_path / "beta-first-attempt"
     spec = yaml.safe_load(job.read_text())
+    profiles = tmp_path / "site_profiles"
     spec["sites"][1]["profile"] = write_profile(
-        tmp_path / "site_profiles", slurm_stack.clusters["beta"], slurm_stack,
+        profiles, slurm_stack.clusters["beta"], slurm_stack,
         setup=[f"[ -e {first} ] || {{ touch {first}; sleep 300; }}"])
+    gamma = {**spec["sites"][0], "name": "gamma",
+             "profile": _profile_as(slurm_stack, "alpha", "test-gamma", profiles,
+                                    ["sleep 600"])}
+    gamma["data"] = {**gamma["data"], "path": str(tmp_path / "data" / "gamma")}
+    spec["sites"].append(gamma)
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = runner.invoke(app, ["submit", str(job), "--json"])
     assert result.exit_code == 0, result.output
@@ -88,11 +117,27 @@ def test_scancelled_job_is_retried(tmp_path: Path, slurm_stack,  # type: ignore[
     assert slurm_stack.ssh("beta", f"scancel {running[0]}", timeout=20).returncode == 0
     final = wait_for_run(Registry(), run_id, 300)
     assert final.state == "completed", final.message
-    beta = _sites(_status(run_id), 1)["beta"]
-    assert beta["state"] == "completed" and beta["attempts"] == 2
+    sites = _sites(_status(run_id), 1)
+    assert sites["alpha"]["state"] == "completed"
+    assert sites["beta"]["state"] == "completed" and sites["beta"]["attempts"] == 2
+    glob = verify_checkpoint(Path(final.run_dir) / "rounds" / "1" / "global")
+    assert set(glob.extra["sites"]) == {"alpha", "beta"}
     records = [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]
     assert [r["JobState"] for r in records] == ["CANCELLED", "COMPLETED"], records
     assert records[0]["JobId"] == running[0]
+
+    # gamma: past the round timeout, scancelled, not retried
+    gamma_row = sites["gamma"]
+    assert gamma_row["state"] == "failed" and gamma_row["attempts"] == 1
+    assert "xffl: round timeout" in gamma_row["reason"] and "scancelled" in gamma_row["reason"]
+    # SLURM's record: gamma's round-1 job was cancelled, not left to run
+    name = f"xffl-{run_id}-gamma-r1"
+    deadline = time.monotonic() + 30
+    while not [r for r in slurm_stack.jobcomp_records("alpha") if r.get("Name") == name]:
+        assert time.monotonic() < deadline, "no record of gamma's job"
+        time.sleep(0.5)
+    (record,) = [r for r in slurm_stack.jobcomp_records("alpha") if r.get("Name") == name]
+    assert record["JobState"] == "CANCELLED"
 
 
 @pytest.mark.slow
@@ -218,40 +263,3 @@ def test_cron_ticks_and_a_killed_coordinator_give_the_same_bytes(
         assert first == again
     for rnd in (1, 2):
         assert _digest(run_dir, rnd) == _digest(ticked, rnd)
-
-
-@pytest.mark.slow
-def test_round_timeout_scancels_a_site_and_the_round_goes_on(
-        tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", slurm_stack.ssh_home)
-    # the deadline leaves alpha's 2 steps ample time and beta none: beta's batch script
-    # sleeps before training. Alpha's round (copy-in, sbatch, torch start-up, 2 steps,
-    # copy-back) takes ~6 s idle, but once took over 30 s in CI with three test workers on
-    # 2 cores; the test waits out the deadline idle, so a wide one costs little
-    job = _job(tmp_path, slurm_stack, "deadline", rounds=1, steps=2, min_sites=1,
-               round_timeout=75)
-    spec = yaml.safe_load(job.read_text())
-    spec["sites"][1]["profile"] = write_profile(tmp_path / "site_profiles",
-                                                slurm_stack.clusters["beta"], slurm_stack,
-                                                setup=["sleep 600"])
-    job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json"])
-    assert result.exit_code == 0, result.output
-    status = json.loads(result.stdout)
-    assert status["state"] == "completed"
-    sites = _sites(status, 1)
-    assert sites["alpha"]["state"] == "completed"
-    beta = sites["beta"]
-    assert beta["state"] == "failed" and beta["attempts"] == 1  # a timeout is not retried
-    assert "xffl: round timeout" in beta["reason"] and "scancelled" in beta["reason"]
-    glob = verify_checkpoint(Path(status["run_dir"]) / "rounds" / "1" / "global")
-    assert set(glob.extra["sites"]) == {"alpha"}
-    # SLURM's record: beta's round-1 job was cancelled, not left to run
-    name = f"xffl-{status['run_id']}-beta-r1"
-    deadline = time.monotonic() + 30
-    while not [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]:
-        assert time.monotonic() < deadline, "no record of beta's job"
-        time.sleep(0.5)
-    (record,) = [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]
-    assert record["JobState"] == "CANCELLED"

@@ -3,13 +3,15 @@
 For Llama 3 (llama3 rope scaling, GQA), Qwen2 (q/k/v biases, tied embeddings), Mistral,
 Gemma 2 (soft-capping, 1 + w norms) and Mixtral (a mixture of experts, data parallel), a tiny
 random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit``
-runs a round at 2 local sites through StreamFlow, and ``xffl export`` of the global it
+runs a round at a local site through StreamFlow, and ``xffl export`` of the global it
 aggregated loads in ``AutoModelForCausalLM.from_pretrained`` (so a second round, which
 would train from that global, adds no family-specific path: one round keeps the suite
-short). The five runs go at once (their torch start-ups overlap their StreamFlow waits).
-Submit and export run in this process (CliRunner): a submit checks the checkpoint against
-its family in transformers, whose import would cost each of five ``xffl`` processes ~2.5
-CPU-seconds; the runs' supervisors and ranks are their own processes either way.
+short; so would a second site: the mean of two updates is taken tensor by tensor, by name,
+whatever the family, and is tested as such in tests/aggregator). The five runs go at once
+(their torch start-ups overlap their StreamFlow waits). Submit and export run in this
+process (CliRunner): a submit checks the checkpoint against its family in transformers,
+whose import would cost each of five ``xffl`` processes ~2.5 CPU-seconds; the runs'
+supervisors and ranks are their own processes either way.
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on
@@ -65,7 +67,7 @@ def _checkpoint(folder: Path, model_type: str, extra: dict[str, Any]) -> Path:
 
 
 def _job(where: Path, family: str, init: Path) -> Path:
-    """The quickstart's shape, smaller: 1 round, 2 local sites of one rank, 2 steps each."""
+    """The quickstart's shape, smaller: 1 round, 1 local site of one rank, 2 steps."""
     spec = {
         "name": f"family-{family}", "rounds": 1, "model": {"init": str(init)},
         "training": {"steps": 2, "batch_size": 4, "seq_len": 32, "lr": 0.003, "seed": 0},
@@ -73,7 +75,7 @@ def _job(where: Path, family: str, init: Path) -> Path:
         "sites": [{"name": name, "profile": "local", "ranks": 1,
                    "data": {"path": str(where / "data" / name), "synthetic": lang,
                             "synthetic_sequences": n}}
-                  for name, lang, n in (("alpha", "alpha", 48), ("beta", "beta", 32))],
+                  for name, lang, n in (("alpha", "alpha", 48),)],
     }
     job = where / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -81,7 +83,7 @@ def _job(where: Path, family: str, init: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_every_family_trains_a_round_at_two_sites_and_exports(tmp_path: Path) -> None:
+def test_every_family_trains_a_round_and_exports(tmp_path: Path) -> None:
     runs = {}
     for family, (model_type, extra) in FAMILIES.items():
         where = tmp_path / family

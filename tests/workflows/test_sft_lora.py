@@ -1,7 +1,9 @@
-"""`xffl init -t sft-lora` runs: instruction tuning with LoRA on this machine, three rounds."""
+"""`xffl init -t sft-lora` runs: instruction tuning with LoRA on this machine, two of its
+three rounds (the second trains from an aggregated adapter, as the third would)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from xffl.cli.app import app
 from xffl.training.prepare_examples import SPLIT_SALT
 
 runner = CliRunner()
+ROUNDS = (1, 2)
 
 
 def _held_out(jsonl: Path, fraction: float) -> list[dict[str, Any]]:
@@ -51,7 +54,7 @@ def _masked_sum(model: Any, tok: Any,
 @pytest.mark.slow
 def test_sft_lora_template_learns_and_its_adapter_generates(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three rounds of the template; the federated validation loss falls every round and is,
+    """Two rounds of the template; the federated validation loss falls every round and is,
     each round, the masked mean over every held-out response token of both sites, pooled,
     recomputed here from the JSON lines; the final adapter loads in peft on the base and
     generates.
@@ -85,17 +88,21 @@ def test_sft_lora_template_learns_and_its_adapter_generates(
         return done.stdout
 
     xffl("init", "-t", "sft-lora", "demo")
+    job = tmp_path / "demo" / "job.yaml"
+    text = job.read_text()
+    assert "\nrounds: 3\n" in text
+    job.write_text(text.replace("\nrounds: 3\n", f"\nrounds: {len(ROUNDS)}\n"))
     status = json.loads(xffl("submit", "demo/job.yaml", "--wait", "--json", "--timeout", "400"))
     assert status["state"] == "completed", status
     run = Path(status["run_dir"]) / "rounds"
     data = tmp_path / "demo" / "data"
-    federated = [json.loads((run / str(r) / "validation.json").read_text()) for r in (1, 2, 3)]
+    federated = [json.loads((run / str(r) / "validation.json").read_text()) for r in ROUNDS]
     losses = [v["val_loss"] for v in federated]
-    assert losses[0] > losses[1] > losses[2], losses
+    assert all(a > b for a, b in itertools.pairwise(losses)), losses
 
     tok = AutoTokenizer.from_pretrained(str(data / "tokenizer"))
     held = {site: _held_out(data / f"{site}.jsonl", 0.1) for site in ("alpha", "beta")}
-    for r, record in zip((1, 2, 3), federated, strict=True):
+    for r, record in zip(ROUNDS, federated, strict=True):
         base = LlamaForCausalLM.from_pretrained(str(run / "0" / "base"), dtype=torch.float64)
         model = PeftModel.from_pretrained(base, str(run / str(r - 1) / "global")).eval()
         model = model.double()
@@ -120,6 +127,10 @@ def test_sft_lora_template_learns_and_its_adapter_generates(
                                                             record["val_tokens"])
         assert {s["site"]: s["val_tokens"] for s in shown["sites"]} == tokens
 
+    # the final adapter, the last round's global (the loop above read each round's start)
+    base = LlamaForCausalLM.from_pretrained(str(run / "0" / "base"), dtype=torch.float64)
+    model = PeftModel.from_pretrained(base, str(run / str(ROUNDS[-1]) / "global")).eval()
+    model = model.double()
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "reverse the words\n\nban kol mit"}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True)

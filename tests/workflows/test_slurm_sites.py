@@ -1,4 +1,4 @@
-"""Two SLURM facilities over SSH (the real test stack): 3 rounds of a LoRA job (peft, frozen
+"""Two SLURM facilities over SSH (the real test stack): 2 rounds of a LoRA job (peft, frozen
 base from ``model.init``, ``aggregation.lora: freeze_a``), srun -n 2 DDP at alpha and one
 rank at beta, as one StreamFlow workflow; its provenance as an RO-Crate; the hand-run batch
 script (a whole-model job, as the other SLURM runs of tests/workflows/test_failure_slurm.py
@@ -124,7 +124,7 @@ def _crate_names_globals_and_jobs(run_id: str, run_dir: Path, rounds: tuple[int,
 
 
 @pytest.mark.slow
-def test_two_slurm_facilities_three_rounds(tmp_path: Path,
+def test_two_slurm_facilities_lora_rounds(tmp_path: Path,
                                            slurm_stack,  # type: ignore[no-untyped-def]
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
@@ -133,7 +133,8 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     base0 = tmp_path / "base0"  # a round-0 checkpoint of an earlier run, as model.init
     init_global("earlier", ModelSpec(preset="tiny"), 7, base0)
     spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="slurm3", rounds=3, model={"preset": "tiny", "init": str(base0)},
+    spec.update(name="slurm2", rounds=len(lora_checks.ROUNDS),
+                model={"preset": "tiny", "init": str(base0)},
                 aggregation={"strategy": "fedavg", "lora": "freeze_a"})
     spec["training"].update(steps=12, lr=0.01, prox_mu=0.0, lora=lora_checks.LORA)
     for site in spec["sites"]:
@@ -155,7 +156,7 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     status = check("status", json.loads(result.stdout))  # with its SLURM jobs
     run_id, run_dir = status["run_id"], Path(status["run_dir"])
     assert status["state"] == "completed"
-    rounds = (1, 2, 3)
+    rounds = lora_checks.ROUNDS
 
     # LoRA (tests/workflows/lora_checks.py): the base crossed once and is untouched, only
     # adapters travelled, losses fell, the globals are the sample-weighted means of the
@@ -166,7 +167,8 @@ def test_two_slurm_facilities_three_rounds(tmp_path: Path,
     lora_checks.adapters_only(status)
     lora_checks.globals_are_weighted_means(run_dir)
     lora_checks.freeze_a_is_exact(run_dir)
-    lora_checks.world_reads(run_id, base0, run_dir / "rounds" / "3" / "global", tmp_path)
+    lora_checks.world_reads(run_id, base0, run_dir / "rounds" / str(rounds[-1]) / "global",
+                            tmp_path)
 
     # the run is one StreamFlow workflow, named after it (StreamFlow's own listing)
     listing = subprocess.run([str(Path(sys.executable).with_name("streamflow")), "list", "-f",
@@ -196,8 +198,9 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     cluster = slurm_stack.clusters["alpha"]
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec.update(name="byhand", rounds=1)
-    spec["training"]["steps"] = 4
+    spec["training"]["steps"] = 2
     spec["sites"] = spec["sites"][:1]
+    spec["sites"][0]["ranks"] = 1  # srun -n 2 DDP under SLURM: the rounds test above
     spec["sites"][0]["profile"] = write_profile(profiles, cluster, slurm_stack)
     spec["sites"][0]["data"]["path"] = str(tmp_path / "data" / "alpha")
     job = tmp_path / "job.yaml"
@@ -208,7 +211,7 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     run_id = json.loads(result.stdout)["run_id"]
     script = plan / "sbatch" / "alpha.sh"
     text = script.read_text()
-    assert "#SBATCH --ntasks=2" in text and f"#SBATCH --partition={cluster.partition}" in text
+    assert "#SBATCH --ntasks=1" in text and f"#SBATCH --partition={cluster.partition}" in text
     assert "--launcher srun" in text and str(plan) not in text  # facility paths only
     assert f"#SBATCH --job-name=xffl-{run_id}-alpha" in text
     # submitted by hand, as a user would, from the plan folder on the login node of alpha
