@@ -1,10 +1,17 @@
-"""`xffl init -t sft-lora` runs: instruction tuning with LoRA on this machine, two of its
-three rounds (the second trains from an aggregated adapter, as the third would)."""
+"""Supervised fine-tuning as docs/sft.md walks it, run once as written: chat JSON lines,
+`data prepare`, the sft-lora job (the template's three rounds of LoRA), `export --merge` and
+transformers generating from the export folder alone; then what the run measured is
+recomputed from the JSON lines."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import re
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +21,15 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
+from tests.conftest import REPO
 from xffl.cli.app import app
 from xffl.training.prepare_examples import SPLIT_SALT
 
 runner = CliRunner()
-ROUNDS = (1, 2)
-
+PAGE = REPO / "docs" / "sft.md"
+ROUNDS = (1, 2, 3)  # the template's rounds: the second and third train from aggregated adapters
+# the page's run is paid once: every test that reads it runs in the same pytest-xdist worker
+SFT_PAGE = pytest.mark.xdist_group("sft-page")
 
 def _held_out(jsonl: Path, fraction: float) -> list[dict[str, Any]]:
     """The examples `xffl data prepare` holds out, by its documented rule: example i when
@@ -51,13 +61,105 @@ def _masked_sum(model: Any, tok: Any,
     return total, count, every / targets
 
 
+def blocks(markdown: str) -> list[tuple[str, str]]:
+    """The page's bash and python blocks, in order, as (language, text)."""
+    return re.findall(r"```(bash|python)\n(.*?)```", markdown, flags=re.S)
+
+
+def test_the_page_has_the_walk_in_order() -> None:
+    """Every step is a block the slow test below runs: init, the chats, prepare, validate,
+    submit, export --merge, generate."""
+    steps = [text.split()[0] + " " + text.split()[1] for _, text in blocks(PAGE.read_text())]
+    assert steps == ["xffl init", "import json", "xffl data", "xffl validate",
+                     "xffl export", "from transformers"], steps
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """What running docs/sft.md left: its folder, the init-prepared shards, the page's Python
+    names, and the run's `xffl status --json`."""
+
+    folder: Path
+    init_shards: dict[str, bytes]
+    scope: dict[str, Any]
+    status: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def sft_page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PageRun]:
+    """Each xffl command of the page through the CLI (exit 0), each Python block executed, in
+    the page's order, in a fresh folder with its own XFFL_HOME (the run's supervisor and ranks
+    are their own processes)."""
+    folder = tmp_path_factory.mktemp("sft-page")
+    init_shards: dict[str, bytes] = {}
+    scope: dict[str, Any] = {}
+    old = Path.cwd()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XFFL_HOME", str(folder / "xffl-home"))
+        mp.setenv("XDG_CONFIG_HOME", str(folder / "config"))
+        os.chdir(folder)
+        try:
+            for language, text in blocks(PAGE.read_text()):
+                if language == "python":
+                    exec(compile(text, str(PAGE), "exec"), scope)  # the page's own code
+                    continue
+                for line in text.splitlines():
+                    argv = shlex.split(line.split("#")[0])
+                    if not argv:
+                        continue
+                    assert argv[0] == "xffl", line
+                    if argv[1:3] == ["data", "prepare"] and not init_shards:
+                        init_shards = {
+                            f"{s}/{f}": (folder / "demo" / "data" / s / f).read_bytes()
+                            for s in ("alpha", "beta")
+                            for f in ("train.bin", "flags.bin", "validation/train.bin")}
+                    done = runner.invoke(app, argv[1:])
+                    assert done.exit_code == 0, (line, done.output)
+            shown = runner.invoke(app, ["status", "last", "--json"])
+            assert shown.exit_code == 0, shown.output
+        finally:
+            os.chdir(old)
+    yield PageRun(folder, init_shards, scope, json.loads(shown.stdout))
+
+
 @pytest.mark.slow
-def test_sft_lora_template_learns_and_its_adapter_generates(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two rounds of the template; the federated validation loss falls every round and is,
-    each round, the masked mean over every held-out response token of both sites, pooled,
-    recomputed here from the JSON lines; the final adapter loads in peft on the base and
-    generates.
+@SFT_PAGE
+def test_the_sft_page_runs_from_chat_lines_to_generation(sft_page: PageRun) -> None:
+    """The page ran (the fixture); the chat-prepared shards are the tokens and flags `xffl
+    init` prepared from the same examples as instructions (the page says so); the merged
+    export's tokenizer renders a conversation to the very ids the job's tokenizer does (its
+    chat template came along); the export loads in AutoModelForCausalLM and generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = sft_page.folder / "demo" / "data"
+    assert sft_page.init_shards
+    for name, content in sft_page.init_shards.items():
+        assert (data / name).read_bytes() == content, name
+
+    merged = sft_page.folder / "demo" / "merged"
+    source = AutoTokenizer.from_pretrained(str(data / "tokenizer"))
+    exported = AutoTokenizer.from_pretrained(str(merged))
+    chat = [{"role": "user", "content": "copy the words and count them\n\nban kol"},
+            {"role": "assistant", "content": "ban kol two"}, {"role": "user", "content": "mit"}]
+    for prompt in (True, False):
+        assert exported.apply_chat_template(chat, add_generation_prompt=prompt,
+                                            return_dict=False) == \
+            source.apply_chat_template(chat, add_generation_prompt=prompt, return_dict=False)
+    model = AutoModelForCausalLM.from_pretrained(str(merged))
+    scope = sft_page.scope
+    assert type(scope["model"]) is type(model)
+    generated = scope["out"][0, scope["prompt"]["input_ids"].shape[1]:]
+    assert 1 <= len(generated) <= 8 and int(generated.max()) < len(source)
+    assert isinstance(scope["reply"], str)
+
+
+@pytest.mark.slow
+@SFT_PAGE
+def test_sft_lora_template_learns_and_its_adapter_generates(sft_page: PageRun) -> None:
+    """The page's run, the template's three rounds: the federated validation loss falls
+    every round and is, each round, the masked mean over every held-out response token of
+    both sites, pooled, recomputed here from the JSON lines; the final adapter loads in peft
+    on the base and generates.
 
     Tolerance of the recomputation: xffl evaluates in fp32 (batches of padded windows), this
     test in float64, one example at a time; the padding follows each example, so under
@@ -78,24 +180,10 @@ def test_sft_lora_template_learns_and_its_adapter_generates(
     from peft import PeftModel
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    # the template's commands as a user types them in the folder (XFFL_HOME: the test's
-    # own), here in this process: the run's supervisor and ranks are their own processes
-    monkeypatch.chdir(tmp_path)
-
-    def xffl(*argv: str) -> str:
-        done = runner.invoke(app, list(argv))
-        assert done.exit_code == 0, (argv, done.output)
-        return done.stdout
-
-    xffl("init", "-t", "sft-lora", "demo")
-    job = tmp_path / "demo" / "job.yaml"
-    text = job.read_text()
-    assert "\nrounds: 3\n" in text
-    job.write_text(text.replace("\nrounds: 3\n", f"\nrounds: {len(ROUNDS)}\n"))
-    status = json.loads(xffl("submit", "demo/job.yaml", "--wait", "--json", "--timeout", "400"))
+    status = sft_page.status
     assert status["state"] == "completed", status
     run = Path(status["run_dir"]) / "rounds"
-    data = tmp_path / "demo" / "data"
+    data = sft_page.folder / "demo" / "data"
     federated = [json.loads((run / str(r) / "validation.json").read_text()) for r in ROUNDS]
     losses = [v["val_loss"] for v in federated]
     assert all(a > b for a, b in itertools.pairwise(losses)), losses
