@@ -314,7 +314,8 @@ class DataSpec(_Strict):
 
 
 class EvaluationSpec(_Strict):
-    """How much held-out data a site evaluates on in each round (its ``data.validation``).
+    """How much held-out data a site evaluates on in each round (its ``data.validation``),
+    and whether the final global model is evaluated after the last round (``final``).
 
     Every round a site evaluates the global model it receives, before training, and its own
     trained update, in the same job: at most ``batches`` batches of ``batch_size`` sequences
@@ -325,6 +326,9 @@ class EvaluationSpec(_Strict):
                          description="batches of held-out sequences evaluated per model")
     batch_size: int | None = Field(default=None, ge=1,
                                    description="sequences per batch (null: training.batch_size)")
+    final: bool = Field(default=True,
+                        description="after the last round every site evaluates the final global "
+                        "model (steps of main.cwl; needs data.validation at every site, not LoRA)")
 
     def batch(self, training: TrainingSpec) -> int:
         """Sequences per evaluation batch: ``batch_size``, else the training batch size."""
