@@ -28,6 +28,7 @@ LOOP_NS = "http://commonwl.org/cwltool#"
 CWL_VERSION = "v1.2"
 LOOP_STEP = "rounds"
 FINAL_STEP = "final_validation"  # the coordinator's step that combines the final evaluation
+FINAL_FILE = "final-validation.json"  # what it writes, in the run directory and as its output
 
 
 def train_step(site: str) -> str:
@@ -226,7 +227,7 @@ def final_validation_tool(run_dir: str, sites: list[str]) -> dict[str, Any]:
         {"round": _bound("int", "--round"),
          **{f"evaluation_{s}": {"type": "File?", "inputBinding": {
              "prefix": f"--evaluation={s}=", "separate": False}} for s in sites}},
-        {})
+        {"validation": {"type": "File?", "outputBinding": {"glob": FINAL_FILE}}})
 
 
 def final_steps(sites: list[str]) -> dict[str, Any]:
@@ -243,7 +244,7 @@ def final_steps(sites: list[str]) -> dict[str, Any]:
         "run": f"tools/{FINAL_STEP}.cwl", "when": when,
         "in": {**ends, **{f"evaluation_{s}": f"{final_evaluate_step(s)}/evaluation"
                           for s in sites}},
-        "out": []}
+        "out": ["validation"]}
     return steps
 
 
@@ -270,6 +271,10 @@ def main_workflow(sites: list[str], lora: bool = False, final: bool = False) -> 
         "outputs": {
             "model": {"type": "Directory", "outputSource": f"{LOOP_STEP}/model"},
             "next_round": {"type": "int", "outputSource": f"{LOOP_STEP}/next_round"},
+            # an output of the workflow, so that a runner waits for it (StreamFlow ends a
+            # workflow, cancelling what still runs, once its outputs are complete)
+            **({FINAL_STEP: {"type": "File?", "outputSource": f"{FINAL_STEP}/validation"}}
+               if final else {}),
         },
         "steps": {
             LOOP_STEP: {

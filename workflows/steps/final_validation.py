@@ -9,7 +9,8 @@ last round. Each site's file is untrusted input, read as every cross-site evalua
 evaluation budget of held-out sequences, each of ``seq_len`` targets), and the sites' losses
 are combined as every round's validation is (:func:`xffl.workflows.steps.early_stop.combine`):
 the mean over all the sites' held-out targets, and the median across the sites' own losses.
-The result is written to ``final-validation.json``; in a registered run (``run.json``) it is
+The result is written to ``final-validation.json`` (in the run directory, and as the step's
+output, which main.cwl outputs); in a registered run (``run.json``) it is
 also recorded in the registry, where ``xffl status`` and ``xffl report`` read it. A site whose
 evaluation failed (xffl's failure manager gave it up: its file is absent) or whose file is
 rejected is left out and named, with its reason; the step itself fails for no site.
@@ -123,6 +124,7 @@ def run_step(args: argparse.Namespace) -> int:
     final = final_of(args.round, results)
     if final is not None:
         write_json(layout.final_validation, asdict(final))
+        write_json(Path.cwd() / layout.final_validation.name, asdict(final))  # the step's output
     reg = registration(layout)
     if reg is not None:
         registry = Registry(reg.registry)
