@@ -314,12 +314,12 @@ class DataSpec(_Strict):
 
 
 class EvaluationSpec(_Strict):
-    """How much held-out data a site evaluates on in each round (its ``data.validation``),
-    and whether the final global model is evaluated after the last round (``final``).
+    """How much held-out data a site evaluates on in each round (its ``data.validation``).
 
     Every round a site evaluates the global model it receives, before training, and its own
     trained update, in the same job: at most ``batches`` batches of ``batch_size`` sequences
-    (default: ``training.batch_size``), the same sequences every round.
+    (default: ``training.batch_size``), the same sequences every round. ``final``: whether
+    every site also evaluates the final global model after the last round.
     """
 
     batches: int = Field(default=16, ge=1, le=1_000_000,
