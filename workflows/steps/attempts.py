@@ -57,7 +57,9 @@ def write_attempts(layout: RunLayout, record: SiteAttempts) -> Path:
     """Store ``record`` (atomically); return its file."""
     path = (layout.final_attempts_file(record.site) if record.final
             else layout.attempts_file(record.round, record.site))
-    write_json(path, asdict(record))
+    data = asdict(record)
+    del data["final"]  # the file's place says it
+    write_json(path, data)
     return path
 
 
