@@ -13,17 +13,20 @@ The result is written to ``final-validation.json`` (in the run directory, and as
 output, which main.cwl outputs); in a registered run (``run.json``) it is
 also recorded in the registry, where ``xffl status`` and ``xffl report`` read it. A site whose
 evaluation failed (xffl's failure manager gave it up: its file is absent) or whose file is
-rejected is left out and named, with its reason; the step itself fails for no site.
+rejected is left out and named, with its reason; the step itself fails for no site, and
+whatever goes wrong in it leaves the run's rounds done (it says why, and ends well).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from xffl.core.errors import first_line
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
@@ -141,7 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = step_parser("xffl.workflows.steps.final_validation")
     parser.add_argument("--sites", required=True, help="the plan's sites, comma-separated")
     parser.add_argument("--evaluation", action="append", default=[], help="SITE=FILE")
-    return run_step(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run_step(args)
+    except Exception as exc:  # the rounds are done whatever happens here: say it, end well
+        message = f"{NOT_MEASURED}: {first_line(exc)}"
+        print(message, file=sys.stderr)
+        with contextlib.suppress(Exception):
+            from xffl.jobs.registry import Registry
+
+            reg = registration(RunLayout(Path(args.run_dir)))
+            if reg is not None:
+                Registry(reg.registry).event(reg.run_id, EVENT, message)
+        return 0
 
 
 if __name__ == "__main__":
