@@ -79,9 +79,11 @@ def read_site(layout: RunLayout, spec: JobSpec, site: str,
         return f"the evaluation at the site failed: {why}"
     found = [s for s in spec.sites if s.name == site]
     _, _, budget, seq_len = report_bounds(spec, found[0])
-    # the runner stages the file as a link (cwltool does): what it leads to is read as any
-    # site's file is, a regular file of at most 64 KiB whose numbers a strict schema checks
-    path = Path(os.path.realpath(path))
+    # the runner stages the file as a link (cwltool does): that one link is the runner's and
+    # is followed; the file it leads to is read as any site's file is (a link the site made
+    # is refused, never followed: nothing a site sends names a path here)
+    if path.is_symlink():
+        path = path.parent / os.readlink(path)  # an absolute target replaces the parent
     try:
         return parse_evaluation(path, site, [GLOBAL], budget or 0, seq_len or 0)
     except EvaluationRejected as exc:

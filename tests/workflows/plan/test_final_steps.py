@@ -117,6 +117,16 @@ def test_the_final_step_combines_what_came_back_and_names_what_did_not(
     assert "site alpha: its evaluation file was rejected: samples is 1000000, outside 1..128" \
         in capsys.readouterr().err
 
+    # the runner's staging link is followed, a link the site sent is not (here to a file of
+    # the coordinator's that passes every check: it would be combined if followed)
+    (tmp_path / "site-made.json").symlink_to(tmp_path / "beta.json")
+    (tmp_path / "staged.json").symlink_to(tmp_path / "site-made.json")
+    layout.final_validation.unlink()
+    assert final_step([*args, f"--evaluation=beta={tmp_path / 'staged.json'}"]) == 0
+    assert not layout.final_validation.exists()
+    assert "site beta: its evaluation file was rejected: unreadable evaluation file" in \
+        capsys.readouterr().err
+
     # whatever goes wrong in the step itself (here an unreadable job.json), the rounds are
     # done: it says why and ends well, so the run completes
     layout.job_json.write_text("{")
