@@ -158,6 +158,10 @@ class RunLayout:
         """The failure manager's record of ``site``'s failed attempts in round ``rnd``."""
         return self.round_dir(rnd) / "attempts" / f"{site}.json"
 
+    def final_attempts_file(self, site: str) -> Path:
+        """The failure manager's record of ``site``'s failed evaluation of the final model."""
+        return self.root / "final-attempts" / f"{site}.json"
+
     def round_job(self, rnd: int, site: str) -> Path:
         """``site``'s TrainJob as balanced for round ``rnd``."""
         return self.round_dir(rnd) / "jobs" / f"{site}.json"

@@ -318,13 +318,17 @@ class EvaluationSpec(_Strict):
 
     Every round a site evaluates the global model it receives, before training, and its own
     trained update, in the same job: at most ``batches`` batches of ``batch_size`` sequences
-    (default: ``training.batch_size``), the same sequences every round.
+    (default: ``training.batch_size``), the same sequences every round. ``final``: whether
+    every site also evaluates the final global model after the last round.
     """
 
     batches: int = Field(default=16, ge=1, le=1_000_000,
                          description="batches of held-out sequences evaluated per model")
     batch_size: int | None = Field(default=None, ge=1,
                                    description="sequences per batch (null: training.batch_size)")
+    final: bool = Field(default=True,
+                        description="after the last round every site evaluates the final global "
+                        "model (steps of main.cwl; needs data.validation at every site, not LoRA)")
 
     def batch(self, training: TrainingSpec) -> int:
         """Sequences per evaluation batch: ``batch_size``, else the training batch size."""

@@ -17,6 +17,7 @@ Nothing but that file leaves the site: the data and the held-out split stay wher
 
 from __future__ import annotations
 
+from xffl.core.failpoints import failpoint
 from xffl.core.startup import collect_less
 
 collect_less()  # before the imports below (torch, transformers): see xffl.core.startup
@@ -156,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace, env: DistEnv) -> int:
     """Evaluate every model on this rank (under a process group); rank 0 writes the file."""
     job = load_job(args.job)
+    failpoint(f"evaluate-models-{job.site}")  # a test's site whose evaluation dies here
     try:
         models = model_pairs(args.model)
     except ValueError as exc:

@@ -9,10 +9,11 @@ StreamFlow workflow named after the run; a resumed run or a cron tick is one mor
 inputs (``executions/<name>.yml``) start from the last completed round's global model.
 
 The supervisor starts the workflow, watches it (a failed step ends it at once: StreamFlow
-does not always end a workflow whose loop lost a step), and records the run's state; after
-the last round it has every site evaluate the final global
-(:mod:`xffl.workflows.final_evaluation`). The plan's own steps record the rounds (admit
-and aggregate write to the registry named in ``run.json``). Site failures, retries, quorum
+does not always end a workflow whose loop lost a step), and records the run's state. The
+plan's own steps record the rounds (admit and aggregate write to the registry named in
+``run.json``) and the final model's held-out loss (main.cwl's final evaluation,
+:mod:`xffl.workflows.steps.final_validation`); a completed run's message says which site
+that evaluation is missing, if any. Site failures, retries, quorum
 and round timeouts happen inside the workflow, through xffl's StreamFlow plugin
 (:mod:`xffl.workflows.extensions.failure`).
 """
@@ -46,6 +47,8 @@ from xffl.jobs.trust import consented
 from xffl.workflows.plan.compile import write_execution_inputs, write_initial_model
 from xffl.workflows.steps.aggregate import QUORUM_EVENT
 from xffl.workflows.steps.early_stop import read_stopped
+from xffl.workflows.steps.final_validation import EVENT as FINAL_EVENT
+from xffl.workflows.steps.final_validation import partial
 
 
 def spawn(run_id: str, run_dir: Path, registry: Path) -> int:
@@ -176,11 +179,10 @@ def _run(run: RunRecord, registry: Registry, spec: JobSpec, layout: RunLayout,
     done = registry.get_run(run.id)
     finished = completion(done, layout)
     if finished is not None:
-        from xffl.workflows.final_evaluation import after_last_round
-
-        finished = after_last_round(registry, done, spec, finished)
-        if registry.get_run(run.id).state == RunState.CANCELLED:  # xffl cancel meanwhile
-            return 1
+        notes = [m for ts, kind, m in registry.events(run.id)
+                 if kind == FINAL_EVENT and ts >= started]
+        if notes and partial(notes[-1]):  # the final evaluation lacks a site
+            finished = f"{finished}; {notes[-1]}"
         registry.set_state(run.id, RunState.COMPLETED, finished, ended=time.time())
     elif done.rounds_done < last:  # the workflow ended without recording its rounds
         registry.set_state(run.id, RunState.FAILED, f"the workflow ended after round "

@@ -4,8 +4,9 @@ The same job (the quickstart, shortened) rendered and run by cwltool, rendered a
 `streamflow run`, and submitted: the final global models are the same bytes, and the
 cyclic workflow submit runs is the one render wrote. The job stops early (training.stop_when)
 on a validation loss that cannot improve: all three stop after the same round, since the
-plan's aggregate step decides it from the run directory. The submitted run also logs every
-round to TensorBoard and MLflow (tracking), read back here with their own readers.
+plan's aggregate step decides it from the run directory; each then evaluates the final model
+(main.cwl's final steps) to the same loss. The submitted run also logs every round to
+TensorBoard and MLflow (tracking), read back here with their own readers.
 """
 
 from __future__ import annotations
@@ -102,6 +103,15 @@ def test_cwltool_streamflow_and_submit_give_the_same_model(
     # and each plan's last model is the run's output (cwltool and StreamFlow collect it)
     for plan in (by_cwltool, by_streamflow):
         assert _sha256(plan / "out" / "global" / "model.safetensors") == _sha256(final[0])
+    # the final model's held-out loss is a step of the plan: every runner measures it, the
+    # same numbers (the same bytes evaluated by the same code on the same windows, in one
+    # process per site: nothing to round differently), and submit records it
+    losses = [json.loads((p / "final-validation.json").read_text())
+              for p in (by_cwltool, by_streamflow, run_dir)]
+    assert losses[0] == losses[1] == losses[2] == status["final_loss"], losses
+    assert losses[0]["round"] == 2 and set(losses[0]["sites"]) == {"alpha", "beta"}
+    for plan in (by_cwltool, by_streamflow):  # and main.cwl outputs it
+        assert json.loads((plan / "out" / "final-validation.json").read_text()) == losses[0]
 
 
 def _check_tracking(folder: Path, status: dict[str, Any]) -> None:

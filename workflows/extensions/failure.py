@@ -13,11 +13,15 @@ steps belong to which site (its ``sites`` config):
   not be reached for scheduling or staging), every step of that site's job in that round
   emits an empty (null) token instead of failing. The round's admit step for the site then
   records "no update" with the reasons, and the aggregate step applies ``failure.min_sites``;
+* the steps of a site's evaluation of the final model after the last round (its ``final``
+  config) are retried and given up the same way: the final validation step then combines the
+  other sites' numbers and names the missing site;
 * a failure of any other step (admission, aggregation) fails the workflow, as StreamFlow's
   default manager does.
 
 Each failed attempt is recorded in ``rounds/<r>/attempts/<site>.json``
-(:mod:`xffl.workflows.steps.attempts`).
+(:mod:`xffl.workflows.steps.attempts`; of the final evaluation, in
+``final-attempts/<site>.json``).
 """
 
 from __future__ import annotations
@@ -57,14 +61,16 @@ class SiteFailureManager(FailureManager):
 
     def __init__(self, context: StreamFlowContext, retries: int = 0,
                  retry_delay: float = 0.0, run_dir: str | None = None,
-                 sites: dict[str, list[str]] | None = None) -> None:
+                 sites: dict[str, list[str]] | None = None,
+                 final: dict[str, list[str]] | None = None) -> None:
         """Configured from streamflow.yml's ``failureManager.config``."""
         super().__init__(context)
         self.retries = retries
         self.retry_delay = retry_delay
         self.layout = RunLayout(Path(run_dir)) if run_dir else None
         self.sites = sites or {}
-        self.records: dict[tuple[str, int], SiteAttempts] = {}
+        self.final = final or {}
+        self.records: dict[tuple[str, int, bool], SiteAttempts] = {}
 
     @classmethod
     def get_schema(cls) -> str:
@@ -83,15 +89,19 @@ class SiteFailureManager(FailureManager):
                      job_token: JobToken | None = None) -> None:
         """Outputs need no bookkeeping here."""
 
-    def site_of(self, step: Step) -> str | None:
-        """The site whose job ``step`` runs or stages, if any."""
-        for site, prefixes in self.sites.items():
-            if any(step.name == p or step.name.startswith(p + "/") for p in prefixes):
-                return site
+    def site_of(self, step: Step) -> tuple[str, bool] | None:
+        """The site whose job ``step`` runs or stages, if any, and whether it is the final
+        model's evaluation."""
+        for final, owned in ((False, self.sites), (True, self.final)):
+            for site, prefixes in owned.items():
+                if any(step.name == p or step.name.startswith(p + "/") for p in prefixes):
+                    return site, final
         return None
 
-    def _note(self, site: str, rnd: int, reason: str, *, timed_out: bool = False) -> SiteAttempts:
-        record = self.records.setdefault((site, rnd), SiteAttempts(site=site, round=rnd))
+    def _note(self, site: str, rnd: int, reason: str, *, timed_out: bool = False,
+              final: bool = False) -> SiteAttempts:
+        record = self.records.setdefault((site, rnd, final),
+                                         SiteAttempts(site=site, round=rnd, final=final))
         record.failures.append(f"attempt {record.attempts}: {reason}")
         record.timed_out = record.timed_out or timed_out
         self._save(record)
@@ -103,18 +113,18 @@ class SiteFailureManager(FailureManager):
 
     async def recover(self, job: Job, step: Step, exception: BaseException) -> None:
         """Retry or give the site up for this round; re-raise for steps of no site."""
-        site = self.site_of(step)
-        if site is None:
+        owner = self.site_of(step)
+        if owner is None:
             raise exception
+        site, final = owner
         rnd = _round_of(job)
-        key = (site, rnd)
-        known = self.records.get(key)
+        known = self.records.get((site, rnd, final))
         if known is not None and known.gave_up:  # a later step of a job already given up
             await self._emit_nothing(job, step)
             return
         timed_out = is_timeout(exception)
         record = self._note(site, rnd, short_reason(str(exception) or type(exception).__name__),
-                            timed_out=timed_out)
+                            timed_out=timed_out, final=final)
         if isinstance(step, ExecuteStep) and not timed_out:
             while record.attempts <= self.retries:
                 if self.retry_delay:
@@ -132,13 +142,15 @@ class SiteFailureManager(FailureManager):
                     raise
                 except Exception as exc:
                     timed_out = is_timeout(exc)
-                    record = self._note(site, rnd, short_reason(str(exc)), timed_out=timed_out)
+                    record = self._note(site, rnd, short_reason(str(exc)), timed_out=timed_out,
+                                        final=final)
                     if timed_out:
                         break
         record.gave_up = True
         self._save(record)
         if logger.isEnabledFor(logging.WARNING):
-            logger.warning(f"xffl: round {rnd} goes on without site {site}: {record.reason}")
+            logger.warning(f"xffl: {'the final evaluation' if final else f'round {rnd}'} goes "
+                           f"on without site {site}: {record.reason}")
         await self._emit_nothing(job, step)
 
     async def _emit_nothing(self, job: Job, step: Step) -> None:

@@ -34,6 +34,7 @@ from xffl.workflows.plan.deployments import (
     site_python,
 )
 from xffl.workflows.steps.bounds import report_bounds as report_bounds
+from xffl.workflows.steps.final_validation import skipped
 
 
 def _dump(path: Path, data: Any) -> None:
@@ -55,11 +56,14 @@ def train_time_limit(spec: JobSpec) -> float | None:
 
 
 def failure_manager(spec: JobSpec, run_dir: Path) -> dict[str, Any]:
-    """streamflow.yml's ``failureManager``: xffl's site failure manager with the job's policy."""
-    return {"enabled": True, "type": FAILURE_MANAGER,
-            "config": {"retries": spec.failure.retries, "retry_delay": spec.failure.retry_delay,
-                       "run_dir": str(run_dir),
-                       "sites": {s.name: cwl.site_steps(s.name) for s in spec.sites}}}
+    """streamflow.yml's ``failureManager``: xffl's site failure manager with the job's policy
+    (the final model's evaluation, when the plan has it, as each site's too)."""
+    config: dict[str, Any] = {
+        "retries": spec.failure.retries, "retry_delay": spec.failure.retry_delay,
+        "run_dir": str(run_dir), "sites": {s.name: cwl.site_steps(s.name) for s in spec.sites}}
+    if skipped(spec) is None:
+        config["final"] = {s.name: cwl.final_site_steps(s.name) for s in spec.sites}
+    return {"enabled": True, "type": FAILURE_MANAGER, "config": config}
 
 
 def site_targets(profiles: dict[str, SiteProfile], out: Path, final: Path) -> tuple[
@@ -115,6 +119,10 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
                                        "maxRounds": late.staleness.max_rounds}
     bindings += [{"step": cwl.step_path(cwl.train_step(s)), "target": target}
                  for s, target in targets.items()]
+    if skipped(loaded.spec) is None:  # the final evaluation: where each site trains
+        bindings += [{"step": f"/{cwl.final_evaluate_step(s)}", "target": target}
+                     for s, target in targets.items()]
+        bindings.append({"step": f"/{cwl.FINAL_STEP}", "target": {"deployment": COORDINATOR}})
     return {
         "version": "v1.0",
         "workflows": {
@@ -215,12 +223,20 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                                              by_hand=by_hand,
                                              lora=spec.training.lora is not None))
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
+    evaluated = skipped(spec) is None  # the final model's evaluation: steps of main.cwl
+    if evaluated:
+        from xffl.workflows.plan.evaluation import write_evaluate_tools
+
+        write_evaluate_tools(staged, run_id, spec,
+                             {s.name: loaded.site_profile(s.name) for s in spec.sites})
+        _dump(staged.tool(cwl.FINAL_STEP), cwl.final_validation_tool(str(final), names))
     _dump(staged.tool("admit"), cwl.admit_tool(str(final)))
-    _dump(staged.tool("aggregate"), cwl.aggregate_tool(str(final), names))
+    _dump(staged.tool("aggregate"), cwl.aggregate_tool(str(final), names, final=evaluated))
     lora = spec.training.lora is not None
     _dump(staged.round_cwl, cwl.round_workflow(
-        names, {s.name: report_bounds(spec, s) for s in spec.sites}, lora=lora))
-    _dump(staged.main, cwl.main_workflow(names, lora=lora))
+        names, {s.name: report_bounds(spec, s) for s in spec.sites}, lora=lora,
+        final=evaluated))
+    _dump(staged.main, cwl.main_workflow(names, lora=lora, final=evaluated))
     _dump(staged.inputs, loop_inputs(spec, 1, spec.rounds))
     _dump(staged.streamflow, streamflow_config(run_id, loaded, out, final))
     # the resolved site profiles (the spec's slurm overrides applied), for `xffl status/cancel/

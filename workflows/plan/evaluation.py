@@ -112,6 +112,21 @@ def evaluate_tool(*, run_id: str, site: str, sites: list[str], python: str, laun
     }
 
 
+def write_evaluate_tools(layout: RunLayout, run_id: str, spec: JobSpec,
+                         profiles: dict[str, SiteProfile]) -> None:
+    """Write every site's ``tools/evaluate_<site>.cwl``: one source for ``xffl evaluate``'s
+    workflow and main.cwl's evaluation of the final model."""
+    sites = [s.name for s in spec.sites]
+    envs = site_envs(spec, profiles)
+    for site in spec.sites:
+        profile = profiles[site.name]
+        _dump(layout.tool(evaluate_step(site.name)), evaluate_tool(
+            run_id=run_id, site=site.name, sites=sites, python=site_python(profile),
+            launcher=profile.launcher, ranks=site.ranks,
+            data=site_data_path(profile, site.name, site.data.path), env=envs[site.name],
+            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
+
+
 def evaluate_workflow(sites: list[str]) -> dict[str, Any]:
     """evaluate.cwl: every site evaluates the global and every update it is given."""
     models = {f"model_{GLOBAL}": f"model_{GLOBAL}", **{f"update_{s}": f"update_{s}"
@@ -243,14 +258,7 @@ def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
     sites = [s.name for s in spec.sites]
     kept = [] if final else [s for s in sites if layout.kept_update(rnd, s).is_dir()]
     sent = {s: sent_update(layout, rnd, s) for s in kept}  # a refusal comes before the plan
-    envs = site_envs(spec, profiles)
-    for site in spec.sites:
-        profile = profiles[site.name]
-        _dump(layout.tool(evaluate_step(site.name)), evaluate_tool(
-            run_id=run_id, site=site.name, sites=sites, python=site_python(profile),
-            launcher=profile.launcher, ranks=site.ranks,
-            data=site_data_path(profile, site.name, site.data.path), env=envs[site.name],
-            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
+    write_evaluate_tools(layout, run_id, spec, profiles)
     _dump(layout.evaluate_cwl, evaluate_workflow(sites))
     inputs = layout.evaluate_inputs(rnd)
     order: dict[str, Any] = {

@@ -5,8 +5,9 @@
 admit step), aggregates the admitted updates tensor by tensor into ``rounds/<r>/global``
 (atomically) when at least the job's quorum were admitted, keeps them in
 ``rounds/<r>/updates/<site>`` under the coordinator's names, and answers the loop through
-``cwl.output.json``: the new model, the next round, ``go``, and each site's job file for the
-next round (balanced by throughput when the job asks for it), so the CWL needs no
+``cwl.output.json``: the new model, the next round, ``go`` (and, when the plan evaluates the
+final model, ``last_round`` and ``over``: whether the run ends here), and each site's job file
+for the next round (balanced by throughput when the job asks for it), so the CWL needs no
 JavaScript. What the job asks of aggregation (strategy, weighting, parameters, shard size,
 quorum, influence bounds, exchange, early stop) it reads from the run's ``job.json``, the
 job spec as resolved when the plan was written: one source, not command-line options. In a
@@ -42,7 +43,15 @@ from xffl.jobs.states import RoundState
 from xffl.training.exchange_config import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
 from xffl.workflows.steps.deadline import deadline_jobs
-from xffl.workflows.steps.early_stop import Stopped, federated, history, stop_reason, write_stopped
+from xffl.workflows.steps.early_stop import (
+    Stopped,
+    federated,
+    history,
+    read_stopped,
+    stop_reason,
+    write_stopped,
+)
+from xffl.workflows.steps.final_validation import skipped
 from xffl.workflows.steps.tool import step_parser
 from xffl.workflows.steps.verdict import Verdict, read_verdict
 
@@ -225,6 +234,9 @@ def run_step(args: argparse.Namespace) -> int:
         registry[0].start_round(registry[1], rnd + 1, sites)
     out: dict[str, Any] = {"model": {"class": "Directory", "path": str(here / "global")},
                            "next_round": rnd + 1, "go": go}
+    if skipped(spec) is None:  # the plan evaluates the final model once the run is over
+        out.update(last_round=rnd, over=not go and (rnd >= spec.rounds
+                                                   or read_stopped(layout) is not None))
     fitted = None
     if go and spec.round_deadline is not None and registry is not None:
         fitted = deadline_jobs(layout.root, rnd + 1, spec, *registry)

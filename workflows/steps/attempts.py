@@ -2,9 +2,10 @@
 
 The failure manager runs inside StreamFlow on the coordinator; it writes
 ``rounds/<r>/attempts/<site>.json`` every time one of the site's steps fails, and the admit
-step of that site and round reads it: how many times the job ran, why each attempt failed,
-and whether the site was given up (the round then goes on without it). The file is written by
-the coordinator, never by a site, and atomically.
+step of that site and round reads it (of the final model's evaluation after the last round:
+``final-attempts/<site>.json``, read by the final validation step): how many times the job
+ran, why each attempt failed, and whether the site was given up (the round then goes on
+without it). The file is written by the coordinator, never by a site, and atomically.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class SiteAttempts:
     failures: list[str] = field(default_factory=list)  # "attempt N: reason", in order
     gave_up: bool = False
     timed_out: bool = False
+    final: bool = False  # the final model's evaluation after the last round, not a round's job
 
     @property
     def reason(self) -> str:
@@ -36,22 +38,28 @@ class SiteAttempts:
         return "; ".join(self.failures)
 
 
-def read_attempts(layout: RunLayout, rnd: int, site: str) -> SiteAttempts | None:
-    """The record of ``site`` in round ``rnd``; None when no step of it failed."""
-    path = layout.attempts_file(rnd, site)
+def read_attempts(layout: RunLayout, rnd: int, site: str,
+                  final: bool = False) -> SiteAttempts | None:
+    """The record of ``site`` in round ``rnd`` (``final``: in the final model's evaluation);
+    None when no step of it failed."""
+    path = layout.final_attempts_file(site) if final else layout.attempts_file(rnd, site)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     return SiteAttempts(site=site, round=rnd, attempts=int(data["attempts"]),
                         failures=[str(f) for f in data["failures"]],
-                        gave_up=bool(data["gave_up"]), timed_out=bool(data["timed_out"]))
+                        gave_up=bool(data["gave_up"]), timed_out=bool(data["timed_out"]),
+                        final=final)
 
 
 def write_attempts(layout: RunLayout, record: SiteAttempts) -> Path:
     """Store ``record`` (atomically); return its file."""
-    path = layout.attempts_file(record.round, record.site)
-    write_json(path, asdict(record))
+    path = (layout.final_attempts_file(record.site) if record.final
+            else layout.attempts_file(record.round, record.site))
+    data = asdict(record)
+    del data["final"]  # the file's place says it
+    write_json(path, data)
     return path
 
 

@@ -55,7 +55,10 @@ def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> Non
     binding = {b["step"]: b["target"]["deployment"] for b in sf["workflows"]["qs-1"]["bindings"]}
     assert binding == {"/rounds/train_alpha": "site-alpha", "/rounds/train_beta": "site-beta",
                        "/rounds/admit_alpha": "coordinator", "/rounds/admit_beta": "coordinator",
-                       "/rounds/aggregate": "coordinator"}
+                       "/rounds/aggregate": "coordinator",
+                       # the final model's evaluation (tests/workflows/plan/test_final_steps.py)
+                       "/final_evaluate_alpha": "site-alpha", "/final_evaluate_beta": "site-beta",
+                       "/final_validation": "coordinator"}
     # the coordinator's steps work inside the run directory: hard links, nothing copied
     assert sf["deployments"]["coordinator"] == {
         "type": "local", "config": {}, "workdir": str(root / "streamflow" / "work")}
@@ -66,6 +69,8 @@ def test_plan_files_and_cwltool_validate(tmp_path: Path, xffl_home: Path) -> Non
         "enabled": True, "type": "xffl",
         "config": {"retries": 0, "retry_delay": 0.0, "run_dir": str(root), "sites": {
             s: [f"/rounds/train_{s}", f"/rounds/admit_{s}/__transfer__/update"]
+            for s in ("alpha", "beta")}, "final": {
+            s: [f"/final_evaluate_{s}", f"/final_validation/__transfer__/evaluation_{s}"]
             for s in ("alpha", "beta")}}}
 
     train = yaml.safe_load((root / "tools" / "train_alpha.cwl").read_text())
