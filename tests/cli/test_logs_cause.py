@@ -38,6 +38,7 @@ def failed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         env.setenv("XFFL_HOME", str(home))
         env.setenv("XDG_CONFIG_HOME", str(where / "config"))
         spec = yaml.safe_load(QUICKSTART.read_text())
+        spec["evaluation"] = {"final": False}  # test_final_evaluation
         spec.update(name="broken", rounds=1, failure={"retries": 0})
         spec["training"].update(steps=2, batch_size=4)
         for site in spec["sites"]:

@@ -48,6 +48,7 @@ def test_logs_follow_shows_step_lines_while_the_site_trains(
     nothing back; after `xffl cancel` it ends by itself (issue 31 item 9; HEAD printed
     nothing until the round's end and had no -f)."""
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="follow", rounds=1)
     spec["training"].update(steps=100000, batch_size=2, seq_len=32)
     # alpha alone: a second site would only train at full speed, unread, until the cancel

@@ -32,6 +32,7 @@ def _job(tmp_path: Path, stack, name: str, setup: list[str]) -> Path:  # type: i
     profiles = tmp_path / "site_profiles"
     profiles.mkdir(exist_ok=True)
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name=name, rounds=1)
     spec["training"]["steps"] = 4
     for site in spec["sites"]:

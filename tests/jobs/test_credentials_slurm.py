@@ -44,6 +44,7 @@ def _profile(folder: Path, stack: Any, cluster: str, name: str, **conn: Any) -> 
 
 def _job(tmp_path: Path, name: str, profiles: dict[str, str], rounds: int = 1) -> Path:
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name=name, rounds=rounds)
     spec["training"].update(steps=2)
     for site in spec["sites"]:

@@ -27,6 +27,7 @@ def _crontab() -> str:
 @pytest.mark.serial
 def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Path) -> None:
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="cronjob", rounds=2)
     spec["training"].update(steps=2, batch_size=2)
     # one site of one rank: the cron line, its ticks and its removal are the same for any
@@ -79,6 +80,7 @@ def test_schedule_line_runs_under_env_i_and_remove(tmp_path: Path, xffl_home: Pa
 
 def test_bad_cron_expression_exit_2(tmp_path: Path, xffl_home: Path) -> None:
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec))
     run_id = json.loads(runner.invoke(app, ["submit", str(job), "--no-start", "--json"])

@@ -249,6 +249,7 @@ def test_a_job_folder_cannot_shadow_an_installed_profile(tmp_path: Path) -> None
     folder = tmp_path / "from-a-collaborator"
     (folder / "site_profiles").mkdir(parents=True)
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     (folder / "job.yaml").write_text(yaml.safe_dump(spec))
     # `local` is bundled: this one would run the sites with another Python
     (folder / "site_profiles" / "local.yaml").write_text(yaml.safe_dump(

@@ -108,6 +108,7 @@ def _job(tmp_path: Path, profile: dict[str, Any]) -> Path:
     (tmp_path / "site_profiles").mkdir(exist_ok=True)
     (tmp_path / "site_profiles" / "mine.yaml").write_text(yaml.safe_dump(profile))
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec["sites"] = spec["sites"][:1]
     spec["sites"][0]["profile"] = "mine"
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))

@@ -21,6 +21,7 @@ runner = CliRunner()
 @pytest.mark.slow
 def test_round_two_steps_fit_the_deadline(tmp_path: Path, xffl_home: Path) -> None:
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="deadline", rounds=2)
     spec["round_deadline"] = {"seconds": 6, "min_steps": 2, "max_steps": 400, "startup": 5}
     job = tmp_path / "job.yaml"

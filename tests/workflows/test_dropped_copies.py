@@ -52,6 +52,7 @@ def _job(tmp_path: Path, stack: Any, name: str, beta_port: int | None = None) ->
     profiles = tmp_path / "site_profiles"
     profiles.mkdir(exist_ok=True)
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name=name, rounds=1)
     # a wider MLP: a 12.6 MB update, far more than the socket buffers on the way hold
     spec["model"]["overrides"] = {"intermediate_size": 8192}

@@ -31,6 +31,7 @@ BETA_DATA = "prepared/beta"  # relative to the site's workdir; its flags missing
 
 def _spec(name: str, rounds: int = 2, **failure: object) -> dict:
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name=name, rounds=rounds, failure=failure)
     spec["training"].update(steps=3, batch_size=4)
     for site in spec["sites"]:

@@ -37,6 +37,7 @@ def _job(tmp_path: Path, stack: Any, name: str, rounds: int, steps: int,
     profiles = tmp_path / "site_profiles"
     profiles.mkdir(exist_ok=True)
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name=name, rounds=rounds, failure=failure)
     spec["training"].update(steps=steps)
     for site in spec["sites"]:

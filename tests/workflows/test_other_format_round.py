@@ -64,6 +64,7 @@ def test_an_update_of_another_format_is_rejected_at_aggregation(
         "name": "alpha-python", "connector": {"type": "local"}, "python": str(python),
         "launcher": "none"}))
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="otherformat", rounds=2, model={"preset": "tiny-test"},
                 training={"steps": 2, "batch_size": 2, "seq_len": 16},
                 failure={"min_sites": 1})

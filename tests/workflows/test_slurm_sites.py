@@ -133,6 +133,7 @@ def test_two_slurm_facilities_lora_rounds(tmp_path: Path,
     base0 = tmp_path / "base0"  # a round-0 checkpoint of an earlier run, as model.init
     init_global("earlier", ModelSpec(preset="tiny"), 7, base0)
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="slurm2", rounds=len(lora_checks.ROUNDS),
                 model={"preset": "tiny", "init": str(base0)},
                 aggregation={"strategy": "fedavg", "lora": "freeze_a"})
@@ -197,6 +198,7 @@ def test_rendered_batch_script_runs_by_hand(tmp_path: Path, slurm_stack,  # type
     profiles.mkdir()
     cluster = slurm_stack.clusters["alpha"]
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="byhand", rounds=1)
     spec["training"]["steps"] = 2
     spec["sites"] = spec["sites"][:1]

@@ -72,6 +72,7 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
     budgets (alpha 4 steps, beta 2) and, from round 2, throughput balancing within them; the
     updates travel as bf16 deltas (exchange), decoded against each round's global."""
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="wired", rounds=2, exchange={"update": "delta", "dtype": "bf16"})
     spec["training"].update(steps=4, batch_size=4, balance="throughput", balance_max=1.5)
     spec["aggregation"] = {"strategy": "fedadam", "params": {"eta": ETA},
@@ -162,6 +163,7 @@ def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
         tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the sites import tests.workflows.update_fns
     spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="rejected", rounds=1)
     spec["training"].update(update_fn="tests.workflows.update_fns:nan_at_beta")
     for site in spec["sites"]:
