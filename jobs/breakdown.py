@@ -84,13 +84,18 @@ class TransferTimes:
 
     @classmethod
     def of(cls, transfers: list[Transfer], rounds: list[RoundRecord]) -> TransferTimes:
-        """Rounds run one after the other: round r owns what started before round r+1."""
+        """Rounds run one after the other: round r owns what started before round r+1. What
+        started after the last round ended is the final model's evaluation (the final global
+        sent to each site, its numbers back), no round's."""
         starts = round_starts(rounds)
+        last = max((r for r in rounds if r.started is not None), default=None,
+                   key=lambda r: r.started or 0.0)
+        over = last.ended if last is not None else None
         spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
         moved: dict[tuple[int, str, str], int] = {}
         for t in transfers:
             owner = owning_round(starts, t.started)
-            if owner is not None:
+            if owner is not None and (over is None or t.started <= over):
                 spans.setdefault((owner, t.site), []).append((t.started, t.ended))
                 key = (owner, t.site, t.direction)
                 moved[key] = moved.get(key, 0) + (t.bytes or 0)

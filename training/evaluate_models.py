@@ -17,7 +17,6 @@ Nothing but that file leaves the site: the data and the held-out split stay wher
 
 from __future__ import annotations
 
-from xffl.core.failpoints import failpoint
 from xffl.core.startup import collect_less
 
 collect_less()  # before the imports below (torch, transformers): see xffl.core.startup
@@ -31,6 +30,7 @@ import torch
 
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.core.errors import ExitCode, InvalidInput, RunFailed, XfflError
+from xffl.core.failpoints import failpoint
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
 from xffl.training.__main__ import load_job, prepare_data, run_rank

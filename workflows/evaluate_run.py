@@ -25,7 +25,8 @@ from xffl.jobs.records import EvalCell, RunRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec import JobSpec
-from xffl.workflows.plan.evaluation import WORKFLOW, EvaluationPlan, result_name, write_evaluation
+from xffl.workflows.plan.evaluate_tool import result_name
+from xffl.workflows.plan.evaluation import WORKFLOW, EvaluationPlan, write_evaluation
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.evaluate_result import (
     EvaluationRejected,

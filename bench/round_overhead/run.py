@@ -143,9 +143,13 @@ def _baseline_site(info: stack.StackInfo, plan: Path, work: Path, site: str, rnd
     if mode == "wait":
         command = submit.replace("sbatch --parsable", "sbatch --wait --parsable")
     else:
-        command = (f"id=$({submit}) && while [ -n \"$(squeue -h -j $id -o %i)\" ]; do "
-                   f"sleep {poll:g}; done; scontrol show -o job $id | grep -q "
-                   "JobState=COMPLETED")
+        # squeue answering nothing for a moment (a busy controller) is not the job's end:
+        # an error keeps the loop polling; the job's record says how it ended, and is
+        # printed when it did not complete
+        command = (f"id=$({submit}) && while s=$(squeue -h -j $id -o %i 2>/dev/null || "
+                   f"echo busy); [ -n \"$s\" ]; do sleep {poll:g}; done; "
+                   "line=$(scontrol show -o job $id 2>&1); case \"$line\" in "
+                   "*JobState=COMPLETED*) ;; *) echo \"$line\" >&2; exit 1;; esac")
     out = info.ssh(site, command, timeout=1200)
     if out.returncode != 0:
         raise SystemExit(f"baseline ({mode}) job at {site} failed: {out.stderr}")

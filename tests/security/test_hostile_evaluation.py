@@ -28,7 +28,8 @@ from xffl.site_profiles.lookup import find_profile
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
 from xffl.workflows.evaluate_run import Outcome, site_row
-from xffl.workflows.plan.evaluation import EvaluationPlan, result_name, write_evaluation
+from xffl.workflows.plan.evaluate_tool import result_name
+from xffl.workflows.plan.evaluation import EvaluationPlan, write_evaluation
 
 MODELS = ["global", "alpha", "beta"]
 

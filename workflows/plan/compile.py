@@ -33,6 +33,7 @@ from xffl.workflows.plan.deployments import (
     site_deployments,
     site_python,
 )
+from xffl.workflows.plan.evaluate_tool import write_evaluate_tools
 from xffl.workflows.steps.bounds import report_bounds as report_bounds
 from xffl.workflows.steps.final_validation import skipped
 
@@ -225,10 +226,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
     evaluated = skipped(spec) is None  # the final model's evaluation: steps of main.cwl
     if evaluated:
-        from xffl.workflows.plan.evaluation import write_evaluate_tools
-
         write_evaluate_tools(staged, run_id, spec,
-                             {s.name: loaded.site_profile(s.name) for s in spec.sites})
+                             {s.name: loaded.site_profile(s.name) for s in spec.sites}, envs)
         _dump(staged.tool(cwl.FINAL_STEP), cwl.final_validation_tool(str(final), names))
     _dump(staged.tool("admit"), cwl.admit_tool(str(final)))
     _dump(staged.tool("aggregate"), cwl.aggregate_tool(str(final), names, final=evaluated))

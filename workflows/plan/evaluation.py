@@ -18,7 +18,6 @@ streamflow-evaluate.yml`` runs the last evaluation written, as ``xffl evaluate``
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,94 +36,18 @@ from xffl.aggregator.shards import CONFIG_FILE
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout
-from xffl.core.names import slurm_job_name
 from xffl.jobs.report import GLOBAL  # the round's global model, beside the updates
 from xffl.jobs.spec import JobSpec
 from xffl.site_profiles.schema import SiteProfile
-from xffl.training.launch import EVALUATE_MODULE
 from xffl.workflows.extensions import FAILURE_MANAGER
 from xffl.workflows.plan.compile import report_bounds, site_envs, site_targets
 from xffl.workflows.plan.cwl import CWL_VERSION
-from xffl.workflows.plan.deployments import (
-    SLURM_NAME_OPTION,
-    site_data_path,
-    site_python,
+from xffl.workflows.plan.evaluate_tool import (
+    evaluate_step,
+    write_evaluate_tools,
 )
 
 WORKFLOW = "evaluate"  # the workflow's name in streamflow-evaluate.yml
-
-
-def evaluate_step(site: str) -> str:
-    """The id of a site's step in evaluate.cwl (and its StreamFlow step name, with a /)."""
-    return f"evaluate_{site}"
-
-
-def result_name(site: str) -> str:
-    """The file a site's evaluation writes and sends back."""
-    return f"evaluation-{site}.json"
-
-
-def eval_job_name(run_id: str, site: str, rnd: int | str) -> str:
-    """The SLURM job name of ``site``'s evaluation of round ``rnd``: ``<prefix>.eval-r<rnd>``.
-
-    A dot cannot be in a site name, so no site's training job (``<prefix>-r<rnd>``) is
-    ever mistaken for it, nor it for one.
-    """
-    return f"{slurm_job_name(run_id, site)}.eval-r{rnd}"
-
-
-def evaluate_tool(*, run_id: str, site: str, sites: list[str], python: str, launcher: str,
-                  ranks: int, data: str, env: dict[str, str], slurm: bool,
-                  time_limit: float | None) -> dict[str, Any]:
-    """The CommandLineTool that evaluates the models it is given at ``site``.
-
-    The launcher's own options come first (position 0), the module's after ``--``
-    (position 1, in any order); an update that is absent (null) adds no ``--model``.
-    """
-    own = ["--ranks", str(ranks), "--launcher", launcher, "--module", EVALUATE_MODULE]
-    if slurm:
-        own += [SLURM_NAME_OPTION, eval_job_name(run_id, site, "$(inputs.round)")]
-    after = ["--data", data, "--out", result_name(site)]
-    requirements: dict[str, Any] = {
-        "EnvVarRequirement": {"envDef": {"PYTHONUNBUFFERED": "1", **env}}}
-    if time_limit is not None:
-        requirements["ToolTimeLimit"] = {"timelimit": math.ceil(time_limit)}
-
-    def model(name: str, kind: str) -> dict[str, Any]:
-        return {"type": kind, "inputBinding": {"prefix": f"--model={name}=", "separate": False,
-                                               "position": 1}}
-    return {
-        "cwlVersion": CWL_VERSION,
-        "class": "CommandLineTool",
-        "doc": f"Evaluate a round's models on site {site}'s held-out data; write "
-        f"{result_name(site)} (numbers only).",
-        "requirements": requirements,
-        "baseCommand": [python, "-m", "xffl.training.launch"],
-        "arguments": [*own, "--", *({"valueFrom": a, "position": 1} for a in after)],
-        "inputs": {
-            "round": "int",
-            "job": {"type": "File", "inputBinding": {"prefix": "--job", "position": 1}},
-            f"model_{GLOBAL}": model(GLOBAL, "Directory"),
-            **{f"update_{s}": model(s, "Directory?") for s in sites},
-        },
-        "outputs": {"evaluation": {"type": "File",
-                                   "outputBinding": {"glob": result_name(site)}}},
-    }
-
-
-def write_evaluate_tools(layout: RunLayout, run_id: str, spec: JobSpec,
-                         profiles: dict[str, SiteProfile]) -> None:
-    """Write every site's ``tools/evaluate_<site>.cwl``: one source for ``xffl evaluate``'s
-    workflow and main.cwl's evaluation of the final model."""
-    sites = [s.name for s in spec.sites]
-    envs = site_envs(spec, profiles)
-    for site in spec.sites:
-        profile = profiles[site.name]
-        _dump(layout.tool(evaluate_step(site.name)), evaluate_tool(
-            run_id=run_id, site=site.name, sites=sites, python=site_python(profile),
-            launcher=profile.launcher, ranks=site.ranks,
-            data=site_data_path(profile, site.name, site.data.path), env=envs[site.name],
-            slurm=profile.slurm is not None, time_limit=spec.failure.round_timeout))
 
 
 def evaluate_workflow(sites: list[str]) -> dict[str, Any]:
@@ -258,7 +181,7 @@ def write_evaluation(layout: RunLayout, run_id: str, spec: JobSpec,
     sites = [s.name for s in spec.sites]
     kept = [] if final else [s for s in sites if layout.kept_update(rnd, s).is_dir()]
     sent = {s: sent_update(layout, rnd, s) for s in kept}  # a refusal comes before the plan
-    write_evaluate_tools(layout, run_id, spec, profiles)
+    write_evaluate_tools(layout, run_id, spec, profiles, site_envs(spec, profiles))
     _dump(layout.evaluate_cwl, evaluate_workflow(sites))
     inputs = layout.evaluate_inputs(rnd)
     order: dict[str, Any] = {
