@@ -136,7 +136,9 @@ def _baseline_site(info: stack.StackInfo, plan: Path, work: Path, site: str, rnd
                    model: Path, mode: str, poll: float) -> Path:
     """One site's round by hand: copy the model in, run the job, copy the update back."""
     remote = Path(info.clusters[site].work_dir) / mode / f"r{rnd}"
-    info.ssh(site, f"mkdir -p {remote}", timeout=60, check=True)
+    # a fresh folder: scp -r into an existing model/ would nest the copy and leave a model of
+    # an earlier run (another xffl's, even) where the job reads it
+    info.ssh(site, f"rm -rf {remote} && mkdir -p {remote}", timeout=60, check=True)
     _scp(info, site, str(model), f"@remote:{remote}/model")
     submit = (f"cd {remote} && sbatch --parsable {plan / 'sbatch' / f'{site}.sh'} {rnd} "
               f"{remote}/model {plan / 'jobs' / f'{site}.json'} {remote}/update")
