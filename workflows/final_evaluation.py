@@ -21,8 +21,6 @@ from xffl.jobs.registry import Registry
 from xffl.workflows.evaluate_run import Outcome, evaluate_run
 from xffl.workflows.steps.final_validation import final_of
 
-TIMEOUT_S = 3600.0  # without failure.round_timeout, as `xffl evaluate`'s default
-
 
 def final_loss(outcome: Outcome) -> FinalLoss | None:
     """The federated loss of the evaluated global from the sites' rows (None: no site sent
