@@ -21,7 +21,7 @@ from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
 from xffl.jobs.deadline_spec import RoundDeadline
-from xffl.jobs.tracking import TrackingSpec
+from xffl.jobs.tracking_spec import TrackingSpec
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
     DataSpec,

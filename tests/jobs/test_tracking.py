@@ -17,8 +17,9 @@ import pytest
 from xffl.jobs.records import RoundRecord, RunRecord, SiteRound, Transfer
 from xffl.jobs.registry import Registry
 from xffl.jobs.states import RoundState, RunState, SiteState
-from xffl.jobs.tracking import TrackingSpec, log_round, resolve, round_scalars
+from xffl.jobs.tracking import log_round, round_scalars
 from xffl.jobs.tracking_mlflow import flatten_params
+from xffl.jobs.tracking_spec import TrackingSpec, resolve
 
 # one worker imports MLflow (about 1 s) once for the whole module
 pytestmark = pytest.mark.xdist_group("tracking")

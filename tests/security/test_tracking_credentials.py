@@ -22,8 +22,9 @@ import pytest
 
 from xffl.jobs.records import RoundRecord, RunRecord
 from xffl.jobs.states import RoundState, RunState
-from xffl.jobs.tracking import TrackingSpec, log_round
+from xffl.jobs.tracking import log_round
 from xffl.jobs.tracking_mlflow import gets_credentials, user_config_file
+from xffl.jobs.tracking_spec import TrackingSpec
 
 pytestmark = pytest.mark.xdist_group("tracking")
 
