@@ -16,13 +16,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from xffl.aggregator.metrics import LOSS, VAL_LOSS, VAL_LOSS_UPDATE
-from xffl.jobs.tracker import Tracker
-from xffl.jobs.tracking_mlflow import MLflowTracker
-from xffl.jobs.tracking_tensorboard import TensorBoardTracker
+from xffl.jobs.tracking.mlflow import MLflowTracker
+from xffl.jobs.tracking.tensorboard import TensorBoardTracker
+from xffl.jobs.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RoundRecord, RunRecord, Transfer
-    from xffl.jobs.tracking_spec import TrackingSpec
+    from xffl.jobs.registry.records import RoundRecord, RunRecord, Transfer
+    from xffl.jobs.spec.tracking import TrackingSpec
 
 
 def round_scalars(record: RoundRecord, transfers: list[Transfer]) -> dict[str, float]:
