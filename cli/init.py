@@ -15,7 +15,7 @@ from xffl.cli.options import JsonOpt
 from xffl.core.errors import InvalidInput
 from xffl.core.files import atomic_write
 
-# template -> (the job spec shipped in xffl.jobs, the bundled profiles it names)
+# template -> (the job spec shipped in xffl.cli.examples, the bundled profiles it names)
 TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     "quickstart": ("quickstart.yaml", ()),
     "two-facilities": ("llama2-7b-two-facilities.yaml", ("leonardo", "karolina")),

@@ -99,7 +99,7 @@ def run_summary(run: RunRecord) -> dict[str, Any]:
 
 @dataclass
 class SiteStatus(SiteRound):
-    """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.report.breakdown`).
+    """One site's round as recorded, with where its time went (:mod:`xffl.jobs.report.breakdown`).
 
     ``queue_wait_s + startup_seconds + train_seconds + transfer_s + other_s =
     delivered_seconds`` (the time from the round's start until the site's update was in place).

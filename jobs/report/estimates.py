@@ -2,7 +2,7 @@
 
 Each is an exponentially weighted moving average over the site's delivered rounds, oldest
 first, from what xffl records: the queue wait SLURM reported for the site's jobs of the
-round (:class:`xffl.jobs.report.numbers.QueueWaits`; 0 at a site without SLURM), the start-up the
+round (:class:`xffl.jobs.report.breakdown.QueueWaits`; 0 at a site without SLURM), the start-up the
 site measured, and the seconds per optimizer step of its update (``train_seconds / steps``
 of the update's manifest, kept in ``rounds/<r>/updates/<site>``):
 

@@ -42,8 +42,8 @@ class RoundDeadline(BaseModel):
     """A round deadline: each site trains as many steps as fit before it.
 
     A site's steps for a round are ``floor((seconds - queue - startup) / seconds_per_step)``
-    from its estimates (:mod:`xffl.jobs.report.estimates`), within ``[min_steps, max_steps]``; a site
-    not measured yet trains its configured steps (within the same bounds).
+    from its estimates (:mod:`xffl.jobs.report.estimates`), within ``[min_steps,
+    max_steps]``; a site not measured yet trains its configured steps (within the same bounds).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -1,12 +1,12 @@
 """Experiment tracking: each completed round's numbers, read from the registry, logged on the
 coordinator to every tracker the job names (the sites need no credentials).
 
-What the job names is its ``tracking`` section (``tracking_spec``).
+What the job names is its ``tracking`` section (:mod:`xffl.jobs.spec.tracking`).
 
 One class per backend behind one interface (:class:`Tracker`): TensorBoard event files
-(``tracking_tensorboard``) and MLflow (``tracking_mlflow``). Their libraries are imported
-only when a round is logged to them (``pip install xffl[tracking]``), never when this module
-is imported: ``xffl status`` pays for neither.
+(:mod:`xffl.jobs.tracking.tensorboard`) and MLflow (:mod:`xffl.jobs.tracking.mlflow`). Their
+libraries are imported only when a round is logged to them (``pip install xffl[tracking]``),
+never when this module is imported: ``xffl status`` pays for neither.
 """
 
 from __future__ import annotations
