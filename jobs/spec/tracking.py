@@ -7,19 +7,17 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from xffl.core.validation import PathText, check_path_text
+from xffl.core.validation import PathText, StrictModel, check_path_text
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _MLFLOW_RULE = ("write a folder for MLflow's file store (mlruns, /data/mlruns or "
                 "file:/data/mlruns) or an http(s):// tracking server URL")
 
 
-class TrackingSpec(BaseModel):
+class TrackingSpec(StrictModel):
     """Where the coordinator logs every completed round: TensorBoard and/or MLflow."""
-
-    model_config = ConfigDict(extra="forbid")
 
     tensorboard: PathText | None = Field(
         default=None, description="folder on the coordinator for TensorBoard event files "
