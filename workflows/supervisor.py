@@ -102,7 +102,7 @@ async def _execute(layout: RunLayout, run_id: str, spec: JobSpec, name: str, fir
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
     try:
         await execute_workflow(context, pristine, run_id, name,
-                               layout.root / "streamflow" / "outputs" / name, on_start=on_start)
+                               layout.workflow_outputs(name), on_start=on_start)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
         with contextlib.suppress(Exception):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.metrics import STEPS, TRAIN_SECONDS
+from xffl.core.layout import RunLayout
 from xffl.jobs.registry.records import RunRecord
 from xffl.jobs.registry.states import SiteState
 from xffl.jobs.registry.store import Registry
@@ -55,7 +56,7 @@ def per_step_seconds(run_dir: Path, rnd: int, site: str) -> float | None:
     """
     from xffl.aggregator.exchange import MANIFEST_FILE  # (its numpy: only when one is read)
 
-    manifest = Path(run_dir) / "rounds" / str(rnd) / "updates" / site / MANIFEST_FILE
+    manifest = RunLayout(Path(run_dir)).kept_update(rnd, site) / MANIFEST_FILE
     try:
         metrics = json.loads(manifest.read_text()).get("metrics", {})
     except (OSError, ValueError):

@@ -44,7 +44,7 @@ PROGRESS_S = 0.5
 
 def progress_file(layout: RunLayout, site: str, direction: str) -> Path:
     """Where the progress of a site's transfer in ``direction`` (in, out) is kept."""
-    return layout.root / "transfers" / f"{site}-{direction}.json"
+    return layout.transfer_progress(site, direction)
 
 
 def tree_bytes(path: Path) -> int | None:
