@@ -15,7 +15,7 @@ from xffl.cli.options import JsonOpt
 from xffl.core.errors import InvalidInput
 from xffl.core.files import atomic_write
 
-# template -> (the job spec shipped in xffl.jobs, the bundled profiles it names)
+# template -> (the job spec shipped in xffl.cli.examples, the bundled profiles it names)
 TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
     "quickstart": ("quickstart.yaml", ()),
     "two-facilities": ("llama2-7b-two-facilities.yaml", ("leonardo", "karolina")),
@@ -62,7 +62,7 @@ def init(
         raise InvalidInput(f"{job} exists; choose another folder, or --force to replace it.")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     # a new file renamed over the name: a link made meanwhile is replaced, never followed
-    text = (resources.files("xffl.jobs") / spec_file).read_bytes()
+    text = (resources.files("xffl.cli.examples") / spec_file).read_bytes()
     written, kept = [str(job)], []
     if template == "sft-lora":
         from xffl.training.sft_demo import write_demo

@@ -25,6 +25,8 @@ for the path, so the layout can be read in one place::
     executions/evaluate-r<r>/<site>    a kept update as it is sent: the global's config bytes
     streamflow/evaluate.db  streamflow-evaluate.log  streamflow/outputs/<name>   its records
     streamflow/sqlite.db  streamflow/work  streamflow.log  supervisor.log  round.lock
+    transfers/<site>-<direction>.json  a copy in flight's progress (xffl's data manager)
+    report/  cron.log                  `xffl report`'s default folder, the cron ticks' output
 """
 
 from __future__ import annotations
@@ -121,6 +123,25 @@ class RunLayout:
     def lock(self) -> Path:
         """The round lock: one execution of a run at a time."""
         return self.root / "round.lock"
+
+    @property
+    def transfers(self) -> Path:
+        """The progress files of the copies in flight, one per site and direction."""
+        return self.root / "transfers"
+
+    def transfer_progress(self, site: str, direction: str) -> Path:
+        """The progress of ``site``'s copy in ``direction`` (in, out) while it runs."""
+        return self.transfers / f"{site}-{direction}.json"
+
+    @property
+    def report(self) -> Path:
+        """`xffl report`'s default folder."""
+        return self.root / "report"
+
+    @property
+    def cron_log(self) -> Path:
+        """The output of the run's cron ticks (`xffl schedule`)."""
+        return self.root / "cron.log"
 
     def job_file(self, site: str) -> Path:
         """A site's configured TrainJob."""

@@ -7,12 +7,18 @@ import re
 import types
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from xffl.core.errors import InvalidInput
 from xffl.core.yamlio import Loc, YamlDoc
 
 M = TypeVar("M", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """A pydantic model that refuses unknown fields: a typo in a spec or profile is an error."""
+
+    model_config = ConfigDict(extra="forbid")
 
 _PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control chars, line breaks

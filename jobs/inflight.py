@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xffl.jobs.breakdown import owning_round, round_starts
-from xffl.jobs.records import RoundRecord, Transfer
+from xffl.core.layout import RunLayout
+from xffl.jobs.registry.records import RoundRecord, Transfer
+from xffl.jobs.report.breakdown import owning_round, round_starts
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def _number(value: Any) -> float:
 def copies_in_flight(run_dir: str | Path) -> list[CopyInFlight]:
     """The run's copies in flight, by site and direction (none once they ended)."""
     out = []
-    for path in sorted(Path(run_dir, "transfers").glob("*.json")):
+    for path in sorted(RunLayout(Path(run_dir)).transfers.glob("*.json")):
         try:  # written by this run's coordinator (owner-only); gone once the copy ends
             p = json.loads(path.read_text())
             eta = p.get("eta_s")

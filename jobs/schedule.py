@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 from croniter import croniter
 
 from xffl.core.errors import InvalidInput
+from xffl.core.layout import RunLayout
 from xffl.core.paths import xffl_home
-from xffl.jobs.records import RunRecord
-from xffl.jobs.schedule_spec import validate_cron
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.spec.cron import validate_cron
 
 if TYPE_CHECKING:
     from crontab import CronTab
@@ -83,7 +84,7 @@ def cron_command(run: RunRecord) -> str:
                         ("the xffl command", xffl_executable())]:
         crontab_safe(name, value)
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    log = shlex.quote(str(Path(run.run_dir) / "cron.log"))
+    log = shlex.quote(str(RunLayout(Path(run.run_dir)).cron_log))
     return (f"cd {shlex.quote(run.run_dir)} && env {assigns} {shlex.quote(xffl_executable())} "
             f"round {shlex.quote(run.id)} >> {log} 2>&1")
 

@@ -6,8 +6,6 @@ import re
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
@@ -16,20 +14,16 @@ from pydantic import (
 )
 
 from xffl.core.names import check_name
-from xffl.core.validation import PathText, check_path_text
+from xffl.core.validation import PathText, StrictModel, check_path_text
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LocalConnector(_Strict):
+class LocalConnector(StrictModel):
     """The facility is this machine: StreamFlow's local connector runs the steps."""
 
     type: Literal["local"] = "local"
 
 
-class JumpHost(_Strict):
+class JumpHost(StrictModel):
     """A bastion the login node is reached through (OpenSSH's ProxyJump)."""
 
     host: str = Field(description="host name or a Host alias of ~/.ssh/config")
@@ -60,7 +54,7 @@ def parse_destination(text: str) -> dict[str, Any]:
     return out
 
 
-class SshTransfer(_Strict):
+class SshTransfer(StrictModel):
     """StreamFlow's SSH settings that decide whether multi-GB checkpoints cross slow links.
 
     xffl's SSH connector moves a checkpoint's files (a large file's byte ranges) over
@@ -96,7 +90,7 @@ class SshTransfer(_Strict):
         "64 entries for its JSON files; more is refused before it is written")
 
 
-class SshConnector(_Strict):
+class SshConnector(StrictModel):
     """The facility's login node, reached over SSH; host keys are always verified.
 
     ``host`` may be a Host alias of the user's ~/.ssh/config (HostName, Port, User,
@@ -233,7 +227,7 @@ SBATCH_OPTIONS = (
 )
 
 
-class SlurmSpec(_Strict):
+class SlurmSpec(StrictModel):
     """SLURM defaults of the facility (a job spec may override them per site)."""
 
     partition: str | None = None
@@ -260,7 +254,7 @@ class SlurmSpec(_Strict):
         return options + list(self.extra)
 
 
-class SlurmOverride(_Strict):
+class SlurmOverride(StrictModel):
     """A job spec's per-site overrides of the profile's SlurmSpec: the same keys, all optional.
 
     A key left out keeps the profile's value; ``null`` clears an optional one (``account:
@@ -304,7 +298,7 @@ class SlurmOverride(_Strict):
                                          **self.model_dump(exclude_unset=True)})
 
 
-class SiteProfile(_Strict):
+class SiteProfile(StrictModel):
     """Everything xffl needs to know about a facility, independent of any one job."""
 
     name: str

@@ -15,8 +15,9 @@ import json
 import shlex
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError
 
+from xffl.core.validation import StrictModel
 from xffl.core.versions import (
     FORMAT_VERSION,
     VERSION_PATTERN,
@@ -69,10 +70,9 @@ Version = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
 GpuName = Annotated[str, StringConstraints(max_length=GPU_CHARS, pattern=r"^[ -~]*$")]
 
 
-class SiteVersions(BaseModel):
+class SiteVersions(StrictModel):
     """What a site's Python reported; every field is the site's word, checked as such."""
 
-    model_config = ConfigDict(extra="forbid")
     python: Version | None = None
     xffl: Version | None = None
     format: int | None = Field(default=None, strict=True, ge=0, le=1_000_000)

@@ -6,7 +6,13 @@ xffl's subpackages form layers; a module may import its own package and the laye
 
 (``aggregator`` owns the exchange format that training writes; ``jobs`` is the job spec, the
 run registry and the run's state; ``workflows`` compiles and runs the plan, and submits and
-resumes runs.) ``workflows`` is itself layered by the process its code runs in:
+resumes runs.) ``jobs`` is itself layered by concern:
+
+    jobs.spec  <-  jobs.registry  <-  jobs.tracking  <-  jobs.report  <-  jobs
+
+(the job spec, which knows nothing of runs; the run registry and the run folder's records;
+experiment tracking of the recorded rounds; a run's numbers and report; run control: status,
+follow, cancel, cron, the SLURM view.) ``workflows`` is layered by the process its code runs in:
 
     workflows.steps  <-  workflows.extensions  <-  workflows.plan  <-  workflows
 
@@ -26,8 +32,9 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-LAYERS = ["core", "aggregator", "training", "site_profiles", "jobs", "workflows.steps",
-          "workflows.extensions", "workflows.plan", "workflows", "cli"]
+LAYERS = ["core", "aggregator", "training", "site_profiles",
+          "jobs.spec", "jobs.registry", "jobs.tracking", "jobs.report", "jobs",
+          "workflows.steps", "workflows.extensions", "workflows.plan", "workflows", "cli"]
 
 
 def _modules() -> dict[str, Path]:

@@ -1,1 +1,1 @@
-"""The per-site trainer: LLaMA-architecture model, token-shard data, DDP over gloo or NCCL."""
+"""The per-site trainer: a transformers causal LM on token shards, DDP/FSDP2/tp, gloo or NCCL."""

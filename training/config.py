@@ -8,9 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
@@ -18,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from xffl.core.validation import PathText
+from xffl.core.validation import PathText, StrictModel
 from xffl.training.exchange_config import ExchangeSpec
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -35,15 +33,11 @@ def check_entry_point(value: str) -> str:
 EntryPoint = Annotated[str, AfterValidator(check_entry_point)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 #: a folder holding one of these is a tokenizer transformers' AutoTokenizer loads
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """Which model to train: a transformers causal LM, from a checkpoint or a preset.
 
     ``init`` is a Hugging Face checkpoint folder (config.json and safetensors weights, of any
@@ -89,7 +83,7 @@ def matches_target(module: str, target: str) -> bool:
     return module == target or module.endswith(f".{target}")
 
 
-class LoraSpec(_Strict):
+class LoraSpec(StrictModel):
     """A LoRA adapter (through peft) trained instead of the whole model.
 
     The base model (``model.init``, or the seeded weights) stays frozen at every site; only
@@ -138,7 +132,7 @@ class LoraSpec(_Strict):
         return any(matches_target(module, t) for t in self.target_modules)
 
 
-class StopWhen(_Strict):
+class StopWhen(StrictModel):
     """Early stop: end the run when the federated validation loss stops improving.
 
     After each round, the federated validation loss of the global models measured so far is
@@ -165,7 +159,7 @@ def _time_margin(value: object) -> object:
 TimeMargin = Annotated[float | Literal["auto"], BeforeValidator(_time_margin)]
 
 
-class TrainingSpec(_Strict):
+class TrainingSpec(StrictModel):
     """The local training loop each site runs every round.
 
     A round lasts ``steps`` optimizer steps, or as many as ``tokens`` buys, and stops early
@@ -263,7 +257,7 @@ class TrainingSpec(_Strict):
         return self
 
 
-class ValidationSpec(_Strict):
+class ValidationSpec(StrictModel):
     """A site's held-out data, never trained on and never moved: a fraction or a directory.
 
     ``fraction``: that share of the site's sequences is held out, the same ones every round
@@ -284,7 +278,7 @@ class ValidationSpec(_Strict):
         return self
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictModel):
     """Where a site's token shards live, on that site's filesystem (never transferred).
 
     ``path`` may be absolute or relative to the site profile's ``workdir``. With
@@ -313,7 +307,7 @@ class DataSpec(_Strict):
         return self.synthetic_sequences if self.synthetic is not None else None
 
 
-class EvaluationSpec(_Strict):
+class EvaluationSpec(StrictModel):
     """How much held-out data a site evaluates on in each round (its ``data.validation``).
 
     Every round a site evaluates the global model it receives, before training, and its own
@@ -339,7 +333,7 @@ class EvaluationSpec(_Strict):
         return self.batches * self.batch(training)
 
 
-class TrainJob(_Strict):
+class TrainJob(StrictModel):
     """What the trainer receives for one site and round (written to a JSON file by the plan)."""
 
     run_id: str

@@ -20,13 +20,14 @@ import json
 import math
 from pathlib import Path
 
-from xffl.jobs.estimates import per_step_seconds
+from xffl.core.layout import RunLayout
+from xffl.jobs.report.estimates import per_step_seconds
 from xffl.training.config import TrainJob, round_steps
 
 
 def configured_job(root: Path, site: str) -> TrainJob:
     """The site's TrainJob as planned (its own budget applied)."""
-    return TrainJob.model_validate_json((root / "jobs" / f"{site}.json").read_text())
+    return TrainJob.model_validate_json(RunLayout(root).job_file(site).read_text())
 
 
 def balanced_steps(root: Path, rnd: int, sites: list[str]) -> dict[str, int]:
@@ -55,7 +56,7 @@ def write_round_job(root: Path, site: str, rnd: int, job: TrainJob, steps: int) 
     return its path relative to the run directory."""
     sized = job.model_copy(update={"training": job.training.model_copy(
         update={"steps": steps, "tokens": None})})
-    path = root / "rounds" / str(rnd) / "jobs" / f"{site}.json"
+    path = RunLayout(root).round_job(rnd, site)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(sized.model_dump(mode="json"), indent=2) + "\n")
     return str(path.relative_to(root))
@@ -65,8 +66,8 @@ def round_job(root: Path, site: str, rnd: int, sites: list[str]) -> str:
     """The job file of ``site`` in round ``rnd``, relative to the run directory."""
     job = configured_job(root, site)
     if job.training.balance != "throughput" or rnd < 2:
-        return f"jobs/{site}.json"
+        return str(RunLayout(root).job_file(site).relative_to(root))
     steps = balanced_steps(root, rnd, sites).get(site)
     if steps is None:
-        return f"jobs/{site}.json"
+        return str(RunLayout(root).job_file(site).relative_to(root))
     return write_round_job(root, site, rnd, job, steps)

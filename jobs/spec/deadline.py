@@ -5,19 +5,19 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
+
+from xffl.core.validation import StrictModel
 
 STALENESS_FUNCTIONS = ("constant", "polynomial", "exponential")
 
 
-class StalenessSpec(BaseModel):
+class StalenessSpec(StrictModel):
     """How much an update that arrives ``tau`` rounds late weighs (FedAsync's functions).
 
     constant: 1; polynomial: ``(1 + tau) ** -a``; exponential: ``exp(-a tau)``. An update later
     than ``max_rounds`` is not admitted.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     function: Literal["constant", "polynomial", "exponential"] = Field(
         default="polynomial", description="constant, polynomial or exponential in the rounds "
@@ -38,15 +38,13 @@ class StalenessSpec(BaseModel):
         return math.exp(-self.a * tau)
 
 
-class RoundDeadline(BaseModel):
+class RoundDeadline(StrictModel):
     """A round deadline: each site trains as many steps as fit before it.
 
     A site's steps for a round are ``floor((seconds - queue - startup) / seconds_per_step)``
-    from its estimates (:mod:`xffl.jobs.estimates`), within ``[min_steps, max_steps]``; a site
-    not measured yet trains its configured steps (within the same bounds).
+    from its estimates (:mod:`xffl.jobs.report.estimates`), within ``[min_steps,
+    max_steps]``; a site not measured yet trains its configured steps (within the same bounds).
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     seconds: float = Field(gt=0, le=30 * 86400, description="seconds from a round's start by "
                            "which each site's update is expected: queue wait + start-up + "

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from xffl.core.paths import config_dir
-from xffl.jobs.tracker import Tracker
+from xffl.core.validation import StrictModel
+from xffl.jobs.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RunRecord
+    from xffl.jobs.registry.records import RunRecord
 
 _PARAM_KEY = re.compile(r"[^\w.\- /]")  # what MLflow refuses in a param's name
 # MLflow's settings while xffl logs, unless the environment sets them: MLflow 3 refuses a file
@@ -39,10 +40,8 @@ _SERVER_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIME
 _DEFAULT_PORT = {"http": 80, "https": 443}
 
 
-class UserTracking(BaseModel):
+class UserTracking(StrictModel):
     """``tracking.yaml`` in the user's xffl config folder: the servers the user trusts."""
-
-    model_config = ConfigDict(extra="forbid")
 
     mlflow_servers: list[str] = Field(
         default_factory=list, description="MLflow tracking servers (http(s) URLs) that get "

@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
@@ -20,8 +18,9 @@ from xffl.aggregator import registry
 from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
-from xffl.jobs.deadline_spec import RoundDeadline
-from xffl.jobs.tracking import TrackingSpec
+from xffl.core.validation import StrictModel
+from xffl.jobs.spec.deadline import RoundDeadline
+from xffl.jobs.spec.tracking import TrackingSpec
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
     DataSpec,
@@ -34,11 +33,7 @@ from xffl.training.exchange_config import ExchangeSpec
 _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class AggregationSpec(_Strict):
+class AggregationSpec(StrictModel):
     """How the coordinator combines the site updates every round.
 
     ``strategy`` is a name of :mod:`xffl.aggregator.registry`; ``params`` override its
@@ -116,7 +111,7 @@ class AggregationSpec(_Strict):
         return value
 
 
-class SiteBudget(_Strict):
+class SiteBudget(StrictModel):
     """A site's own round budget, replacing the job's: steps, tokens or seconds of training.
 
     Facilities differ in speed; a slow one can be given fewer steps (or a time budget) so
@@ -147,7 +142,7 @@ class SiteBudget(_Strict):
         return training.model_copy(update=update)
 
 
-class SiteSpec(_Strict):
+class SiteSpec(StrictModel):
     """One facility taking part in the job."""
 
     name: str = Field(description="the site's name in this job (letters, digits, - and _)")
@@ -174,7 +169,7 @@ class SiteSpec(_Strict):
         return value
 
 
-class FailurePolicy(_Strict):
+class FailurePolicy(StrictModel):
     """What a round does when sites fail: retry them, then go on with a quorum or stop.
 
     A site's job that fails (the job, its training, or its submission) is run again up to
@@ -194,7 +189,7 @@ class FailurePolicy(_Strict):
                                description="seconds to wait before a retry")
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     """A federated training job: model, local training, aggregation, rounds, sites."""
 
     name: str = Field(description="prefix of the run ids (letters, digits, - and _)")

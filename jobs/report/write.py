@@ -9,10 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.report import ReportData, assemble
-from xffl.jobs.report_render import render_all
+from xffl.core.layout import RunLayout
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.numbers import ReportData, assemble
+from xffl.jobs.report.render import render_all
 
 
 def _publish(out: Path, render: Callable[[Path], list[str]]) -> list[Path]:
@@ -62,6 +63,6 @@ def write_report(registry: Registry, run: RunRecord,
     The default folder is ``<run_dir>/report``. Returns the numbers and each written file.
     """
     data = assemble(registry, run)
-    out = Path(out_dir) if out_dir is not None else Path(run.run_dir) / "report"
+    out = Path(out_dir) if out_dir is not None else RunLayout(Path(run.run_dir)).report
     paths = _publish(out, lambda tmp: render_all(data, tmp))
     return data, {p.stem if p.suffix == ".png" else "html": p for p in paths}
