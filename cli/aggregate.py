@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer._click.types import ParamType
 
-from xffl.aggregator.registry import WEIGHTINGS
-from xffl.aggregator.registry import get as get_strategy
-from xffl.aggregator.registry import names as strategy_names
+from xffl.aggregator.strategy_catalog import WEIGHTINGS
+from xffl.aggregator.strategy_catalog import get as get_strategy
+from xffl.aggregator.strategy_catalog import names as strategy_names
 from xffl.cli.common import console, err_console, handle_errors, markup_safe, print_json
 from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput, RunFailed
@@ -24,8 +24,8 @@ from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 if TYPE_CHECKING:
     from xffl.aggregator.exchange import Manifest
+    from xffl.aggregator.exchange_spec import ExchangeSpec
     from xffl.aggregator.reported import Bounds
-    from xffl.training.exchange_config import ExchangeSpec
     from xffl.workflows.aggregate_run import RoundInputs
 
 
@@ -232,7 +232,7 @@ def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
     """``--exchange`` as a spec (exit 2 when it names none, or lacks --previous)."""
     from pydantic import ValidationError
 
-    from xffl.training.exchange_config import ExchangeSpec  # pydantic: only when aggregating
+    from xffl.aggregator.exchange_spec import ExchangeSpec  # pydantic: only when aggregating
 
     try:
         spec = ExchangeSpec.parse(label)
@@ -251,8 +251,8 @@ def _aggregate(updates: list[Path], output: Path, o: Options) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from xffl.aggregator.decode import Decoding, encoded_index
+    from xffl.aggregator.engine import run_strategy
     from xffl.aggregator.exchange import read_manifest
-    from xffl.aggregator.strategies import run_strategy
     from xffl.aggregator.verify import select_updates
 
     reference = None

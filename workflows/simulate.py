@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from xffl.aggregator import metrics as metric
-from xffl.aggregator import registry
+from xffl.aggregator import strategy_catalog
 from xffl.aggregator.decode import Decoding, encoded_index
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.inputs import own_config, update_weight
 from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.strategies import run_strategy
 from xffl.aggregator.verify import check_update
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
@@ -97,8 +97,8 @@ def check_request(loaded: LoadedJob, opts: SimulateOptions) -> None:
         raise InvalidInput(f"--rounds must be at least 1, got {opts.rounds}.")
     if opts.timeout is not None and not (opts.timeout > 0 and math.isfinite(opts.timeout)):
         raise InvalidInput(f"--timeout must be a positive number of seconds, got {opts.timeout}.")
-    if registry.get(spec.aggregation.strategy).robust:
-        averaging = [n for n in registry.names() if not registry.get(n).robust]
+    if strategy_catalog.get(spec.aggregation.strategy).robust:
+        averaging = [n for n in strategy_catalog.names() if not strategy_catalog.get(n).robust]
         raise InvalidInput(
             f"{where} aggregation.strategy: {spec.aggregation.strategy} needs every update at "
             "once, but xffl simulate folds each update into a running aggregate; use one of "

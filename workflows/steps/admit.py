@@ -33,6 +33,7 @@ from xffl.aggregator.exchange import (
     read_manifest,
     read_small_file,
 )
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.aggregator.kinds import kind_of
 from xffl.aggregator.reported import Bounds, hardware_of
 from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
@@ -43,7 +44,6 @@ from xffl.core.words import quoted
 from xffl.jobs.deadline_spec import StalenessSpec
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import SiteState
-from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import round_report_bounds

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.decode import Decoding
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import read_manifest
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.aggregator.metrics import LOSS
-from xffl.aggregator.strategies import run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
@@ -40,7 +41,6 @@ from xffl.jobs.records import RoundRecord
 from xffl.jobs.registry import Registry
 from xffl.jobs.spec import JobSpec
 from xffl.jobs.states import RoundState
-from xffl.training.exchange_config import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
 from xffl.workflows.steps.deadline import deadline_jobs
 from xffl.workflows.steps.early_stop import (
