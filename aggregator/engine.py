@@ -228,8 +228,10 @@ def run_strategy(
     narrower dtypes) as the weights they stand for. The global's config file is
     ``previous_global_dir``'s bytes (:func:`xffl.aggregator.inputs.own_config`), never an
     update's. Other arguments are those of
-    :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
-    verified here: run :func:`xffl.aggregator.verify.select_updates` first.
+    :func:`xffl.aggregator.fedavg.aggregate`, which computes a strategy that publishes the mean
+    (:attr:`~xffl.aggregator.strategy_catalog.Strategy.mean`: fedavg) when no bound applies.
+    Inputs are not verified here: :func:`xffl.aggregator.verify_aggregate.verify_and_aggregate`
+    verifies, then calls this.
     """
     strategy = get(name)
     p = resolve_params(name, params)
@@ -238,7 +240,7 @@ def run_strategy(
         raise InvalidInput(f"{name} bounds a minority's influence by its own rule; clip_norm "
                            "and max_weight_share apply to the averaging strategies only.")
     config = None if previous_global_dir is None else own_config(Path(previous_global_dir))
-    if name == "fedavg" and not bounded:
+    if strategy.mean and not bounded:
         manifest = aggregate(
             updates,
             out_dir,
@@ -248,7 +250,7 @@ def run_strategy(
             round=round,
             parent_digest=parent_digest,
             metadata=metadata,
-            extra={"params": p},
+            extra={"aggregation": name, "params": p},
             max_shard_size=max_shard_size,
             decoding=decoding,
             config=config,

@@ -74,6 +74,12 @@ class Strategy:
         needs that global), rather than publishing the weighted mean as it is."""
         return not self.robust and type(self).step is not Strategy.step
 
+    @property
+    def mean(self) -> bool:
+        """Whether this strategy publishes the weighted FedAvg mean as it is (no step, not
+        robust): the FedAvg engine (:func:`xffl.aggregator.fedavg.aggregate`) computes it."""
+        return not self.robust and not self.steps
+
     def check(self, params: Params) -> None:
         """Refuse parameter values this strategy cannot work with (InvalidInput)."""
 
