@@ -44,7 +44,13 @@ from xffl.aggregator.safetensors_io import (
 )
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model
-from xffl.aggregator.strategy_catalog import Strategy, Weighting, get, resolve_params
+from xffl.aggregator.strategy_catalog import (
+    Strategy,
+    StrategyParams,
+    Weighting,
+    get,
+    resolve_params,
+)
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -57,7 +63,7 @@ def state_file(buffer: str) -> str:
 
 
 def _open_previous(
-    strategy: Strategy, previous: Path | None, layout: list[TensorInfo], stack: ExitStack
+    strategy: Strategy[Any], previous: Path | None, layout: list[TensorInfo], stack: ExitStack
 ) -> tuple[ModelReader | None, dict[str, SafetensorsReader], bool]:
     """Open the previous global's model and, when it has one for ``strategy``, its state."""
     name = strategy.name
@@ -86,8 +92,8 @@ def _open_previous(
 
 
 def _write(
-    strategy: Strategy,
-    p: Mapping[str, float],
+    strategy: Strategy[Any],
+    p: StrategyParams,
     active: list[Update],
     layout: list[TensorInfo],
     tmp: Path,
@@ -250,7 +256,7 @@ def run_strategy(
             round=round,
             parent_digest=parent_digest,
             metadata=metadata,
-            extra={"aggregation": name, "params": p},
+            extra={"aggregation": name, "params": p.model_dump()},
             max_shard_size=max_shard_size,
             decoding=decoding,
             config=config,
@@ -276,7 +282,7 @@ def run_strategy(
 
             extra = {
                 "aggregation": name,
-                "params": p,
+                "params": p.model_dump(),
                 "weighting": "unweighted" if strategy.robust else prep.label,
                 "sites": prep.sites,
                 **({"bounds": bounds} if bounds else {}),

@@ -13,9 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer._click.types import ParamType
 
-from xffl.aggregator.strategy_catalog import WEIGHTINGS
-from xffl.aggregator.strategy_catalog import get as get_strategy
-from xffl.aggregator.strategy_catalog import names as strategy_names
 from xffl.cli.common import console, err_console, handle_errors, markup_safe, print_json
 from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput, RunFailed
@@ -41,7 +38,9 @@ class StrategyName(ParamType):  # Typer 0.28 vendors click (typer._click)
 
     def fill_help(self, text: str) -> str:
         """The option's help with ``{strategies}`` replaced by the registry's names now."""
-        return text.replace("{strategies}", ", ".join(strategy_names()))
+        from xffl.aggregator.strategy_catalog import names  # pydantic: only when drawn
+
+        return text.replace("{strategies}", ", ".join(names()))
 
     def convert(self, value: Any, param: Any, ctx: Any) -> str:
         """The name as given (checked against the registry when the command runs)."""
@@ -129,8 +128,10 @@ def aggregate(
     if not updates:
         raise InvalidInput("give the UPDATE directories to aggregate, or --run RUN --round R "
                            "for a round of a run.")
+    from xffl.aggregator.strategy_catalog import get  # pydantic: only when aggregating
+
     strategy = strategy or "fedavg"
-    get_strategy(strategy)
+    get(strategy)
     weights = parse_pairs(weight or [], "--weight", "SITE", "leonardo=2")
     max_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     weighting = weighting or "samples"
@@ -149,6 +150,8 @@ def aggregate(
 def _check_inputs(updates: list[Path], output: Path, force: bool, weighting: str,
                   previous: Path | None, parent_digest: str | None) -> None:
     """InvalidInput for what cannot be aggregated as asked (nothing is read or written)."""
+    from xffl.aggregator.strategy_catalog import WEIGHTINGS
+
     if weighting not in WEIGHTINGS:
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
     for update in updates:
