@@ -207,17 +207,9 @@ class FedAvgM(Strategy[FedAvgMParams]):
 class _Moments(Protocol):
     """What every adaptive server optimizer's parameters hold."""
 
-    @property
-    def eta(self) -> float:
-        """The server learning rate."""
-
-    @property
-    def beta_1(self) -> float:
-        """The first moment's decay."""
-
-    @property
-    def tau(self) -> float:
-        """The adaptivity (added to sqrt(v))."""
+    eta: float  # the server learning rate
+    beta_1: float  # the first moment's decay
+    tau: float  # the adaptivity (added to sqrt(v))
 
 
 M = TypeVar("M", bound=_Moments)
