@@ -188,7 +188,7 @@ def _from_run(ref: str, rnd: int | None, previous: Path | None,
               parent_digest: str | None) -> RoundInputs:
     """What --run RUN --round R names (exit 2 without --round, or with --previous)."""
     from xffl.cli.common import resolve_run
-    from xffl.jobs.registry import Registry
+    from xffl.jobs.registry.store import Registry
     from xffl.workflows.aggregate_run import round_inputs
 
     if rnd is None:

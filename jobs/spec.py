@@ -20,8 +20,8 @@ from xffl.aggregator import registry
 from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
-from xffl.jobs.deadline_spec import RoundDeadline
-from xffl.jobs.tracking import TrackingSpec
+from xffl.jobs.spec.deadline import RoundDeadline
+from xffl.jobs.spec.tracking import TrackingSpec
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
     DataSpec,

@@ -37,7 +37,7 @@ from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
 from xffl.core.resources import peak_rss_bytes, usable_cpus
 from xffl.core.sizes import parse_size
-from xffl.jobs.load import LoadedJob
+from xffl.jobs.spec.load import LoadedJob
 from xffl.workflows.simulate_sites import (
     Outcome,
     VirtualSite,

@@ -55,7 +55,7 @@ def write_job(work: Path, info: stack.StackInfo, rounds: int, steps: int,
     """The quickstart on the two test clusters, srun -n RANKS at each (as the SLURM tests)."""
     profiles = work / "site_profiles"
     profiles.mkdir(parents=True, exist_ok=True)
-    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     spec.update(name="overhead", rounds=rounds)
     spec["training"]["steps"] = steps
     for site in spec["sites"]:
@@ -100,7 +100,7 @@ def _round_row(wall: float, updates: dict[str, Path], extra: dict[str, Any]) -> 
 
 def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     """Submit the job, wait for it, and read every round's times from the registry."""
-    from xffl.jobs.registry import Registry
+    from xffl.jobs.registry.store import Registry
 
     status = json.loads(_xffl(env, "submit", str(job), "--wait", "--json", "--timeout", "1500"))
     if status["state"] != "completed":

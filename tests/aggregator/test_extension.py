@@ -15,7 +15,7 @@ from xffl.aggregator import strategy_catalog
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.safetensors_io import Array
 from xffl.cli.app import app
-from xffl.jobs.spec import AggregationSpec
+from xffl.jobs.spec.schema import AggregationSpec
 
 
 class FedHalfParams(strategy_catalog.StrategyParams):

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from xffl.aggregator.exchange import Manifest, finalize_manifest, read_manifest
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.training import lora
 from xffl.training.checkpoint import init_global
 from xffl.training.config import LoraSpec, ModelSpec

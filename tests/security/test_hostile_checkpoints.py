@@ -24,7 +24,7 @@ from xffl.aggregator.reported import Bounds
 from xffl.aggregator.running import RunningAggregate
 from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.training.slurm_job import read_record
 from xffl.workflows.steps.admit import SIDE_FILES, admit
 

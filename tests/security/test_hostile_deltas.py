@@ -11,7 +11,7 @@ from tests.aggregator.conftest import write_checkpoint
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.workflows.steps.admit import admit
 
 CONFIG = {"hidden_size": 8}

@@ -33,7 +33,7 @@ from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
