@@ -32,7 +32,6 @@ from xffl.aggregator.inputs import (
     prepared,
     write_global,
 )
-from xffl.aggregator.registry import Weighting
 from xffl.aggregator.safetensors_io import (
     STORAGE_DTYPES,
     Array,
@@ -40,6 +39,7 @@ from xffl.aggregator.safetensors_io import (
 )
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import MODEL_FILE
+from xffl.aggregator.strategy_catalog import Weighting
 from xffl.core.sizes import parse_size
 
 SLICE_ELEMENTS = 1 << 21  # most elements per slice (8 MiB of fp32 per update)

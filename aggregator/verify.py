@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,7 @@ def select_updates(
     check_finite: bool = True,
     workers: int | None = None,
     bounds: Bounds | Mapping[str, Bounds] | None = None,
+    check: Callable[[Path], Manifest] | None = None,
 ) -> tuple[list[tuple[Path, Manifest]], list[tuple[Path, str, str]]]:
     """Split update dirs into accepted (dir, manifest), in canonical order, and rejected.
 
@@ -320,12 +321,15 @@ def select_updates(
     update of a site that sent more than one is rejected, and without ``reference_index``
     the first accepted update (canonical order) sets the layout the others must match.
     Updates are checked in ``workers`` threads (default: one per CPU core); ``bounds``: as
-    for :func:`check_update`.
+    for :func:`check_update`; ``check``: the check of one update, instead of
+    :func:`check_update` with these arguments.
     """
     paths = [Path(d) for d in dirs]
 
     def attempt(d: Path) -> Manifest | UpdateRejected:
         try:
+            if check is not None:
+                return check(d)
             return check_update(d, expected_round=expected_round, expected_parent=expected_parent,
                                 reference_index=reference_index, bounds=bounds,
                                 expected_run_id=expected_run_id, check_finite=check_finite)

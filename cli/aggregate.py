@@ -13,9 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer._click.types import ParamType
 
-from xffl.aggregator.registry import WEIGHTINGS
-from xffl.aggregator.registry import get as get_strategy
-from xffl.aggregator.registry import names as strategy_names
 from xffl.cli.common import console, err_console, handle_errors, markup_safe, print_json
 from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput, RunFailed
@@ -23,9 +20,8 @@ from xffl.core.pairs import parse_pairs
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 if TYPE_CHECKING:
-    from xffl.aggregator.exchange import Manifest
+    from xffl.aggregator.exchange_spec import ExchangeSpec
     from xffl.aggregator.reported import Bounds
-    from xffl.training.exchange_config import ExchangeSpec
     from xffl.workflows.aggregate_run import RoundInputs
 
 
@@ -42,7 +38,9 @@ class StrategyName(ParamType):  # Typer 0.28 vendors click (typer._click)
 
     def fill_help(self, text: str) -> str:
         """The option's help with ``{strategies}`` replaced by the registry's names now."""
-        return text.replace("{strategies}", ", ".join(strategy_names()))
+        from xffl.aggregator.strategy_catalog import names  # pydantic: only when drawn
+
+        return text.replace("{strategies}", ", ".join(names()))
 
     def convert(self, value: Any, param: Any, ctx: Any) -> str:
         """The name as given (checked against the registry when the command runs)."""
@@ -130,8 +128,10 @@ def aggregate(
     if not updates:
         raise InvalidInput("give the UPDATE directories to aggregate, or --run RUN --round R "
                            "for a round of a run.")
+    from xffl.aggregator.strategy_catalog import get  # pydantic: only when aggregating
+
     strategy = strategy or "fedavg"
-    get_strategy(strategy)
+    get(strategy)
     weights = parse_pairs(weight or [], "--weight", "SITE", "leonardo=2")
     max_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     weighting = weighting or "samples"
@@ -150,6 +150,8 @@ def aggregate(
 def _check_inputs(updates: list[Path], output: Path, force: bool, weighting: str,
                   previous: Path | None, parent_digest: str | None) -> None:
     """InvalidInput for what cannot be aggregated as asked (nothing is read or written)."""
+    from xffl.aggregator.strategy_catalog import WEIGHTINGS
+
     if weighting not in WEIGHTINGS:
         raise InvalidInput(f"--weighting {weighting!r}: use samples, tokens or uniform.")
     for update in updates:
@@ -232,7 +234,7 @@ def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
     """``--exchange`` as a spec (exit 2 when it names none, or lacks --previous)."""
     from pydantic import ValidationError
 
-    from xffl.training.exchange_config import ExchangeSpec  # pydantic: only when aggregating
+    from xffl.aggregator.exchange_spec import ExchangeSpec  # pydantic: only when aggregating
 
     try:
         spec = ExchangeSpec.parse(label)
@@ -247,59 +249,46 @@ def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
 
 
 def _aggregate(updates: list[Path], output: Path, o: Options) -> dict[str, Any]:
-    """Select the updates, aggregate the accepted ones; what happened, as a report."""
+    """Verify the updates, aggregate the accepted ones; what happened, as a report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from xffl.aggregator.decode import Decoding, encoded_index
-    from xffl.aggregator.exchange import read_manifest
-    from xffl.aggregator.strategies import run_strategy
-    from xffl.aggregator.verify import select_updates
-
-    reference = None
-    decoding = None
-    parent_digest, run_id = o.parent_digest, o.run_id
-    if o.previous is not None:
-        manifest = read_manifest(o.previous)
-        parent_digest, reference = manifest.digest(), manifest.tensors
-        if not o.hint:  # a run's round: the global carries the run's id, as the step wrote it
-            run_id = run_id or manifest.run_id
-        if o.exchange is not None and not o.exchange.plain:
-            reference = encoded_index(reference, o.exchange.safetensors_dtype,
-                                      o.exchange.codec)
-            decoding = Decoding(o.previous, delta=o.exchange.update == "delta",
-                                codec=o.exchange.codec)
-    accepted, rejected = select_updates(
-        updates, expected_round=o.round, expected_parent=parent_digest,
-        reference_index=reference, expected_run_id=run_id, check_finite=o.check_finite,
-        bounds=o.bounds,
+    from xffl.aggregator.verify_aggregate import (
+        Aggregation,
+        TooFewUpdates,
+        round_rules,
+        verify_and_aggregate,
     )
+
+    # a run's round: the global carries the run's id, as the step wrote it
+    rules = round_rules(o.previous, exchange=o.exchange, round=o.round, run_id=o.run_id,
+                        same_run=not o.hint, parent_digest=o.parent_digest,
+                        bounds=o.bounds, check_finite=o.check_finite)
+    how = Aggregation(o.strategy, o.weighting, o.params, o.max_bytes, o.clip_norm,
+                      o.max_weight_share)
+    columns = (TextColumn("aggregating"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"))
+    try:
+        with Progress(*columns, console=err_console, transient=True,
+                      disable=not err_console.is_terminal) as bar:
+            task = bar.add_task("aggregate", total=None)
+            done = verify_and_aggregate(
+                rules, how, updates, output, min_updates=o.min_updates,
+                progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except TooFewUpdates as exc:
+        reasons = [f"rejected {s}: {r}" for _, s, r in exc.rejected]
+        if o.hint and exc.rejected:
+            reasons.append("updates of a run's round: --run RUN --round R checks them against "
+                           "the run's job (its bounds, its evaluation budget).")
+        raise RunFailed(exc.message, lines=[exc.message, *reasons]) from None
+    result = done.manifest
     report: dict[str, Any] = {
         "output": str(output),
         "strategy": o.strategy,
-        "rejected": [{"dir": str(d), "site": s, "reason": r} for d, s, r in rejected],
+        "rejected": [{"dir": str(d), "site": s, "reason": r} for d, s, r in done.rejected],
     }
-    if len(accepted) < o.min_updates:
-        message = f"{len(accepted)} update(s) accepted, at least {o.min_updates} needed."
-        reasons = [f"rejected {r['site']}: {r['reason']}" for r in report["rejected"]]
-        if o.hint and rejected:
-            reasons.append("updates of a run's round: --run RUN --round R checks them against "
-                           "the run's job (its bounds, its evaluation budget).")
-        raise RunFailed(message, lines=[message, *reasons])
-    columns = (TextColumn("aggregating"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"))
-    with Progress(
-        *columns, console=err_console, transient=True, disable=not err_console.is_terminal
-    ) as bar:
-        task = bar.add_task("aggregate", total=None)
-        result: Manifest = run_strategy(
-            o.strategy, [d for d, _ in accepted], o.previous, output, weighting=o.weighting,
-            params=o.params, run_id=run_id, round=o.round, parent_digest=parent_digest,
-            max_shard_size=o.max_bytes, decoding=decoding,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-            clip_norm=o.clip_norm, max_weight_share=o.max_weight_share,
-        )
     sites = result.extra["sites"]
+    used = [(d, done.manifests[d]) for d in done.accepted]
     report["used"] = [{"dir": str(d), "site": m.site, "num_samples": m.num_samples,
-                       "weight": sites[m.site]["weight"]} for d, m in accepted]
+                       "weight": sites[m.site]["weight"]} for d, m in used]
     report["global"] = {
         "round": result.round,
         "digest": result.digest(),

@@ -16,8 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.core.validation import PathText, StrictModel
-from xffl.training.exchange_config import ExchangeSpec
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 

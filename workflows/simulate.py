@@ -3,14 +3,15 @@
 Every round the global model is written, the virtual sites (:mod:`xffl.workflows.
 simulate_sites`) are trained in a pool of K worker processes (started once for the whole
 simulation, each with ``cores // K`` torch threads) by the trainer real sites run, and the
-parent verifies each finished update (:func:`xffl.aggregator.verify.check_update`), folds it
-into a :class:`xffl.aggregator.running.RunningAggregate` and deletes it at once. At most
+parent verifies each finished update and folds it into a running FedAvg
+(:func:`xffl.aggregator.verify_aggregate.verify_and_aggregate` with ``fold``, the one check
+``xffl aggregate`` and the round's steps run) and deletes it at once. At most
 2K updates exist at a time, so neither the parent's memory nor the disk grows with N
 (FedML Parrot's approach). The next global is then written in the exchange format
 (manifest + checksums) at ``DIR/rounds/<r>/global``; ``DIR/simulate.json`` holds the
-numbers of every round. fedavg is computed by the running aggregate itself; the server
-optimizers (fedavgm, fedadam, fedyogi, fedadagrad, diloco) take one step from the running FedAvg;
-fedmedian and fedtrimmedavg need every update at once and are refused.
+numbers of every round. A strategy that publishes the mean (fedavg) is the running aggregate
+itself; the server optimizers (fedavgm, fedadam, fedyogi, fedadagrad, diloco) take one step
+from the running FedAvg; fedmedian and fedtrimmedavg need every update at once and are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -29,13 +30,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from xffl.aggregator import metrics as metric
-from xffl.aggregator import registry
-from xffl.aggregator.decode import Decoding, encoded_index
+from xffl.aggregator import strategy_catalog
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
-from xffl.aggregator.inputs import own_config, update_weight
-from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.strategies import run_strategy
-from xffl.aggregator.verify import check_update
+from xffl.aggregator.verify_aggregate import Aggregation, round_rules, verify_and_aggregate
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
 from xffl.core.resources import peak_rss_bytes, usable_cpus
@@ -97,8 +94,8 @@ def check_request(loaded: LoadedJob, opts: SimulateOptions) -> None:
         raise InvalidInput(f"--rounds must be at least 1, got {opts.rounds}.")
     if opts.timeout is not None and not (opts.timeout > 0 and math.isfinite(opts.timeout)):
         raise InvalidInput(f"--timeout must be a positive number of seconds, got {opts.timeout}.")
-    if registry.get(spec.aggregation.strategy).robust:
-        averaging = [n for n in registry.names() if not registry.get(n).robust]
+    if strategy_catalog.get(spec.aggregation.strategy).robust:
+        averaging = [n for n in strategy_catalog.names() if not strategy_catalog.get(n).robust]
         raise InvalidInput(
             f"{where} aggregation.strategy: {spec.aggregation.strategy} needs every update at "
             "once, but xffl simulate folds each update into a running aggregate; use one of "
@@ -261,17 +258,46 @@ class Simulation:
         """Train every virtual site from ``previous``, fold the updates, write the next global."""
         t0 = time.perf_counter()
         n, spec = self.opts.sites, self.loaded.spec
-        prev = verify_checkpoint(previous)
-        agg = RunningAggregate(prev.tensors, own_config(previous))
-        exchange = spec.exchange  # each update is sent back as the job's exchange says
-        reference = prev.tensors if exchange.plain else encoded_index(
-            prev.tensors, exchange.safetensors_dtype, exchange.codec)
-        decoding = None if exchange.plain else Decoding(
-            previous, delta=exchange.update == "delta", codec=exchange.codec)
+        verify_checkpoint(previous)
         updates = self.root / "rounds" / str(rnd) / "updates"
+        target = self.root / "rounds" / str(rnd) / "global"
+        totals = {"loss": 0.0, "losses": 0, "train": 0.0, "count": 0}
+
+        def folded(update: Path, manifest: Manifest) -> None:
+            if not self.opts.keep_updates:
+                shutil.rmtree(update)
+            if metric.LOSS in manifest.metrics:
+                totals["loss"] += manifest.metrics[metric.LOSS]
+                totals["losses"] += 1
+            totals["train"] += manifest.metrics.get(metric.TRAIN_SECONDS, 0.0)
+            totals["count"] += 1
+            self.progress(rnd, int(totals["count"]), n)
+
+        agg = spec.aggregation  # each update is sent back as the job's exchange says
+        done = verify_and_aggregate(
+            round_rules(previous, exchange=spec.exchange, round=rnd, run_id=self.run_id),
+            Aggregation(agg.strategy, agg.weighting, agg.params, self.max_shard),
+            self._trained(pool, rnd, previous, updates), target, fold=True, on_update=folded,
+            extra={"simulated": True, "virtual_sites": n, "weighting": agg.weighting})
+        if not self.opts.keep_updates:
+            shutil.rmtree(updates, ignore_errors=True)
+        result, count = done.manifest, len(done.accepted)
+        self.summary["rounds"].append({
+            "round": rnd, "num_sites": count, "wall_s": round(time.perf_counter() - t0, 4),
+            "mean_loss": totals["loss"] / totals["losses"] if totals["losses"] else None,
+            "global_loss": result.metrics.get(metric.LOSS), "num_samples": result.num_samples,
+            "train_s_mean": totals["train"] / count, "peak_rss_bytes": peak_rss_bytes(),
+            "global": str(target), "digest": result.digest(),
+        })
+        return target
+
+    def _trained(self, pool: _Pool, rnd: int, previous: Path, updates: Path) -> Iterator[Path]:
+        """Each virtual site's update of round ``rnd`` as its training finishes (at most 2K
+        trained or training at a time: the next start once one is folded)."""
+        n = self.opts.sites
         deadline = time.monotonic() + self.timeout
         pending: dict[Future[Outcome], tuple[VirtualSite, Path]] = {}
-        next_index, loss_sum, loss_count, train_sum = 0, 0.0, 0, 0.0
+        next_index, folded = 0, 0
         self.progress(rnd, 0, n)
         while next_index < n or pending:
             while next_index < n and len(pending) < 2 * self.workers:
@@ -281,54 +307,12 @@ class Simulation:
                 pending[fut] = (site, out)
                 next_index += 1
             for fut in self._wait(set(pending), deadline,
-                                  f"round {rnd}: {n - agg.count} of {n} virtual sites"):
+                                  f"round {rnd}: {n - folded} of {n} virtual sites"):
                 site, out = pending.pop(fut)
                 what = f"round {rnd}, site {site.name}"
                 _raise_outcome(pool.result(fut, f"training {what}"), what)
-                manifest = check_update(out, expected_round=rnd, expected_parent=prev.digest(),
-                                        reference_index=reference,
-                                        expected_run_id=self.run_id)
-                agg.add(out, update_weight(manifest, spec.aggregation.weighting), manifest,
-                        decoding)
-                if not self.opts.keep_updates:
-                    shutil.rmtree(out)
-                if metric.LOSS in manifest.metrics:
-                    loss_sum += manifest.metrics[metric.LOSS]
-                    loss_count += 1
-                train_sum += manifest.metrics.get(metric.TRAIN_SECONDS, 0.0)
-                self.progress(rnd, agg.count, n)
-        if not self.opts.keep_updates:
-            shutil.rmtree(updates, ignore_errors=True)
-        target = self.root / "rounds" / str(rnd) / "global"
-        result = self._write_global(agg, rnd, previous, prev, target)
-        self.summary["rounds"].append({
-            "round": rnd, "num_sites": agg.count, "wall_s": round(time.perf_counter() - t0, 4),
-            "mean_loss": loss_sum / loss_count if loss_count else None,
-            "global_loss": result.metrics.get(metric.LOSS), "num_samples": result.num_samples,
-            "train_s_mean": train_sum / agg.count, "peak_rss_bytes": peak_rss_bytes(),
-            "global": str(target), "digest": result.digest(),
-        })
-        return target
-
-    def _write_global(self, agg: RunningAggregate, rnd: int, previous: Path, prev: Manifest,
-                      target: Path) -> Manifest:
-        """fedavg straight from the running sums; a server optimizer steps from their mean."""
-        aggregation = self.loaded.spec.aggregation
-        extra = {"simulated": True, "virtual_sites": agg.count,
-                 "weighting": aggregation.weighting}
-        if aggregation.strategy == "fedavg":
-            return agg.write(target, run_id=self.run_id, round=rnd, parent=prev.digest(),
-                             extra=extra, max_shard_size=self.max_shard)
-        mean = target.parent / ".mean"
-        agg.write(mean, kind="update", site=f"mean-of-{agg.count}", run_id=self.run_id,
-                  round=rnd, parent=prev.digest(), extra=extra)
-        try:
-            return run_strategy(
-                aggregation.strategy, [mean], previous, target, weighting="uniform",
-                params=aggregation.params, run_id=self.run_id, round=rnd,
-                parent_digest=prev.digest(), max_shard_size=self.max_shard)
-        finally:
-            shutil.rmtree(mean, ignore_errors=True)
+                yield out
+                folded += 1
 
 
 def simulate(loaded: LoadedJob, opts: SimulateOptions,

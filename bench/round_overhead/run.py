@@ -8,7 +8,7 @@ on 127.0.0.1) for R rounds, in the same invocation:
   wait      the baseline, a hand-written loop doing the same round: scp of the global model
             to each site, ``sbatch --wait`` of the same batch script (``xffl render``'s
             sbatch/<site>.sh) at both sites in parallel over ssh, scp of the updates back,
-            then the same FedAvg call (xffl.aggregator.strategies.run_strategy)
+            then the same FedAvg call (xffl.aggregator.engine.run_strategy)
   poll      the same, but waiting with ``squeue -j ID`` every polling interval (as StreamFlow
             does) instead of ``sbatch --wait``, which checks on the job after 2, 10 and 42 s
 
@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.stack import stack  # noqa: E402  (the repo's stack driver: stdlib only)
 from tests.stack.profiles import write_profile  # noqa: E402
+from xffl.aggregator.engine import run_strategy  # noqa: E402
 from xffl.aggregator.exchange import read_manifest  # noqa: E402
-from xffl.aggregator.strategies import run_strategy  # noqa: E402
 
 SITES = ("alpha", "beta")
 

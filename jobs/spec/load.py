@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from xffl.aggregator.exchange_spec import LORA_CONTEXT
 from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
@@ -24,7 +25,6 @@ from xffl.training.arch import (
     known_fields,
 )
 from xffl.training.config import TOKENIZER_FILES, matches_target
-from xffl.training.exchange_config import LORA_CONTEXT
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from pydantic import (
     model_validator,
 )
 
-from xffl.aggregator import registry
+from xffl.aggregator import strategy_catalog
+from xffl.aggregator.exchange_spec import ExchangeSpec
+from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
@@ -28,7 +30,6 @@ from xffl.training.config import (
     ModelSpec,
     TrainingSpec,
 )
-from xffl.training.exchange_config import ExchangeSpec
 
 _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 
@@ -36,7 +37,7 @@ _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 class AggregationSpec(StrictModel):
     """How the coordinator combines the site updates every round.
 
-    ``strategy`` is a name of :mod:`xffl.aggregator.registry`; ``params`` override its
+    ``strategy`` is a name of :mod:`xffl.aggregator.strategy_catalog`; ``params`` override its
     defaults, e.g. ``{eta: 0.01}`` for fedadam.
     """
 
@@ -68,9 +69,9 @@ class AggregationSpec(StrictModel):
     @field_validator("strategy")
     @classmethod
     def _registered(cls, value: str) -> str:
-        if value not in registry.STRATEGIES:
-            known = ", ".join(repr(n) for n in registry.names())
-            close = difflib.get_close_matches(value, list(registry.STRATEGIES), n=1)
+        if value not in strategy_catalog.STRATEGIES:
+            known = ", ".join(repr(n) for n in strategy_catalog.names())
+            close = difflib.get_close_matches(value, list(strategy_catalog.STRATEGIES), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"input should be one of {known} (got {value!r}){hint}")
         return value
@@ -78,7 +79,7 @@ class AggregationSpec(StrictModel):
     @model_validator(mode="after")
     def _bounds_average(self) -> AggregationSpec:
         if (self.clip_norm is not None or self.max_weight_share is not None) and \
-                registry.get(self.strategy).robust:
+                strategy_catalog.get(self.strategy).robust:
             raise ValueError(f"{self.strategy} bounds a minority's influence by its own rule; "
                              "clip_norm and max_weight_share apply to the averaging "
                              "strategies: remove them or choose fedavg")
@@ -100,14 +101,19 @@ class AggregationSpec(StrictModel):
     @classmethod
     def _known_params(cls, value: dict[str, float], info: ValidationInfo) -> dict[str, float]:
         strategy = info.data.get("strategy")
-        known = registry.STRATEGIES[strategy].defaults if strategy in registry.STRATEGIES \
-            else {}
+        catalog = strategy_catalog.STRATEGIES
+        known = catalog[strategy].defaults if strategy in catalog else {}
         for key in value if strategy is not None else ():
             if key not in known:
                 close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
                 hint = f"did you mean {close[0]!r}?" if close else (
                     f"its parameters: {', '.join(known) or 'none'}")
                 raise ValueError(f"{strategy} has no parameter {key!r}; {hint}")
+        if strategy in catalog:  # a value the strategy cannot work with: refused here, not at
+            try:                 # the first aggregation, after a round's training
+                strategy_catalog.resolve_params(strategy, value)
+            except InvalidInput as exc:
+                raise ValueError(exc.message.rstrip(".")) from None
         return value
 
 

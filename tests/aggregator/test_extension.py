@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -12,44 +11,51 @@ import pytest
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from xffl.aggregator import registry
+from xffl.aggregator import strategy_catalog
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.safetensors_io import Array
 from xffl.cli.app import app
 from xffl.jobs.spec.schema import AggregationSpec
 
 
+class FedHalfParams(strategy_catalog.StrategyParams):
+    """The fraction of the way to the mean."""
+
+    fraction: float = 0.5
+
+
 @pytest.fixture
-def fedhalf() -> Iterator[type[registry.Strategy]]:
+def fedhalf() -> Iterator[type[strategy_catalog.Strategy[FedHalfParams]]]:
     """A test-only strategy, registered the way a real one is, and removed afterwards."""
 
-    @registry.register
-    class FedHalf(registry.Strategy):
+    @strategy_catalog.register
+    class FedHalf(strategy_catalog.Strategy[FedHalfParams]):
         """Move the global a fraction of the way towards the weighted mean."""
 
         name = "fedhalf-test"
-        defaults = MappingProxyType({"fraction": 0.5})
+        Params = FedHalfParams
         summary = "a fraction of the way to the mean"
 
-        def step(self, params: registry.Params, x: Array, mean: Array,
+        def step(self, params: FedHalfParams, x: Array, mean: Array,
                  state: MutableMapping[str, Array]) -> Array:
             """``x + fraction * (mean - x)``."""
-            result: Array = x + params["fraction"] * (mean - x)
+            result: Array = x + params.fraction * (mean - x)
             return result
 
     try:
         yield FedHalf
     finally:
-        registry.STRATEGIES.pop("fedhalf-test")
+        strategy_catalog.STRATEGIES.pop("fedhalf-test")
 
 
 def test_a_registered_strategy_is_known_everywhere(
-        fedhalf: type[registry.Strategy], make_update: Any, write_ckpt: Any,
+        fedhalf: type[strategy_catalog.Strategy[FedHalfParams]], make_update: Any, write_ckpt: Any,
         tmp_path: Path) -> None:
     # the job spec accepts it and its parameter, and refuses a parameter it does not have
     spec = AggregationSpec.model_validate({"strategy": "fedhalf-test",
                                            "params": {"fraction": 0.25}})
-    assert registry.resolve_params(spec.strategy, spec.params) == {"fraction": 0.25}
+    assert strategy_catalog.resolve_params(spec.strategy, spec.params) == FedHalfParams(
+        fraction=0.25)
     with pytest.raises(ValueError, match="fedhalf-test has no parameter 'eta'"):
         AggregationSpec.model_validate({"strategy": "fedhalf-test", "params": {"eta": 1}})
 

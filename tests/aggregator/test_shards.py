@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.aggregator.conftest import write_checkpoint
+from xffl.aggregator.engine import run_strategy, state_file
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -30,7 +31,6 @@ from xffl.aggregator.shards import (
     plan_shards,
     shard_name,
 )
-from xffl.aggregator.strategies import run_strategy, state_file
 from xffl.aggregator.verify import check_update, select_updates
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xffl.aggregator import registry, strategies
+from xffl.aggregator import engine, strategy_catalog
+from xffl.aggregator.engine import run_strategy, state_file
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.aggregator.strategies import run_strategy, state_file
 from xffl.core.errors import InvalidInput
 
 SHAPES = {"w": (13, 11), "b": (11,), "norm": (7,)}
@@ -160,7 +160,7 @@ def _check(out_dir: Path, ref: dict[str, np.ndarray], dtype: torch.dtype) -> dic
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", strategy_catalog.names())
 def test_one_round_matches_formula(
     name: str, dtype: torch.dtype, make_update: Any, write_ckpt: Any, tmp_path: Path
 ) -> None:
@@ -177,7 +177,7 @@ def test_one_round_matches_formula(
 def test_three_rounds_reload_state_from_disk(
     name: str, make_update: Any, write_ckpt: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(strategies, "SLICE_ELEMENTS", 40)  # several slices per tensor
+    monkeypatch.setattr(engine, "SLICE_ELEMENTS", 40)  # several slices per tensor
     prev, x = _global(write_ckpt, tmp_path / "g0", torch.float32)
     state: dict[Any, np.ndarray] = {}
     for rnd in (1, 2, 3):
@@ -285,7 +285,7 @@ def test_diloco_three_rounds_against_the_paper_and_resumed_bytes(
 ) -> None:
     """Three DiLoCo outer steps against the paper's algorithm in float64, never rounded; then
     the same run resumed from round 1's global (its momentum read back from its folder)."""
-    monkeypatch.setattr(strategies, "SLICE_ELEMENTS", 40)  # several slices per tensor
+    monkeypatch.setattr(engine, "SLICE_ELEMENTS", 40)  # several slices per tensor
     lr, mu = DEFAULTS["diloco"]["outer_lr"], DEFAULTS["diloco"]["outer_momentum"]
     prev, x0 = _global(write_ckpt, tmp_path / "g0", torch.float32)
     x = {k: v.copy() for k, v in x0.items()}

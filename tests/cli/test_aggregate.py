@@ -182,8 +182,8 @@ def test_nf4_deltas_by_hand(tmp_path: Path) -> None:
     """`--exchange delta/nf4/16 --previous G --strategy diloco`: nf4 codes and scales."""
     import torch
 
+    from xffl.aggregator.exchange_spec import ExchangeSpec
     from xffl.aggregator.quantize import quantize
-    from xffl.training.exchange_config import ExchangeSpec
 
     codec = ExchangeSpec.parse("delta/nf4/16").codec
     assert codec is not None

@@ -118,6 +118,18 @@ def test_strategy_params_are_checked(tmp_path: Path) -> None:
     assert load_job(_write(tmp_path, data)).spec.aggregation.params == {"eta": 0.01}
 
 
+def test_a_strategy_value_it_cannot_work_with_is_refused_at_load(tmp_path: Path) -> None:
+    """diloco's outer step size 0 would leave the global where it is: refused before any round
+    trains, naming the field and the bound (it used to surface at the first aggregation)."""
+    data = _quickstart()
+    data["aggregation"] = {"strategy": "diloco", "params": {"outer_lr": 0}}
+    with pytest.raises(InvalidInput) as info:
+        load_job(_write(tmp_path, data))
+    assert "aggregation.params: diloco outer_lr must be > 0, got 0.0" in info.value.lines[0]
+    data["aggregation"]["params"] = {"outer_lr": 0.5}
+    assert load_job(_write(tmp_path, data)).spec.aggregation.params == {"outer_lr": 0.5}
+
+
 def test_tensor_parallel_must_divide_ranks_and_heads(tmp_path: Path) -> None:
     data = _quickstart()
     data["training"]["tensor_parallel"] = 2

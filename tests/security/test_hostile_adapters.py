@@ -116,8 +116,8 @@ def test_freeze_a_admits_honest_updates_in_a_narrower_exchange(tmp_path: Path) -
     import torch
 
     from xffl.aggregator.decode import Decoding
-    from xffl.aggregator.strategies import run_strategy
-    from xffl.training.exchange_config import ExchangeSpec
+    from xffl.aggregator.engine import run_strategy
+    from xffl.aggregator.exchange_spec import ExchangeSpec
 
     glob = tmp_path / "global"
     lora.init_adapter_global("run-1", ModelSpec(preset="tiny-test"), SPEC, 0, glob, "base")

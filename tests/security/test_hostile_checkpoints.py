@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from tests.aggregator.conftest import write_checkpoint
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import CONFIG_FILE, INDEX_FILE, Manifest, read_manifest, sha256_file
 from xffl.aggregator.kinds import WHOLE_MODEL
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.strategies import run_strategy
 from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry.states import SiteState

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.aggregator.conftest import write_checkpoint
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.strategies import run_strategy
 from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry.states import SiteState

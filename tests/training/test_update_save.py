@@ -29,6 +29,7 @@ from tests.training.save_worker import (
 )
 from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import CONFIG_FILE, Manifest, read_manifest, verify_checkpoint
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.layout import RunLayout
@@ -38,7 +39,6 @@ from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.evaluate_models import evaluate_models
-from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.feedback import FOLDER
 from xffl.training.launch import launch
 from xffl.training.model import build_model

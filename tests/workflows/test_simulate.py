@@ -16,6 +16,7 @@ from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import verify_checkpoint
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.aggregator.fedavg import aggregate
 from xffl.aggregator.shards import open_model
 from xffl.cli.app import app
@@ -23,7 +24,6 @@ from xffl.core.errors import ExitCode
 from xffl.core.startup import YOUNG
 from xffl.jobs.spec.load import load_job
 from xffl.training.data import ensure_synthetic, load_tokens
-from xffl.training.exchange_config import ExchangeSpec
 from xffl.workflows.simulate import _Pool
 from xffl.workflows.simulate_sites import check_templates, ensure_partition, virtual_site
 

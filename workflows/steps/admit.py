@@ -5,12 +5,12 @@ runs once per site and round (``admit_<site>`` in round.cwl), on the coordinator
 StreamFlow has brought the site's update back, so checking overlaps the other sites'
 training. The site's name is the coordinator's own (from the plan), never the update's.
 
-It writes ``verdict.json`` (:mod:`xffl.workflows.steps.verdict`): ``completed`` (the update passed
-:func:`xffl.aggregator.verify.check_update` against the round's global model and names this
-site; it is output as ``update/``), ``rejected`` (with the reason), or ``failed`` (no update
-came back: the reasons the failure manager recorded). In a registered run it also records
-when the update arrived and the SLURM job that trained it. Exit 0 in all three cases: the
-aggregate step decides about the round.
+It writes ``verdict.json`` (:mod:`xffl.workflows.steps.verdict`): ``completed`` (the update
+passed :func:`xffl.aggregator.verify_aggregate.verify_update` against the round's global model
+and names this site; it is output as ``update/``), ``rejected`` (with the reason), or
+``failed`` (no update came back: the reasons the failure manager recorded). In a registered
+run it also records when the update arrived and the SLURM job that trained it. Exit 0 in all
+three cases: the aggregate step decides about the round.
 """
 
 from __future__ import annotations
@@ -24,26 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator import metrics as metric
-from xffl.aggregator.adapter import frozen_tensors
-from xffl.aggregator.decode import bad_scales, encoded_index, first_overflow
 from xffl.aggregator.exchange import (
     CONFIG_FILE,
     MANIFEST_FILE,
     Manifest,
-    read_manifest,
     read_small_file,
 )
-from xffl.aggregator.kinds import kind_of
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.aggregator.reported import Bounds, hardware_of
-from xffl.aggregator.verify import UpdateRejected, check_update, first_changed
+from xffl.aggregator.verify import UpdateRejected
+from xffl.aggregator.verify_aggregate import round_rules, verify_update
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
-from xffl.core.words import quoted
 from xffl.jobs.registry.states import SiteState
 from xffl.jobs.spec.deadline import StalenessSpec
 from xffl.jobs.spec.schema import JobSpec
-from xffl.training.exchange_config import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import round_report_bounds
@@ -129,38 +125,13 @@ def admit(layout: RunLayout, site: str, rnd: int, previous: Path, update: Path |
     if started != rnd:  # a late job's update: checked against the global it started from
         previous = layout.global_dir(started - 1)
     bounds = this_round(layout, site, started, bounds)
-    parent = read_manifest(previous)  # the coordinator's own global model
-    kind = kind_of(previous)  # the coordinator's global decides what an update may be
-    config = json.loads(read_small_file(previous / kind.config_file))
-    vocab = vocab_size(layout, config)
+    rules = round_rules(previous, exchange=exchange, round=started, freeze_a=freeze_a)
+    vocab = vocab_size(layout, rules.config)
     if bounds is not None and vocab is not None:
         bounds = replace(bounds, vocab_size=vocab)  # a validation loss's bound
+    rules = replace(rules, bounds=bounds or Bounds(side_files=SIDE_FILES))
     try:
-        reference = parent.tensors if exchange is None or exchange.plain else \
-            encoded_index(parent.tensors, exchange.safetensors_dtype, exchange.codec)
-        manifest = check_update(update, expected_round=started,
-                                expected_parent=parent.digest(),
-                                reference_index=reference, expected_run_id=parent.run_id,
-                                expected_config=config, kind=kind,
-                                bounds=bounds or Bounds(side_files=SIDE_FILES))
-        if manifest.site != site:
-            raise UpdateRejected(update, site, f"the update says it comes from site "
-                                               f"{quoted(manifest.site)}, not {site!r}")
-        codec = None if exchange is None else exchange.codec
-        scales = None if codec is None else bad_scales(update, previous, codec)
-        if scales is not None:
-            raise UpdateRejected(update, site, scales)
-        if exchange is not None and exchange.update == "delta":
-            overflow = first_overflow(update, previous, codec)
-            if overflow is not None:
-                raise UpdateRejected(update, site, f"its delta of tensor {overflow!r} added to "
-                                                   "the global model overflows its dtype")
-        if freeze_a:
-            changed = first_changed(update, previous, frozen_tensors(parent.tensors),
-                                    delta=exchange is not None and exchange.update == "delta")
-            if changed is not None:
-                raise UpdateRejected(update, site, f"it changed {changed!r}, which "
-                                     "aggregation.lora: freeze_a keeps at the global's value")
+        manifest = verify_update(rules, update, site)
     except UpdateRejected as exc:
         return Verdict(site=site, round=rnd, state=SiteState.REJECTED, reason=exc.reason,
                        attempts=attempts, delivered_at=arrived), None

@@ -27,10 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.metrics import LOSS
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.verify_aggregate import Aggregation, round_rules, verify_and_aggregate
 from xffl.core.failpoints import failpoint
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
@@ -40,7 +39,6 @@ from xffl.jobs.registry.records import RoundRecord
 from xffl.jobs.registry.states import RoundState
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.spec.schema import JobSpec
-from xffl.training.exchange_config import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
 from xffl.workflows.steps.deadline import deadline_jobs
 from xffl.workflows.steps.early_stop import (
@@ -82,10 +80,11 @@ def quorum_message(rnd: int, verdicts: list[Verdict], min_sites: int) -> str:
             f"(failure.min_sites) ({lost or 'no update'})")
 
 
-def decoding_of(exchange: ExchangeSpec, previous: Path) -> Decoding | None:
-    """How the round's updates are read under the job's exchange (None: fp32 weights)."""
-    return None if exchange.plain else Decoding(previous, delta=exchange.update == "delta",
-                                                 codec=exchange.codec)
+def aggregation_of(spec: JobSpec) -> Aggregation:
+    """How the job aggregates its rounds (its ``aggregation`` section)."""
+    agg = spec.aggregation
+    return Aggregation(agg.strategy, agg.weighting, dict(agg.params), agg.max_shard_size,
+                       agg.clip_norm, agg.max_weight_share)
 
 
 def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[Verdict],
@@ -107,18 +106,13 @@ def aggregate_round(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
     validation = federated(rnd, [v for v in verdicts if v.staleness is None])
     if validation is not None:
         validation.write(layout.validation_file(rnd))
-    parent = read_manifest(previous)
     target = layout.global_dir(rnd)
     t0 = time.perf_counter()
-    agg = spec.aggregation
     inputs = applied_updates(layout, rnd, previous, verdicts, updates)
-    run_strategy(
-        agg.strategy, [inputs[s] for s in admitted], previous, target,
-        weighting=agg.weighting, params=dict(agg.params), run_id=parent.run_id,
-        round=rnd, parent_digest=parent.digest(), max_shard_size=agg.max_shard_size,
-        clip_norm=agg.clip_norm, max_weight_share=agg.max_weight_share,
-        decoding=decoding_of(spec.exchange, previous),
-    )
+    # each update was verified by its admit step (verify_update) as it arrived
+    verify_and_aggregate(round_rules(previous, exchange=spec.exchange, round=rnd),
+                         aggregation_of(spec), [inputs[s] for s in admitted], target,
+                         verified=True)
     seconds = time.perf_counter() - t0
     failpoint(f"aggregated-round-{rnd}")  # the global is on disk, the registry not updated
     for site in admitted:  # keep what was aggregated beside the result, under our names

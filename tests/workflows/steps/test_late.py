@@ -13,8 +13,8 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.aggregator.conftest import write_checkpoint
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.strategies import run_strategy
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry.states import SiteState
 from xffl.jobs.spec.deadline import StalenessSpec

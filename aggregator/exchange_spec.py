@@ -1,8 +1,11 @@
-"""The job spec's ``exchange`` section: what each site sends back every round."""
+"""The job spec's ``exchange`` section: what each site sends back every round, and how the
+coordinator reads what it sent (:meth:`ExchangeSpec.reference`, :meth:`ExchangeSpec.decoding`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
@@ -14,6 +17,10 @@ from pydantic import (
 )
 
 from xffl.aggregator.codec import DEFAULT_BLOCK, MAX_BLOCK, MIN_BLOCK, QUANTIZED, Codec, valid_block
+
+if TYPE_CHECKING:
+    from xffl.aggregator.decode import Decoding
+    from xffl.aggregator.exchange import TensorInfo
 
 # the exchange's dtype names and the safetensors dtypes they are written as
 EXCHANGE_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
@@ -109,6 +116,24 @@ class ExchangeSpec(BaseModel):
         exchange's codes)."""
         codec = self.codec
         return codec.code_dtype if codec is not None else EXCHANGE_DTYPES[self.dtype]
+
+    def reference(self, index: Sequence[TensorInfo]) -> Sequence[TensorInfo]:
+        """The tensor index an update must have, from the global model's ``index``: the
+        global's own for fp32 weights, else its tensors in the exchange's dtype."""
+        if self.plain:
+            return index
+        from xffl.aggregator.decode import encoded_index  # numpy: only when reading updates
+
+        return encoded_index(index, self.safetensors_dtype, self.codec)
+
+    def decoding(self, previous: Path) -> Decoding | None:
+        """How the coordinator reads an update made from the global ``previous`` as the
+        weights it stands for (None: fp32 weights, read as they are)."""
+        if self.plain:
+            return None
+        from xffl.aggregator.decode import Decoding
+
+        return Decoding(previous, delta=self.update == "delta", codec=self.codec)
 
     def label(self) -> str:
         """``delta/bf16``-style name (``delta/nf4/128`` when quantized), as manifests,

@@ -1,7 +1,7 @@
 """Aggregation under any registered strategy, streamed tensor by tensor, slice by slice.
 
 The strategies themselves (names, parameters, server state, steps) are the registry's
-(:mod:`xffl.aggregator.registry`). Here they are applied to checkpoints: one slice
+(:mod:`xffl.aggregator.strategy_catalog`). Here they are applied to checkpoints: one slice
 (``fedavg.SLICE_ELEMENTS`` elements) of every update, of the previous global and of the
 server state is in memory at a time, whatever the model size. Arithmetic is float64;
 outputs are cast to the model's dtypes like :mod:`xffl.aggregator.fedavg` does.
@@ -35,7 +35,6 @@ from xffl.aggregator.inputs import (
     prepared,
     write_global,
 )
-from xffl.aggregator.registry import Strategy, Weighting, get, resolve_params
 from xffl.aggregator.robust import cap_shares, clip_factors, delta_norm
 from xffl.aggregator.safetensors_io import (
     FLOAT_DTYPES,
@@ -45,6 +44,13 @@ from xffl.aggregator.safetensors_io import (
 )
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model
+from xffl.aggregator.strategy_catalog import (
+    Strategy,
+    StrategyParams,
+    Weighting,
+    get,
+    resolve_params,
+)
 from xffl.aggregator.verify import layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size
@@ -57,7 +63,7 @@ def state_file(buffer: str) -> str:
 
 
 def _open_previous(
-    strategy: Strategy, previous: Path | None, layout: list[TensorInfo], stack: ExitStack
+    strategy: Strategy[Any], previous: Path | None, layout: list[TensorInfo], stack: ExitStack
 ) -> tuple[ModelReader | None, dict[str, SafetensorsReader], bool]:
     """Open the previous global's model and, when it has one for ``strategy``, its state."""
     name = strategy.name
@@ -86,8 +92,8 @@ def _open_previous(
 
 
 def _write(
-    strategy: Strategy,
-    p: Mapping[str, float],
+    strategy: Strategy[Any],
+    p: StrategyParams,
     active: list[Update],
     layout: list[TensorInfo],
     tmp: Path,
@@ -228,8 +234,10 @@ def run_strategy(
     narrower dtypes) as the weights they stand for. The global's config file is
     ``previous_global_dir``'s bytes (:func:`xffl.aggregator.inputs.own_config`), never an
     update's. Other arguments are those of
-    :func:`xffl.aggregator.fedavg.aggregate`; plain "fedavg" is that function. Inputs are not
-    verified here: run :func:`xffl.aggregator.verify.select_updates` first.
+    :func:`xffl.aggregator.fedavg.aggregate`, which computes a strategy that publishes the mean
+    (:attr:`~xffl.aggregator.strategy_catalog.Strategy.mean`: fedavg) when no bound applies.
+    Inputs are not verified here: :func:`xffl.aggregator.verify_aggregate.verify_and_aggregate`
+    verifies, then calls this.
     """
     strategy = get(name)
     p = resolve_params(name, params)
@@ -238,7 +246,7 @@ def run_strategy(
         raise InvalidInput(f"{name} bounds a minority's influence by its own rule; clip_norm "
                            "and max_weight_share apply to the averaging strategies only.")
     config = None if previous_global_dir is None else own_config(Path(previous_global_dir))
-    if name == "fedavg" and not bounded:
+    if strategy.mean and not bounded:
         manifest = aggregate(
             updates,
             out_dir,
@@ -248,7 +256,7 @@ def run_strategy(
             round=round,
             parent_digest=parent_digest,
             metadata=metadata,
-            extra={"params": p},
+            extra={"aggregation": name, "params": p.model_dump()},
             max_shard_size=max_shard_size,
             decoding=decoding,
             config=config,
@@ -274,7 +282,7 @@ def run_strategy(
 
             extra = {
                 "aggregation": name,
-                "params": p,
+                "params": p.model_dump(),
                 "weighting": "unweighted" if strategy.robust else prep.label,
                 "sites": prep.sites,
                 **({"bounds": bounds} if bounds else {}),
