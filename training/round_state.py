@@ -5,7 +5,7 @@ minutes) with ``torch.distributed.checkpoint`` (``dcp.async_save`` on a gloo gro
 the training goes on while a thread writes) into the site's state folder (the launcher's
 ``--keep`` folder, never the update that crosses the border):
 
-    <state>/round-checkpoints/<run>-r<round>-<global digest[:16]>/step-<k>/
+    <state>/checkpoints/<run>-r<round>-<global digest[:16]>/step-<k>/
 
 holding dcp's files (its ``.metadata`` written last by the coordinator rank) and, written
 atomically after the save finished, a ``complete`` marker: the run, round, global digest,
@@ -48,7 +48,7 @@ from xffl.core.files import write_json
 from xffl.training.config import RoundCheckpointSpec
 from xffl.training.parallelize import ParallelModel
 
-ROOT = "round-checkpoints"
+ROOT = "checkpoints"  # in the state folder; removed once the round's update is kept
 COMPLETE = "complete"
 FORMAT = 1
 #: failpoints (:mod:`xffl.core.failpoints`): die after step K once the checkpoints begun
