@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,7 @@ FORMAT = 1
 #: before it are complete (``round-step-K``), or after dcp's files, before the marker
 STEP_FAILPOINT = "round-step-{step}"
 MARKER_FAILPOINT = "round-checkpoint-marker"
+PAUSE = "@pause"
 _STEP_RE = re.compile(r"^step-([0-9]{1,9})$")
 #: the line rank 0 prints when a checkpoint is complete; the failure manager reads it (bounded)
 PROGRESS_LINE = "xffl.training: checkpoint complete: round {round} step {step}"
@@ -291,10 +293,15 @@ class RoundCheckpointer:
 
     def failpoint(self, done: int) -> None:
         """Rank 0: the ``round-step-K`` failpoint, once the checkpoints begun are complete
-        (the kill of a test that a checkpoint was written before, without sleeping)."""
+        (the kill of a test that a checkpoint was written before, without sleeping);
+        ``round-step-K@pause`` stops the round there until the job is killed (scancel)."""
         name = STEP_FAILPOINT.format(step=done)
-        if self.rank == 0 and os.environ.get(FAILPOINT_ENV, "").split("@")[0] == name:
+        wanted = os.environ.get(FAILPOINT_ENV, "")
+        if self.rank == 0 and wanted.split("@")[0] == name:
             self.wait()
+            if wanted == name + PAUSE:
+                _say(f"failpoint {wanted}: paused after step {done} until the job is killed.")
+                threading.Event().wait()
             failpoint(name)
             failpoint(name + "@group")
 

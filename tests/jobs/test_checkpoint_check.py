@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
@@ -13,7 +15,7 @@ from xffl.cli.app import app
 from xffl.jobs.checkpoint_check import checkpoint_seconds
 from xffl.jobs.load import load_job
 from xffl.training.arch import build_config
-from xffl.training.config import ModelSpec
+from xffl.training.config import ModelSpec, RoundCheckpointSpec
 from xffl.training.memory_model import model_parts
 
 SLURM_PROFILE = {
@@ -80,3 +82,12 @@ def test_slurm_time_limit_shorter_than_a_checkpoint(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith(
         f"{job}:{line_of(job, 'profile: cluster')}: job spec field sites[0].profile: site "
         "'alpha''s SLURM time limit 00:05:00 (300 s) is shorter than one checkpoint"), lines
+
+
+def test_every_is_steps_or_minutes() -> None:
+    assert RoundCheckpointSpec(every=25).every_steps == 25
+    spec = RoundCheckpointSpec(every="1.5m")
+    assert (spec.every_steps, spec.every_seconds, spec.keep) == (None, 90.0, 2)
+    for bad in (0, -3, True, "30", "0m", "m", "30s", 2.5):
+        with pytest.raises(ValidationError, match="write a number of optimizer steps"):
+            RoundCheckpointSpec(every=bad)
