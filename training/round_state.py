@@ -46,6 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from xffl.core.failpoints import ENV as FAILPOINT_ENV
 from xffl.core.failpoints import failpoint
 from xffl.core.files import write_json
+from xffl.training import distributed as xdist
 from xffl.training.config import RoundCheckpointSpec
 from xffl.training.parallelize import ParallelModel
 
@@ -208,6 +209,10 @@ class RoundCheckpointer:
         # async_save's thread gathers its results: on a group of its own, so that it never
         # interleaves with the training's collectives
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # "every: <N>m": the ranks agree each step whether it is time, on a third group
+        # (the save's thread may be using its own at that moment)
+        self.clock = dist.new_group(backend="gloo") if dist.is_initialized() and \
+            spec.every_seconds is not None else None
         self.pending: Future[Any] | None = None
         self.marking: Future[None] | None = None
         self.pool = ThreadPoolExecutor(max_workers=1) if self.rank == 0 else None
@@ -226,7 +231,7 @@ class RoundCheckpointer:
         seconds = self.spec.every_seconds or 0.0
         late = torch.tensor([1.0 if time.monotonic() - self.last_time >= seconds else 0.0])
         if dist.is_initialized():
-            dist.all_reduce(late, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(late, op=dist.ReduceOp.MAX, group=self.clock)
         return bool(late.item() > 0)
 
     def save(self, done: int, pm: ParallelModel, optimizer: torch.optim.Optimizer,
@@ -321,9 +326,10 @@ class RoundCheckpointer:
         self.blocked += time.perf_counter() - began
         if self.pool is not None:
             self.pool.shutdown()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        for group in (self.group, self.clock):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.group = self.clock = None
 
 
 def begin(spec: RoundCheckpointSpec, state_dir: Path, want: Identity, grad_accum: int,
@@ -333,7 +339,7 @@ def begin(spec: RoundCheckpointSpec, state_dir: Path, want: Identity, grad_accum
     logs every refusal), and the checkpointer of the rest of the round (collective)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     found = newest_complete(state_dir, want, log=_say) if rank == 0 else None
-    chosen = broadcast_str(None if found is None else json.dumps(
+    chosen = xdist.broadcast_str(None if found is None else json.dumps(
         {"path": str(found.path), "step": found.step, "marker": found.marker}))
     resumed: Resumed | None = None
     if chosen is not None:
@@ -348,11 +354,3 @@ def begin(spec: RoundCheckpointSpec, state_dir: Path, want: Identity, grad_accum
              f"this run, round and global model in {Path(state_dir) / ROOT}.")
     return resumed, RoundCheckpointer(spec, state_dir, want, grad_accum)
 
-
-def broadcast_str(value: str | None) -> str | None:
-    """Rank 0's string on every rank (itself in a single process)."""
-    if not dist.is_initialized():
-        return value
-    box: list[str | None] = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -77,6 +77,7 @@ def worker(out: Path, overrides: dict[str, Any], seq: int) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     from torch.optim.lr_scheduler import LambdaLR
 
+    from xffl.training import distributed as xdist
     from xffl.training import round_state
     from xffl.training.arch import build_config
     from xffl.training.config import ModelSpec, RoundCheckpointSpec, TrainingSpec
@@ -126,7 +127,7 @@ def worker(out: Path, overrides: dict[str, Any], seq: int) -> None:
     dist.barrier()
     began = time.perf_counter()
     found = round_state.newest_complete(out, want) if main else None
-    chosen = round_state.broadcast_str(None if found is None else json.dumps(
+    chosen = xdist.broadcast_str(None if found is None else json.dumps(
         {"path": str(found.path), "step": found.step, "marker": found.marker}))
     assert chosen is not None
     data = json.loads(chosen)
