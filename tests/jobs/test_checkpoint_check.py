@@ -21,7 +21,7 @@ from xffl.training.memory_model import model_parts
 SLURM_PROFILE = {
     "name": "cluster",
     "connector": {"type": "ssh", "host": "login.example.org", "user": "me"},
-    "slurm": {"partition": "batch", "time": "00:05:00"},
+    "slurm": {"partition": "batch", "time": "00:03:00"},
     "launcher": "srun",
 }
 
@@ -29,7 +29,7 @@ SLURM_PROFILE = {
 def write_job(tmp_path: Path, checkpoint: dict[str, object], preset: str = "llama3.1-8b",
               slurm: bool = False) -> Path:
     """The quickstart with ``model.preset`` and ``training.checkpoint``; site alpha on a SLURM
-    profile with a 5-minute limit when ``slurm``."""
+    profile with a 3-minute limit when ``slurm``."""
     data = yaml.safe_load(QUICKSTART.read_text())
     data["model"] = {"preset": preset}
     data["training"]["checkpoint"] = checkpoint
@@ -81,7 +81,7 @@ def test_slurm_time_limit_shorter_than_a_checkpoint(tmp_path: Path) -> None:
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith(
         f"{job}:{line_of(job, 'profile: cluster')}: job spec field sites[0].profile: site "
-        "'alpha''s SLURM time limit 00:05:00 (300 s) is shorter than one checkpoint"), lines
+        "'alpha''s SLURM time limit 00:03:00 (180 s) is shorter than one checkpoint"), lines
 
 
 def test_every_is_steps_or_minutes() -> None:

@@ -21,6 +21,7 @@ from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.jobs.follow import wait_for_run
 from xffl.jobs.registry import Registry
+from xffl.workflows.steps.attempts import read_attempts
 
 runner = CliRunner()
 
@@ -78,6 +79,10 @@ def test_scancelled_site_job_continues_from_its_checkpoint(
     update = verify_checkpoint(layout.kept_update(1, "beta"))
     assert update.extra["checkpoints"]["resumed_at"] == 10, update.extra
     assert update.extra["steps"] == 40
+    # the cancelled attempt's output reported its step-10 checkpoint: it used no retry
+    attempts = read_attempts(layout, 1, "beta")
+    assert attempts is not None and (attempts.progressed, attempts.best_step) == (1, 10), \
+        attempts
     records = [r for r in slurm_stack.jobcomp_records("beta") if r.get("Name") == name]
     assert [r["JobState"] for r in records] == ["CANCELLED", "COMPLETED"], records
 
