@@ -21,8 +21,8 @@ from xffl.core.layout import RunLayout
 REASON_CHARS = 400
 #: the line a site's rank 0 prints when a checkpoint inside the round is complete
 #: (xffl.training.round_state.PROGRESS_LINE): a bounded number, never a path
-_PROGRESS_RE = re.compile(r"^xffl\.training: checkpoint complete: round ([0-9]{1,9}) "
-                          r"step ([0-9]{1,9})\b", re.MULTILINE)
+_PROGRESS_RE = re.compile(r"\bxffl\.training: checkpoint complete: round ([0-9]{1,9}) "
+                          r"step ([0-9]{1,9})\b")
 #: retries that progressed past the site's last checkpoint and so consume no retry, at most
 #: (a site reporting ever higher steps cannot make a round retry it forever)
 FREE_RETRIES = 100

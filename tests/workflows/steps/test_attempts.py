@@ -27,9 +27,11 @@ def test_progress_is_the_trainers_line_of_this_round_only() -> None:
     assert progress_step(text, 1) == 20
     assert progress_step(text, 2) == 30
     assert progress_step(text, 3) is None
-    # not at a line's start, or more digits than any round has: not the trainer's line
-    assert progress_step(output("echo " + line(1, 20)), 1) is None
+    # inside a line too (a prefix the transport adds), but not with more digits than any
+    # round has, nor glued to another word
+    assert progress_step(output("[beta] " + line(1, 20)), 1) == 20
     assert progress_step(output(PROGRESS_LINE.format(round=1, step=10 ** 12)), 1) is None
+    assert progress_step(output("my" + line(1, 20)), 1) is None
 
 
 def test_only_attempts_that_got_further_are_free() -> None:
