@@ -274,13 +274,16 @@ class RoundCheckpointer:
         pending.result()
         files = files_digest(step_dir)
         failpoint(MARKER_FAILPOINT)  # dies as a kill during the save would leave it
-        write_json(step_dir / COMPLETE, {**marker, "files": files})
+        # seconds from the end of the training's wait to the marker: what a save before a
+        # time limit must be given
+        write_json(step_dir / COMPLETE, {**marker, "files": files,
+                                         "seconds": round(time.perf_counter() - began, 3)})
         os.chmod(step_dir / COMPLETE, 0o600)
         size = sum((step_dir / name).stat().st_size for name in files)
         self.written_bytes += size
-        _say(PROGRESS_LINE.format(round=marker["round"], step=marker["step"])
-             + f" ({size / 1e6:.1f} MB, written in {time.perf_counter() - began:.2f} s "
-             f"beside the training)")
+        print(PROGRESS_LINE.format(round=marker["round"], step=marker["step"])
+              + f" ({size / 1e6:.1f} MB, written in {time.perf_counter() - began:.2f} s "
+              "beside the training)", file=sys.stderr, flush=True)
         kept = sorted((d for d in self.folder.iterdir() if _STEP_RE.match(d.name)),
                       reverse=True)
         complete = [d for d in kept if (d / COMPLETE).is_file()]
