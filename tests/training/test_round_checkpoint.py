@@ -176,3 +176,29 @@ def test_foreign_and_half_written_checkpoints_are_refused(
     assert tensor_digests(tmp_path / "out") == tensor_digests(ref)
     # the round's update is kept: no checkpoint of it (or of others) is needed any more
     assert not (state / ROOT).exists() and (state / "r1").is_dir()
+
+
+def test_one_process_round_keeps_the_newest_and_continues(tmp_path: Path) -> None:
+    """One rank (no process group: dcp without collectives): checkpoints after steps 1..5 of
+    6 with keep 2 leave steps 4 and 5; the same round run again continues at step 5, takes
+    the last step alone, and writes the same tensors and losses."""
+    from xffl.training.data import ensure_synthetic
+    from xffl.training.trainer import train_round
+
+    data = tmp_path / "data"
+    job = make_job(data, "ddp", True)
+    job = job.model_copy(update={"training": job.training.model_copy(update={
+        "steps": 6, "checkpoint": RoundCheckpointSpec(every=1, keep=2)})})
+    ensure_synthetic(data, "alpha", 48, job.training.seq_len)
+    model = tmp_path / "global0"
+    init_global("run-ckpt", MODEL, 0, model)
+    state = tmp_path / "state"
+    first = train_round(job, 1, model, data, tmp_path / "first", state_dir=state)
+    (folder,) = list((state / ROOT).iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000004", "step-000005"]
+    assert all((p / COMPLETE).is_file() for p in folder.iterdir())
+    again = train_round(job, 1, model, data, tmp_path / "again", state_dir=state)
+    assert again.extra["checkpoints"] == {**again.extra["checkpoints"], "resumed_at": 5,
+                                          "saved": 0}
+    assert again.extra["losses"] == first.extra["losses"]
+    assert tensor_digests(tmp_path / "again") == tensor_digests(tmp_path / "first")
