@@ -19,7 +19,7 @@ from pathlib import Path
 
 from xffl.core.validation import field_path
 from xffl.core.yamlio import Loc, YamlDoc
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.schema import SiteProfile, slurm_time_seconds
 
 BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's exp_avg and exp_avg_sq

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.jobs.checkpoint_check import checkpoint_seconds
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec, RoundCheckpointSpec
 from xffl.training.memory_model import model_parts
