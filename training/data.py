@@ -24,6 +24,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -360,10 +361,13 @@ class TokenShards:
         return torch.from_numpy(positions(starts).astype(np.int64))
 
     def batches(self, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                round: int) -> Iterator[tuple[Tensor, ...]]:
+                round: int, skip: int = 0) -> Iterator[tuple[Tensor, ...]]:
         """Endless (inputs, targets) batches for one dp rank (see index_batches), with the
-        position ids as a third tensor when examples are packed in them."""
-        for idx in index_batches(self.num_sequences, batch_size, dp_rank, dp_size, seed, round):
+        position ids as a third tensor when examples are packed in them; ``skip``: the first
+        batches are left out (a round continued from a checkpoint: only their indices are
+        drawn, no token is read)."""
+        for idx in islice(index_batches(self.num_sequences, batch_size, dp_rank, dp_size, seed,
+                                        round), skip, None):
             pos = self.positions(idx)
             yield self.batch(idx) if pos is None else (*self.batch(idx), pos)
 

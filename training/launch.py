@@ -12,7 +12,9 @@ With ``--keep DIR`` a site's round is idempotent: the launcher keeps the update 
 again from the same global model (a retry after the transfer failed, ``xffl resume`` after
 the coordinator stopped), it hands that update back instead of training again. The ranks get
 ``DIR`` as the site's state folder too (``XFFL_SITE_STATE``): a quantized exchange keeps its
-error feedback there (:mod:`xffl.training.feedback`), beside the kept update, never in it.
+error feedback there (:mod:`xffl.training.feedback`), beside the kept update, never in it,
+and ``training.checkpoint`` its checkpoints inside the round (:mod:`xffl.training.round_state`:
+a rerun of a round cut short continues from them; removed once the round's update is kept).
 """
 
 from __future__ import annotations
@@ -151,6 +153,14 @@ def keep_update(out_dir: Path, keep: Path, rnd: int) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
+def drop_round_checkpoints(keep: Path) -> None:
+    """Remove the checkpoints inside the round (training.checkpoint) once its update is kept:
+    a rerun hands the kept update back and never continues from them."""
+    from xffl.training.round_state import ROOT  # after the ranks: torch's import is paid
+
+    shutil.rmtree(Path(keep) / ROOT, ignore_errors=True)
+
+
 def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir: Path, *,
            module: str = TRAINER_MODULE, env: Mapping[str, str] | None = None,
            slurm_job_name: str | None = None, keep: Path | None = None) -> int:
@@ -178,6 +188,7 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
         if rc == 0 and keep is not None and rnd is not None and rnd.isdigit():
             try:
                 keep_update(out_dir, keep, int(rnd))
+                drop_round_checkpoints(keep)
             except (OSError, XfflError) as exc:  # the round is done; only a rerun would train
                 print(f"xffl.training.launch: warning: could not keep the update in {keep} "
                       f"({exc}); a rerun of this round would train again.",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -108,12 +108,18 @@ def _step_targets(micro: list[tuple[Tensor, ...]], masked: bool, pm: ParallelMod
     return round(float(count.item()) / pm.tp_size)
 
 
+#: called after each optimizer step with (steps done, the losses so far, targets counted)
+AfterStep = Callable[[int, Tensor, int], None]
+
+
 def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
               batches: Iterator[tuple[Tensor, ...]], steps: int, spec: TrainingSpec,
               device: torch.device, *, deadline: float | None = None,
               check_deadline: bool = False,
               prox: list[tuple[torch.nn.Parameter, Tensor]] | None = None,
-              masked: bool = False, speed: Speed | None = None) -> LoopResult:
+              masked: bool = False, speed: Speed | None = None,
+              resume: tuple[Tensor, int] | None = None,
+              after_step: AfterStep | None = None) -> LoopResult:
     """Run up to ``steps`` optimizer steps of ``grad_accum`` micro-batches each.
 
     A batch is (inputs, targets) or (inputs, targets, position ids); ``masked`` (the same on
@@ -122,15 +128,21 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     With ``check_deadline`` (the same on every rank), the ranks agree before each step
     whether it still fits before ``deadline`` (a time.time() value, known on any rank;
     the last step's duration is the estimate) and stop together if not. ``speed``: what
-    the step lines' per-device tokens/s and MFU are computed with.
+    the step lines' per-device tokens/s and MFU are computed with. ``resume``: (the losses
+    of the steps a checkpoint already took, their targets in the loss): the loop continues
+    at the next step (``batches`` and the optimizer continue there too). ``after_step``:
+    called after every step (a round's checkpoints).
     """
     losses = torch.zeros(steps, dtype=torch.float64, device=device)
+    first = 0 if resume is None else len(resume[0])
+    if resume is not None:
+        losses[:first] = resume[0].to(device)
     pm.net.train()
     start = time.perf_counter()
     last = 0.0
-    done = 0
+    done = first
     tokens = 0  # this rank's, so far
-    loss_tokens = 0
+    loss_tokens = 0 if resume is None else resume[1]
     rank0 = not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
     reporter = StepReporter.from_env(
         steps, rank0, speed or Speed(devices=pm.dp_size * pm.tp_size))
@@ -138,7 +150,7 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
     clock.start()
     stopped = False
     chunked = supports(pm.net)  # the LM head chunk by chunk inside forward (not entry points)
-    for step in range(steps):
+    for step in range(first, steps):
         if check_deadline:
             late = deadline is not None and time.time() + last >= deadline
             if _agree_to_stop(late, device):
@@ -177,6 +189,8 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
         last = time.perf_counter() - began
         if reporter is not None and reporter.due(done):  # rank 0's loss: one number synced
             reporter.report(done, float(losses[step].item()), tokens * pm.dp_size)
+        if after_step is not None:
+            after_step(done, losses, loss_tokens)
     steady_tokens, steady_seconds = clock.window()  # synchronises the device
     return LoopResult(losses=losses[:done].cpu(), stopped_early=stopped,
                       seconds=time.perf_counter() - start, loss_tokens=loss_tokens,

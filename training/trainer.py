@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import (
@@ -30,7 +32,7 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
-from xffl.training import lora
+from xffl.training import lora, round_state
 from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
@@ -223,6 +225,24 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
                        precision=spec.precision, checkpointing=every, compile=spec.compile)
 
 
+def _round_checkpoints(job: TrainJob, round: int, parent: str, state_dir: Path | None,
+                       pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR
+                       ) -> tuple[round_state.Resumed | None, round_state.RoundCheckpointer | None]:
+    """``training.checkpoint``: the checkpoint this round continues from, and its saver."""
+    spec = job.training.checkpoint
+    if spec is None:
+        return None, None
+    if state_dir is None:
+        if xdist.rank() == 0:
+            print("xffl.training: warning: training.checkpoint is set but this job has no "
+                  "site state folder (the launcher's --keep); no checkpoint is written.",
+                  file=sys.stderr, flush=True)
+        return None, None
+    want = round_state.Identity(job.run_id, round, parent, xdist.world_size())
+    return round_state.begin(spec, Path(state_dir), want, job.training.grad_accum, pm,
+                             optimizer, scheduler)
+
+
 def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: float,
                    startup: float | None, incoming: Evaluation | None,
                    trained: Evaluation | None, eval_seconds: float,
@@ -280,7 +300,11 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     scheduler = make_scheduler(optimizer, spec, offset=(round - 1) * steps,
                                total=job.rounds * steps)
     prox = prox_snapshot(pm) if spec.prox_mu > 0 else None
-    batches = shards.batches(spec.batch_size, pm.dp_rank, pm.dp_size, spec.seed, round)
+    resumed, saver = _round_checkpoints(job, round, parent, state_dir, pm, optimizer,
+                                        scheduler)
+    skip = 0 if resumed is None else resumed.step * spec.grad_accum
+    batches = shards.batches(spec.batch_size, pm.dp_rank, pm.dp_size, spec.seed, round,
+                             skip=skip)
 
     xdist.barrier()
     startup = startup_seconds(os.environ, time.time())
@@ -301,9 +325,22 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
         json.dumps, json.loads)
     speed = round_speed(pm.module, config, spec.seq_len, device, world)
-    result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
-                       deadline=deadline, check_deadline=deadline is not None, prox=prox,
-                       masked=shards.flags is not None, speed=speed)
+    after_step = None
+    if saver is not None:
+        def after_step(done: int, so_far: Tensor, loss_tokens: int) -> None:
+            if saver.due(done, steps):
+                saver.save(done, pm, optimizer, scheduler, so_far, loss_tokens)
+            saver.failpoint(done)
+    try:
+        result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
+                           deadline=deadline, check_deadline=deadline is not None, prox=prox,
+                           masked=shards.flags is not None, speed=speed,
+                           resume=None if resumed is None else (resumed.losses,
+                                                                resumed.loss_tokens),
+                           after_step=after_step)
+    finally:
+        if saver is not None:
+            saver.close()
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
@@ -342,6 +379,9 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                "steps_planned": steps, "stopped_early": result.stopped_early,
                "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
                "seq_len": spec.seq_len, "exchange": job.exchange.label(),
+               **({} if saver is None else {"checkpoints": {
+                   "saved": saver.saves, "blocked_seconds": saver.blocked,
+                   "resumed_at": 0 if resumed is None else resumed.step}}),
                "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
     return _write_update(job, pm, model_dir, out_dir, config, manifest, state_dir)

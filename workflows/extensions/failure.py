@@ -8,7 +8,10 @@ did deliver. This one, registered as ``xffl`` through xffl's StreamFlow plugin, 
 steps belong to which site (its ``sites`` config):
 
 * a failed training command is run again up to ``retries`` times (``retry_delay`` seconds
-  apart), in the same job and working directory; a round timeout is not retried;
+  apart), in the same job and working directory; a round timeout is not retried. An attempt
+  whose output reports a complete checkpoint inside the round (``training.checkpoint``) of
+  a later step than any before uses no retry: the next attempt continues from it
+  (:func:`~xffl.workflows.steps.attempts.counts_against_retries`, bounded);
 * when a site is given up (its retries are spent, its job timed out, or its login node could
   not be reached for scheduling or staging), every step of that site's job in that round
   emits an empty (null) token instead of failing. The round's admit step for the site then
@@ -41,7 +44,12 @@ from streamflow.workflow.step import ExecuteStep, ScheduleStep
 from streamflow.workflow.token import JobToken
 
 from xffl.core.layout import RunLayout
-from xffl.workflows.steps.attempts import SiteAttempts, short_reason, write_attempts
+from xffl.workflows.steps.attempts import (
+    SiteAttempts,
+    counts_against_retries,
+    short_reason,
+    write_attempts,
+)
 
 TIMEOUT_MARK = "xffl: round timeout"
 
@@ -125,8 +133,10 @@ class SiteFailureManager(FailureManager):
         timed_out = is_timeout(exception)
         record = self._note(site, rnd, short_reason(str(exception) or type(exception).__name__),
                             timed_out=timed_out, final=final)
+        counts_against_retries(record, str(exception))
         if isinstance(step, ExecuteStep) and not timed_out:
-            while record.attempts <= self.retries:
+            # an attempt that left a newer checkpoint inside the round uses no retry
+            while record.attempts - record.progressed <= self.retries:
                 if self.retry_delay:
                     await asyncio.sleep(self.retry_delay)
                 record.attempts += 1
@@ -144,6 +154,7 @@ class SiteFailureManager(FailureManager):
                     timed_out = is_timeout(exc)
                     record = self._note(site, rnd, short_reason(str(exc)), timed_out=timed_out,
                                         final=final)
+                    counts_against_retries(record, str(exc))
                     if timed_out:
                         break
         record.gave_up = True

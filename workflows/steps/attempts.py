@@ -11,6 +11,7 @@ without it). The file is written by the coordinator, never by a site, and atomic
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from xffl.core.files import write_json
 from xffl.core.layout import RunLayout
 
 REASON_CHARS = 400
+#: the line a site's rank 0 prints when a checkpoint inside the round is complete
+#: (xffl.training.round_state.PROGRESS_LINE): a bounded number, never a path
+_PROGRESS_RE = re.compile(r"\bxffl\.training: checkpoint complete: round ([0-9]{1,9}) "
+                          r"step ([0-9]{1,9})\b")
+#: retries that progressed past the site's last checkpoint and so consume no retry, at most
+#: (a site reporting ever higher steps cannot make a round retry it forever)
+FREE_RETRIES = 100
 
 
 @dataclass
@@ -31,6 +39,10 @@ class SiteAttempts:
     gave_up: bool = False
     timed_out: bool = False
     final: bool = False  # the final model's evaluation after the last round, not a round's job
+    # failed attempts that left a newer complete checkpoint (training.checkpoint): they do
+    # not count against failure.retries; best_step: the highest checkpoint step reported
+    progressed: int = 0
+    best_step: int = 0
 
     @property
     def reason(self) -> str:
@@ -50,7 +62,8 @@ def read_attempts(layout: RunLayout, rnd: int, site: str,
     return SiteAttempts(site=site, round=rnd, attempts=int(data["attempts"]),
                         failures=[str(f) for f in data["failures"]],
                         gave_up=bool(data["gave_up"]), timed_out=bool(data["timed_out"]),
-                        final=final)
+                        final=final, progressed=int(data.get("progressed", 0)),
+                        best_step=int(data.get("best_step", 0)))
 
 
 def write_attempts(layout: RunLayout, record: SiteAttempts) -> Path:
@@ -79,3 +92,22 @@ def short_reason(text: str) -> str:
                     next((ln for ln in reversed(body) if ln.startswith("xffl")), body[-1]))
         return pick[:REASON_CHARS]
     return " ".join(lines[:2])[:REASON_CHARS]
+
+
+def progress_step(text: str, rnd: int) -> int | None:
+    """The highest checkpoint step of round ``rnd`` a failed attempt's output reports as
+    complete (None: none). Only the trainer's own line counts, and only its numbers."""
+    steps = [int(m.group(2)) for m in _PROGRESS_RE.finditer(text) if int(m.group(1)) == rnd]
+    return max(steps) if steps else None
+
+
+def counts_against_retries(record: SiteAttempts, text: str) -> bool:
+    """Whether the failed attempt whose output is ``text`` uses up a retry: not when it left
+    a checkpoint of a later step than any attempt before (the next attempt continues from
+    it), up to :data:`FREE_RETRIES` times. Updates ``record``."""
+    step = progress_step(text, record.round)
+    if step is None or step <= record.best_step or record.progressed >= FREE_RETRIES:
+        return True
+    record.best_step = step
+    record.progressed += 1
+    return False

@@ -1,0 +1,204 @@
+"""Checkpoints inside a round (training.checkpoint): a killed 2-rank gloo round, run again,
+continues from its newest complete checkpoint and writes bitwise the uninterrupted update;
+checkpoints of another round, another global model, or cut off during their save are refused.
+
+Every round here is the real launcher (``python -m xffl.training.launch``, forked torchrun
+ranks on gloo) in a session of its own, so that a ``...@group`` failpoint SIGKILLs the
+launcher and both ranks at once, as ``scancel`` or a node failure would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from xffl.aggregator.exchange import Manifest, verify_checkpoint
+from xffl.training.checkpoint import init_global
+from xffl.training.config import (
+    DataSpec,
+    ModelSpec,
+    RoundCheckpointSpec,
+    TrainingSpec,
+    TrainJob,
+)
+from xffl.training.round_state import COMPLETE, ROOT
+
+STEPS, EVERY = 40, 10
+MODEL = ModelSpec(preset="tiny-test", overrides={"attention_dropout": 0.1})
+
+
+def make_job(data: Path, mode: str, checkpoint: bool) -> TrainJob:
+    """40 steps of the tiny-test model with attention dropout (the ranks' RNG matters), 2
+    micro-batches a step, cosine schedule with warm-up: every piece a continued round must
+    restore moves the result if it is not restored."""
+    return TrainJob(
+        run_id="run-ckpt", site="site-a", rounds=2, model=MODEL,
+        training=TrainingSpec(steps=STEPS, batch_size=2, grad_accum=2, seq_len=16, lr=3e-3,
+                              seed=5, schedule="cosine", warmup_steps=5, data_parallel=mode,
+                              checkpoint=RoundCheckpointSpec(every=EVERY, keep=2)
+                              if checkpoint else None),
+        data=DataSpec(path=str(data), synthetic="alpha", synthetic_sequences=48),
+    )
+
+
+def run_round(where: Path, job: TrainJob, model: Path, state: Path, out: Path,
+              failpoint: str | None = None) -> tuple[int, str]:
+    """One site round through the launcher (2 ranks); its exit code and stderr."""
+    job_file = where / f"job-{out.name}.json"
+    job_file.write_text(job.model_dump_json())
+    env = {k: v for k, v in os.environ.items() if k != "XFFL_FAILPOINT"}
+    if failpoint is not None:
+        env["XFFL_FAILPOINT"] = failpoint
+    proc = subprocess.run(
+        [sys.executable, "-m", "xffl.training.launch", "--ranks", "2", "--launcher",
+         "torchrun", "--keep", str(state), "--", "--job", str(job_file), "--round", "1",
+         "--model", str(model), "--out", str(out)],
+        env=env, capture_output=True, text=True, start_new_session=True, timeout=600)
+    return proc.returncode, proc.stderr
+
+
+def tensor_digests(update: Path) -> dict[str, str]:
+    """sha256 of every tensor's bytes in an update, by name."""
+    with safe_open(str(update / "model.safetensors"), "pt") as fh:
+        return {name: hashlib.sha256(fh.get_tensor(name).numpy().tobytes()).hexdigest()
+                for name in fh.keys()}  # noqa: SIM118 (safe_open is no mapping)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The round-0 global model and the site's synthetic data folder (made by the ranks)."""
+    where = tmp_path_factory.mktemp("site")
+    init_global("run-ckpt", MODEL, 0, where / "global0")
+    return where / "global0", where / "data"
+
+
+_REFERENCES: dict[str, tuple[Manifest, Path]] = {}
+
+
+def reference(where: Path, site: tuple[Path, Path], mode: str) -> tuple[Manifest, Path]:
+    """The uninterrupted round, without checkpoints (what a job wrote before they existed);
+    once per module and mode."""
+    if mode not in _REFERENCES:
+        model, data = site
+        folder = site[0].parent / f"ref-{mode}"
+        folder.mkdir()
+        rc, err = run_round(folder, make_job(data, mode, False), model, folder / "state",
+                            folder / "ref")
+        assert rc == 0, err
+        _REFERENCES[mode] = verify_checkpoint(folder / "ref"), folder / "ref"
+    return _REFERENCES[mode]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
+                                        mode: str) -> None:
+    """Killed (SIGKILL of the launcher and both ranks) after step 25, the round run again
+    starts at step 20 and its update is bitwise the uninterrupted round's: the same tensors
+    (sha256 of each), the same per-step losses. No tolerance: on CPU the same operations on
+    the same values in the same order give the same bits, so any state not restored (data
+    position, RNG, AdamW moments and step, the schedule's position) shows as a difference."""
+    ref_manifest, ref = reference(tmp_path, site, mode)
+    model, data = site
+    job, state = make_job(data, mode, True), tmp_path / "state"
+    rc, err = run_round(tmp_path, job, model, state, tmp_path / "out",
+                        failpoint="round-step-25@group")
+    assert rc != 0, err
+    folders = list((state / ROOT).iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("run-ckpt-r1-")
+    assert sorted(p.name for p in folders[0].iterdir()) == ["step-000010", "step-000020"]
+    assert (folders[0] / "step-000020" / COMPLETE).is_file()
+    assert os.stat(folders[0]).st_mode & 0o077 == 0  # the site user's alone
+    rc, err = run_round(tmp_path, job, model, state, tmp_path / "out")
+    assert rc == 0, err
+    assert f"continuing round 1 at step 20 from checkpoint {folders[0] / 'step-000020'}" \
+        in err
+    update = verify_checkpoint(tmp_path / "out")
+    assert update.extra["checkpoints"]["resumed_at"] == 20
+    assert update.extra["checkpoints"]["saved"] == 1  # step 30 (none at the last step)
+    assert update.extra["losses"] == ref_manifest.extra["losses"]
+    assert update.num_tokens == ref_manifest.num_tokens
+    assert tensor_digests(tmp_path / "out") == tensor_digests(ref)
+    assert not (state / ROOT).exists()  # removed once the update was kept
+
+
+def _plant(source: Path, state: Path, folder: str, **marker: object) -> Path:
+    """A copy of a complete checkpoint as another round's or global's would be."""
+    target = state / ROOT / folder / source.name
+    shutil.copytree(source, target)
+    data = json.loads((target / COMPLETE).read_text())
+    (target / COMPLETE).write_text(json.dumps({**data, **marker}))
+    return target
+
+
+@pytest.mark.slow
+def test_foreign_and_half_written_checkpoints_are_refused(
+        tmp_path: Path, site: tuple[Path, Path]) -> None:
+    """A checkpoint whose job was killed during its save (dcp's files written, the marker
+    not), and complete ones of round 2 and of another global model: each is refused with
+    its reason, and the job starts the round over (bitwise the uninterrupted update)."""
+    mode = "fsdp"
+    ref_manifest, ref = reference(tmp_path, site, mode)
+    model, data = site
+    job, state = make_job(data, mode, True), tmp_path / "state"
+    rc, err = run_round(tmp_path, job, model, state, tmp_path / "out",
+                        failpoint="round-checkpoint-marker@group")
+    assert rc != 0, err
+    (ours,) = list((state / ROOT).iterdir())
+    half = ours / "step-000010"
+    assert (half / ".metadata").is_file() and not (half / COMPLETE).exists()
+    # complete checkpoints to copy: an uninterrupted round's step 20 in a state of its own
+    rc, err = run_round(tmp_path, job, model, tmp_path / "donor", tmp_path / "donor-out",
+                        failpoint="round-step-25@group")
+    assert rc != 0, err
+    donor = next((tmp_path / "donor" / ROOT).iterdir()) / "step-000020"
+    other_round = _plant(donor, state, ours.name.replace("-r1-", "-r2-"), round=2)
+    other_global = _plant(donor, state, "run-ckpt-r1-0123456789abcdef", parent="0" * 64)
+    rc, err = run_round(tmp_path, job, model, state, tmp_path / "out")
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if "not continuing from checkpoint" in ln]
+    assert any(str(half) in ln and "incomplete" in ln for ln in lines), err
+    assert any(str(other_round) in ln and "of round 2, not 1" in ln for ln in lines), err
+    assert any(str(other_global) in ln and "of another global model" in ln
+               for ln in lines), err
+    assert "round 1 starts from the global model" in err
+    update = verify_checkpoint(tmp_path / "out")
+    assert update.extra["checkpoints"]["resumed_at"] == 0
+    assert update.extra["losses"] == ref_manifest.extra["losses"]
+    assert tensor_digests(tmp_path / "out") == tensor_digests(ref)
+    # the round's update is kept: no checkpoint of it (or of others) is needed any more
+    assert not (state / ROOT).exists() and (state / "r1").is_dir()
+
+
+def test_one_process_round_keeps_the_newest_and_continues(tmp_path: Path) -> None:
+    """One rank (no process group: dcp without collectives): checkpoints after steps 1..5 of
+    6 with keep 2 leave steps 4 and 5; the same round run again continues at step 5, takes
+    the last step alone, and writes the same tensors and losses."""
+    from xffl.training.data import ensure_synthetic
+    from xffl.training.trainer import train_round
+
+    data = tmp_path / "data"
+    job = make_job(data, "ddp", True)
+    job = job.model_copy(update={"training": job.training.model_copy(update={
+        "steps": 6, "checkpoint": RoundCheckpointSpec(every=1, keep=2)})})
+    ensure_synthetic(data, "alpha", 48, job.training.seq_len)
+    model = tmp_path / "global0"
+    init_global("run-ckpt", MODEL, 0, model)
+    state = tmp_path / "state"
+    first = train_round(job, 1, model, data, tmp_path / "first", state_dir=state)
+    (folder,) = list((state / ROOT).iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000004", "step-000005"]
+    assert all((p / COMPLETE).is_file() for p in folder.iterdir())
+    again = train_round(job, 1, model, data, tmp_path / "again", state_dir=state)
+    assert again.extra["checkpoints"] == {**again.extra["checkpoints"], "resumed_at": 5,
+                                          "saved": 0}
+    assert again.extra["losses"] == first.extra["losses"]
+    assert tensor_digests(tmp_path / "again") == tensor_digests(tmp_path / "first")
