@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xffl.core.validation import check_path_text
 from xffl.site_profiles.shell_text import shell_unsafe_char, template_text
@@ -57,7 +57,7 @@ class ContainerSpec(BaseModel):
         "IMAGE --`; an image directory or SquashFS file)")
     image: str = Field(description="the image at the facility: an absolute path (a .sif file "
                        "for apptainer/singularity, a directory or .sqfs for charliecloud)")
-    binds: list[str] = Field(
+    binds: list[Annotated[str, AfterValidator(_bind)]] = Field(
         default_factory=list, description="more SRC[:DST] folders to bind (absolute paths); "
         "the workdir and the data path are bound already")
     gpus: Literal["nv", "rocm", "none"] = Field(
@@ -70,13 +70,6 @@ class ContainerSpec(BaseModel):
                       "`xffl profiles image` writes (NGC PyTorch; a ROCm PyTorch image for AMD)")
 
     _image = field_validator("image")(_container_path)
-
-    @field_validator("binds")
-    @classmethod
-    def _binds(cls, value: list[str]) -> list[str]:
-        for item in value:
-            _bind(item)
-        return value
 
     @field_validator("python")
     @classmethod
