@@ -14,6 +14,8 @@ ContainerRuntime = Literal["apptainer", "singularity", "charliecloud"]
 # the runtimes that pass the node's GPUs into a container at run time (--nv, --rocm)
 GPU_RUNTIMES = ("apptainer", "singularity")
 # NGC's PyTorch image: torch built for the NVIDIA driver, CUDA, cuDNN and NCCL in one base
+# in a container line, the launcher's working folder (it substitutes it before starting ranks)
+CWD_WORD = "{cwd}"
 DEFAULT_BASE = "nvcr.io/nvidia/pytorch:25.01-py3"
 
 
@@ -114,8 +116,10 @@ def rank_python(container: ContainerSpec, bound: list[str]) -> list[str]:
     or ``WORDS -m torch.distributed.run ...`` (torchrun and its ranks inside the container).
     """
     if container.runtime == "charliecloud":  # ch-run [--bind=SRC[:DST]]... IMAGE -- CMD
-        return ["ch-run", *(f"--bind={b}" for b in bound), container.image, "--",
-                container.python]
+        # ch-run starts in the image's /, not in the folder it was started from: the
+        # launcher puts its own folder (the round's job folder) for CWD_WORD
+        return ["ch-run", f"--cd={CWD_WORD}", *(f"--bind={b}" for b in bound),
+                container.image, "--", container.python]
     gpus = {"nv": ["--nv"], "rocm": ["--rocm"], "none": []}[container.gpus]
     return [container.runtime, "exec", *gpus, *(w for b in bound for w in ("--bind", b)),
             container.image, container.python]

@@ -18,13 +18,13 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, distribution
+from importlib.metadata import PackageNotFoundError, distribution, distributions
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from packaging.requirements import Requirement
 
-from xffl.core.errors import InvalidInput
+from xffl.core.errors import InvalidInput, RunFailed
 from xffl.site_profiles.container import ContainerSpec
 from xffl.site_profiles.schema import SiteProfile
 
@@ -88,13 +88,12 @@ def install_steps(python: str, folder: str, wheel: str) -> list[str]:
 
 def _source_dir() -> Path | None:
     """The source folder this xffl was installed from (an editable or local install)."""
-    try:
-        text = distribution("xffl").read_text("direct_url.json")
-    except PackageNotFoundError:
-        return None
-    url = json.loads(text or "{}").get("url", "")
-    path = Path(url.removeprefix("file://")) if url.startswith("file://") else None
-    return path if path is not None and (path / "pyproject.toml").is_file() else None
+    for dist in distributions(name="xffl"):  # a source folder's own xffl.egg-info has no URL
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        path = Path(url.removeprefix("file://")) if url.startswith("file://") else None
+        if path is not None and (path / "pyproject.toml").is_file():
+            return path
+    return None
 
 
 def build_wheel(out: Path, wheel: Path | None = None) -> str:
@@ -111,13 +110,22 @@ def build_wheel(out: Path, wheel: Path | None = None) -> str:
         raise InvalidInput("this xffl was not installed from a source folder, so its wheel "
                            "cannot be built here; pass --wheel PATH (the xffl wheel you "
                            "installed)")
+    leftovers = [p for p in (source / "build", source / "xffl.egg-info") if not p.exists()]
     with tempfile.TemporaryDirectory(prefix="xffl-wheel-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                        "--no-build-isolation", "--no-index", "-w", tmp, str(source)],
-                       check=True, stdout=subprocess.DEVNULL)
-        (built,) = Path(tmp).glob("xffl-*.whl")
-        shutil.copyfile(built, out / built.name)
-        return built.name
+        try:
+            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                                    "--no-build-isolation", "--no-index", "-w", tmp,
+                                    str(source)], capture_output=True, text=True, check=False)
+        finally:  # setuptools' work folders in the source tree, unless they were there
+            for path in leftovers:
+                shutil.rmtree(path, ignore_errors=True)
+        if built.returncode != 0:
+            tail = " | ".join((built.stderr or built.stdout).strip().splitlines()[-3:])
+            raise RunFailed(f"building xffl's wheel from {source} failed ({tail}); pass "
+                            "--wheel PATH instead")
+        (made,) = Path(tmp).glob("xffl-*.whl")
+        shutil.copyfile(made, out / made.name)
+        return made.name
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,10 @@ TRAINER_MODULE = "xffl.training"
 EVALUATE_MODULE = "xffl.training.evaluate_models"  # cross-site evaluation (xffl evaluate)
 FORKED_MODULE = "xffl.training.forked"
 # the words that run the ranks' Python when it is not the launcher's: a site's container line
-# (``ch-run --bind=... IMAGE -- python3``), exported by the batch script
+# (``ch-run --cd={cwd} --bind=... IMAGE -- python3``), exported by the batch script; the
+# launcher's working folder replaces {cwd}
 RANK_PYTHON_ENV = "XFFL_RANK_PYTHON"
+CWD_WORD = "{cwd}"
 FORK_ENV = "XFFL_FORK_RANKS"  # "0": exec every rank as torchrun does, even on a CPU machine
 # device files of GPUs a rank could use: NVIDIA, AMD (ROCm's kfd), Intel and other DRM render
 ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dri/renderD*", "accel/*")
@@ -197,7 +199,8 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
                module: str, env: Mapping[str, str] | None) -> int:
     """Start the ranks and judge the outcome (see the module doc)."""
     child_env = dict(os.environ if env is None else env)
-    rank_python = shlex.split(child_env.get(RANK_PYTHON_ENV, "")) or None
+    rank_python = [w.replace(CWD_WORD, os.getcwd())
+                   for w in shlex.split(child_env.get(RANK_PYTHON_ENV, ""))] or None
     command = build_command(ranks, launcher, trainer_args, module=module, python=rank_python,
                             fork=forkable(child_env))
     threads = rank_threads(child_env, ranks_per_node(ranks, child_env, launcher), usable_cpus())
