@@ -117,8 +117,12 @@ def rank_python(container: ContainerSpec, bound: list[str]) -> list[str]:
     """
     if container.runtime == "charliecloud":  # ch-run [--bind=SRC[:DST]]... IMAGE -- CMD
         # ch-run starts in the image's /, not in the folder it was started from: the
-        # launcher puts its own folder (the round's job folder) for CWD_WORD
-        return ["ch-run", f"--cd={CWD_WORD}", *(f"--bind={b}" for b in bound),
+        # launcher puts its own folder (the round's job folder) for CWD_WORD. ch-run binds
+        # the host's $TMPDIR (a CWL step's own temporary folder) at /tmp and cannot make a
+        # mount point below it: folders under /tmp are reached through TMPDIR=/tmp instead
+        under_tmp = [b for b in bound if ":" not in b and b.startswith("/tmp/")]
+        return [*(["env", "TMPDIR=/tmp"] if under_tmp else []), "ch-run", f"--cd={CWD_WORD}",
+                *(f"--bind={b}" for b in bound if b not in under_tmp),
                 container.image, "--", container.python]
     gpus = {"nv": ["--nv"], "rocm": ["--rocm"], "none": []}[container.gpus]
     return [container.runtime, "exec", *gpus, *(w for b in bound for w in ("--bind", b)),

@@ -62,6 +62,10 @@ def test_rocm_singularity_and_charliecloud_lines() -> None:
     assert ch is not None
     assert rank_python(ch, ["/w"]) == ["ch-run", "--cd={cwd}", "--bind=/w", "/img/dir", "--",
                                        "/opt/venv/bin/python"]
+    # ch-run binds $TMPDIR at /tmp: folders below /tmp are reached through the host's /tmp
+    assert rank_python(ch, ["/w", "/tmp/x", "/tmp/y:/y"]) == [
+        "env", "TMPDIR=/tmp", "ch-run", "--cd={cwd}", "--bind=/w", "--bind=/tmp/y:/y",
+        "/img/dir", "--", "/opt/venv/bin/python"]
 
 
 def test_the_batch_script_shows_and_exports_the_container_line() -> None:

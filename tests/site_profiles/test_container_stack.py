@@ -175,9 +175,11 @@ def test_the_batch_script_slurm_ran_holds_the_container_line(
     for script in container_run.scripts:
         line = next(ln for ln in script.splitlines() if ln.startswith("export XFFL_RANK_PYTHON="))
         words = shlex.split(*shlex.split(line.split("=", 1)[1]))
-        assert words[:2] == ["ch-run", "--cd={cwd}"] and words[-3:] == [
+        # the stack's workdir is under /tmp: ch-run reaches it through TMPDIR=/tmp
+        assert words[:4] == ["env", "TMPDIR=/tmp", "ch-run", "--cd={cwd}"] and words[-3:] == [
             str(container_run.image), "--", IMAGE_PYTHON], words
-        assert "#   srun --ntasks=2 --kill-on-bad-exit=1 ch-run --cd={cwd}" in script
+        assert "#   srun --ntasks=2 --kill-on-bad-exit=1 env TMPDIR=/tmp ch-run '--cd={cwd}' " \
+            f"--bind=/usr --bind={sys.base_prefix} " in script
         assert "--launcher srun" in script
     assert "export XFFL_RANK_PYTHON=" in container_run.plan_script  # `xffl render`'s too
 
