@@ -13,9 +13,9 @@ from xffl.site_profiles.shell_text import shell_unsafe_char, template_text
 ContainerRuntime = Literal["apptainer", "singularity", "charliecloud"]
 # the runtimes that pass the node's GPUs into a container at run time (--nv, --rocm)
 GPU_RUNTIMES = ("apptainer", "singularity")
-# NGC's PyTorch image: torch built for the NVIDIA driver, CUDA, cuDNN and NCCL in one base
 # in a container line, the launcher's working folder (it substitutes it before starting ranks)
 CWD_WORD = "{cwd}"
+# NGC's PyTorch image: torch built for the NVIDIA driver, CUDA, cuDNN and NCCL in one base
 DEFAULT_BASE = "nvcr.io/nvidia/pytorch:25.01-py3"
 
 

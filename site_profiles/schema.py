@@ -345,6 +345,9 @@ class SiteProfile(_Strict):
             raise ValueError("a container needs the profile's slurm section: its ranks are "
                              "wrapped in the batch script of the site's SLURM jobs; add slurm: "
                              "or remove container:")
+        if "," in info.data.get("workdir", ""):
+            raise ValueError("the workdir holds ',', which a container's bind list would "
+                             "split; use a workdir without commas")
         gpus_asked = bool(getattr(slurm, "gpus_per_node", None))
         if gpus_asked and value.gpus == "none":
             launcher = info.data.get("launcher", "torchrun")
