@@ -3,6 +3,7 @@ definition `xffl profiles image` writes (and the one in docs/containers.md)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.cli.schemas import check
 from tests.conftest import REPO
 from xffl.cli.app import app
 from xffl.site_profiles.container import binds, rank_python
@@ -131,8 +133,10 @@ def test_the_leonardo_definition_in_the_docs_is_what_the_command_writes(
     and docs/containers.md shows exactly this file."""
     out = tmp_path / "leonardo-image"
     egg_info = (REPO / "xffl.egg-info").exists()
-    result = runner.invoke(app, ["profiles", "image", "leonardo", "-o", str(out)])
+    result = runner.invoke(app, ["profiles", "image", "leonardo", "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
+    shown = check("profiles-image", json.loads(result.stdout))
+    assert shown["build"][-1] == "apptainer build xffl-leonardo.sif xffl.def"
     (wheel,) = out.glob("xffl-*.whl")
     definition = (out / "xffl.def").read_text()
     post = definition.split("%post\n", 1)[1].split("\n\n", 1)[0].splitlines()
