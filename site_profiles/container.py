@@ -11,6 +11,9 @@ from xffl.core.validation import check_path_text
 from xffl.site_profiles.shell_text import shell_unsafe_char, template_text
 
 ContainerRuntime = Literal["apptainer", "singularity", "charliecloud"]
+# the command each runtime is run with
+RUNTIME_COMMANDS = {"apptainer": "apptainer", "singularity": "singularity",
+                    "charliecloud": "ch-run"}
 # the runtimes that pass the node's GPUs into a container at run time (--nv, --rocm)
 GPU_RUNTIMES = ("apptainer", "singularity")
 # in a container line, the launcher's working folder (it substitutes it before starting ranks)

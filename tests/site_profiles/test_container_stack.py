@@ -100,6 +100,7 @@ class ContainerRun:
     job_ids: list[str]
     scripts: list[str]  # the batch scripts SLURM ran, as `scontrol write batch_script` gives
     probes: list[dict[str, str]]
+    profile: Path
     data: Path
     image: Path
     plan_script: str
@@ -164,7 +165,7 @@ def container_run(slurm_stack: StackInfo, tmp_path_factory: pytest.TempPathFacto
         scripts.append(shown.stdout)
     probes = [json.loads(p.read_text()) for p in probe.glob("*.json")]
     yield ContainerRun(run_dir=run_dir, job_ids=job_ids, scripts=scripts, probes=probes,
-                       data=data, image=image,
+                       profile=profiles / "test-alpha-ch.yaml", data=data, image=image,
                        plan_script=(run_dir / "sbatch" / "alpha.sh").read_text())
     shutil.rmtree(probe, ignore_errors=True)
 
@@ -220,3 +221,23 @@ def test_the_updates_are_bitwise_those_without_a_container(container_run: Contai
         tensors = {n for n in theirs if n.endswith(".safetensors")}
         assert tensors and tensors == {n for n in ours if n.endswith(".safetensors")}
         assert {n: ours[n] for n in tensors} == {n: theirs[n] for n in tensors}, rnd
+
+
+def test_profiles_check_finds_the_image_and_names_a_missing_one(
+        container_run: ContainerRun) -> None:
+    """`xffl profiles check`'s row over the site's SSH login: the image and ch-run are there;
+    an image path that does not exist at the site is one row naming it and the fix."""
+    from xffl.site_profiles.lookup import load_profile_file
+    from xffl.site_profiles.remote import check_site
+
+    profile = load_profile_file(container_run.profile)
+    rows = {row: (ok, detail) for row, ok, detail in check_site("alpha", profile).rows}
+    ok, detail = rows["container image"]
+    assert ok and detail.startswith(f"{container_run.image} (ch-run: /"), detail
+    assert profile.container is not None
+    gone = profile.model_copy(update={"container": profile.container.model_copy(
+        update={"image": f"{container_run.image}-gone"})})
+    rows = {row: (ok, detail) for row, ok, detail in check_site("alpha", gone).rows}
+    assert rows["container image"] == (False, (
+        f"{container_run.image}-gone does not exist at the site; build it (`xffl profiles image "
+        "test-alpha-ch` writes its definition) and put it there, or fix container.image"))
