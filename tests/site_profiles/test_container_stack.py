@@ -241,3 +241,36 @@ def test_profiles_check_finds_the_image_and_names_a_missing_one(
     assert rows["container image"] == (False, (
         f"{container_run.image}-gone does not exist at the site; build it (`xffl profiles image "
         "test-alpha-ch` writes its definition) and put it there, or fix container.image"))
+
+
+def test_submit_refuses_an_image_missing_at_the_site(container_run: ContainerRun,
+                                                     slurm_stack: StackInfo,
+                                                     tmp_path: Path) -> None:
+    """A profile whose image is not at the facility: `xffl submit` asks the site over SSH
+    and refuses, exit 2, one line naming the profile's file and line, before any SLURM job."""
+    folder = tmp_path / "site_profiles"
+    folder.mkdir()
+    text = container_run.profile.read_text().replace("name: test-alpha-ch",
+                                                     "name: test-alpha-gone")
+    gone = f"{container_run.image}-gone"
+    text = text.replace(f"image: {container_run.image}\n", f"image: {gone}\n")
+    (folder / "test-alpha-gone.yaml").write_text(text)
+    line = next(n for n, t in enumerate(text.splitlines(), 1) if t.strip().startswith("image:"))
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec["evaluation"] = {"final": False}
+    spec.update(name="gone", rounds=1)
+    spec["sites"] = spec["sites"][:1]
+    spec["sites"][0].update(profile="test-alpha-gone")
+    spec["sites"][0]["data"].update(path=str(container_run.data))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    before = len(slurm_stack.jobcomp_records("alpha"))
+    result = runner.invoke(app, ["submit", str(job)])
+    assert result.exit_code == 2, result.output
+    (said,) = [x for x in result.stderr.splitlines() if x.strip()]
+    assert said == (
+        f"error: {job}: site 'alpha': its container image {gone} does not exist there "
+        f"({folder / 'test-alpha-gone.yaml'}:{line}: container.image); build it (`xffl "
+        "profiles image test-alpha-gone` writes its definition) and put it there, or fix the "
+        "path."), said
+    assert len(slurm_stack.jobcomp_records("alpha")) == before
