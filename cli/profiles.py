@@ -8,13 +8,15 @@ from typing import Annotated
 
 import typer
 
+from xffl.cli import profiles_image
 from xffl.cli.common import XfflCommand, XfflSubGroup, console, handle_errors, print_json
 from xffl.cli.options import JsonOpt
 from xffl.cli.tables import Markup, Rows
 from xffl.core.errors import ExitCode
 
-app = typer.Typer(cls=XfflSubGroup, help="List, show, copy (init) and check site profiles.",
-                  no_args_is_help=True)
+app = typer.Typer(cls=XfflSubGroup, help="List, show, copy (init) and check site profiles, and "
+                  "write a site's container image definition.", no_args_is_help=True)
+app.command("image", cls=XfflCommand)(profiles_image.image)
 
 NameArg = Annotated[str, typer.Argument(
         metavar="NAME", help="Profile name (file NAME.yaml).")]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages the xffl test stack needs (two SLURM clusters, munge, one sshd),
-# and headless Chromium, in which tests/cli/test_report_layout.py lays out `xffl report`'s page
+# Charliecloud's runtime (ch-run: tests/site_profiles/test_container_stack.py trains a site's
+# ranks inside a container; unprivileged, it needs user namespaces), and headless Chromium, in which tests/cli/test_report_layout.py lays out `xffl report`'s page
 # (Debian's chromium without recommends: 25 packages, 115 MB to download, 398 MB installed,
 # about 2 minutes on a 2-core machine).
 #
@@ -12,7 +13,8 @@
 # mariadb are NOT installed unless XFFL_WITH_SLURMDBD=1 is set.
 set -euo pipefail
 
-PKGS=(slurmctld slurmd slurm-client munge openssh-server openssh-client cron chromium)
+PKGS=(slurmctld slurmd slurm-client munge openssh-server openssh-client cron charliecloud-runtime
+      chromium)
 if [[ "${XFFL_WITH_SLURMDBD:-0}" == "1" ]]; then
     PKGS+=(slurmdbd mariadb-server)
 fi
@@ -82,7 +84,7 @@ fi
 
 # The Debian packages' postinst may have started daemons (when an init system exists) on the
 # default ports / default munge socket; the test stack does not use them, so leave them be.
-for b in slurmctld slurmd munged mungekey sshd sinfo sbatch chromium; do
+for b in slurmctld slurmd munged mungekey sshd sinfo sbatch ch-run chromium; do
     if ! command -v "$b" >/dev/null 2>&1 && [[ ! -x "/usr/sbin/$b" ]]; then
         log "after install, $b is still missing"
         exit 1

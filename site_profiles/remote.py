@@ -13,6 +13,7 @@ from pathlib import Path
 import paramiko
 
 from xffl.core.errors import ConnectionFailed, XfflError
+from xffl.site_profiles.container import RUNTIME_COMMANDS, ContainerSpec
 from xffl.site_profiles.credentials import renew_advice, site_credential
 from xffl.site_profiles.login import Login, known_hosts_path, resolve
 from xffl.site_profiles.lookup import placeholders
@@ -352,6 +353,8 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         rows, check.versions = python_rows(python, *answer, gres=gres, partition=partition)
         for row in rows:
             check.add(*row)
+        if profile.container is not None:
+            check.add(*container_row(client, profile.container, profile.name))
     dtn = transfer_login(profile)
     if dtn is not None:
         try:
@@ -360,6 +363,25 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
         except ConnectionFailed as exc:
             check.add("transfer host", False, exc.message)
     return check
+
+
+def container_row(client: paramiko.SSHClient, container: ContainerSpec,
+                  name: str) -> tuple[str, bool, str]:
+    """Whether the container's image exists at the site and its runtime is on the login
+    node's PATH (the compute nodes' may differ: a `module load` in setup reaches both)."""
+    exe = RUNTIME_COMMANDS[container.runtime]
+    image = shlex.quote(container.image)
+    rc, out, _ = run(client, f"if ! test -e {image}; then echo no-image; "
+                     f"else command -v {exe} || echo no-runtime; fi")
+    answer = out.strip().splitlines()[-1] if out.strip() else ""
+    if answer == "no-image":
+        return ("container image", False, f"{container.image} does not exist at the site; "
+                f"build it (`xffl profiles image {name}` writes its definition) and put it "
+                "there, or fix container.image")
+    if answer == "no-runtime" or rc != 0:
+        return ("container image", False, f"{container.image} exists, but {exe} is not on "
+                "the login node's PATH; load its module in the profile's setup, or install it")
+    return ("container image", True, f"{container.image} ({exe}: {answer})")
 
 
 def preflight(profiles: dict[str, SiteProfile]) -> None:

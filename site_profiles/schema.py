@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
 from xffl.core.names import check_name
-from xffl.core.validation import PathText, StrictModel, check_path_text
+from xffl.core.validation import PathText, StrictModel
+from xffl.site_profiles.container import GPU_RUNTIMES as GPU_RUNTIMES
+from xffl.site_profiles.container import ContainerSpec
+from xffl.site_profiles.shell_text import ENV_NAME_RE as ENV_NAME_RE
+from xffl.site_profiles.shell_text import WORKDIR_PLACEHOLDERS as WORKDIR_PLACEHOLDERS
+from xffl.site_profiles.shell_text import WORKDIR_PUNCTUATION as WORKDIR_PUNCTUATION
+from xffl.site_profiles.shell_text import shell_unsafe_char as shell_unsafe_char
+from xffl.site_profiles.shell_text import template_text as template_text
+from xffl.site_profiles.shell_text import workdir_text
 
 
 class LocalConnector(StrictModel):
@@ -124,48 +133,6 @@ class SshConnector(StrictModel):
 
 
 _SHELL_UNSAFE = set('"$`\\')
-# an environment variable's name, as POSIX sh and StreamFlow's `export NAME=...` take it
-ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# a workdir's characters besides letters and digits: StreamFlow joins the workdir, unquoted,
-# into the commands it runs at an SSH site (mkdir, tar -C, ln, rm -rf, sbatch --chdir "...")
-WORKDIR_PUNCTUATION = frozenset("_./-+,:@%=")
-WORKDIR_PLACEHOLDERS = ("{xffl_home}", "{site}")
-
-
-def shell_unsafe_char(path: str) -> str | None:
-    """The first character of ``path`` that a shell would read as more than a path, if any.
-
-    Letters, digits, ``_ . / - + , : @ % =`` and the workdir placeholders are plain text to
-    sh even unquoted; anything else (blanks, quotes, ``$ ` ; & | < > ( ) * ? [ ] ~ \\``,
-    ``#``, ``!``, ``{``, control characters) is refused where a path reaches a shell unquoted.
-    """
-    for placeholder in WORKDIR_PLACEHOLDERS:
-        path = path.replace(placeholder, "")
-    return next((c for c in path if not (c.isalnum() or c in WORKDIR_PUNCTUATION)), None)
-
-
-def _workdir(value: str) -> str:
-    """A workdir is plain path text to an unquoted shell word (see :func:`shell_unsafe_char`)."""
-    check_path_text(value)
-    bad = shell_unsafe_char(value)
-    if bad is not None:
-        raise ValueError(
-            f"{value!r} holds {bad!r}, which StreamFlow would pass unquoted to a shell at the "
-            "site (mkdir, tar, sbatch --chdir); use an absolute path of letters, digits and "
-            "_ . / - + , : @ % = (and the {xffl_home} and {site} placeholders)")
-    return value
-
-# StreamFlow renders the batch template with Jinja2 a second time; the site's own lines sit
-# in a {% raw %} block there, which only a Jinja2 statement tag could end
-_TEMPLATE_TAG = "{%"
-
-
-def template_text(value: str) -> str:
-    """A value that reaches the batch template: no Jinja2 statement tag."""
-    if _TEMPLATE_TAG in value:
-        raise ValueError(f"{value!r} holds '{_TEMPLATE_TAG}', which the batch script's "
-                         "template would read as a Jinja2 statement; remove it")
-    return value
 
 
 def _slurm_text(value: str | None) -> str | None:
@@ -322,6 +289,10 @@ class SiteProfile(StrictModel):
         description="where relative data paths and scratch live at the site; "
         "{xffl_home} and {site} are substituted; letters, digits and _ . / - + , : @ % = only",
     )
+    container: ContainerSpec | None = Field(
+        default=None, description="run the training ranks inside this container image "
+        "(srun/torchrun start `RUNTIME exec IMAGE python -m xffl.training` on the compute "
+        "nodes); null = the ranks run `python` directly")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment of the ranks; each value is literal "
         "text, exported shell-quoted (no $VAR or `...` expansion; use setup for that)")
@@ -330,7 +301,7 @@ class SiteProfile(StrictModel):
         "checks the job's estimated peak per rank against it (null: no GPU check)")
 
     _name = field_validator("name")(check_name)
-    _workdir_text = field_validator("workdir")(_workdir)
+    _workdir_text = field_validator("workdir")(workdir_text)
 
     def with_slurm(self, override: SlurmOverride | None) -> SiteProfile:
         """This profile with a job spec's SLURM overrides applied (ValueError: no SLURM here)."""
@@ -354,6 +325,36 @@ class SiteProfile(StrictModel):
                 raise ValueError(f"the value of {key} holds a NUL character, which no "
                                  "environment can hold; remove it")
             template_text(text)
+        return value
+
+    @field_validator("container")
+    @classmethod
+    def _container_fits(cls, value: ContainerSpec | None,
+                        info: ValidationInfo) -> ContainerSpec | None:
+        """The container can run where the profile says: a local image exists, GPUs pass."""
+        if value is None:
+            return None
+        slurm, connector = info.data.get("slurm"), info.data.get("connector")
+        if slurm is None:
+            raise ValueError("a container needs the profile's slurm section: its ranks are "
+                             "wrapped in the batch script of the site's SLURM jobs; add slurm: "
+                             "or remove container:")
+        if "," in info.data.get("workdir", ""):
+            raise ValueError("the workdir holds ',', which a container's bind list would "
+                             "split; use a workdir without commas")
+        gpus_asked = bool(getattr(slurm, "gpus_per_node", None))
+        if gpus_asked and value.gpus == "none":
+            launcher = info.data.get("launcher", "torchrun")
+            raise ValueError(
+                f"slurm.gpus_per_node asks for GPUs, but gpus: none keeps them out of the "
+                f"{value.runtime} container the ranks run in (launcher: {launcher}); set "
+                "gpus: nv (NVIDIA) or rocm (AMD)" + (
+                    ", with runtime: apptainer or singularity" if value.runtime not in
+                    GPU_RUNTIMES else ""))
+        if isinstance(connector, LocalConnector) and not Path(value.image).exists():
+            raise ValueError(f"the image {value.image} does not exist on this machine (the "
+                             "site's); build it there (`xffl profiles image` writes the "
+                             "definition) or fix image:")
         return value
 
     @field_validator("setup")

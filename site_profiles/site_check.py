@@ -48,7 +48,7 @@ def ssh_checks(profile: SiteProfile) -> list[str]:
     partition = profile.slurm.partition if profile.slurm else None
     return ["login", "connect", "slurm commands", *(["partition"] if partition else []),
             "workdir writable", "workdir private", "xffl importable", "versions",
-            "exchange format", "gpus",
+            "exchange format", "gpus", *(["container image"] if profile.container else []),
             *(["transfer host"] if isinstance(profile.connector, SshConnector)
               and profile.connector.transfer_host is not None else [])]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,13 +49,18 @@ LAUNCHED_AT_ENV = "XFFL_LAUNCHED_AT"
 TRAINER_MODULE = "xffl.training"
 EVALUATE_MODULE = "xffl.training.evaluate_models"  # cross-site evaluation (xffl evaluate)
 FORKED_MODULE = "xffl.training.forked"
+# the words that run the ranks' Python when it is not the launcher's: a site's container line
+# (``ch-run --cd={cwd} --bind=... IMAGE -- python3``), exported by the batch script; the
+# launcher's working folder replaces {cwd}
+RANK_PYTHON_ENV = "XFFL_RANK_PYTHON"
+CWD_WORD = "{cwd}"
 FORK_ENV = "XFFL_FORK_RANKS"  # "0": exec every rank as torchrun does, even on a CPU machine
 # device files of GPUs a rank could use: NVIDIA, AMD (ROCm's kfd), Intel and other DRM render
 ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dri/renderD*", "accel/*")
 
 
 def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
-                  module: str = TRAINER_MODULE, python: str | None = None,
+                  module: str = TRAINER_MODULE, python: str | Sequence[str] | None = None,
                   fork: bool = False) -> list[str]:
     """The argv that starts ``ranks`` trainer processes with the chosen launcher.
 
@@ -62,25 +68,28 @@ def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
     start, without torchrun's own interpreter and its second import of torch). With ``fork``
     (CPU machines, :func:`forkable`), torchrun's ranks are forked from one interpreter that
     imported the module once (:mod:`xffl.training.forked`) instead of exec'd one by one.
+    ``python`` may be several words, a container's line that ends with the image's Python:
+    the ranks (and torchrun, which starts them) then run inside the container.
     """
-    py = python or sys.executable
+    py = [python or sys.executable] if python is None or isinstance(python, str) \
+        else list(python)
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, got {ranks}")
     if launcher == "torchrun" and ranks == 1:
         launcher = "none"
     if launcher == "torchrun" and fork:
-        return [py, "-m", FORKED_MODULE, "--nproc-per-node", str(ranks), "-m", module,
+        return [*py, "-m", FORKED_MODULE, "--nproc-per-node", str(ranks), "-m", module,
                 *trainer_args]
     if launcher == "torchrun":
-        return [py, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        return [*py, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(ranks), "-m", module, *trainer_args]
     if launcher == "srun":
-        return ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1", py, "-m", module,
+        return ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1", *py, "-m", module,
                 *trainer_args]
     if launcher == "none":
         if ranks != 1:
             raise ValueError(f"launcher 'none' runs one process; got ranks={ranks}")
-        return [py, "-m", module, *trainer_args]
+        return [*py, "-m", module, *trainer_args]
     known = ", ".join(get_args(Launcher))
     raise ValueError(f"unknown launcher {launcher!r}; choose one of {known}")
 
@@ -201,7 +210,9 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
                module: str, env: Mapping[str, str] | None) -> int:
     """Start the ranks and judge the outcome (see the module doc)."""
     child_env = dict(os.environ if env is None else env)
-    command = build_command(ranks, launcher, trainer_args, module=module,
+    rank_python = [w.replace(CWD_WORD, os.getcwd())
+                   for w in shlex.split(child_env.get(RANK_PYTHON_ENV, ""))] or None
+    command = build_command(ranks, launcher, trainer_args, module=module, python=rank_python,
                             fork=forkable(child_env))
     threads = rank_threads(child_env, ranks_per_node(ranks, child_env, launcher), usable_cpus())
     if threads is not None:

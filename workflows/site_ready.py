@@ -13,12 +13,14 @@ synthetic data.path is generated at the site on first use: nothing to check ther
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from xffl.core.errors import ConnectionFailed, InvalidInput
 from xffl.jobs.spec.load import LoadedJob
@@ -157,6 +159,26 @@ def _version_problem(run: Runner, python: str) -> tuple[str | None, bool]:
     return format_problem(python, versions), True
 
 
+def _image_problem(run: Runner, profile: SiteProfile, job_dir: Path) -> str | None:
+    """Why the profile's container image cannot run at the site (it does not exist), naming
+    the profile's line; or None."""
+    from xffl.site_profiles.lookup import available
+
+    assert profile.container is not None
+    image = profile.container.image
+    rc, _, _ = run(f"test -e {shlex.quote(image)}")
+    if rc == 0:
+        return None
+    path = available(job_dir).get(profile.name)
+    lines = path.read_text().splitlines() if path is not None else []
+    line = next((n for n, text in enumerate(lines, 1)
+                 if re.match(r"\s*image\s*:", text) and image in text), None)
+    where = f"{path}:{line}" if path is not None and line else str(path or profile.name)
+    return (f"its container image {image} does not exist there ({where}: container.image); "
+            f"build it (`xffl profiles image {profile.name}` writes its definition) and put it "
+            "there, or fix the path")
+
+
 def _local(command: str) -> tuple[int, str, str]:
     """Run ``command`` in this machine's shell: a local site's filesystem is this one's."""
     try:
@@ -187,6 +209,10 @@ def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int,
         problem = _peft_problem(run, site_python(profile))
         if problem is not None:
             found.append(problem)
+    if profile.container is not None:
+        problem = _image_problem(run, profile, loaded.path.parent)
+        if problem is not None:
+            found.append(problem)
     for folder in site_folders(profile, site):
         bad = _folder_problem(run, profile, site.name, folder, vocab)
         if bad is not None:
@@ -210,7 +236,7 @@ def _asks(loaded: LoadedJob, site: SiteSpec) -> bool:
     """Whether there is anything to ask ``site`` (its Python's xffl, a folder, or peft)."""
     profile = loaded.site_profile(site.name)
     return _own_python(profile) or loaded.spec.training.lora is not None or bool(
-        site_folders(profile, site))
+        site_folders(profile, site)) or profile.container is not None
 
 
 def _vocab(loaded: LoadedJob) -> int:

@@ -37,6 +37,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("profiles", "show"): "profiles-show", ("profiles", "check"): "profiles-check",
     ("profiles", "init"): "profiles-init", ("data", "prepare"): "data-prepare",
     ("export",): "export", ("evaluate",): "evaluate",
+    ("profiles", "image"): "profiles-image",
 }
 
 

@@ -21,6 +21,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
 from xffl.core.paths import xffl_home
+from xffl.site_profiles.container import binds, rank_python
 from xffl.site_profiles.login import Login, resolve
 from xffl.site_profiles.schema import (
     LocalConnector,
@@ -100,6 +101,8 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     """
     import jinja2
 
+    from xffl.training.launch import build_command
+
     slurm = profile.slurm
     assert slurm is not None
     env = jinja2.Environment(
@@ -109,6 +112,9 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     env.filters["q"] = lambda v: shlex.quote(str(v))
     paths = BatchPaths()
     prefix = slurm_job_name(run_id, site)
+    container = profile.container
+    words = [] if container is None else rank_python(
+        container, binds(container, site_workdir(profile, site), data_path))
     # StreamFlow's rendering names the job after the round, from the launcher's
     # --slurm-job-name in the round's command (the bare prefix if it has none)
     round_job_name = (f"{{{{ streamflow_command.split('{SLURM_NAME_OPTION}')[1].split()[0] "
@@ -121,6 +127,9 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
         python=site_python(profile), launcher=profile.launcher, data=data_path,
         model=paths.model, job_file=paths.job_file.format(site=site),
         out=paths.out.format(site=site), base=paths.base if lora else "",
+        rank_python=shlex.join(words), runtime=container and container.runtime,
+        image=container and container.image, rank_command=shlex.join(build_command(
+            ranks, profile.launcher, ["..."], python=words)) if words else "",
     )
 
 

@@ -1,0 +1,181 @@
+"""A site's container image: the install steps, and the Apptainer definition that runs them.
+
+``xffl profiles image SITE`` writes, into one folder, this very xffl as a wheel, the exact
+versions of its dependencies installed here (``requirements.txt``) and ``xffl.def``: an
+Apptainer definition on the base the profile names (NGC PyTorch by default) whose ``%post``
+runs :func:`install_steps`. The same steps, rendered from the same template, are what the
+test suite runs inside a Charliecloud image, so the definition is tested by building, not by
+reading it. torch is the base image's own (built for the facility's GPUs): it is neither
+pinned nor reinstalled, and every install runs with ``--no-deps`` so pip never swaps it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution, distributions
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from packaging.requirements import Requirement
+
+from xffl.core.errors import InvalidInput, RunFailed
+from xffl.site_profiles.container import ContainerSpec
+from xffl.site_profiles.schema import SiteProfile
+
+if TYPE_CHECKING:
+    import jinja2
+
+DEFINITION_FILE = "xffl.def"
+REQUIREMENTS_FILE = "requirements.txt"
+IMAGE_DIR = "/opt/xffl"  # where the image keeps the wheel and requirements.txt
+# the base image's own packages: the site's torch build (CUDA or ROCm) and what only it needs
+KEPT_FROM_BASE = frozenset({"torch"})
+
+
+def _jinja() -> jinja2.Environment:
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("xffl.workflows.plan", "templates"),
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned_requirements(root: str = "xffl") -> list[str]:
+    """``name==version`` of every package ``root`` needs, as installed here, torch's aside.
+
+    The closure of ``root``'s requirements (markers as this machine reads them, no extras),
+    not descending into the base image's packages (:data:`KEPT_FROM_BASE`): what torch alone
+    needs (its CUDA wheels, triton) comes with the base's torch.
+    """
+    seen: dict[str, str] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        key = _canonical(dist.metadata["Name"])
+        if key in seen or key in KEPT_FROM_BASE:
+            continue
+        seen[key] = f"{dist.metadata['Name']}=={dist.version}"
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    seen.pop(_canonical(root), None)
+    return sorted(seen.values(), key=str.lower)
+
+
+def install_steps(python: str, folder: str, wheel: str) -> list[str]:
+    """The shell lines that install xffl (``folder/wheel``) and its pinned dependencies
+    (``folder/requirements.txt``) into the image's ``python``, and check the result."""
+    template = _jinja().get_template("install_steps.sh.j2")
+    text: str = template.render(python=python, folder=folder, wheel=wheel,
+                                requirements=REQUIREMENTS_FILE)
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _source_dir() -> Path | None:
+    """The source folder this xffl was installed from (an editable or local install)."""
+    for dist in distributions(name="xffl"):  # a source folder's own xffl.egg-info has no URL
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        path = Path(url.removeprefix("file://")) if url.startswith("file://") else None
+        if path is not None and (path / "pyproject.toml").is_file():
+            return path
+    return None
+
+
+def build_wheel(out: Path, wheel: Path | None = None) -> str:
+    """This xffl's wheel in ``out`` (``wheel`` copied, or built from its source); its name."""
+    if wheel is not None:
+        if not wheel.is_file() or not wheel.name.startswith("xffl-") \
+                or wheel.suffix != ".whl":
+            raise InvalidInput(f"--wheel {wheel}: not an xffl wheel file; give the path of "
+                               "xffl-VERSION-py3-none-any.whl")
+        shutil.copyfile(wheel, out / wheel.name)
+        return wheel.name
+    source = _source_dir()
+    if source is None:
+        raise InvalidInput("this xffl was not installed from a source folder, so its wheel "
+                           "cannot be built here; pass --wheel PATH (the xffl wheel you "
+                           "installed)")
+    leftovers = [p for p in (source / "build", source / "xffl.egg-info") if not p.exists()]
+    with tempfile.TemporaryDirectory(prefix="xffl-wheel-") as tmp:
+        try:
+            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                                    "--no-build-isolation", "--no-index", "-w", tmp,
+                                    str(source)], capture_output=True, text=True, check=False)
+        finally:  # setuptools' work folders in the source tree, unless they were there
+            for path in leftovers:
+                shutil.rmtree(path, ignore_errors=True)
+        if built.returncode != 0:
+            tail = " | ".join((built.stderr or built.stdout).strip().splitlines()[-3:])
+            raise RunFailed(f"building xffl's wheel from {source} failed ({tail}); pass "
+                            "--wheel PATH instead")
+        (made,) = Path(tmp).glob("xffl-*.whl")
+        shutil.copyfile(made, out / made.name)
+        return made.name
+
+
+@dataclass(frozen=True)
+class ImageFiles:
+    """What ``xffl profiles image`` wrote, and how to build the image from it."""
+
+    folder: Path
+    definition: Path
+    wheel: str
+    image: str
+    build: list[str]
+
+
+def site_container(profile: SiteProfile) -> ContainerSpec:
+    """The profile's container, or Apptainer on NGC PyTorch for a profile without one."""
+    if profile.container is not None:
+        return profile.container
+    return ContainerSpec(runtime="apptainer", image=f"/xffl-{profile.name}.sif")
+
+
+def image_name(profile: SiteProfile) -> str:
+    """The file name ``apptainer build`` writes: the profile's image's, else xffl-SITE.sif."""
+    image = site_container(profile).image
+    return Path(image).name if image.endswith(".sif") else f"xffl-{profile.name}.sif"
+
+
+def definition(profile: SiteProfile, wheel: str, version: str) -> str:
+    """The Apptainer definition of ``profile``'s image (xffl ``version`` from ``wheel``)."""
+    container = site_container(profile)
+    image = image_name(profile)
+    template = _jinja().get_template("apptainer.def.j2")
+    text: str = template.render(
+        site=profile.name, version=version, base=container.base, wheel=wheel,
+        folder=IMAGE_DIR, requirements=REQUIREMENTS_FILE, image=image,
+        target=container.image if profile.container is not None else "",
+        steps=install_steps(container.python, IMAGE_DIR, wheel))
+    return text
+
+
+def write_image_files(profile: SiteProfile, out: Path, wheel: Path | None = None) -> ImageFiles:
+    """Write ``out``/xffl.def, requirements.txt and the xffl wheel for ``profile``'s image."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = build_wheel(out, wheel)
+    version = name.split("-")[1]
+    (out / REQUIREMENTS_FILE).write_text(
+        "# the coordinator's exact versions of xffl's dependencies (torch: the base image's)\n"
+        + "".join(f"{line}\n" for line in pinned_requirements()))
+    text = definition(profile, name, version)
+    path = out / DEFINITION_FILE
+    path.write_text(text)
+    image = image_name(profile)
+    return ImageFiles(folder=out, definition=path, wheel=name, image=image,
+                      build=[f"cd {out.name}", f"apptainer build {image} {DEFINITION_FILE}"])
