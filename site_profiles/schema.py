@@ -17,6 +17,7 @@ from pydantic import (
 
 from xffl.core.names import check_name
 from xffl.core.validation import PathText, check_path_text
+from xffl.site_profiles.install_spec import InstallSpec
 
 
 class _Strict(BaseModel):
@@ -323,6 +324,8 @@ class SiteProfile(_Strict):
         default=None,
         description="Python interpreter with xffl installed at the site; null = the coordinator's",
     )
+    install: InstallSpec = Field(default_factory=InstallSpec,
+                                 description="how `xffl profiles install` sets up xffl there")
     workdir: str = Field(
         default="{xffl_home}/sites/{site}",
         description="where relative data paths and scratch live at the site; "
