@@ -33,6 +33,9 @@ from xffl.site_profiles.versions import probe_command as xffl_probe
 from xffl.site_profiles.wheelhouse import REQUIREMENTS, Step, build_wheelhouse, wheelhouse_key
 
 VENVS, WHEELS, PTH = "xffl-venvs", "xffl-wheelhouse", "xffl-site-torch.pth"
+#: what a Python without a working venv module says (Debian's without python3-venv)
+NO_VENV = ("ensurepip is not available", "No module named venv", "No module named ensurepip",
+           "python3-venv")
 PIP_TIMEOUT = 3600.0
 
 
@@ -170,14 +173,28 @@ def _venv_name(site: Site, plan: _Plan) -> str:
     return f"{name}-{int(time.time())}" if rc == 0 and out.strip() == name else name
 
 
-def _make_venv(site: Site, plan: _Plan, wheels: str, step: Step) -> str:
-    """Create the venv, give it torch and the wheels, check its xffl; its folder."""
+def _create_venv(site: Site, plan: _Plan, step: Step) -> str:
+    """Create the new venv (not current yet); its folder. A Python without venv is one line."""
     spec = plan.profile.install
     venv = f"{plan.venvs}/{_venv_name(site, plan)}"
-    q, py = shlex.quote(venv), shlex.quote(f"{venv}/bin/python")
     step(f"creating the venv {venv} with {spec.python}")
-    plan.fail(site, "creating the venv", f"mkdir -p {shlex.quote(plan.venvs)} && rm -rf {q} "
-              f"&& {shlex.quote(spec.python)} -m venv {q}")
+    rc, _, err = site.run(f"mkdir -p -m 700 {shlex.quote(plan.workdir)} && mkdir -p "
+                          f"{shlex.quote(plan.venvs)} && rm -rf {shlex.quote(venv)} && "
+                          f"{shlex.quote(spec.python)} -m venv {shlex.quote(venv)}", 600)
+    if rc != 0:
+        site.run(f"rm -rf {shlex.quote(venv)}", setup=False)
+        if any(s in err for s in NO_VENV):
+            raise bad.no_venv(plan.name, spec.python, bad.said(err, rc),
+                              bad.field_at(plan.path, "install.python"))
+        raise bad.step_failure(plan.name, "creating the venv", rc, err, plan.workdir,
+                               bad.field_at(plan.path, "workdir"))
+    return venv
+
+
+def _fill_venv(site: Site, plan: _Plan, venv: str, wheels: str, step: Step) -> None:
+    """Give the venv torch and the wheels, then check that its xffl answers."""
+    spec = plan.profile.install
+    q, py = shlex.quote(venv), shlex.quote(f"{venv}/bin/python")
     pip = f"{py} -m pip --disable-pip-version-check --no-input install --log {q}/xffl-pip.log"
     if spec.torch == "site":
         step("giving the venv the site's own torch")
@@ -189,10 +206,13 @@ def _make_venv(site: Site, plan: _Plan, wheels: str, step: Step) -> str:
         step(f"installing torch {torch_version()} from {spec.torch}")
         plan.fail(site, "installing torch", f"{pip} --index-url {shlex.quote(spec.torch)} "
                   f"torch=={torch_version()}", PIP_TIMEOUT)
-    source = (f"--index-url {shlex.quote(spec.index_url)}" if spec.index_url else "--no-index")
+    # the wheelhouse alone: no index, and none of the site's pip configuration's folders
+    source = (f"--index-url {shlex.quote(spec.index_url)}" if spec.index_url else
+              "--no-index")
+    quiet = "" if spec.index_url else "PIP_CONFIG_FILE=/dev/null "
     step("installing xffl and its pinned dependencies"
          + (f" from {spec.index_url}" if spec.index_url else " from the wheelhouse (no index)"))
-    plan.fail(site, "installing xffl", f"{pip} --no-deps --ignore-installed {source} "
+    plan.fail(site, "installing xffl", f"{quiet}{pip} --no-deps --ignore-installed {source} "
               f"--find-links {shlex.quote(wheels)} -r {shlex.quote(wheels)}/{REQUIREMENTS}",
               PIP_TIMEOUT)
     step("asking the new venv's xffl")
@@ -200,9 +220,25 @@ def _make_venv(site: Site, plan: _Plan, wheels: str, step: Step) -> str:
     versions = parse_probe(out) if rc == 0 else None
     if versions is None or versions.error is not None or versions.xffl != xffl_version():
         why = versions.error if versions is not None else bad.said(err, rc)
-        site.run(f"rm -rf {q}", setup=False)
         raise RunFailed(f"site {plan.name!r}: the new venv {venv} does not run this xffl "
                         f"{xffl_version()} ({why}); it was removed and the current one kept.")
+
+
+def _new_venv(site: Site, plan: _Plan, target: SitePython, find_links: Sequence[Path],
+              step: Step) -> str:
+    """Create, fill, check and stamp a new venv; its folder (removed if any step fails)."""
+    venv = _create_venv(site, plan, step)
+    try:
+        wheelhouse = build_wheelhouse(target, find_links, step,
+                                      deps=plan.profile.install.index_url is None)
+        _fill_venv(site, plan, venv, _upload(site, plan, wheelhouse, step), step)
+        stamp = Stamp(key=plan.key, xffl=xffl_version(),
+                      requirements=len((wheelhouse / REQUIREMENTS).read_text().split()))
+        plan.fail(site, "writing the venv's stamp", f"printf '%s\\n' "
+                  f"{shlex.quote(stamp.model_dump_json())} > {shlex.quote(venv)}/{STAMP}")
+    except BaseException:
+        site.run(f"rm -rf {shlex.quote(venv)}", setup=False)
+        raise
     return venv
 
 
@@ -223,15 +259,8 @@ def install(name: str, find_links: Sequence[Path], step: Step) -> Installed:
                                (profile.install.torch, "install.torch")):
                 if url is not None and url != "site":
                     _check_index(site, plan, url, field)
-            wheelhouse = build_wheelhouse(target, find_links, step,
-                                          deps=profile.install.index_url is None)
-            wheels = _upload(site, plan, wheelhouse, step)
-            venv = _make_venv(site, plan, wheels, step)
-            stamp = Stamp(key=plan.key, xffl=xffl_version(),
-                          requirements=len((wheelhouse / REQUIREMENTS).read_text().split()))
+            venv = _new_venv(site, plan, target, find_links, step)
             step(f"making {venv} current")
-            plan.fail(site, "writing the venv's stamp", f"printf '%s\\n' "
-                      f"{shlex.quote(stamp.model_dump_json())} > {shlex.quote(venv)}/{STAMP}")
             plan.fail(site, "switching current", f"cd {shlex.quote(plan.venvs)} && ln -sfn "
                       f"{shlex.quote(Path(venv).name)} current.new && mv -T current.new current")
             changed = True

@@ -111,7 +111,8 @@ def _fetch(target: SitePython, find_links: Sequence[Path], part: Path, step: Ste
     pins = list(pinned_requirements())
     step(f"fetching {len(pins)} pinned dependencies for the site's {target.describe()}"
          + (f" from {', '.join(map(str, find_links))}" if find_links else ""))
-    _pip(["download", "-q", "--no-deps", "--prefer-binary", *_target_args(target), *offline,
+    _pip(["download", "-q", "--no-deps", "--prefer-binary", "--no-build-isolation",
+          *_target_args(target), *offline,
           "-d", str(part / "fetched"), *pins], "fetching the wheels for the site")
     wheels = [p for p in (part / "fetched").iterdir() if p.name.endswith(".whl")]
     for wheel in wheels:

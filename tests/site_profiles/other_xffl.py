@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 
-def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99) -> Path:
-    """Write ``folder/python`` (and what it puts on PYTHONPATH beside it); return its path."""
+def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99,
+                      base: str = sys.executable) -> Path:
+    """Write ``folder/python`` (and what it puts on PYTHONPATH beside it), which runs
+    ``base`` (this venv's interpreter, or another venv's with xffl); return its path."""
     lib = folder / "other-xffl"
     info = lib / f"xffl-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -25,7 +27,7 @@ def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99) -> Pa
     python = folder / "python"
     python.write_text("#!/bin/sh\n"
                       f"PYTHONPATH={shlex.quote(str(lib))}${{PYTHONPATH:+:$PYTHONPATH}} "
-                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+                      f"exec {shlex.quote(base)} \"$@\"\n")
     python.chmod(0o755)
     return python
 
