@@ -146,7 +146,8 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
 @handle_errors
 def install(name: NameArg, find_links: Annotated[list[Path] | None, typer.Option(
         "--find-links", metavar="DIR", help="Build the site's wheelhouse from the wheels in "
-        "DIR only (no package index here either); repeatable.")] = None) -> None:
+        "DIR only (no package index here either); repeatable.")] = None,
+            json_out: JsonOpt = False) -> None:
     """Install this xffl, its pinned dependencies and a torch in a venv of the site's
     workdir, over the profile's SSH login; then set the profile's python to it.
 
@@ -170,7 +171,13 @@ def install(name: NameArg, find_links: Annotated[list[Path] | None, typer.Option
             status.update(text)
 
         done = install_site(name, find_links or [], step)
+    seconds = round(time.monotonic() - start, 1)
+    if json_out:
+        print_json({"profile": name, "python": done.python, "venv": done.venv,
+                    "changed": done.changed, "profile_file": str(done.profile_file),
+                    "seconds": seconds})
+        return
     what = "installed" if done.changed else "already installed, nothing changed"
     console.print(f"site {name}: xffl {what} in {done.venv} "
-                  f"({time.monotonic() - start:.1f} s); {done.profile_file}: python: "
+                  f"({seconds:.1f} s); {done.profile_file}: python: "
                   f"{done.python}", soft_wrap=True, markup=False)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from xffl.core.errors import InvalidInput, RunFailed
+from xffl.core.errors import InvalidInput, RunFailed, XfflError
 from xffl.core.paths import xffl_home
 from xffl.core.versions import xffl_version
 from xffl.site_profiles import install_errors as bad
@@ -35,8 +35,9 @@ from xffl.site_profiles.wheelhouse import REQUIREMENTS, Step, build_wheelhouse, 
 VENVS, WHEELS, PTH = "xffl-venvs", "xffl-wheelhouse", "xffl-site-torch.pth"
 #: what a Python without a working venv module says (Debian's without python3-venv)
 NO_VENV = ("ensurepip is not available", "No module named venv", "No module named ensurepip",
-           "python3-venv")
+           "ensurepip is disabled", "python3-venv")
 PIP_TIMEOUT = 3600.0
+FULL_MIB = 16  # less free on the workdir's filesystem after a failed step: the disk was full
 
 
 @dataclass
@@ -71,9 +72,26 @@ class _Plan:
         """Run ``command``; its stdout, or the failure's one line (disk, quota, ...)."""
         rc, out, err = site.run(command, timeout)
         if rc != 0:
-            raise bad.step_failure(self.name, step, rc, err, self.workdir,
-                                   bad.field_at(self.path, "workdir"))
+            raise self.failure(site, step, rc, err)
         return out
+
+    def failure(self, site: Site, step: str, rc: int, err: str) -> XfflError:
+        """The one-line error of a failed step: the site's words, or its free space when
+        the words do not say (a tool that hid its ENOSPC) and the disk is full."""
+        free = _free_mib(site, self.workdir)
+        if free is not None and free < FULL_MIB and not any(
+                s in err for s in (*bad.NO_SPACE, *bad.NO_QUOTA)):
+            err = f"{err}\n{bad.NO_SPACE[0]} ({free} MiB free)"
+        return bad.step_failure(self.name, step, rc, err, self.workdir,
+                                bad.field_at(self.path, "workdir"))
+
+
+def _free_mib(site: Site, folder: str) -> int | None:
+    """MiB free on ``folder``'s filesystem at the site (df), or None when it cannot say."""
+    rc, out, _ = site.run(f"df -Pk {shlex.quote(folder)} | tail -n 1", setup=False)
+    fields = out.split()
+    return int(fields[3]) // 1024 if rc == 0 and len(fields) >= 6 and fields[3].isdigit() \
+        else None
 
 
 def _profile_file(name: str) -> tuple[SiteProfile, Path]:
@@ -178,16 +196,19 @@ def _create_venv(site: Site, plan: _Plan, step: Step) -> str:
     spec = plan.profile.install
     venv = f"{plan.venvs}/{_venv_name(site, plan)}"
     step(f"creating the venv {venv} with {spec.python}")
+    # pip by ensurepip as a command of its own: `venv` would hide its words (ENOSPC, EDQUOT)
     rc, _, err = site.run(f"mkdir -p -m 700 {shlex.quote(plan.workdir)} && mkdir -p "
                           f"{shlex.quote(plan.venvs)} && rm -rf {shlex.quote(venv)} && "
-                          f"{shlex.quote(spec.python)} -m venv {shlex.quote(venv)}", 600)
+                          f"{shlex.quote(spec.python)} -m venv --without-pip "
+                          f"{shlex.quote(venv)} && {shlex.quote(venv)}/bin/python -m ensurepip "
+                          "--upgrade --default-pip >/dev/null", 600)
     if rc != 0:
+        error = plan.failure(site, "creating the venv", rc, err)
         site.run(f"rm -rf {shlex.quote(venv)}", setup=False)
         if any(s in err for s in NO_VENV):
             raise bad.no_venv(plan.name, spec.python, bad.said(err, rc),
                               bad.field_at(plan.path, "install.python"))
-        raise bad.step_failure(plan.name, "creating the venv", rc, err, plan.workdir,
-                               bad.field_at(plan.path, "workdir"))
+        raise error
     return venv
 
 
