@@ -19,10 +19,12 @@ try:
     out["venv"] = None
 except Exception as exc:
     out["venv"] = (type(exc).__name__ + ": " + str(exc))[:200]
-if "torch" in sys.argv[1:]:
+if "torch" in sys.argv[1:]:  # found, not imported: importing torch takes seconds
     try:
-        import torch
-        out["torch"] = torch.__version__
+        import importlib.metadata, importlib.util
+        if importlib.util.find_spec("torch") is None:
+            raise ModuleNotFoundError("No module named 'torch'")
+        out["torch"] = importlib.metadata.version("torch")
     except Exception as exc:
         out["torch_error"] = (type(exc).__name__ + ": " + str(exc))[:200]
 print("MARKER" + json.dumps(out))
