@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +75,8 @@ def installed(slurm_stack: StackInfo, tmp_path_factory: pytest.TempPathFactory
     root = tmp_path_factory.mktemp("install")
     folder = root / "job"
     (folder / "site_profiles").mkdir(parents=True)
-    workdir = Path(slurm_stack.clusters["alpha"].work_dir) / f"install-{root.name}"
+    workdir = Path(slurm_stack.clusters["alpha"].work_dir) / f"install-{uuid.uuid4().hex}"
+    assert not workdir.exists()  # an empty workdir: the install starts from nothing
     python = torch_module(root / "site")
     with counting_index() as (url, seen), pytest.MonkeyPatch.context() as env:
         env.setenv("XFFL_HOME", str(root / "home"))
@@ -84,6 +87,7 @@ def installed(slurm_stack: StackInfo, tmp_path_factory: pytest.TempPathFactory
         code, output, _ = _install(folder)
         assert code == 0, output
         yield Installed(folder, path, workdir, root / "home", output, seen)
+    shutil.rmtree(workdir)  # its venv: 600 MB, in the stack's folder that outlives the tests
 
 
 def test_install_makes_the_venv_from_the_uploaded_wheelhouse(installed: Installed) -> None:
@@ -233,7 +237,7 @@ def _line(path: Path, key: str) -> int:
 def test_a_bad_answer_is_one_line_with_the_fix(case: str, tmp_path: Path,
                                                slurm_stack: StackInfo,
                                                request: pytest.FixtureRequest) -> None:
-    workdir = Path(slurm_stack.clusters["alpha"].work_dir) / f"bad-{case}-{tmp_path.name}"
+    workdir = Path(slurm_stack.clusters["alpha"].work_dir) / f"bad-{uuid.uuid4().hex}"
     python = torch_module(tmp_path / "real")
     (tmp_path / "site_profiles").mkdir()
     fields: dict[str, object] = {"install": {"python": str(python)}}
