@@ -142,3 +142,44 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
         raise typer.Exit(int(ExitCode.CONNECTION))
     if not result.ok:
         raise typer.Exit(int(ExitCode.RUN_FAILED))
+
+
+@app.command("install", cls=XfflCommand)
+@handle_errors
+def install(name: NameArg, find_links: Annotated[list[Path] | None, typer.Option(
+        "--find-links", metavar="DIR", help="Build the site's wheelhouse from the wheels in "
+        "DIR only (no package index here either); repeatable.")] = None,
+            json_out: JsonOpt = False) -> None:
+    """Install this xffl, its pinned dependencies and a torch in a venv of the site's
+    workdir, over the profile's SSH login; then set the profile's python to it.
+
+    From the index the profile names (install.index_url), or else from a wheelhouse built
+    here for the site's Python and platform and uploaded (pip runs there with --no-index).
+    torch is the site's own (install.torch: site, e.g. its module) or comes from a torch
+    index URL. The new venv becomes current only once it answers xffl's probe; a second
+    install with nothing to change does nothing.
+
+    Example: xffl profiles install leonardo
+    """
+    import time
+
+    from xffl.cli.common import err_console
+    from xffl.site_profiles.install import install as install_site
+
+    start = time.monotonic()
+    with err_console.status(f"installing xffl at {name}") as status:
+        def step(text: str) -> None:
+            err_console.print(f"  {text}", soft_wrap=True, highlight=False, markup=False)
+            status.update(text)
+
+        done = install_site(name, find_links or [], step)
+    seconds = round(time.monotonic() - start, 1)
+    if json_out:
+        print_json({"profile": name, "python": done.python, "venv": done.venv,
+                    "changed": done.changed, "profile_file": str(done.profile_file),
+                    "seconds": seconds})
+        return
+    what = "installed" if done.changed else "already installed, nothing changed"
+    console.print(f"site {name}: xffl {what} in {done.venv} "
+                  f"({seconds:.1f} s); {done.profile_file}: python: "
+                  f"{done.python}", soft_wrap=True, markup=False)

@@ -48,8 +48,7 @@ def format_mismatch(version: object, written_by: object) -> str:
             f"{xffl_version()} reads format version {FORMAT_VERSION}")
 
 
-def install_command(python: str) -> str:
-    """The command that installs this coordinator's xffl into ``python``'s environment: the
-    wheel it was built as (``python -m pip wheel --no-deps -w dist .``), copied to the site."""
-    return (f"{shlex.quote(python)} -m pip install "
-            f"{shlex.quote(f'xffl-{xffl_version()}-py3-none-any.whl')}")
+def install_command(site: str) -> str:
+    """The command that installs this coordinator's xffl (its exact version, its pinned
+    dependencies) at ``site``, over the site profile's own SSH login."""
+    return f"xffl profiles install {shlex.quote(site)}"

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
 bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
+bash scripts/site-wheels.sh  # the wheels `xffl profiles install` tests build a wheelhouse from
 .venv/bin/ruff check .
 # mypy (one core, ~20 s) runs beside the suite's start-up (collection, the workers' SLURM stacks
 # coming up); it prints its verdict when done and the script fails if it found anything

@@ -265,7 +265,8 @@ def _check_local(check: SiteCheck, profile: SiteProfile, workdir: str) -> None:
         answer = (proc.returncode, proc.stdout, proc.stderr)
     except subprocess.TimeoutExpired:
         answer = (124, "", "timed out after 120 s")
-    rows, check.versions = python_rows(python, *answer, gres=None, partition=None)
+    rows, check.versions = python_rows(python, *answer, gres=None, partition=None,
+                                          profile=profile.name)
     for row in rows:
         check.add(*row)
     try:
@@ -350,7 +351,8 @@ def check_site(name: str, profile: SiteProfile) -> SiteCheck:
             _add_private(check, workdir, _octal(out.split()[-1] if out.split() else ""))
         python = profile.python or "python3"
         answer = run(client, probe_command(python, full=True), 120)
-        rows, check.versions = python_rows(python, *answer, gres=gres, partition=partition)
+        rows, check.versions = python_rows(python, *answer, gres=gres, partition=partition,
+                                              profile=profile.name)
         for row in rows:
             check.add(*row)
         if profile.container is not None:

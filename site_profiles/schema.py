@@ -18,6 +18,7 @@ from xffl.core.names import check_name
 from xffl.core.validation import PathText, StrictModel
 from xffl.site_profiles.container import GPU_RUNTIMES as GPU_RUNTIMES
 from xffl.site_profiles.container import ContainerSpec
+from xffl.site_profiles.install_spec import InstallSpec
 from xffl.site_profiles.shell_text import ENV_NAME_RE as ENV_NAME_RE
 from xffl.site_profiles.shell_text import WORKDIR_PLACEHOLDERS as WORKDIR_PLACEHOLDERS
 from xffl.site_profiles.shell_text import WORKDIR_PUNCTUATION as WORKDIR_PUNCTUATION
@@ -284,6 +285,8 @@ class SiteProfile(StrictModel):
         default=None,
         description="Python interpreter with xffl installed at the site; null = the coordinator's",
     )
+    install: InstallSpec = Field(default_factory=InstallSpec,
+                                 description="how `xffl profiles install` sets up xffl there")
     workdir: str = Field(
         default="{xffl_home}/sites/{site}",
         description="where relative data paths and scratch live at the site; "

@@ -117,10 +117,11 @@ def parse_probe(out: str) -> SiteVersions | None:
         return None
 
 
-def format_problem(python: str, versions: SiteVersions) -> str | None:
-    """Why ``python`` at a site cannot take part in this coordinator's runs (its xffl missing,
-    or of another exchange format: both versions and the install command), or None."""
-    fix = f"install this xffl {xffl_version()} there: `{install_command(python)}`"
+def format_problem(python: str, versions: SiteVersions, profile: str) -> str | None:
+    """Why ``python`` at a site (of site profile ``profile``) cannot take part in this
+    coordinator's runs (its xffl missing, or of another exchange format: both versions and
+    the install command), or None."""
+    fix = f"install this xffl {xffl_version()} there: `{install_command(profile)}`"
     if versions.format is None:
         detail = f" ({versions.error})" if versions.error else ""
         return f"its Python {python} cannot import xffl{detail}; {fix}"
@@ -155,7 +156,7 @@ Rows = list[tuple[str, bool, str]]
 
 
 def python_rows(python: str, rc: int, out: str, err: str, gres: str | None,
-                partition: str | None) -> tuple[Rows, SiteVersions | None]:
+                partition: str | None, profile: str) -> tuple[Rows, SiteVersions | None]:
     """``xffl profiles check``'s rows from the full probe's answer (exit status, stdout,
     stderr): xffl importable, its versions, its exchange format against this xffl's, GPUs;
     and the answer itself (None when there was none)."""
@@ -167,7 +168,7 @@ def python_rows(python: str, rc: int, out: str, err: str, gres: str | None,
     rows: Rows = [("xffl importable", versions.error is None,
              python if versions.error is None else f"{python}: {versions.error}"),
             ("versions", True, versions.summary())]
-    problem = format_problem(python, versions)
+    problem = format_problem(python, versions, profile)
     rows.append(("exchange format", problem is None, problem or
                  f"{versions.format}, as this xffl {xffl_version()} reads"))
     rows.append(("gpus", True, gpu_detail(versions, gres, partition)))

@@ -147,7 +147,7 @@ def _peft_problem(run: Runner, python: str) -> str | None:
             "(`xffl profiles check` shows it)")
 
 
-def _version_problem(run: Runner, python: str) -> tuple[str | None, bool]:
+def _version_problem(run: Runner, python: str, profile: str) -> tuple[str | None, bool]:
     """Why ``python`` at the site cannot train for this coordinator (no xffl, or one of
     another exchange format, with the install command), or None; and whether it answered."""
     rc, out, err = run(probe_command(python))
@@ -156,7 +156,7 @@ def _version_problem(run: Runner, python: str) -> tuple[str | None, bool]:
         why = said(err, rc) if rc else "it printed no answer the probe prints"
         return (f"its Python {python} does not answer xffl's version probe ({why}); "
                 "fix python in the site profile (`xffl profiles check` shows it)"), False
-    return format_problem(python, versions), True
+    return format_problem(python, versions, profile), True
 
 
 def _image_problem(run: Runner, profile: SiteProfile, job_dir: Path) -> str | None:
@@ -202,7 +202,7 @@ def site_problems(loaded: LoadedJob, site: SiteSpec, run: Runner, vocab: int,
     found = []
     answered = True
     if _own_python(profile) and versions:
-        problem, answered = _version_problem(run, site_python(profile))
+        problem, answered = _version_problem(run, site_python(profile), profile.name)
         if problem is not None:
             found.append(problem)
     if loaded.spec.training.lora is not None and _own_python(profile) and answered:

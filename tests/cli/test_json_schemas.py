@@ -2,8 +2,8 @@
 
 The schemas are the documented contract: a field renamed, dropped or retyped in a command
 fails here. Commands whose output needs a cluster or a real run (round, resume, schedule,
-provenance, simulate, sites check, submit --wait, report, validate, evaluate) are checked
-where their tests run them.
+provenance, simulate, sites check, profiles install, submit --wait, report, validate,
+evaluate) are checked where their tests run them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("render",): "render", ("init",): "init", ("report",): "report",
     ("aggregate",): "aggregate", ("simulate",): "simulate", ("profiles", "list"): "profiles-list",
     ("profiles", "show"): "profiles-show", ("profiles", "check"): "profiles-check",
-    ("profiles", "init"): "profiles-init", ("data", "prepare"): "data-prepare",
+    ("profiles", "init"): "profiles-init", ("profiles", "install"): "profiles-install",
+    ("data", "prepare"): "data-prepare",
     ("export",): "export", ("evaluate",): "evaluate",
     ("profiles", "image"): "profiles-image",
 }

@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 
-def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99) -> Path:
-    """Write ``folder/python`` (and what it puts on PYTHONPATH beside it); return its path."""
+def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99,
+                      base: str = sys.executable) -> Path:
+    """Write ``folder/python`` (and what it puts on PYTHONPATH beside it), which runs
+    ``base`` (this venv's interpreter, or another venv's with xffl); return its path."""
     lib = folder / "other-xffl"
     info = lib / f"xffl-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -25,17 +27,17 @@ def other_xffl_python(folder: Path, version: str = "9.9.9", fmt: int = 99) -> Pa
     python = folder / "python"
     python.write_text("#!/bin/sh\n"
                       f"PYTHONPATH={shlex.quote(str(lib))}${{PYTHONPATH:+:$PYTHONPATH}} "
-                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+                      f"exec {shlex.quote(base)} \"$@\"\n")
     python.chmod(0o755)
     return python
 
 
-def refusal(job: Path, python: Path) -> str:
-    """The sentence ``xffl submit`` of ``job`` must refuse site alpha with, its Python being
-    :func:`other_xffl_python`'s (defaults): the site, that Python, both xffl versions, both
-    formats and the install command."""
-    from xffl.core.versions import FORMAT_VERSION, install_command, xffl_version
+def refusal(job: Path, python: Path | str, profile: str) -> str:
+    """The sentence ``xffl submit`` of ``job`` must refuse site alpha (on site profile
+    ``profile``) with, its Python being :func:`other_xffl_python`'s (defaults): the site,
+    that Python, both xffl versions, both formats and `xffl profiles install PROFILE`."""
+    from xffl.core.versions import FORMAT_VERSION, xffl_version
 
     return (f"{job}: site 'alpha': its Python {python} has xffl 9.9.9, which writes exchange "
             f"format 99, where this xffl {xffl_version()} reads format {FORMAT_VERSION}; "
-            f"install this xffl {xffl_version()} there: `{install_command(str(python))}`.")
+            f"install this xffl {xffl_version()} there: `xffl profiles install {profile}`.")

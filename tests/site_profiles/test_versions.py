@@ -45,8 +45,8 @@ def test_this_pythons_answer_is_this_xffl() -> None:
     assert versions.torch == metadata.version("torch")
     assert versions.transformers == metadata.version("transformers")
     assert versions.error is None and versions.gpus is not None
-    assert format_problem(sys.executable, versions) is None
-    rows, answer = python_rows(sys.executable, rc, out, "", "gpu:4", "p")
+    assert format_problem(sys.executable, versions, "here") is None
+    rows, answer = python_rows(sys.executable, rc, out, "", "gpu:4", "p", "here")
     assert answer == versions
     names = [row[0] for row in rows]
     assert names == ["xffl importable", "versions", "exchange format", "gpus"]
@@ -58,12 +58,12 @@ def test_another_xffls_format_is_refused_naming_both(tmp_path: Path) -> None:
     versions = parse_probe(out)
     assert rc == 0 and versions is not None, out
     assert (versions.xffl, versions.format) == ("9.9.9", 99)
-    assert format_problem(python, versions) == (
+    assert format_problem(python, versions, "leonardo") == (
         f"its Python {python} has xffl 9.9.9, which writes exchange format 99, where this "
         f"xffl {xffl_version()} reads format {FORMAT_VERSION}; install this xffl "
-        f"{xffl_version()} there: `{shlex.quote(python)} -m pip install "
-        f"xffl-{xffl_version()}-py3-none-any.whl`")
-    rows = {r[0]: r for r in python_rows(python, *_probe(python, full=True), None, None)[0]}
+        f"{xffl_version()} there: `xffl profiles install leonardo`")
+    rows = {r[0]: r for r in python_rows(python, *_probe(python, full=True), None, None,
+                                         "leonardo")[0]}
     assert rows["exchange format"][1] is False and rows["xffl importable"][1] is True
     assert "xffl 9.9.9 (exchange format 99)" in rows["versions"][2]
 
@@ -75,10 +75,11 @@ def test_a_python_without_xffl_is_told_how_to_install_it(tmp_path: Path) -> None
     rc, out, _ = _probe(str(bare))
     versions = parse_probe(out)
     assert rc == 0 and versions is not None and versions.format is None, out
-    problem = format_problem(str(bare), versions)
+    problem = format_problem(str(bare), versions, "my-site")
     assert problem is not None and problem.startswith(
         f"its Python {bare} cannot import xffl (ModuleNotFoundError: No module named 'xffl')")
-    assert problem.endswith(f"`{install_command(str(bare))}`")
+    assert problem.endswith(f"`{install_command('my-site')}`")
+    assert install_command("my-site") == "xffl profiles install my-site"
 
 
 def _line(**fields: object) -> str:

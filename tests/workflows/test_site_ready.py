@@ -153,7 +153,7 @@ def test_a_site_whose_xffl_writes_another_format_is_refused_at_submit(
     job, done = _submit_on(tmp_path, "other", python)
     assert done.exit_code == 2, done.output
     text = " ".join(done.output.split())
-    assert refusal(job, python) in text, text
+    assert refusal(job, python, "other") in text, text
     assert "site 'beta'" not in text and "Traceback" not in text
     _no_runs()
 

@@ -121,7 +121,7 @@ def test_a_site_whose_xffl_writes_another_format_is_refused_before_the_queue(
     done = runner.invoke(app, ["submit", str(job)])
     assert done.exit_code == 2, done.output
     text = " ".join(done.output.split())
-    assert refusal(job, python) in text, text
+    assert refusal(job, python, alpha.stem) in text, text
     assert "site 'beta'" not in text and "Traceback" not in text
     listed = runner.invoke(app, ["runs", "--json"])
     assert listed.exit_code == 0 and json.loads(listed.stdout) == [], listed.output
