@@ -12,20 +12,18 @@ pinned nor reinstalled, and every install runs with ``--no-deps`` so pip never s
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, distribution, distributions
+from importlib.metadata import distributions
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from packaging.requirements import Requirement
-
 from xffl.core.errors import InvalidInput, RunFailed
 from xffl.site_profiles.container import ContainerSpec
+from xffl.site_profiles.pins import pinned_requirements
 from xffl.site_profiles.schema import SiteProfile
 
 if TYPE_CHECKING:
@@ -34,8 +32,6 @@ if TYPE_CHECKING:
 DEFINITION_FILE = "xffl.def"
 REQUIREMENTS_FILE = "requirements.txt"
 IMAGE_DIR = "/opt/xffl"  # where the image keeps the wheel and requirements.txt
-# the base image's own packages: the site's torch build (CUDA or ROCm) and what only it needs
-KEPT_FROM_BASE = frozenset({"torch"})
 
 
 def _jinja() -> jinja2.Environment:
@@ -44,37 +40,6 @@ def _jinja() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("xffl.workflows.plan", "templates"),
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def pinned_requirements(root: str = "xffl") -> list[str]:
-    """``name==version`` of every package ``root`` needs, as installed here, torch's aside.
-
-    The closure of ``root``'s requirements (markers as this machine reads them, no extras),
-    not descending into the base image's packages (:data:`KEPT_FROM_BASE`): what torch alone
-    needs (its CUDA wheels, triton) comes with the base's torch.
-    """
-    seen: dict[str, str] = {}
-    todo = [root]
-    while todo:
-        name = todo.pop()
-        try:
-            dist = distribution(name)
-        except PackageNotFoundError:
-            continue
-        key = _canonical(dist.metadata["Name"])
-        if key in seen or key in KEPT_FROM_BASE:
-            continue
-        seen[key] = f"{dist.metadata['Name']}=={dist.version}"
-        for text in dist.requires or []:
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
-    seen.pop(_canonical(root), None)
-    return sorted(seen.values(), key=str.lower)
 
 
 def install_steps(python: str, folder: str, wheel: str) -> list[str]:

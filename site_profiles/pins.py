@@ -16,9 +16,15 @@ from xffl.core.errors import InvalidInput
 #: left to the site: torch is its own build (CUDA, ROCm) from its module or a torch index,
 #: and what only torch needs (sympy, triton, the nvidia-* libraries) comes with it
 SITE_OWN = frozenset({"torch"})
+#: the coordinator's own: a site trains, evaluates and prepares data; it never runs the
+#: workflow (StreamFlow, cwltool), logs in to other hosts (paramiko, cryptography), keeps a
+#: crontab or draws the report. Leaving them out takes a site's install from 106 packages to
+#: 44 (the site's code imports none of them: tests/site_profiles/test_pins.py)
+COORDINATOR_ONLY = frozenset({"streamflow", "cwltool", "paramiko", "cryptography", "croniter",
+                              "python-crontab", "matplotlib"})
 #: the checkout's folders (pyproject.toml's package-dir) whose files make the xffl wheel
 SOURCE_DIRS = ("aggregator", "cli", "core", "jobs", "site_profiles", "training", "workflows",
-               "docs/json")
+               "docs/json", "examples")
 
 
 def canonical(name: str) -> str:
@@ -28,9 +34,10 @@ def canonical(name: str) -> str:
 
 @cache
 def pinned_requirements() -> tuple[str, ...]:
-    """``name==version`` of every distribution xffl needs (its requirements and theirs, with
-    their environment markers evaluated here, no extras), as installed in this environment;
-    torch and what only torch needs left out."""
+    """``name==version`` of every distribution a site's xffl needs (its requirements and
+    theirs, with their environment markers evaluated here, no extras), as installed in this
+    environment; torch (:data:`SITE_OWN`), the coordinator's own packages
+    (:data:`COORDINATOR_ONLY`) and what only those need left out."""
     pins: dict[str, str] = {}
     todo = ["xffl"]
     while todo:
@@ -38,7 +45,7 @@ def pinned_requirements() -> tuple[str, ...]:
         for text in dist.requires or ():
             req = Requirement(text)
             key = canonical(req.name)
-            if key in SITE_OWN or key in pins or (
+            if key in SITE_OWN or key in COORDINATOR_ONLY or key in pins or (
                     req.marker is not None and not req.marker.evaluate({"extra": ""})):
                 continue
             try:

@@ -16,7 +16,8 @@ from tests.cli.schemas import check
 from tests.conftest import REPO
 from xffl.cli.app import app
 from xffl.site_profiles.container import binds, rank_python
-from xffl.site_profiles.image import install_steps, pinned_requirements
+from xffl.site_profiles.image import install_steps
+from xffl.site_profiles.pins import pinned_requirements
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.launch import build_command
 from xffl.workflows.plan.deployments import batch_script
@@ -113,8 +114,9 @@ def test_a_container_needs_slurm() -> None:
 def test_pins_leave_torch_to_the_base_image() -> None:
     pins = pinned_requirements()
     names = {p.split("==")[0].lower() for p in pins}
-    assert {"transformers", "safetensors", "streamflow", "pydantic"} <= names
-    assert "torch" not in names and not any(n.startswith("nvidia-") for n in names)
+    assert {"transformers", "safetensors", "pydantic", "peft"} <= names
+    assert not names & {"torch", "streamflow", "cwltool"}
+    assert not any(n.startswith("nvidia-") for n in names)
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[^=\s]+", p) for p in pins), pins
 
 
@@ -144,6 +146,6 @@ def test_the_leonardo_definition_in_the_docs_is_what_the_command_writes(
         "python3", "/opt/xffl", wheel.name)
     assert "From: nvcr.io/nvidia/pytorch:" in definition
     pins = (out / "requirements.txt").read_text().splitlines()
-    assert pins[1:] == pinned_requirements()
+    assert pins[1:] == list(pinned_requirements())
     assert _docs_block() == definition
     assert (REPO / "xffl.egg-info").exists() == egg_info  # the build left the tree as it was
