@@ -42,8 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from breakdown import breakdown, show  # noqa: E402  (beside this file)
-
+from bench.round_overhead.breakdown import breakdown, show  # noqa: E402
 from tests.stack import stack  # noqa: E402  (the repo's stack driver: stdlib only)
 from tests.stack.profiles import write_profile  # noqa: E402
 from xffl.aggregator.exchange import read_manifest  # noqa: E402
