@@ -42,6 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.round_overhead.breakdown import breakdown, show  # noqa: E402
 from tests.stack import stack  # noqa: E402  (the repo's stack driver: stdlib only)
 from tests.stack.profiles import write_profile  # noqa: E402
 from xffl.aggregator.engine import run_strategy  # noqa: E402
@@ -118,6 +119,11 @@ def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
         updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in SITES}
         rows.append(_round_row(rnd.ended - rnd.started, updates,
                                {"aggregate_s": rnd.aggregate_seconds or 0.0}))
+    print("xffl: each round, per site (seconds; breakdown.py):", flush=True)
+    try:
+        show(breakdown(run_dir))
+    except (SystemExit, OSError, ValueError, KeyError) as exc:  # the overheads still count
+        print(f"(no breakdown: {exc})", flush=True)
     return rows
 
 

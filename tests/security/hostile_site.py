@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -345,9 +344,12 @@ def honest_update(model: Path, out: Path, site: str, rnd: int, run_id: str) -> N
 
 def main(argv: list[str]) -> int:
     """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``;
-    answer ``python -c SOURCE`` (xffl submit's version probe) as the real Python does."""
+    answer ``python -c SOURCE`` (xffl submit's version probe) as the real Python does, in
+    this interpreter (a second Python per site: 49 probes took 6.9 CPU-s, now 3.4)."""
     if argv[:1] == ["-c"]:
-        return subprocess.call([sys.executable, *argv])
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        return 0
     job = json.loads(Path(_arg(argv, "--job")).read_text())
     site, rnd = job["site"], int(_arg(argv, "--round"))
     out = Path(_arg(argv, "--out"))

@@ -117,8 +117,17 @@ class TransferClock(DefaultDataManager):
         if which is not None:
             site, direction = which
             here = src_path if direction == "in" else dst_path  # the coordinator's side
-            self.record(site, direction, started, time.time(),
-                        0 if held else tree_bytes(Path(here)))
+            ended = time.time()
+            # in a thread: the registry's commit waits on the disk (fsync: ~18 ms on an idle
+            # machine, more on a busy one), which must not stall the other sites' copies,
+            # polls and steps on the event loop
+            await asyncio.to_thread(self._record_tree, site, direction, started, ended,
+                                    None if held else Path(here))
+
+    def _record_tree(self, site: str, direction: str, started: float, ended: float,
+                     tree: Path | None) -> None:
+        """:meth:`record` with the bytes of ``tree`` (0 for a copy the destination held)."""
+        self.record(site, direction, started, ended, 0 if tree is None else tree_bytes(tree))
 
     async def report(self, deployment: str, site: str, direction: str) -> None:
         """Write the progress of ``deployment``'s copies until cancelled; then remove it."""
