@@ -130,7 +130,7 @@ def _run_and_check(tmp_path: Path, stack: Any, job: Path, blocker: str,
         "0.5774" in text
 
     # one SLURM job at beta for the run, the round-1 one, which completed (never scancelled)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # slurmctld writes jobcomp once the job is over
     while not (records := _beta_records(stack, run_id)):
         assert time.monotonic() < deadline, "beta's job never reached jobcomp"
         time.sleep(0.5)
