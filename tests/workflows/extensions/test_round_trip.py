@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncssh
 import pytest
-from asyncssh.constants import MSG_GLOBAL_REQUEST, MSG_REQUEST_FAILURE
+from asyncssh.constants import MSG_GLOBAL_REQUEST, MSG_IGNORE, MSG_REQUEST_FAILURE
 from streamflow.core.deployment import ExecutionLocation
 
 from xffl.workflows.extensions.connection import RTT_PROBES, round_trip
@@ -51,7 +51,8 @@ async def _measure(stack: Any, port: int, known_hosts: str) -> tuple[float, int,
         send = conn.send_packet
 
         def noted(pkttype: int, *args: bytes, **kwargs: Any) -> None:
-            sent.append(pkttype)
+            if pkttype != MSG_IGNORE:  # asyncssh puts one before each packet (CBC padding)
+                sent.append(pkttype)
             send(pkttype, *args, **kwargs)
 
         conn.send_packet = noted  # type: ignore[method-assign]  # noted, then sent as ever
