@@ -32,7 +32,7 @@ from xffl.aggregator.inputs import (
     prepared,
     write_global,
 )
-from xffl.aggregator.registry import Weighting
+from xffl.aggregator.strategy_catalog import Weighting
 from xffl.aggregator.safetensors_io import (
     STORAGE_DTYPES,
     Array,

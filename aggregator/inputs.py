@@ -30,7 +30,7 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.kinds import ModelKind, kind_of
 from xffl.aggregator.metrics import SITE_ONLY_METRICS
-from xffl.aggregator.registry import WEIGHTINGS, Weighting
+from xffl.aggregator.strategy_catalog import WEIGHTINGS, Weighting
 from xffl.aggregator.shards import TensorReader, open_model
 from xffl.aggregator.verify import canonical_key, layout_difference
 from xffl.core.errors import CheckpointError, InvalidInput

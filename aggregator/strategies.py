@@ -1,7 +1,7 @@
 """Aggregation under any registered strategy, streamed tensor by tensor, slice by slice.
 
 The strategies themselves (names, parameters, server state, steps) are the registry's
-(:mod:`xffl.aggregator.registry`). Here they are applied to checkpoints: one slice
+(:mod:`xffl.aggregator.strategy_catalog`). Here they are applied to checkpoints: one slice
 (``fedavg.SLICE_ELEMENTS`` elements) of every update, of the previous global and of the
 server state is in memory at a time, whatever the model size. Arithmetic is float64;
 outputs are cast to the model's dtypes like :mod:`xffl.aggregator.fedavg` does.
@@ -35,7 +35,7 @@ from xffl.aggregator.inputs import (
     prepared,
     write_global,
 )
-from xffl.aggregator.registry import Strategy, Weighting, get, resolve_params
+from xffl.aggregator.strategy_catalog import Strategy, Weighting, get, resolve_params
 from xffl.aggregator.robust import cap_shares, clip_factors, delta_norm
 from xffl.aggregator.safetensors_io import (
     FLOAT_DTYPES,

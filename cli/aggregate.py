@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer._click.types import ParamType
 
-from xffl.aggregator.registry import WEIGHTINGS
-from xffl.aggregator.registry import get as get_strategy
-from xffl.aggregator.registry import names as strategy_names
+from xffl.aggregator.strategy_catalog import WEIGHTINGS
+from xffl.aggregator.strategy_catalog import get as get_strategy
+from xffl.aggregator.strategy_catalog import names as strategy_names
 from xffl.cli.common import console, err_console, handle_errors, markup_safe, print_json
 from xffl.cli.options import JsonOpt, output_option
 from xffl.core.errors import InvalidInput, RunFailed
@@ -25,7 +25,7 @@ from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 if TYPE_CHECKING:
     from xffl.aggregator.exchange import Manifest
     from xffl.aggregator.reported import Bounds
-    from xffl.training.exchange_config import ExchangeSpec
+    from xffl.aggregator.exchange_spec import ExchangeSpec
     from xffl.workflows.aggregate_run import RoundInputs
 
 
@@ -186,7 +186,7 @@ def _from_run(ref: str, rnd: int | None, previous: Path | None,
               parent_digest: str | None) -> RoundInputs:
     """What --run RUN --round R names (exit 2 without --round, or with --previous)."""
     from xffl.cli.common import resolve_run
-    from xffl.jobs.registry import Registry
+    from xffl.jobs.registry.store import Registry
     from xffl.workflows.aggregate_run import round_inputs
 
     if rnd is None:
@@ -232,7 +232,7 @@ def _exchange(label: str, previous: Path | None) -> ExchangeSpec:
     """``--exchange`` as a spec (exit 2 when it names none, or lacks --previous)."""
     from pydantic import ValidationError
 
-    from xffl.training.exchange_config import ExchangeSpec  # pydantic: only when aggregating
+    from xffl.aggregator.exchange_spec import ExchangeSpec  # pydantic: only when aggregating
 
     try:
         spec = ExchangeSpec.parse(label)
@@ -252,7 +252,7 @@ def _aggregate(updates: list[Path], output: Path, o: Options) -> dict[str, Any]:
 
     from xffl.aggregator.decode import Decoding, encoded_index
     from xffl.aggregator.exchange import read_manifest
-    from xffl.aggregator.strategies import run_strategy
+    from xffl.aggregator.engine import run_strategy
     from xffl.aggregator.verify import select_updates
 
     reference = None

@@ -16,7 +16,7 @@ from xffl.cli.common import (
 )
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors

@@ -18,8 +18,8 @@ from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from xffl.core.errors import ExitCode, XfflError
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.store import Registry
 
 
 class _Console(Console):

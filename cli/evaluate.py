@@ -11,10 +11,10 @@ from xffl.cli.common import console, err_console, handle_errors, print_json, res
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.tables import say
 from xffl.core.errors import ExitCode, InvalidInput
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import FinalLoss
+    from xffl.jobs.registry.records import FinalLoss
     from xffl.workflows.evaluate_run import Outcome
 
 

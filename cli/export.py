@@ -11,8 +11,8 @@ from xffl.cli.common import console, err_console, handle_errors, print_json, res
 from xffl.cli.options import JsonOpt, RunArg, output_option
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors

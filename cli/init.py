@@ -62,7 +62,7 @@ def init(
         raise InvalidInput(f"{job} exists; choose another folder, or --force to replace it.")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     # a new file renamed over the name: a link made meanwhile is replaced, never followed
-    text = (resources.files("xffl.jobs") / spec_file).read_bytes()
+    text = (resources.files("xffl.cli.examples") / spec_file).read_bytes()
     written, kept = [str(job)], []
     if template == "sft-lora":
         from xffl.training.sft_demo import write_demo

@@ -24,9 +24,9 @@ from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.watch import TimeoutOpt
 from xffl.core.errors import ConnectionFailed, ExitCode, InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 
 _EXEC = re.compile(r"EXECUTING step (?P<step>\S+) \(job (?P<job>\S+)\) .* into directory "
                    r"(?P<dir>\S+?):?$")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import re
 
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 
 # a logging record's first line: its time stamp (the lines that follow it, a traceback's
 # among them, are its continuation)

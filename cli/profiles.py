@@ -114,7 +114,7 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
 
     loaded = None
     if data is not None:  # a broken job is exit 2 before any login
-        from xffl.jobs.load import load_job
+        from xffl.jobs.spec.load import load_job
 
         loaded = load_job(data)
     result = check_site(name, find_profile(name))

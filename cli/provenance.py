@@ -8,7 +8,7 @@ from typing import Annotated
 from xffl.cli.common import console, handle_errors, print_json, resolve_run
 from xffl.cli.options import JsonOpt, RunArg, output_option
 from xffl.core.errors import InvalidInput
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors

@@ -11,11 +11,11 @@ import typer
 from xffl.cli.common import console, err_console, handle_errors, print_json
 from xffl.cli.options import JsonOpt, TrustOpt, output_option
 from xffl.core.errors import InvalidInput
-from xffl.jobs.registry import new_run_id
+from xffl.jobs.registry.store import new_run_id
 
 if TYPE_CHECKING:
     from xffl.core.layout import RunLayout
-    from xffl.jobs.load import LoadedJob
+    from xffl.jobs.spec.load import LoadedJob
 
 
 @handle_errors
@@ -42,8 +42,8 @@ def render(
 
     Example: xffl render demo/job.yaml -o plan/  (demo/: `xffl init demo`)
     """
-    from xffl.jobs.load import load_job
-    from xffl.jobs.trust import require_consent
+    from xffl.jobs.spec.load import load_job
+    from xffl.jobs.spec.trust import require_consent
     from xffl.workflows.plan.compile import write_plan
 
     loaded = load_job(job)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from xffl.cli.common import console, handle_errors, print_json, resolve_run
 from xffl.cli.options import JsonOpt, RunArg, output_option
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors
@@ -27,7 +27,7 @@ def report(
 
     Example: xffl report quickstart-20261122-051000-a3f9 -o /tmp/report
     """
-    from xffl.jobs.report_write import write_report
+    from xffl.jobs.report.write import write_report
 
     registry = Registry()
     record = resolve_run(registry, run)

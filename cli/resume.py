@@ -9,7 +9,7 @@ import typer
 from xffl.cli.common import console, handle_errors, print_json, resolve_run
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.watch import TimeoutOpt, follow, outcome
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors

@@ -10,7 +10,7 @@ import typer
 from xffl.cli.common import console, handle_errors, markup_safe, print_json, resolve_run
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors

@@ -10,7 +10,7 @@ import typer
 from xffl.cli.common import console, handle_errors, print_json
 from xffl.cli.options import JsonOpt
 from xffl.cli.tables import Rows
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 def _when(ts: float | None) -> str:

@@ -13,7 +13,7 @@ from xffl.cli.options import JsonOpt, TrustOpt, output_option
 from xffl.cli.tables import Rows, say
 
 if TYPE_CHECKING:
-    from xffl.jobs.spec import JobSpec
+    from xffl.jobs.spec.schema import JobSpec
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -79,8 +79,8 @@ def simulate(
 
     Example: xffl simulate demo/job.yaml --sites 100 --parallel 2 --rounds 1
     """
-    from xffl.jobs.load import load_job
-    from xffl.jobs.trust import require_local_consent
+    from xffl.jobs.spec.load import load_job
+    from xffl.jobs.spec.trust import require_local_consent
     from xffl.workflows.simulate import SimulateOptions, Simulation
 
     loaded = load_job(job)
@@ -115,7 +115,7 @@ def _queues(spec: JobSpec, sites: int, waits: str | None, trace: Path | None, se
             target: float | None, as_json: bool) -> None:
     """``--queue-waits``/``--queue-trace``: the three round policies on simulated queues."""
     from xffl.core.errors import InvalidInput
-    from xffl.jobs.deadline_spec import RoundDeadline
+    from xffl.jobs.spec.deadline import RoundDeadline
     from xffl.workflows.queue_sim import compare, parse_queue_waits, read_trace
 
     if (waits is None) == (trace is None):

@@ -9,10 +9,10 @@ import typer
 from xffl.cli.common import handle_errors, markup_safe, print_json, resolve_run
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.cli.tables import Markup, Rows, say
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import FinalLoss, RunRecord
+    from xffl.jobs.registry.records import FinalLoss, RunRecord
     from xffl.jobs.status import RunStatus, SiteStatus
 
 
@@ -28,7 +28,7 @@ def _num(value: Any, fmt: str = "{}") -> str:
 def _hardware(site: SiteStatus) -> list[str]:
     """The hardware cells of a site's round: device, GPUs, tokens/s per GPU, TFLOP/s, MFU,
     peak memory, save seconds."""
-    from xffl.jobs.report import fmt
+    from xffl.jobs.report.numbers import fmt
 
     return [site.device or "-", fmt("gpus", site.gpus),
             fmt("tokens_per_s_per_gpu", site.tokens_per_s_per_gpu), fmt("tflops", site.tflops),
@@ -58,7 +58,7 @@ def final_line(final: FinalLoss) -> str:
 def render_status(data: RunStatus, tsv: bool = False) -> None:
     """Print a run's status as a header and a rounds x sites table; ``tsv``: the table's
     rows alone (no header, title or footer lines)."""
-    from xffl.jobs.report import fmt, megabytes
+    from xffl.jobs.report.numbers import fmt, megabytes
 
     run = data.run
     if not tsv:

@@ -11,7 +11,7 @@ from xffl.cli.common import console, handle_errors, markup_safe, print_json
 from xffl.cli.options import JsonOpt, TrustOpt
 from xffl.cli.watch import TimeoutOpt, follow, outcome
 from xffl.core.errors import InvalidInput
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 
 @handle_errors

@@ -12,7 +12,7 @@ from xffl.cli.common import console, err_console, handle_errors, markup_safe, pr
 from xffl.cli.options import JsonOpt
 
 if TYPE_CHECKING:
-    from xffl.jobs.memory_check import SiteFit
+    from xffl.jobs.spec.memory_check import SiteFit
 
 
 def _memory_table(rows: list[SiteFit]) -> None:
@@ -41,8 +41,8 @@ def validate(
     Example: xffl validate demo/job.yaml
     """
     from xffl.core.errors import InvalidInput
-    from xffl.jobs.load import load_job
-    from xffl.jobs.memory_check import check_sites
+    from xffl.jobs.spec.load import load_job
+    from xffl.jobs.spec.memory_check import check_sites
     from xffl.workflows.plan.compile import write_plan
     from xffl.workflows.plan.validate import validate_cwl
 

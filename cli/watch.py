@@ -17,9 +17,9 @@ from xffl.cli.common import (
 )
 from xffl.cli.options import JsonOpt, RunArg
 from xffl.core.errors import ExitCode, InvalidInput
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 
 TimeoutOpt = Annotated[float, typer.Option(
     "--timeout", min=0, help="Stop following after this many seconds (exit 4; the run goes "

@@ -28,7 +28,7 @@ def slurm_job_name(run_id: str, site: str, rnd: int | str | None = None) -> str:
 def slurm_job_round(name: str, run_id: str, site: str) -> int | None:
     """The round in a job name of ``site`` in ``run_id`` (0: the prefix only); None if not ours.
 
-    Site names cannot end in ``-r<digits>`` (jobs/spec.py), so this never mistakes another
+    Site names cannot end in ``-r<digits>`` (jobs/spec/schema.py), so this never mistakes another
     site's job for one of ``site``'s.
     """
     prefix = slurm_job_name(run_id, site)

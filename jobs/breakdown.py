@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xffl.jobs.profiles_json import slurm_site_names
-from xffl.jobs.records import RoundRecord, RunRecord, SiteRound, Transfer
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.profiles_json import slurm_site_names
+from xffl.jobs.registry.records import RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.registry.store import Registry
 
 
 @dataclass

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xffl.jobs import schedule
-from xffl.jobs.records import RoundRecord, RunRecord, SiteRound
-from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import RoundInFlight, holder, round_lock
+from xffl.jobs.registry.records import RoundRecord, RunRecord, SiteRound
+from xffl.jobs.registry.round_lock import RoundInFlight, holder, round_lock
+from xffl.jobs.registry.states import RoundState, RunState, SiteState
+from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import (
     SSH_TIMEOUT,
     SiteUnreachable,
@@ -38,7 +39,6 @@ from xffl.jobs.slurm_view import (
     slurm_sites,
     ssh_run,
 )
-from xffl.jobs.states import RoundState, RunState, SiteState
 from xffl.site_profiles.schema import SiteProfile
 
 RUNNER_GRACE_S = 5.0

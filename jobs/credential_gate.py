@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from xffl.core.errors import ConnectionFailed
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.credentials import (
     SiteCredential,
     iso,

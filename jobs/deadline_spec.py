@@ -42,7 +42,7 @@ class RoundDeadline(BaseModel):
     """A round deadline: each site trains as many steps as fit before it.
 
     A site's steps for a round are ``floor((seconds - queue - startup) / seconds_per_step)``
-    from its estimates (:mod:`xffl.jobs.estimates`), within ``[min_steps, max_steps]``; a site
+    from its estimates (:mod:`xffl.jobs.report.estimates`), within ``[min_steps, max_steps]``; a site
     not measured yet trains its configured steps (within the same bounds).
     """
 

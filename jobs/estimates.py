@@ -2,7 +2,7 @@
 
 Each is an exponentially weighted moving average over the site's delivered rounds, oldest
 first, from what xffl records: the queue wait SLURM reported for the site's jobs of the
-round (:class:`xffl.jobs.report.QueueWaits`; 0 at a site without SLURM), the start-up the
+round (:class:`xffl.jobs.report.numbers.QueueWaits`; 0 at a site without SLURM), the start-up the
 site measured, and the seconds per optimizer step of its update (``train_seconds / steps``
 of the update's manifest, kept in ``rounds/<r>/updates/<site>``):
 
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from xffl.aggregator.metrics import STEPS, TRAIN_SECONDS
-from xffl.jobs.breakdown import QueueWaits
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import SiteState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.breakdown import QueueWaits
 
 ALPHA = 0.5
 SLURM_SOURCE = "sbatch --test-only"  # how the seed was taken (the registry's source column)

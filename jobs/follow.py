@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xffl.core.errors import TimedOut
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 from xffl.jobs.status import settle
 
 

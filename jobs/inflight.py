@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xffl.jobs.breakdown import owning_round, round_starts
-from xffl.jobs.records import RoundRecord, Transfer
+from xffl.jobs.registry.records import RoundRecord, Transfer
+from xffl.jobs.report.breakdown import owning_round, round_starts
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
-from xffl.jobs.peft_check import install_command, peft_installed
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.tracking import resolve
+from xffl.jobs.spec.peft_check import install_command, peft_installed
+from xffl.jobs.spec.schema import JobSpec
+from xffl.jobs.spec.tracking import resolve
 from xffl.site_profiles.lookup import PLACEHOLDER, find_profile, unfilled
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.arch import (
@@ -24,7 +24,7 @@ from xffl.training.arch import (
     known_fields,
 )
 from xffl.training.config import TOKENIZER_FILES, matches_target
-from xffl.training.exchange_config import LORA_CONTEXT
+from xffl.aggregator.exchange_spec import LORA_CONTEXT
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from xffl.training.memory_model import (
 )
 
 if TYPE_CHECKING:
-    from xffl.jobs.load import LoadedJob
+    from xffl.jobs.spec.load import LoadedJob
     from xffl.site_profiles.schema import SiteProfile
     from xffl.training.config import TrainingSpec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xffl.jobs.states import RoundState, RunState, SiteState
+from xffl.jobs.registry.states import RoundState, RunState, SiteState
 
 
 @dataclass

@@ -13,9 +13,16 @@ from typing import Any
 
 from xffl.core.fstype import on_network_filesystem
 from xffl.core.paths import private_dir, registry_path
-from xffl.jobs.records import EvalCell, FinalLoss, RoundRecord, RunRecord, SiteRound, Transfer
-from xffl.jobs.registry_schema import SCHEMA, migrate
-from xffl.jobs.states import RoundState, RunState, SiteState
+from xffl.jobs.registry.records import (
+    EvalCell,
+    FinalLoss,
+    RoundRecord,
+    RunRecord,
+    SiteRound,
+    Transfer,
+)
+from xffl.jobs.registry.schema import SCHEMA, migrate
+from xffl.jobs.registry.states import RoundState, RunState, SiteState
 
 
 def new_run_id(name: str) -> str:

@@ -1,11 +1,11 @@
 """The numbers of `xffl report` and `xffl status`: loss, round-time breakdown and throughput.
 
 Every figure comes from the run registry; where each site's round went
-(queue wait, start-up, training, transfer, other) is :mod:`xffl.jobs.breakdown`'s.
+(queue wait, start-up, training, transfer, other) is :mod:`xffl.jobs.report.breakdown`'s.
 
 The round's aggregation follows. The report itself (PNG plots and one HTML page) is drawn by
-:mod:`xffl.jobs.report_render` and written atomically by
-:func:`xffl.jobs.report_write.write_report`.
+:mod:`xffl.jobs.report.render` and written atomically by
+:func:`xffl.jobs.report.write.write_report`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from xffl.jobs.breakdown import rounds_broken_down
-from xffl.jobs.records import EvalCell, RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import EvalCell, RunRecord
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.breakdown import rounds_broken_down
 
 REPORT_FILES = ("validation.png", "cross-site.png", "loss.png", "breakdown.png",
                 "throughput.png", "report.html")
@@ -84,7 +84,7 @@ class SiteRow:
     val_loss_update: float | None = None  # of the site's own update
     val_samples: int | None = None
     val_tokens: int | None = None  # the held-out targets in the loss: its federated weight
-    # how its hardware ran the round (xffl.jobs.records.SiteRound)
+    # how its hardware ran the round (xffl.jobs.registry.records.SiteRound)
     device: str | None = None
     gpus: int | None = None
     tokens_per_s_per_gpu: float | None = None
@@ -128,7 +128,7 @@ class ReportData:
     cross_site: dict[str, Any] = field(default_factory=lambda: cross_site_matrix([]))
     # the summary at the top: the model, each site with its ranks and profile, the seconds
     # from submit to the run's end (to now while it runs), and the final model's held-out
-    # loss (xffl.jobs.records.FinalLoss as a dict; None until measured)
+    # loss (xffl.jobs.registry.records.FinalLoss as a dict; None until measured)
     model: str = ""
     site_setup: list[str] = field(default_factory=list)
     wall_s: float | None = None
@@ -179,7 +179,7 @@ def assemble(registry: Registry, run: RunRecord) -> ReportData:
 def describe_job(run: RunRecord) -> tuple[str, list[str]]:
     """The run's model and each site's set-up, in words, from its job file (``-`` and no
     sites when it cannot be read)."""
-    from xffl.jobs.spec import JobSpec
+    from xffl.jobs.spec.schema import JobSpec
 
     try:
         spec = JobSpec.of_run(Path(run.run_dir))

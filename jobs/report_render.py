@@ -18,9 +18,9 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from xffl.jobs.report import ReportData, RoundRow, SiteRow, fmt, megabytes
-from xffl.jobs.report_matrix import plot_cross_site
-from xffl.jobs.report_summary import summary_html
+from xffl.jobs.report.matrix import plot_cross_site
+from xffl.jobs.report.numbers import ReportData, RoundRow, SiteRow, fmt, megabytes
+from xffl.jobs.report.summary import summary_html
 
 # the parts of a site's round, bottom to top, with their colours
 SEGMENTS = (("queue_wait_s", "queue wait (SLURM)", "#9e9e9e"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from xffl.jobs.report import ReportData
+from xffl.jobs.report.numbers import ReportData
 
 SUMMARY_ID = "summary"  # the page's element the layout test reads
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xffl.core.errors import InvalidInput
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.report import ReportData, assemble
-from xffl.jobs.report_render import render_all
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.numbers import ReportData, assemble
+from xffl.jobs.report.render import render_all
 
 
 def _publish(out: Path, render: Callable[[Path], list[str]]) -> list[Path]:

@@ -22,9 +22,9 @@ from croniter import croniter
 
 from xffl.core.errors import InvalidInput
 from xffl.core.paths import xffl_home
-from xffl.jobs.records import RunRecord
-from xffl.jobs.schedule_spec import validate_cron
-from xffl.jobs.states import RunState
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.spec.cron import validate_cron
 
 if TYPE_CHECKING:
     from crontab import CronTab

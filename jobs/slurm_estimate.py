@@ -7,7 +7,7 @@ submitting one. It answers on its standard error::
     sbatch: Job 4 to start at 2026-11-26T00:16:03 using 2 processors on nodes n1 in partition debug
 
 The seconds from the login node's own clock (``date``, printed first, so the two clocks
-never mix) to that start are the site's seed queue wait (:mod:`xffl.jobs.estimates`). The
+never mix) to that start are the site's seed queue wait (:mod:`xffl.jobs.report.estimates`). The
 facility's text is not trusted: only a line of exactly that form counts, a time that is not
 an ISO date and time is no estimate, and so is one more than a year away.
 """
@@ -19,9 +19,9 @@ import shlex
 from datetime import datetime
 from pathlib import Path
 
-from xffl.jobs.estimates import SLURM_SOURCE
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.estimates import SLURM_SOURCE
 from xffl.site_profiles.schema import SiteProfile, SlurmSpec
 
 MAX_ESTIMATE_S = 366 * 86400.0

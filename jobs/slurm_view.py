@@ -24,8 +24,8 @@ from typing import Any
 from xffl.core.errors import ConnectionFailed
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name, slurm_job_round
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.store import Registry
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0

@@ -20,8 +20,8 @@ from xffl.aggregator import registry
 from xffl.core.layout import RunLayout
 from xffl.core.names import check_name
 from xffl.core.sizes import DEFAULT_MAX_SHARD_SIZE
-from xffl.jobs.deadline_spec import RoundDeadline
-from xffl.jobs.tracking import TrackingSpec
+from xffl.jobs.spec.deadline import RoundDeadline
+from xffl.jobs.spec.tracking import TrackingSpec
 from xffl.site_profiles.schema import SlurmOverride
 from xffl.training.config import (
     DataSpec,
@@ -29,7 +29,7 @@ from xffl.training.config import (
     ModelSpec,
     TrainingSpec,
 )
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 
 _ROUND_SUFFIX = re.compile(r"-r[0-9]+$")
 
@@ -41,7 +41,7 @@ class _Strict(BaseModel):
 class AggregationSpec(_Strict):
     """How the coordinator combines the site updates every round.
 
-    ``strategy`` is a name of :mod:`xffl.aggregator.registry`; ``params`` override its
+    ``strategy`` is a name of :mod:`xffl.aggregator.strategy_catalog`; ``params`` override its
     defaults, e.g. ``{eta: 0.01}`` for fedadam.
     """
 

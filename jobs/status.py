@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xffl.jobs.inflight import CopyInFlight, FinishedCopy, copies_in_flight, finished_copies
-from xffl.jobs.profiles_json import may_log_in
-from xffl.jobs.records import FinalLoss, RoundRecord, RunRecord, SiteRound
-from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import holder
-from xffl.jobs.states import RoundState, RunState
+from xffl.jobs.registry.profiles_json import may_log_in
+from xffl.jobs.registry.records import FinalLoss, RoundRecord, RunRecord, SiteRound
+from xffl.jobs.registry.round_lock import holder
+from xffl.jobs.registry.states import RoundState, RunState
+from xffl.jobs.registry.store import Registry
 
 if TYPE_CHECKING:
-    from xffl.jobs.estimates import SiteEstimate
+    from xffl.jobs.report.estimates import SiteEstimate
     from xffl.jobs.slurm_view import SlurmJob
 
 
@@ -99,7 +99,7 @@ def run_summary(run: RunRecord) -> dict[str, Any]:
 
 @dataclass
 class SiteStatus(SiteRound):
-    """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.breakdown`).
+    """One site's round as recorded, with where its time went (see :mod:`xffl.jobs.report.breakdown`).
 
     ``queue_wait_s + startup_seconds + train_seconds + transfer_s + other_s =
     delivered_seconds`` (the time from the round's start until the site's update was in place).
@@ -197,7 +197,7 @@ class RunStatus:
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
     """The run's rounds; each site also has its queue wait, transfer time and throughput."""
-    from xffl.jobs.breakdown import rounds_broken_down
+    from xffl.jobs.report.breakdown import rounds_broken_down
 
     rounds = []
     for rnd, parts in rounds_broken_down(registry, run):
@@ -240,7 +240,7 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         if entry is not None:
             schedule = Schedule(entry.expr, entry.next_tick().astimezone()
                                 .isoformat(timespec="seconds"))
-    from xffl.jobs.estimates import site_estimates
+    from xffl.jobs.report.estimates import site_estimates
 
     jobs: list[SlurmJob] = []
     if slurm and may_log_in(Path(run.run_dir)):
@@ -288,7 +288,7 @@ def credential_view(run: RunRecord) -> list[Credential]:
             return []  # no login to check: nothing to read (and no SSH stack to import)
         from xffl.jobs.credential_gate import blockers, site_credentials
         from xffl.jobs.slurm_view import load_profiles
-        from xffl.jobs.spec import JobSpec
+        from xffl.jobs.spec.schema import JobSpec
 
         profiles = load_profiles(run_dir)
         spec = JobSpec.of_run(run_dir)

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RunRecord
+    from xffl.jobs.registry.records import RunRecord
 
 
 class Tracker(ABC):

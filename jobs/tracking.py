@@ -20,12 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xffl.aggregator.metrics import LOSS, VAL_LOSS, VAL_LOSS_UPDATE
 from xffl.core.validation import PathText, check_path_text
-from xffl.jobs.tracker import Tracker
-from xffl.jobs.tracking_mlflow import MLflowTracker
-from xffl.jobs.tracking_tensorboard import TensorBoardTracker
+from xffl.jobs.tracking.mlflow import MLflowTracker
+from xffl.jobs.tracking.tensorboard import TensorBoardTracker
+from xffl.jobs.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RoundRecord, RunRecord, Transfer
+    from xffl.jobs.registry.records import RoundRecord, RunRecord, Transfer
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _MLFLOW_RULE = ("write a folder for MLflow's file store (mlruns, /data/mlruns or "

@@ -25,10 +25,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xffl.core.paths import config_dir
-from xffl.jobs.tracker import Tracker
+from xffl.jobs.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RunRecord
+    from xffl.jobs.registry.records import RunRecord
 
 _PARAM_KEY = re.compile(r"[^\w.\- /]")  # what MLflow refuses in a param's name
 # MLflow's settings while xffl logs, unless the environment sets them: MLflow 3 refuses a file

@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xffl.jobs.tracker import Tracker
+from xffl.jobs.tracking.tracker import Tracker
 
 if TYPE_CHECKING:
-    from xffl.jobs.records import RunRecord
+    from xffl.jobs.registry.records import RunRecord
 
 
 class TensorBoardTracker(Tracker):

@@ -20,7 +20,7 @@ from pathlib import Path
 from xffl.core.errors import InvalidInput
 from xffl.core.files import write_json
 from xffl.core.yamlio import load_yaml
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.schema import SiteProfile
 
 #: the run directory's record of the user's consent (written by ``xffl submit``).

@@ -1,7 +1,7 @@
 """Write docs/reference/job-spec.md from the job spec's pydantic models (``--check``: compare).
 
 The reference is generated, never edited: every field, its type, default and description
-come from ``xffl.jobs.spec.JobSpec`` and the models it holds. ``scripts/test.sh`` builds the
+come from ``xffl.jobs.spec.schema.JobSpec`` and the models it holds. ``scripts/test.sh`` builds the
 docs site from it; ``tests/scripts/test_docs.py`` fails when it is stale.
 """
 
@@ -64,7 +64,7 @@ def _default(field: Any) -> str:
 
 def render() -> str:
     """The reference page."""
-    from xffl.jobs.spec import JobSpec
+    from xffl.jobs.spec.schema import JobSpec
 
     out = ["# Job spec reference", "",
            "Generated from the job spec's models by `scripts/docs_reference.py`; a job spec is",

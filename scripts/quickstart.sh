@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 echo "quickstart: setting up .venv first (uv, torch's CPU build, xffl; about a minute the" \
      "first time), then the quickstart job (2 sites on this machine, 3 rounds)"
 bash scripts/setup-venv.sh
-echo "quickstart: xffl submit jobs/quickstart.yaml --wait"
-exec .venv/bin/xffl submit jobs/quickstart.yaml --wait "$@"
+echo "quickstart: xffl submit examples/quickstart.yaml --wait"
+exec .venv/bin/xffl submit examples/quickstart.yaml --wait "$@"

@@ -19,7 +19,7 @@ from xffl.core.startup import collect_less
 collect_less()  # the workers import torch and transformers too (xffl.core.startup)
 
 REPO = Path(__file__).resolve().parent.parent
-QUICKSTART = REPO / "jobs" / "quickstart.yaml"
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
 # what a new user types (README, docs/getting-started.md), plus the flags a test reads by
 QUICKSTART_COMMANDS = [["init", "demo"],
                        ["submit", "demo/job.yaml", "--wait", "--json", "--timeout", "300"],

@@ -107,7 +107,7 @@ def init_global(run_id: str, model: ModelSpec, seed: int, out_dir: Path,
 
     Both are streamed (memory: a few MiB, whatever the model), except the seeded init of a
     ``model.entry_point`` model, which its own code builds in memory (the one case that runs
-    the user's code here: callers ask the user first, :mod:`xffl.jobs.trust`). A
+    the user's code here: callers ask the user first, :mod:`xffl.jobs.spec.trust`). A
     ``model.entry_point`` model with ``model.init`` is the init's tensors, not built.
     ``model.init``'s weights are widened to fp32, unless ``keep_dtype`` (a LoRA job's frozen
     base: a bf16 checkpoint stays bf16, byte for byte). ``progress`` follows the streamed

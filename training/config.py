@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from xffl.core.validation import PathText
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from xffl.aggregator.codec import Codec, scale_name
 from xffl.aggregator.quantize import dequantize, quantize
 from xffl.aggregator.shards import ModelReader, open_model
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.feedback import Residuals
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -64,7 +64,7 @@ class ExchangeSpec(BaseModel):
     @model_validator(mode="after")
     def _quantized_delta(self, info: ValidationInfo) -> ExchangeSpec:
         # a LoRA job (the job spec's loader says so in the context) sends its adapter's
-        # weights, never a delta (xffl.jobs.load): no quantized exchange fits it
+        # weights, never a delta (xffl.jobs.spec.load): no quantized exchange fits it
         if self.quantized and (info.context or {}).get(LORA_CONTEXT):
             raise ValueError(f"dtype {self.dtype} quantizes a delta, but a LoRA job sends "
                              "its adapter's weights (already small); use `exchange: "

@@ -43,7 +43,7 @@ from xffl.aggregator.quantize import dequantize, quantize
 from xffl.aggregator.shard_writer import Entries, ShardedWriter
 from xffl.aggregator.shards import MODEL_FILE, ModelReader, open_model
 from xffl.core.errors import CheckpointError
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.feedback import Residuals
 from xffl.training.parallelize import ParallelModel, is_dtensor
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from xffl.aggregator.reported import Bounds
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.plan.compile import report_bounds
 from xffl.workflows.steps.admit import SIDE_FILES
 

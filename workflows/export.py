@@ -15,7 +15,7 @@ from xffl.aggregator.kinds import kind_of
 from xffl.aggregator.merge import merge_adapter
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.training.config import TOKENIZER_FILES
 
 

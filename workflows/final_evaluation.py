@@ -16,8 +16,8 @@ from pathlib import Path
 
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout
-from xffl.jobs.records import FinalLoss, RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import FinalLoss, RunRecord
+from xffl.jobs.registry.store import Registry
 from xffl.workflows.evaluate_run import Outcome, evaluate_run
 from xffl.workflows.steps.final_validation import final_of
 

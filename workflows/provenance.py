@@ -31,8 +31,8 @@ import yaml
 
 from xffl.aggregator.exchange import MANIFEST_FILE
 from xffl.core.layout import RunLayout
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.store import Registry
 
 METADATA = "ro-crate-metadata.json"
 EMBED_LIMIT = 1 << 20

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from xffl.core.errors import InvalidInput
-from xffl.jobs.deadline_spec import RoundDeadline, StalenessSpec
-from xffl.jobs.estimates import ALPHA, SiteEstimate, ewma
+from xffl.jobs.report.estimates import ALPHA, SiteEstimate, ewma
+from xffl.jobs.spec.deadline import RoundDeadline, StalenessSpec
 from xffl.workflows.steps.deadline import fit_steps
 
 GRID = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  # x the median synchronous job time

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from xffl.core.errors import InvalidInput
 from xffl.jobs.credential_gate import require_credentials
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import load_profiles
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import RunState
+from xffl.jobs.spec.schema import JobSpec
 from xffl.jobs.status import runner_alive, settle
 from xffl.workflows.supervisor import spawn
 

@@ -34,13 +34,13 @@ from xffl.aggregator.decode import Decoding, encoded_index
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.inputs import own_config, update_weight
 from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.verify import check_update
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, XfflError
 from xffl.core.paths import xffl_home
 from xffl.core.resources import peak_rss_bytes, usable_cpus
 from xffl.core.sizes import parse_size
-from xffl.jobs.load import LoadedJob
+from xffl.jobs.spec.load import LoadedJob
 from xffl.workflows.simulate_sites import (
     Outcome,
     VirtualSite,

@@ -31,8 +31,8 @@ from xffl.aggregator.metrics import LOSS
 from xffl.aggregator.reported import MAX_COUNT
 from xffl.core.errors import ExitCode, InvalidInput, XfflError
 from xffl.core.files import atomic_write
-from xffl.jobs.load import LoadedJob
-from xffl.jobs.spec import SiteSpec
+from xffl.jobs.spec.load import LoadedJob
+from xffl.jobs.spec.schema import SiteSpec
 from xffl.training.config import DataSpec, ModelSpec, TrainJob
 from xffl.training.data import (
     FLAGS_FILE,

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from xffl.core.errors import ConnectionFailed, InvalidInput
-from xffl.jobs.load import LoadedJob
-from xffl.jobs.peft_check import PROBE, PROBE_MISSING, install_command
-from xffl.jobs.spec import SiteSpec
+from xffl.jobs.spec.load import LoadedJob
+from xffl.jobs.spec.peft_check import PROBE, PROBE_MISSING, install_command
+from xffl.jobs.spec.schema import SiteSpec
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 from xffl.site_profiles.versions import format_problem, parse_probe, probe_command
 from xffl.workflows.plan.deployments import site_data_path, site_python, site_workdir

@@ -11,11 +11,11 @@ from xffl.core.layout import Registration
 from xffl.core.names import NAME_RE, NAME_RULE
 from xffl.core.paths import registry_path, runs_dir
 from xffl.jobs.credential_gate import require_credentials
-from xffl.jobs.load import LoadedJob, load_job
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry, new_run_id
-from xffl.jobs.states import RunState
-from xffl.jobs.trust import record_consent, require_consent, require_site_consent
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry, new_run_id
+from xffl.jobs.spec.load import LoadedJob, load_job
+from xffl.jobs.spec.trust import record_consent, require_consent, require_site_consent
 from xffl.site_profiles.privacy import check_workdir
 from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan.compile import write_plan
@@ -40,7 +40,7 @@ def prepare_run_dir(loaded: LoadedJob, run_id: str, run_dir: Path, registry: Pat
     leaves no half-written run directory behind. The plan is what ``xffl render`` writes;
     ``run.json`` registers it, so the plan's steps record the rounds in ``registry``. With
     ``trust_entry_point`` the user's consent to the spec's entry point is recorded too
-    (:mod:`xffl.jobs.trust`).
+    (:mod:`xffl.jobs.spec.trust`).
     """
     tmp = run_dir.parent / f".{run_dir.name}.tmp"
     if tmp.exists():

@@ -37,13 +37,13 @@ from xffl.core.paths import private_files
 from xffl.core.resources import peak_rss_bytes
 from xffl.core.startup import collect_less
 from xffl.jobs.credential_gate import blockers
-from xffl.jobs.records import RunRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import RoundInFlight, round_lock
+from xffl.jobs.registry.records import RunRecord
+from xffl.jobs.registry.round_lock import RoundInFlight, round_lock
+from xffl.jobs.registry.states import RunState
+from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import load_profiles
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import RunState
-from xffl.jobs.trust import consented
+from xffl.jobs.spec.schema import JobSpec
+from xffl.jobs.spec.trust import consented
 from xffl.workflows.plan.compile import write_execution_inputs, write_initial_model
 from xffl.workflows.steps.aggregate import QUORUM_EVENT
 from xffl.workflows.steps.early_stop import read_stopped

@@ -48,7 +48,7 @@ def main() -> int:
     xffl = str(Path(python).with_name("xffl"))
     with tempfile.TemporaryDirectory(prefix="xffl-cli-bench-") as home:
         env = {**os.environ, "XFFL_HOME": home, "XDG_CONFIG_HOME": f"{home}/config"}
-        job = str(REPO / "jobs" / "quickstart.yaml")
+        job = str(REPO / "examples" / "quickstart.yaml")
         subprocess.run([xffl, "submit", job, "--no-start"], env=env, check=True,
                        stdout=subprocess.DEVNULL, timeout=120)
         commands = {

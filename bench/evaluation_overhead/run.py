@@ -1,6 +1,6 @@
 """Benchmark: what federated evaluation adds to the quickstart's wall time.
 
-The quickstart job (jobs/quickstart.yaml: 2 local sites x 2 DDP ranks, 3 rounds, each site
+The quickstart job (examples/quickstart.yaml: 2 local sites x 2 DDP ranks, 3 rounds, each site
 holding out a tenth of its corpus) runs through ``xffl submit --wait``, alternately as it is
 (every round each site evaluates the incoming global and its own update) and without
 ``data.validation`` (no evaluation), in the same invocation, so that both see the same
@@ -34,7 +34,7 @@ TARGET = 1.10
 def write_job(work: Path, evaluate: bool, rounds: int | None, steps: int | None,
               ranks: int | None) -> Path:
     """The quickstart, with or without its sites' held-out data."""
-    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     if rounds is not None:
         spec["rounds"] = rounds
     if steps is not None:

@@ -92,8 +92,8 @@ def measured(run_id: str, home: Path | None = None) -> dict[str, Any]:
         os.environ["XFFL_HOME"] = str(home)
     import yaml
 
-    from xffl.jobs.registry import Registry
-    from xffl.jobs.report import assemble
+    from xffl.jobs.registry.store import Registry
+    from xffl.jobs.report.numbers import assemble
     from xffl.training.arch import PRESETS
     from xffl.training.model import num_parameters
 
@@ -127,7 +127,7 @@ def quickstart(home: Path, exchange: str, rank: int = 16) -> str:
     import yaml
 
     env = {**os.environ, "XFFL_HOME": str(home)}
-    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     if exchange.startswith("lora:"):
         targets = ATTENTION if exchange == "lora:attention" else ALL_LINEAR
         spec["training"]["lora"] = {"r": rank, "alpha": 2 * rank,

@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = REPO / "jobs" / "quickstart.yaml"
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
 DELTA = {"update": "delta"}
 ROWS: dict[str, dict[str, Any]] = {
     "fp32 weights": {},

@@ -1,6 +1,6 @@
 """Benchmark: what the final model's evaluation (main.cwl's final steps) adds to a run.
 
-The quickstart job (jobs/quickstart.yaml: 2 local sites x 2 DDP ranks, 3 rounds) is
+The quickstart job (examples/quickstart.yaml: 2 local sites x 2 DDP ranks, 3 rounds) is
 submitted with ``--no-start`` and its supervisor run here as a child process, alternately
 as it is (``evaluation.final: true``, the default: after round 3 every site evaluates the
 final global) and with ``evaluation.final: false``, in the same invocation, so that both see
@@ -34,7 +34,7 @@ XFFL = Path(sys.executable).parent / "xffl"
 
 def write_job(work: Path, final: bool) -> Path:
     """The quickstart, with or without its final evaluation."""
-    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     spec["evaluation"] = {"final": final}
     job = work / ("with.yaml" if final else "without.yaml")
     job.write_text(yaml.safe_dump(spec, sort_keys=False))

@@ -1,7 +1,7 @@
 """Benchmark: `xffl render` of the 7B/8B example job, round 0 seeded and from a checkpoint.
 
 For each model (the ``llama2-7b`` and ``llama3.1-8b`` presets' real shapes by default),
-the job of ``jobs/llama2-7b-two-facilities.yaml`` is rendered with its two sites on the
+the job of ``examples/llama2-7b-two-facilities.yaml`` is rendered with its two sites on the
 ``local`` profile (no facility needed), as a subprocess whose peak RSS (``wait4``: the
 largest process of its tree) and wall time are measured:
 
@@ -47,7 +47,7 @@ from xffl.training.config import ModelSpec
 from xffl.training.streamed import expected_tensors
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "jobs" / "llama2-7b-two-facilities.yaml"
+EXAMPLE = REPO / "examples" / "llama2-7b-two-facilities.yaml"
 MODELS = ("llama2-7b", "llama3.1-8b")
 CHUNK = 1 << 22  # elements of the source checkpoint written at once
 # The smoke test's shapes: the presets' families, layers and GQA kept, every size shrunk

@@ -41,7 +41,7 @@ import yaml
 from xffl.aggregator.exchange import CONFIG_FILE, Manifest, finalize_manifest, staged_dir
 from xffl.aggregator.shard_writer import ShardedWriter
 from xffl.aggregator.shards import open_model
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 from xffl.training.arch import ModelConfig
 from xffl.training.streamed import delta_value, expected_tensors
 

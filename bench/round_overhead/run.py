@@ -8,7 +8,7 @@ on 127.0.0.1) for R rounds, in the same invocation:
   wait      the baseline, a hand-written loop doing the same round: scp of the global model
             to each site, ``sbatch --wait`` of the same batch script (``xffl render``'s
             sbatch/<site>.sh) at both sites in parallel over ssh, scp of the updates back,
-            then the same FedAvg call (xffl.aggregator.strategies.run_strategy)
+            then the same FedAvg call (xffl.aggregator.engine.run_strategy)
   poll      the same, but waiting with ``squeue -j ID`` every polling interval (as StreamFlow
             does) instead of ``sbatch --wait``, which checks on the job after 2, 10 and 42 s
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from tests.stack import stack  # noqa: E402  (the repo's stack driver: stdlib only)
 from tests.stack.profiles import write_profile  # noqa: E402
 from xffl.aggregator.exchange import read_manifest  # noqa: E402
-from xffl.aggregator.strategies import run_strategy  # noqa: E402
+from xffl.aggregator.engine import run_strategy  # noqa: E402
 
 SITES = ("alpha", "beta")
 
@@ -55,7 +55,7 @@ def write_job(work: Path, info: stack.StackInfo, rounds: int, steps: int,
     """The quickstart on the two test clusters, srun -n RANKS at each (as the SLURM tests)."""
     profiles = work / "site_profiles"
     profiles.mkdir(parents=True, exist_ok=True)
-    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     spec.update(name="overhead", rounds=rounds)
     spec["training"]["steps"] = steps
     for site in spec["sites"]:
@@ -100,7 +100,7 @@ def _round_row(wall: float, updates: dict[str, Path], extra: dict[str, Any]) -> 
 
 def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     """Submit the job, wait for it, and read every round's times from the registry."""
-    from xffl.jobs.registry import Registry
+    from xffl.jobs.registry.store import Registry
 
     status = json.loads(_xffl(env, "submit", str(job), "--wait", "--json", "--timeout", "1500"))
     if status["state"] != "completed":

@@ -68,7 +68,7 @@ def worker(way: str, out: Path, overrides: dict[str, Any]) -> None:
     from xffl.training.arch import build_config
     from xffl.training.checkpoint import save_checkpoint
     from xffl.training.config import ModelSpec
-    from xffl.training.exchange_config import ExchangeSpec
+    from xffl.aggregator.exchange_spec import ExchangeSpec
     from xffl.training.model import build_model
     from xffl.training.parallelize import parallelize
     from xffl.training.update_save import drain, gather_tensors, save_update

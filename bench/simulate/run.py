@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 def write_job(work: Path, steps: int) -> Path:
     """The quickstart, shrunk: tiny-test model, ``steps`` steps of 4 x 32 tokens per site."""
-    spec = yaml.safe_load((REPO / "jobs" / "quickstart.yaml").read_text())
+    spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     spec.update(name="simbench", rounds=1)
     spec["model"]["preset"] = "tiny-test"
     spec["training"].update(steps=steps, batch_size=4, seq_len=32)
@@ -87,7 +87,7 @@ def run_simulate(job: Path, out: Path, sites: int, parallel: int,
 STANDALONE = """
 import json, sys, time
 from pathlib import Path
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.workflows.simulate_sites import init_worker, run_site, virtual_site
 job, model, root, trials, threads = sys.argv[1:6]
 init_worker(int(threads))

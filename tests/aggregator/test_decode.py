@@ -14,10 +14,10 @@ from tests.aggregator.conftest import write_checkpoint
 from xffl.aggregator.decode import Decoding, encoded_index
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.verify import UpdateRejected, check_update
 from xffl.training.encode import encode_update
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 
 SHAPES = {"a.weight": (6, 5), "b.weight": (7,)}
 SAMPLES = {"s1": 30, "s2": 50, "s3": 20}

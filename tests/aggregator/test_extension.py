@@ -16,7 +16,7 @@ from xffl.aggregator import registry
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.safetensors_io import Array
 from xffl.cli.app import app
-from xffl.jobs.spec import AggregationSpec
+from xffl.jobs.spec.schema import AggregationSpec
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.robust import cap_shares, clip_factors
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.core.errors import InvalidInput
 
 

@@ -30,7 +30,7 @@ from xffl.aggregator.shards import (
     plan_shards,
     shard_name,
 )
-from xffl.aggregator.strategies import run_strategy, state_file
+from xffl.aggregator.engine import run_strategy, state_file
 from xffl.aggregator.verify import check_update, select_updates
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.sizes import parse_size

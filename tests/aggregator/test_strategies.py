@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from xffl.aggregator import registry, strategies
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.aggregator.strategies import run_strategy, state_file
+from xffl.aggregator.engine import run_strategy, state_file
 from xffl.core.errors import InvalidInput
 
 SHAPES = {"w": (13, 11), "b": (11,), "norm": (7,)}

@@ -21,7 +21,7 @@ import pytest
 
 LAYOUT_ID = "xffl-layout"
 # every element whose box reaches outside the page; the breakdown's legend, bars, title and
-# round labels (their SVG ids, xffl.jobs.report_render); the summary's rows; the page's own
+# round labels (their SVG ids, xffl.jobs.report.render); the summary's rows; the page's own
 # widths
 MEASURE = """<script>
 (() => {

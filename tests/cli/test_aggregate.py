@@ -183,7 +183,7 @@ def test_nf4_deltas_by_hand(tmp_path: Path) -> None:
     import torch
 
     from xffl.aggregator.quantize import quantize
-    from xffl.training.exchange_config import ExchangeSpec
+    from xffl.aggregator.exchange_spec import ExchangeSpec
 
     codec = ExchangeSpec.parse("delta/nf4/16").codec
     assert codec is not None

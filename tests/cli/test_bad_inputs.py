@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from xffl.cli.app import app
 from xffl.core.errors import ExitCode, InvalidInput
-from xffl.jobs.registry import Registry
-from xffl.jobs.schedule_spec import validate_cron
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.cron import validate_cron
 
 CORPUS = Path(__file__).resolve().parent / "bad_inputs"
 runner = CliRunner()

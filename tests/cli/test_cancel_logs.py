@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from tests.security.processes import lock_holder
 from xffl.cli import cancel, logs, status
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import holder
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.round_lock import holder
+from xffl.jobs.registry.store import Registry
 
 app = typer.Typer()
 app.command()(status.status)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 XFFL = str(Path(sys.executable).parent / "xffl")
@@ -225,8 +225,8 @@ def test_usage_errors_under_json_are_json_on_stdout(argv: list[str], env: dict[s
 
 
 def test_help_examples_use_files_a_wheel_user_has() -> None:
-    """jobs/quickstart.yaml exists only in a clone; examples name demo/job.yaml, which
+    """examples/quickstart.yaml exists only in a clone; examples name demo/job.yaml, which
     `xffl init demo` writes (issue 31 item 12)."""
     for command in ("submit", "render", "validate", "simulate"):
         shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).stdout
-        assert "jobs/quickstart.yaml" not in shown and "demo/job.yaml" in shown, command
+        assert "examples/quickstart.yaml" not in shown and "demo/job.yaml" in shown, command

@@ -15,7 +15,7 @@ from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 
 runner = CliRunner()
-JOBS = Path(__file__).resolve().parents[2] / "jobs"
+JOBS = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_init_writes_the_quickstart_once(tmp_path: Path, xffl_home: Path) -> None:

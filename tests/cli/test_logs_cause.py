@@ -24,7 +24,7 @@ from tests.conftest import QUICKSTART
 from tests.workflows.site_data import write_shards
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 

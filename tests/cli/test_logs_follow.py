@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 XFFL = str(Path(sys.executable).parent / "xffl")

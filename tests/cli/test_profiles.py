@@ -171,7 +171,7 @@ def test_a_template_left_unfilled_is_refused_where_it_is(tmp_path: Path,
         .replace("YOUR_EMAIL", "ada@example.org").replace("YOUR_VENV", "venv") \
         .replace("YOUR_SCRATCH", "scratch")
     copy.write_text(filled)
-    from xffl.jobs.load import load_job
+    from xffl.jobs.spec.load import load_job
 
     assert load_job(job).profiles["alpha"].connector.user == "ada"  # filled in: it loads
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from xffl.aggregator.exchange import read_manifest
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.training.checkpoint import init_global, read_weights
 from xffl.training.config import ModelSpec
 from xffl.workflows.plan.compile import write_initial_model

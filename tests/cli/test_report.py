@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from tests.cli.schemas import check
 from tests.conftest import FinishedRun
 from xffl.cli.app import app
-from xffl.jobs.registry import Registry
-from xffl.jobs.report import fmt
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.numbers import fmt
 
 runner = CliRunner()
 

@@ -11,8 +11,8 @@ import pytest
 
 from tests.cli.browser import intersects, layout
 from tests.conftest import FinishedRun
-from xffl.jobs.report import ReportData, RoundRow, SiteRow
-from xffl.jobs.report_render import SEGMENTS, render_all
+from xffl.jobs.report.numbers import ReportData, RoundRow, SiteRow
+from xffl.jobs.report.render import SEGMENTS, render_all
 
 WIDTH = 1200
 SUMMARY = ["model", "sites", "rounds", "final model's held-out loss", "wall time"]

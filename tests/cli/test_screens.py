@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.store import Registry
 
 XFFL = str(Path(sys.executable).parent / "xffl")
 RUN = "a-rather-long-experiment-name-20261125-101010-beef"

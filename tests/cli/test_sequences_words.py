@@ -10,8 +10,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from xffl.cli.app import app
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 

@@ -47,7 +47,7 @@ def test_status_of_a_run_with_local_sites_validates_no_profile(xffl_home: Path) 
     from xffl.cli.app import app
 
     assert CliRunner().invoke(app, ["submit", str(QUICKSTART), "--no-start"]).exit_code == 0
-    heavy = (*HEAVY, "pydantic", "xffl.site_profiles.schema", "xffl.jobs.spec")
+    heavy = (*HEAVY, "pydantic", "xffl.site_profiles.schema", "xffl.jobs.spec.schema")
     done = subprocess.run([sys.executable, "-c", STATUS.format(heavy=heavy)],
                           capture_output=True, text=True, timeout=120, check=True)
     status = json.loads(done.stdout)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from tests.security.processes import lock_holder
 from xffl.cli.app import app
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 XFFL = str(Path(sys.executable).parent / "xffl")
@@ -133,7 +133,7 @@ def test_ctrl_c_during_submit_wait_says_the_run_goes_on(xffl_home: Path) -> None
 
 def _one_round_done(run_id: str) -> None:
     """Round 1 of the run completed with a training and a validation loss; round 2 going."""
-    from xffl.jobs.records import RoundRecord
+    from xffl.jobs.registry.records import RoundRecord
 
     registry = Registry()
     registry.start_round(run_id, 1, ["alpha", "beta"])

@@ -11,8 +11,8 @@ import yaml
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.sizes import parse_size
-from xffl.jobs.load import load_job
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.load import load_job
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.plan.compile import write_plan
 
 

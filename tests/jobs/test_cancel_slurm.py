@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
 from xffl.cli import cancel, status, submit
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import parse_squeue
 
 app = typer.Typer()

@@ -22,7 +22,7 @@ from tests.conftest import QUICKSTART
 from tests.stack.certs import agent_add, bare_home, new_key, sign, ssh_agent
 from xffl.cli.app import app
 from xffl.core.paths import runs_dir
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from xffl.core.layout import RunLayout
-from xffl.jobs.estimates import ewma, site_estimates
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.states import RoundState, SiteState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.estimates import ewma, site_estimates
 from xffl.jobs.slurm_estimate import parse_test_only
-from xffl.jobs.states import RoundState, SiteState
 from xffl.jobs.status import run_status
 
 # three rounds of two sites: (queue wait, start-up, steps, train seconds); "hpc" is late in

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from xffl.core.errors import InvalidInput
 from xffl.core.names import NAME_RE
-from xffl.jobs.load import LoadedJob, load_job
+from xffl.jobs.spec.load import LoadedJob, load_job
 from xffl.site_profiles.lookup import available
 from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.plan.compile import write_plan

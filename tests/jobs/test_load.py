@@ -9,7 +9,7 @@ import yaml
 
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 
 
 def _write(tmp_path: Path, data: dict) -> Path:

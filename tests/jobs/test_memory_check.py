@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART, REPO
 from xffl.cli.app import app
-from xffl.jobs.load import LoadedJob
-from xffl.jobs.memory_check import check_sites
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.load import LoadedJob
+from xffl.jobs.spec.memory_check import check_sites
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.lookup import bundled_dir, load_profile_file
 from xffl.training.memory_model import FIT_SHARE, GIB
 
@@ -30,7 +30,7 @@ TEMPLATES = [("llama2-7b-two-facilities.yaml", "llama2-7b"),
 def _template(name: str, preset: str, training: dict[str, Any]) -> LoadedJob:
     """A large template as written (its base model's folder replaced by the preset of the
     same architecture), with the bundled profiles of its facilities."""
-    path = REPO / "jobs" / name
+    path = REPO / "examples" / name
     data = yaml.safe_load(path.read_text())
     data["model"] = {"preset": preset}
     data["training"].update(training)

@@ -10,7 +10,7 @@ import yaml
 
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.training.sft_demo import write_tokenizer
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from xffl.core.layout import RunLayout
-from xffl.jobs.profiles_json import may_log_in, slurm_site_names
+from xffl.jobs.registry.profiles_json import may_log_in, slurm_site_names
 from xffl.jobs.slurm_view import load_profiles, slurm_sites
 from xffl.site_profiles.lookup import bundled_dir, load_profile_file
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
-from xffl.jobs.registry_schema import SCHEMA
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.schema import SCHEMA
+from xffl.jobs.registry.store import Registry
 
 
 def test_a_registry_of_an_older_xffl_gets_the_hardware_columns(tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ import matplotlib.image
 import PIL.Image
 import pytest
 
-from xffl.jobs import report_render
-from xffl.jobs.breakdown import TransferTimes, busy_seconds, site_breakdown
-from xffl.jobs.records import RoundRecord, SiteRound, Transfer
-from xffl.jobs.registry import Registry
-from xffl.jobs.report import assemble, fmt
-from xffl.jobs.report_write import write_report
+from xffl.jobs.registry.records import RoundRecord, SiteRound, Transfer
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report import render as report_render
+from xffl.jobs.report.breakdown import TransferTimes, busy_seconds, site_breakdown
+from xffl.jobs.report.numbers import assemble, fmt
+from xffl.jobs.report.write import write_report
 from xffl.jobs.status import run_status
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import PIL.Image
 
-from xffl.jobs.records import EvalCell
-from xffl.jobs.report import cross_site_matrix
-from xffl.jobs.report_matrix import EMPTY_NOTE, plot_cross_site
+from xffl.jobs.registry.records import EvalCell
+from xffl.jobs.report.matrix import EMPTY_NOTE, plot_cross_site
+from xffl.jobs.report.numbers import cross_site_matrix
 
 
 def _description(path: Path) -> object:

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from tests.stack.profiles import write_profile
-from xffl.jobs.estimates import site_estimates
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.estimates import site_estimates
 from xffl.jobs.slurm_estimate import estimate_command, parse_test_only, seed_estimates
 from xffl.jobs.slurm_view import ssh_run
 from xffl.site_profiles.schema import SiteProfile

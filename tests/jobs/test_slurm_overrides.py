@@ -11,7 +11,7 @@ import yaml
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.names import slurm_job_name, slurm_job_round
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.site_profiles.schema import SlurmOverride, SlurmSpec
 
 SLURM_PROFILE = {
@@ -120,7 +120,7 @@ def test_job_names_and_their_rounds() -> None:
 
 def test_overrides_survive_job_json(tmp_path: Path) -> None:
     """The runner reads the spec back from job.json: only the keys set are written."""
-    from xffl.jobs.spec import JobSpec
+    from xffl.jobs.spec.schema import JobSpec
 
     spec = load_job(job_with_overrides(tmp_path, {"partition": "gpu", "account": None})).spec
     text = spec.model_dump_json()

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from xffl.jobs.records import RoundRecord, RunRecord, SiteRound, Transfer
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RoundState, RunState, SiteState
-from xffl.jobs.tracking import TrackingSpec, log_round, resolve, round_scalars
-from xffl.jobs.tracking_mlflow import flatten_params
+from xffl.jobs.registry.records import RoundRecord, RunRecord, SiteRound, Transfer
+from xffl.jobs.registry.states import RoundState, RunState, SiteState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.tracking import TrackingSpec, resolve
+from xffl.jobs.tracking.mlflow import flatten_params
+from xffl.jobs.tracking.rounds import log_round, round_scalars
 
 # one worker imports MLflow (about 1 s) once for the whole module
 pytestmark = pytest.mark.xdist_group("tracking")
@@ -182,7 +183,7 @@ def test_failing_backend_warns_and_the_other_still_logs(
 
 
 def test_importing_tracking_imports_no_backend() -> None:
-    code = ("import sys, xffl.jobs.tracking; "
+    code = ("import sys, xffl.jobs.tracking.rounds; "
             "print(sorted({'mlflow', 'tensorboard', 'torch'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -22,7 +22,7 @@ _spec.loader.exec_module(docs_reference)
 def test_the_job_spec_reference_is_generated_from_the_models() -> None:
     assert docs_reference.main(["--check"]) == 0, "run python scripts/docs_reference.py"
     page = docs_reference.OUT.read_text()
-    from xffl.jobs.spec import JobSpec
+    from xffl.jobs.spec.schema import JobSpec
 
     for name, field in JobSpec.model_fields.items():  # every field, with its description
         assert f"| `{name}` |" in page and (field.description or "") in page

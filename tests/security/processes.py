@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from xffl.jobs.round_lock import holder
+from xffl.jobs.registry.round_lock import holder
 
-_HOLD = ("import sys, time; from pathlib import Path; from xffl.jobs.round_lock import round_lock\n"
+_HOLD = ("import sys, time; from pathlib import Path; from xffl.jobs.registry.round_lock import round_lock\n"
          "with round_lock(Path(sys.argv[1])):\n    time.sleep(120)\n")
 
 

@@ -28,8 +28,8 @@ from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.jobs import cancel as cancel_mod
 from xffl.jobs import schedule
-from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import holder, round_lock
+from xffl.jobs.registry.round_lock import holder, round_lock
+from xffl.jobs.registry.store import Registry
 from xffl.jobs.status import orphan_message, settle
 from xffl.workflows import supervisor
 

@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry import Registry
-from xffl.jobs.trust import TRUST_FILE
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.trust import TRUST_FILE
 from xffl.training.checkpoint import init_global, load_model
 from xffl.training.config import ModelSpec
 from xffl.workflows import supervisor

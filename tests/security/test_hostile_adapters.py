@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from xffl.aggregator.exchange import Manifest, finalize_manifest, read_manifest
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.training import lora
 from xffl.training.checkpoint import init_global
 from xffl.training.config import LoraSpec, ModelSpec
@@ -116,8 +116,8 @@ def test_freeze_a_admits_honest_updates_in_a_narrower_exchange(tmp_path: Path) -
     import torch
 
     from xffl.aggregator.decode import Decoding
-    from xffl.aggregator.strategies import run_strategy
-    from xffl.training.exchange_config import ExchangeSpec
+    from xffl.aggregator.engine import run_strategy
+    from xffl.aggregator.exchange_spec import ExchangeSpec
 
     glob = tmp_path / "global"
     lora.init_adapter_global("run-1", ModelSpec(preset="tiny-test"), SPEC, 0, glob, "base")

@@ -21,10 +21,10 @@ from xffl.aggregator.exchange import CONFIG_FILE, INDEX_FILE, Manifest, read_man
 from xffl.aggregator.kinds import WHOLE_MODEL
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.running import RunningAggregate
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.training.slurm_job import read_record
 from xffl.workflows.steps.admit import SIDE_FILES, admit
 

@@ -10,8 +10,8 @@ import torch
 from tests.aggregator.conftest import write_checkpoint
 from xffl.aggregator.exchange import read_manifest
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.jobs.registry.states import SiteState
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.workflows.steps.admit import admit
 
 CONFIG = {"hidden_size": 8}

@@ -23,7 +23,7 @@ from tests.security.json_equal_site import rewrite
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.lookup import find_profile
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec

@@ -28,8 +28,8 @@ from tests.stack.extra_login import extra_login
 from tests.stack.profiles import write_profile
 from xffl.cli.app import app
 from xffl.jobs import schedule
-from xffl.jobs.registry import Registry
-from xffl.jobs.round_lock import holder
+from xffl.jobs.registry.round_lock import holder
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 

@@ -29,8 +29,8 @@ from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.reported import Bounds, max_val_loss
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.steps import aggregate
 from xffl.workflows.steps.admit import SIDE_FILES, admit
 from xffl.workflows.steps.bounds import report_bounds

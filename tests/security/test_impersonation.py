@@ -15,10 +15,10 @@ import torch
 
 from tests.aggregator.conftest import write_checkpoint
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.core.errors import CheckpointError
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.workflows.steps.admit import admit
 
 CONFIG = {"hidden_size": 8}

@@ -21,7 +21,7 @@ import yaml
 from tests.aggregator.conftest import write_checkpoint
 from tests.conftest import QUICKSTART
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.steps import admit
 from xffl.workflows.steps.rejected import KEEP_COUNT, KEEP_GLOBALS, kept_rejected, tree_bytes
 from xffl.workflows.steps.verdict import VERDICT_FILE

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.cli.common import markup_safe, printable
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RoundState, SiteState
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.states import RoundState, SiteState
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 ESCAPES = "\x1b[2J\x1b]0;owned\x07\r\u202e"

@@ -28,9 +28,9 @@ from xffl.aggregator.exchange import read_manifest
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout, registration
 from xffl.core.words import REASON_CHARS, WORD_CHARS, capped, quoted
-from xffl.jobs.registry import Registry
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.steps.admit import _record, admit
 from xffl.workflows.steps.aggregate import QuorumNotMet, aggregate_round
 from xffl.workflows.supervisor import _failure_message

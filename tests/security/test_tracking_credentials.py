@@ -20,10 +20,11 @@ from typing import Any, ClassVar
 
 import pytest
 
-from xffl.jobs.records import RoundRecord, RunRecord
-from xffl.jobs.states import RoundState, RunState
-from xffl.jobs.tracking import TrackingSpec, log_round
-from xffl.jobs.tracking_mlflow import gets_credentials, user_config_file
+from xffl.jobs.registry.records import RoundRecord, RunRecord
+from xffl.jobs.registry.states import RoundState, RunState
+from xffl.jobs.spec.tracking import TrackingSpec
+from xffl.jobs.tracking.mlflow import gets_credentials, user_config_file
+from xffl.jobs.tracking.rounds import log_round
 
 pytestmark = pytest.mark.xdist_group("tracking")
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.stack.certs import agent_add, ssh_agent
 from xffl.jobs.credential_gate import blockers, round_needs
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.credentials import (
     agent_certificates,
     endpoint_credential,

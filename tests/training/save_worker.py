@@ -30,7 +30,7 @@ from xffl.training.checkpoint import init_global, save_checkpoint
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.encode import encode_update
 from xffl.training.evaluate_models import eval_model, evaluate_models
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.model import build_model
 from xffl.training.parallelize import ParallelModel, is_dtensor, parallelize
 from xffl.training.update_save import PIECE, drain, gather_tensors, save_update

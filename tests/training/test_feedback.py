@@ -16,7 +16,7 @@ from xffl.aggregator.decode import DecodedReader, encoded_index
 from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest
 from xffl.aggregator.shards import MODEL_FILE, open_model
 from xffl.training.encode import encode_update
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.feedback import FOLDER
 
 ROUNDS = 8

@@ -23,7 +23,7 @@ from tests.conftest import REPO
 from xffl.aggregator.adapter import adapted_modules, factor_names
 from xffl.aggregator.exchange import Manifest, read_manifest, verify_checkpoint
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.core.errors import InvalidInput
 from xffl.training import lora
 from xffl.training.checkpoint import init_global, load_model, read_weights

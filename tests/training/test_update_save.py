@@ -32,13 +32,13 @@ from xffl.aggregator.exchange import CONFIG_FILE, Manifest, read_manifest, verif
 from xffl.aggregator.reported import Bounds
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.layout import RunLayout
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.evaluate_models import evaluate_models
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.feedback import FOLDER
 from xffl.training.launch import launch
 from xffl.training.model import build_model

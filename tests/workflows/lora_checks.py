@@ -19,7 +19,7 @@ from xffl.aggregator.adapter import adapted_modules, factor_names
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from xffl.cli.app import app
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 from xffl.training import lora
 from xffl.training.checkpoint import load_model, read_weights
 from xffl.training.config import LoraSpec

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
-from xffl.jobs.estimates import per_step_seconds
+from xffl.jobs.report.estimates import per_step_seconds
 
 runner = CliRunner()
 

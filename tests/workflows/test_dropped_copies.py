@@ -41,7 +41,7 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.jobs.inflight import copies_in_flight
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 PROXY = Path(__file__).resolve().parents[2] / "bench" / "transfer" / "proxy.py"

@@ -25,10 +25,10 @@ from tests.stack.profiles import write_profile
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.records import RoundRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import RoundState
+from xffl.jobs.registry.records import RoundRecord
+from xffl.jobs.registry.states import RoundState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.schema import JobSpec
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
 from xffl.workflows.plan.evaluation import check_evaluable

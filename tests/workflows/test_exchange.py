@@ -15,9 +15,9 @@ from tests.conftest import FinishedRun
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.shards import MODEL_FILE
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.training.encode import encode_update
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 
 U_BF16 = 2.0**-8  # unit roundoff of bf16 (8 significant bits), round to nearest
 U_FP32 = 2.0**-24

@@ -13,7 +13,7 @@ import yaml
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.training.checkpoint import init_global
 from xffl.training.sft_demo import write_tokenizer
 from xffl.workflows.export import export_global, tokenizer_source

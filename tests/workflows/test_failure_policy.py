@@ -23,7 +23,7 @@ from tests.workflows.site_data import write_shards
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.jobs.follow import wait_for_run
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 BETA_DATA = "prepared/beta"  # relative to the site's workdir; its flags missing at first

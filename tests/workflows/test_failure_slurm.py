@@ -27,7 +27,7 @@ from tests.workflows.runs import admitted, reused
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.jobs.follow import wait_for_run
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 

@@ -38,7 +38,7 @@ from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.jobs.follow import wait_for_run
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 from xffl.training.checkpoint import load_model
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {

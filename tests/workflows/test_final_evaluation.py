@@ -21,9 +21,9 @@ from tests.conftest import QUICKSTART, FinishedRun
 from tests.workflows.test_end_to_end import held_out_windows
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
-from xffl.jobs.records import FinalLoss, RoundRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.states import RoundState
+from xffl.jobs.registry.records import FinalLoss, RoundRecord
+from xffl.jobs.registry.states import RoundState
+from xffl.jobs.registry.store import Registry
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
 from xffl.workflows.evaluate_run import Outcome, SiteRow

@@ -26,7 +26,7 @@ from tests.workflows.test_failure_slurm import _job, _sites, _status
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.jobs.follow import wait_for_run
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 # s: alpha's round (sbatch, torch start-up, 1 to 3 steps sized to the deadline, copy back)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tests.conftest import QUICKSTART, REPO
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
-from xffl.jobs.deadline_spec import RoundDeadline, StalenessSpec
+from xffl.jobs.spec.deadline import RoundDeadline, StalenessSpec
 from xffl.workflows.queue_sim import (
     Problem,
     parse_queue_waits,
@@ -84,11 +84,11 @@ def test_cli_json_matches_its_schema() -> None:
 @pytest.mark.parametrize("sites", [8, 64])
 def test_queue_aware_needs_a_fifth_less_time_than_the_best_timeout(sites: int) -> None:
     """Issue acceptance: heavy-tailed (Pareto) waits, 8 and 64 sites, the quickstart's steps
-    and default deadline bounds, 5 seeds (as `xffl simulate jobs/quickstart.yaml --sites N
+    and default deadline bounds, 5 seeds (as `xffl simulate examples/quickstart.yaml --sites N
     --seeds 5 --queue-waits pareto:scale=300,alpha=1.2`): queue-aware reaches the target in at
     least 20 % less simulated time than the best of sync and the round_timeout sweep
     (docs/queues.md: 56 % and 74 %)."""
-    from xffl.jobs.load import load_job
+    from xffl.jobs.spec.load import load_job
     from xffl.workflows.queue_sim import compare
 
     steps = load_job(QUICKSTART).spec.training.steps

@@ -21,9 +21,9 @@ from xffl.aggregator.shards import open_model
 from xffl.cli.app import app
 from xffl.core.errors import ExitCode
 from xffl.core.startup import YOUNG
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.training.data import ensure_synthetic, load_tokens
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.workflows.simulate import _Pool
 from xffl.workflows.simulate_sites import check_templates, ensure_partition, virtual_site
 

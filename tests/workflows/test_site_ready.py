@@ -17,7 +17,7 @@ from tests.conftest import QUICKSTART
 from tests.site_profiles.other_xffl import other_xffl_python, refusal
 from tests.workflows.site_data import bad_data, write_shards
 from xffl.cli.app import app
-from xffl.jobs.peft_check import PEFT_REQUIREMENT
+from xffl.jobs.spec.peft_check import PEFT_REQUIREMENT
 
 runner = CliRunner()
 

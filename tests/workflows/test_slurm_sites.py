@@ -23,7 +23,7 @@ from tests.stack.stack import StackInfo
 from tests.workflows import lora_checks
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec
 

@@ -3,7 +3,7 @@
 Every copy between the coordinator and a site goes through
 ``DataManager.transfer_data`` (the round's global model and job file in, the update back).
 This subclass measures each such call on the coordinator's clock and, in a registered run,
-stores it in the run registry (:meth:`xffl.jobs.registry.Registry.record_transfer`). The
+stores it in the run registry (:meth:`xffl.jobs.registry.store.Registry.record_transfer`). The
 report attributes a transfer to the round during which it started (rounds run one after the
 other) and shows the transfer time apart from the queue wait, the start-up and the training.
 Each transfer's size is that of its files on the coordinator's side (the source of what
@@ -156,7 +156,7 @@ class TransferClock(DefaultDataManager):
         reg = registration(self.layout) if self.layout is not None else None
         if reg is None:
             return
-        from xffl.jobs.registry import Registry
+        from xffl.jobs.registry.store import Registry
 
         try:
             Registry(reg.registry).record_transfer(reg.run_id, site, direction, started, ended,

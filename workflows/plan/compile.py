@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 
 from xffl.core.layout import RunLayout
-from xffl.jobs.deadline_spec import RoundDeadline
-from xffl.jobs.load import LoadedJob
-from xffl.jobs.spec import JobSpec, SiteSpec
+from xffl.jobs.spec.deadline import RoundDeadline
+from xffl.jobs.spec.load import LoadedJob
+from xffl.jobs.spec.schema import JobSpec, SiteSpec
 from xffl.site_profiles.schema import LocalConnector, SiteProfile
 from xffl.training.config import DataSpec, TrainJob
 from xffl.training.threads import LOCAL_RANKS_ENV
@@ -253,14 +253,14 @@ def write_initial_model(layout: RunLayout, spec: JobSpec, run_id: str,
 
     A seeded model comes from the cache of initial models when an earlier run built it
     (:mod:`xffl.workflows.plan.init_cache`), else it is built and cached. When that needs the
-    spec's ``model.entry_point``, only if the user ``trusted`` it (:mod:`xffl.jobs.trust`).
+    spec's ``model.entry_point``, only if the user ``trusted`` it (:mod:`xffl.jobs.spec.trust`).
     A LoRA job's frozen base keeps ``model.init``'s dtypes (a bf16 checkpoint stays bf16: it
     is never trained, and the sites load it in their own compute dtype). ``progress`` follows
     the writing of the model: (elements written, elements in all).
     """
     from xffl.aggregator.exchange import MANIFEST_FILE
     from xffl.core.sizes import parse_size
-    from xffl.jobs.trust import check_round0
+    from xffl.jobs.spec.trust import check_round0
 
     lora = spec.training.lora
     if (layout.initial_model / MANIFEST_FILE).is_file():

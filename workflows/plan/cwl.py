@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from xffl.core.names import slurm_job_name
-from xffl.jobs.report import GLOBAL  # the evaluate tool's name for the global model
+from xffl.jobs.report.numbers import GLOBAL  # the evaluate tool's name for the global model
 from xffl.workflows.plan.deployments import SLURM_NAME_OPTION
 
 LOOP_NS = "http://commonwl.org/cwltool#"

@@ -11,8 +11,8 @@ import yaml
 
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
-from xffl.jobs.report import GLOBAL  # the round's global model, beside the updates
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.report.numbers import GLOBAL  # the round's global model, beside the updates
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.launch import EVALUATE_MODULE
 from xffl.workflows.plan.cwl import CWL_VERSION

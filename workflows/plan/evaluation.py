@@ -36,8 +36,8 @@ from xffl.aggregator.shards import CONFIG_FILE
 from xffl.core.errors import CheckpointError, InvalidInput
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout
-from xffl.jobs.report import GLOBAL  # the round's global model, beside the updates
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.report.numbers import GLOBAL  # the round's global model, beside the updates
+from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.schema import SiteProfile
 from xffl.workflows.extensions import FAILURE_MANAGER
 from xffl.workflows.plan.compile import report_bounds, site_envs, site_targets

@@ -40,10 +40,10 @@ from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
 from xffl.core.words import quoted
-from xffl.jobs.deadline_spec import StalenessSpec
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import SiteState
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.jobs.registry.states import SiteState
+from xffl.jobs.spec.deadline import StalenessSpec
+from xffl.jobs.spec.schema import JobSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import round_report_bounds
@@ -201,7 +201,7 @@ def _record_delivery(layout: RunLayout, verdict: Verdict, update: Path | None) -
     reg = registration(layout)
     if reg is None or update is None or verdict.delivered_at is None:
         return
-    from xffl.jobs.registry import Registry
+    from xffl.jobs.registry.store import Registry
     from xffl.jobs.slurm_view import record_delivered
 
     registry = Registry(reg.registry)

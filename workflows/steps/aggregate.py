@@ -30,17 +30,17 @@ from typing import Any
 from xffl.aggregator.decode import Decoding
 from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.metrics import LOSS
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.core.failpoints import failpoint
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.resources import peak_rss_bytes
 from xffl.core.startup import collect_less
-from xffl.jobs.records import RoundRecord
-from xffl.jobs.registry import Registry
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import RoundState
-from xffl.training.exchange_config import ExchangeSpec
+from xffl.jobs.registry.records import RoundRecord
+from xffl.jobs.registry.states import RoundState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.schema import JobSpec
+from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.workflows.steps.balance import round_job
 from xffl.workflows.steps.deadline import deadline_jobs
 from xffl.workflows.steps.early_stop import (
@@ -165,7 +165,7 @@ def applied_updates(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
 def track(spec: JobSpec, reg: Registry, run_id: str, rnd: int) -> None:
     """Log the round just recorded to the job's experiment trackers (``tracking``), from the
     registry; a tracker that fails leaves a ``tracking`` event, never a failed round."""
-    from xffl.jobs.tracking import log_round
+    from xffl.jobs.tracking.rounds import log_round
 
     if spec.tracking is None:
         return

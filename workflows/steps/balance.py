@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from xffl.jobs.estimates import per_step_seconds
+from xffl.jobs.report.estimates import per_step_seconds
 from xffl.training.config import TrainJob, round_steps
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from xffl.core.layout import RunLayout
-from xffl.jobs.spec import JobSpec, SiteSpec
+from xffl.jobs.spec.schema import JobSpec, SiteSpec
 from xffl.training.config import TrainJob, round_steps
 
 

@@ -2,7 +2,7 @@
 
 With ``round_deadline: {seconds: D}`` every round after the first gives site ``s`` the
 steps its update is expected to need to be in by ``D`` seconds after the round's start,
-from its estimates (:mod:`xffl.jobs.estimates`: queue wait ``q``, start-up ``u``, seconds
+from its estimates (:mod:`xffl.jobs.report.estimates`: queue wait ``q``, start-up ``u``, seconds
 per step ``p``, exponentially weighted over its delivered rounds):
 
     steps(s) = clamp(floor((D - q(s) - u(s)) / p(s)), min_steps, max_steps(s))
@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from xffl.jobs.deadline_spec import RoundDeadline
-from xffl.jobs.estimates import SiteEstimate, site_estimates
-from xffl.jobs.registry import Registry
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.estimates import SiteEstimate, site_estimates
+from xffl.jobs.spec.deadline import RoundDeadline
+from xffl.jobs.spec.schema import JobSpec
 from xffl.training.config import TrainJob, round_steps
 from xffl.workflows.steps.balance import configured_job, write_round_job
 

@@ -30,9 +30,9 @@ from xffl.core.errors import first_line
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
-from xffl.jobs.records import FinalLoss
-from xffl.jobs.report import GLOBAL
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.registry.records import FinalLoss
+from xffl.jobs.report.numbers import GLOBAL
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import report_bounds
 from xffl.workflows.steps.early_stop import combine
@@ -107,7 +107,7 @@ def partial(message: str) -> bool:
 
 def run_step(args: argparse.Namespace) -> int:
     """Combine the sites' evaluations of the final model; return the exit code (0)."""
-    from xffl.jobs.registry import Registry
+    from xffl.jobs.registry.store import Registry
 
     layout = RunLayout(Path(args.run_dir))
     spec = JobSpec.of_run(layout.root)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         message = f"{NOT_MEASURED}: {first_line(exc)}"
         print(message, file=sys.stderr)
         with contextlib.suppress(Exception):
-            from xffl.jobs.registry import Registry
+            from xffl.jobs.registry.store import Registry
 
             reg = registration(RunLayout(Path(args.run_dir)))
             if reg is not None:

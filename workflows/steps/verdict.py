@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from xffl.core.words import capped
-from xffl.jobs.records import SiteRound
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.records import SiteRound
+from xffl.jobs.registry.states import SiteState
 
 VERDICT_FILE = "verdict.json"
 
@@ -42,7 +42,7 @@ class Verdict:
     staleness: int | None = None  # rounds late (an adopted late job's update)
     staleness_weight: float | None = None  # s(staleness): the factor its change is applied with
     late_job_id: str | None = None  # the SLURM job left running (state late)
-    device: str | None = None  # the site's hardware (xffl.jobs.records.SiteRound), checked
+    device: str | None = None  # the site's hardware (xffl.jobs.registry.records.SiteRound), checked
     gpus: int | None = None
     tokens_per_s_per_gpu: float | None = None
     tflops: float | None = None

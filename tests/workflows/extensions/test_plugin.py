@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
 
 FIXTURES = Path(__file__).with_name("sf_fixtures")
 STREAMFLOW = Path(sys.executable).with_name("streamflow")

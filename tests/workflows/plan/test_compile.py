@@ -12,8 +12,8 @@ import yaml
 from tests.conftest import QUICKSTART
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.load import load_job
-from xffl.jobs.spec import JobSpec
+from xffl.jobs.spec.load import load_job
+from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.plan.compile import write_execution_inputs, write_plan
 from xffl.workflows.plan.validate import validate_cwl
 

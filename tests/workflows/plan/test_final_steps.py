@@ -18,8 +18,8 @@ from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout
-from xffl.jobs.load import load_job
-from xffl.jobs.registry import Registry
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.spec.load import load_job
 from xffl.workflows.plan.compile import write_plan
 from xffl.workflows.plan.validate import validate_cwl
 from xffl.workflows.steps.attempts import SiteAttempts, write_attempts

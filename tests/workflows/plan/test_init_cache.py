@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import QUICKSTART
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.core.layout import RunLayout
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.training.config import ModelSpec
 from xffl.workflows.plan import init_cache
 from xffl.workflows.plan.compile import write_initial_model
@@ -23,7 +23,7 @@ SECOND_RUN = """
 import json, sys
 from pathlib import Path
 from xffl.core.layout import RunLayout
-from xffl.jobs.load import load_job
+from xffl.jobs.spec.load import load_job
 from xffl.workflows.plan.compile import write_initial_model
 write_initial_model(RunLayout(Path(sys.argv[1])), load_job(Path(sys.argv[2])).spec, "run-2")
 print(json.dumps("torch" in sys.modules))

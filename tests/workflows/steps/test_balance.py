@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from xffl.jobs.spec import SiteBudget
+from xffl.jobs.spec.schema import SiteBudget
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.workflows.steps.balance import balanced_steps, round_job
 

@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from xffl.cli.app import app
-from xffl.jobs.deadline_spec import RoundDeadline, StalenessSpec
-from xffl.jobs.estimates import SiteEstimate
-from xffl.jobs.records import RoundRecord, SiteRound
-from xffl.jobs.registry import Registry
-from xffl.jobs.spec import JobSpec
-from xffl.jobs.states import RoundState, SiteState
+from xffl.jobs.registry.records import RoundRecord, SiteRound
+from xffl.jobs.registry.states import RoundState, SiteState
+from xffl.jobs.registry.store import Registry
+from xffl.jobs.report.estimates import SiteEstimate
+from xffl.jobs.spec.deadline import RoundDeadline, StalenessSpec
+from xffl.jobs.spec.schema import JobSpec
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.workflows.plan.compile import report_bounds
 from xffl.workflows.steps.deadline import deadline_jobs, fit_steps

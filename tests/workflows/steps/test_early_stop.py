@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
 from xffl.workflows.steps.early_stop import federated, stop_reason
 from xffl.workflows.steps.verdict import Verdict
 

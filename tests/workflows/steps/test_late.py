@@ -14,10 +14,10 @@ from safetensors.numpy import load_file
 
 from tests.aggregator.conftest import write_checkpoint
 from xffl.aggregator.exchange import read_manifest
-from xffl.aggregator.strategies import run_strategy
+from xffl.aggregator.engine import run_strategy
 from xffl.core.layout import RunLayout
-from xffl.jobs.deadline_spec import StalenessSpec
-from xffl.jobs.states import SiteState
+from xffl.jobs.registry.states import SiteState
+from xffl.jobs.spec.deadline import StalenessSpec
 from xffl.workflows.steps.admit import admit
 from xffl.workflows.steps.aggregate import applied_updates
 from xffl.workflows.steps.attempts import SiteAttempts, write_attempts
