@@ -185,6 +185,12 @@ def test_validation_tokens_within_what_the_sequences_hold() -> None:
     losses = {"val_loss": 2.0, "val_loss_update": 1.5}
     for tokens in (0.0, 40.0, 8 * 16.0):  # none, some responses, every target of 8 x 16
         check_validation({**losses, "val_samples": 8.0, "val_tokens": tokens}, 8, 16)
+    # fewer sequences claimed than the budget allows: the bound is what those hold (3 x 16),
+    # not what the budget's 8 would
+    check_validation({**losses, "val_samples": 3.0, "val_tokens": 3 * 16.0}, 8, 16)
+    with pytest.raises(CheckpointError, match="val_tokens is 49, not a whole number from 0 to "
+                                              "the 48 its 3 held-out sequences of 16 targets"):
+        check_validation({**losses, "val_samples": 3.0, "val_tokens": 3 * 16 + 1.0}, 8, 16)
     for samples, tokens, expected in (
             (8.0, 8 * 16 + 1.0, "val_tokens is 129, not a whole number from 0 to the 128 its "
                                 "8 held-out sequences of 16 targets hold"),

@@ -64,6 +64,23 @@ def test_ewma_by_hand() -> None:
         ewma([1.0], 0.0)
 
 
+@pytest.mark.parametrize(("alpha", "expected"), [
+    # seed 64, then 0 and 32: s1 = (1 - a) 64, s2 = 32 a + (1 - a) s1; dyadic, so exact
+    (0.25, 44.0),    # 48, 8 + 36
+    (0.75, 28.0),    # 16, 24 + 4
+    (0.125, 53.0),   # 56, 4 + 49
+    (1.0, 32.0),     # the newest value alone
+])
+def test_ewma_weighs_the_newest_value_by_alpha(alpha: float, expected: float) -> None:
+    """``alpha`` is the weight of the newest value (1: it alone), not of the estimate so far;
+    and the values are taken oldest first. At alpha 0.5 either reading gives the same."""
+    assert ewma([0.0, 32.0], alpha, seed=64.0) == expected
+    assert ewma([0.0, 32.0], alpha) == alpha * 32.0  # from the first value, 0
+    # a large alpha follows the newest value more closely than a small one
+    assert abs(ewma([0.0, 32.0], 0.75, seed=64.0) - 32.0) < \
+        abs(ewma([0.0, 32.0], 0.25, seed=64.0) - 32.0)
+
+
 def test_site_estimates_over_a_recorded_run(tmp_path: Path) -> None:
     reg, run_id = _recorded_run(tmp_path, seed=400.0)
     est = {e.site: e for e in site_estimates(reg, reg.get_run(run_id))}

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,6 +42,22 @@ def snapshot(root: Path, skip: list[Path]) -> dict[str, tuple[int, int]]:
         st = path.lstat()
         out[str(path)] = (0, 0) if path.is_dir() else (st.st_size, st.st_mtime_ns)
     return out
+
+
+def variant(i: int, attack: Any, reason: str | None) -> str:
+    """How a failure names the variant: its site, the function that made the attack (the
+    factories' inner functions are all ``attack``: the factory, ``_metric``, names it) and
+    the reason expected, which tells apart the variants of one factory."""
+    made_by = attack.__qualname__.split(".<locals>", 1)[0]
+    return f"h{i:02d} ({made_by}, expected: {reason!r})"
+
+
+def test_a_variant_is_named_by_its_factory_and_its_reason() -> None:
+    named = [variant(i, attack, reason) for i, (attack, reason) in enumerate(VARIANTS)]
+    assert len(set(named)) == len(VARIANTS)
+    assert not any("(attack," in n for n in named), named
+    (nan,) = [n for n in named if "'loss' is nan" in n]
+    assert nan.endswith("(_metric, expected: \"metric 'loss' is nan\")"), nan
 
 
 @pytest.mark.slow
@@ -80,14 +97,15 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     admitted = ["honest"]
     for i, (attack, reason) in enumerate(VARIANTS):
         row = by_site[f"h{i:02d}"]
+        what = variant(i, attack, reason)
         if reason is None:  # it delivered nothing: the round went on without it
-            assert row["state"] == "failed" and row["reason"], (attack.__name__, row)
+            assert row["state"] == "failed" and row["reason"], (what, row)
         elif reason == ADMITTED:
-            assert row["state"] == "completed", (attack.__name__, row)
+            assert row["state"] == "completed", (what, row)
             admitted.append(f"h{i:02d}")
         else:
-            assert row["state"] == "rejected", (attack.__name__, row)
-            assert reason in row["reason"], (attack.__name__, row["reason"])
+            assert row["state"] == "rejected", (what, row)
+            assert reason in row["reason"], (what, row["reason"])
 
     # the global model is the honest update, bit for bit (FedAvg of one update)
     run_dir = Path(status["run_dir"])

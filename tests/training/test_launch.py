@@ -53,10 +53,16 @@ def test_forkable_only_without_accelerator_devices(tmp_path: Path) -> None:
     (dev / "dri" / "card0").touch()  # a display, not a render node
     assert forkable({}, dev)
     assert not forkable({FORK_ENV: "0"}, dev)
-    for gpu in ("nvidia0", "kfd", "dri/renderD128"):
+    (dev / "accel").mkdir()  # the kernel's compute-accelerator class, none present yet
+    (dev / "nvidiactl").touch()  # NVIDIA's control node: present without a GPU in a container
+    assert forkable({}, dev)
+    # one device file of each family a rank could compute on: NVIDIA, AMD (ROCm's kfd), a DRM
+    # render node (Intel, AMD), and the kernel's accel class (Intel Gaudi, NPUs: accel0)
+    for gpu in ("nvidia0", "nvidia7", "kfd", "dri/renderD128", "accel/accel0"):
         (dev / gpu).touch()
-        assert not forkable({}, dev), gpu
+        assert not forkable({}, dev), f"/dev/{gpu} present, and the ranks would be forked"
         (dev / gpu).unlink()
+    assert forkable({}, dev)
 
 
 FAKE_RANK = """

@@ -31,6 +31,7 @@ def _widened(path: Path) -> dict[str, np.ndarray]:
             for k, v in safetensors.torch.load_file(str(path / MODEL_FILE)).items()}
 
 
+@pytest.mark.slow  # the quickstart's run (session fixture): a real StreamFlow workflow
 def test_bf16_delta_globals_within_the_bound(tmp_path: Path,
                                             quickstart_run: FinishedRun) -> None:
     """Each round of the quickstart (fp32 weights) aggregated again from the same trained
@@ -82,6 +83,7 @@ def test_bf16_delta_globals_within_the_bound(tmp_path: Path,
     assert worst > 0  # the bf16 rounding does show: the comparison is not vacuous
 
 
+@pytest.mark.slow  # the quickstart's run, as above
 @pytest.mark.parametrize("dtype", ["int8", "nf4"])
 def test_quantized_delta_globals_within_the_blockwise_bound(
         tmp_path: Path, quickstart_run: FinishedRun, dtype: str) -> None:

@@ -15,8 +15,10 @@ supervisors and ranks are their own processes either way.
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on
-the same bits in one process: the logits are equal (``torch.equal``); any wrong tensor,
-config field or dropped bias shows.
+the same bits in one process: the logits are equal (``torch.equal``); any wrong tensor or
+dropped bias shows. Both read the global's config.json, so a field lost on the way in shows
+in neither: round 0's config.json is compared with the job's (``model.init``'s) field by
+field.
 """
 
 from __future__ import annotations
@@ -82,6 +84,22 @@ def _job(where: Path, family: str, init: Path) -> Path:
     return job
 
 
+# what save_pretrained writes that no model is built from (xffl writes no version of its own)
+NOT_THE_MODEL = {"transformers_version"}
+
+
+def _same_config(init: Path, round0: Path, family: str) -> None:
+    """Every field of the job's config.json is in round 0's, with the same value (xffl may
+    add transformers' defaults of fields save_pretrained leaves out)."""
+    theirs = json.loads((init / "config.json").read_text())
+    ours = json.loads((round0 / "config.json").read_text())
+    lost = sorted(set(theirs) - set(ours) - NOT_THE_MODEL)
+    assert not lost, f"{family}: round 0's config.json lost {lost}"
+    changed = {k: (theirs[k], ours[k]) for k in sorted(set(theirs) - NOT_THE_MODEL)
+               if theirs[k] != ours[k]}
+    assert not changed, f"{family}: round 0's config.json changed (job's, round 0's): {changed}"
+
+
 @pytest.mark.slow
 def test_every_family_trains_a_round_and_exports(tmp_path: Path) -> None:
     runs = {}
@@ -97,6 +115,7 @@ def test_every_family_trains_a_round_and_exports(tmp_path: Path) -> None:
         assert final.state == "completed", (family, final.message,
                                             _tail(RunLayout(Path(final.run_dir)).supervisor_log))
         run_dir = Path(final.run_dir)
+        _same_config(tmp_path / family / "init", run_dir / "rounds" / "0" / "global", family)
         exported = tmp_path / family / "exported"
         done = runner.invoke(app, ["export", run_id, "-o", str(exported)])
         assert done.exit_code == 0, (family, done.output)

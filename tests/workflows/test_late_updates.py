@@ -30,7 +30,8 @@ from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 # s: alpha's round (sbatch, torch start-up, 1 to 3 steps sized to the deadline, copy back)
-# must end within it, and beta's round-1 job, once its blocker ends, within round 3's. A
+# must end within it (beta's round-1 job, once its blocker ends, is waited for before round
+# 3 starts, so that round adopts it whatever the time its job took). A
 # deadline is a time by design (nothing else ends a late site's wait), so this one is wide:
 # such a round takes ~6 s idle and once took over 30 s in CI with three test workers on 2
 # cores (tests/workflows/test_failure_slurm.py); the rounds that wait it out wait idle
@@ -111,8 +112,14 @@ def _run_and_check(tmp_path: Path, stack: Any, job: Path, blocker: str,
                    monkeypatch: pytest.MonkeyPatch) -> None:
     run_id, run_dir, late_id = _late_rounds(stack, job, monkeypatch)
 
-    # the blocker ends: beta's round-1 job runs; the resumed run's round 3 adopts it
+    # the blocker ends: beta's round-1 job runs, and is waited for here (an event, not a
+    # time: on a loaded machine its torch start-up alone may take most of a round), so that
+    # the resumed run's round 3 adopts a job that ended with its update
     stack.ssh("beta", f"scancel {blocker}", timeout=20)
+    deadline = time.monotonic() + 300  # slurmctld writes jobcomp once the job is over
+    while not (records := _beta_records(stack, run_id)):
+        assert time.monotonic() < deadline, "beta's job never reached jobcomp"
+        time.sleep(0.5)
     result = runner.invoke(app, ["resume", run_id])
     assert result.exit_code == 0, result.output
     final = wait_for_run(Registry(), run_id, 300)
@@ -130,11 +137,8 @@ def _run_and_check(tmp_path: Path, stack: Any, job: Path, blocker: str,
         "0.5774" in text
 
     # one SLURM job at beta for the run, the round-1 one, which completed (never scancelled)
-    deadline = time.monotonic() + 30
-    while not (records := _beta_records(stack, run_id)):
-        assert time.monotonic() < deadline, "beta's job never reached jobcomp"
-        time.sleep(0.5)
     assert records == [(late_id, f"xffl-{run_id}-beta-r1", "COMPLETED")]
+    assert _beta_records(stack, run_id) == records  # round 3 submitted no job of its own
 
     # beta's update names the global it started from (round 0's), and lands on round 2's
     rounds = run_dir / "rounds"

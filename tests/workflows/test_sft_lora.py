@@ -215,16 +215,45 @@ def test_sft_lora_template_learns_and_its_adapter_generates(sft_page: PageRun) -
                                                             record["val_tokens"])
         assert {s["site"]: s["val_tokens"] for s in shown["sites"]} == tokens
 
-    # the final adapter, the last round's global (the loop above read each round's start)
+    # the final adapter, the last round's global (the loop above read each round's start),
+    # on the base in float64: the page's merged export must compute the same logits, and so
+    # generate the same greedy reply
     base = LlamaForCausalLM.from_pretrained(str(run / "0" / "base"), dtype=torch.float64)
     model = PeftModel.from_pretrained(base, str(run / str(ROUNDS[-1]) / "global")).eval()
-    model = model.double()
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "reverse the words\n\nban kol mit"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    _same_reply(sft_page, model.double())
+
+
+# |merged fp32 logits - base+adapter float64 logits|: the merge rounds W + s B A once to fp32
+# (2^-24 relative each weight) and the merged model runs in fp32; as in the bound of
+# test_sft_lora_template_learns_and_its_adapter_generates, rounding errors of independent
+# sums grow as sqrt(n) u S, 3.8e-4 per linear on these logits, and the 11 linears on the
+# path add at most 11 x 3.8e-4 = 4.2e-3 (measured: 2.8e-6). A merge that misses the
+# adapter's scale (lora_alpha / r = 2 here) moved them by 9.3, and changed the reply.
+MERGED_BOUND = 5e-3
+
+
+def _same_reply(sft_page: PageRun, model: Any) -> None:
+    """The page's reply (the merged export, fp32, greedy) is the greedy reply of the final
+    adapter on the base (float64), token by token while the float64 model's choice is
+    decided (its top two logits more than twice MERGED_BOUND apart: then the merged model,
+    within MERGED_BOUND of it, makes the same choice), and its logits within MERGED_BOUND."""
+    from transformers import AutoModelForCausalLM
+
+    scope = sft_page.scope
+    out, start = scope["out"][0], scope["prompt"]["input_ids"].shape[1]
+    merged = AutoModelForCausalLM.from_pretrained(str(sft_page.folder / "demo" / "merged"))
     with torch.no_grad():
-        out = model.generate(**prompt, max_new_tokens=6, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-    new = out[0, prompt["input_ids"].shape[1]:]
-    assert 1 <= len(new) <= 6 and int(new.max()) < len(tok)
-    assert tok.decode(new, skip_special_tokens=True).strip() != ""
+        ours = model(input_ids=out[None, :-1]).logits[0]
+        theirs = merged.eval()(input_ids=out[None, :-1]).logits[0].double()
+    gap = float((ours - theirs).abs().max())
+    assert gap <= MERGED_BOUND, gap
+    steps = ours[start - 1:]  # the logits that chose each generated token
+    top2 = steps.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1] > 2 * MERGED_BOUND).tolist()
+    n = decided.index(False) if False in decided else len(decided)
+    # the reply's first token at least is decided (measured: the reply is 2 tokens, a word
+    # and </s>, with margins 0.98 and 0.11; the logits 2.8e-6 apart)
+    assert n >= 1, (decided, top2)
+    assert out[start:start + n].tolist() == steps[:n].argmax(dim=-1).tolist(), \
+        (out[start:].tolist(), steps.argmax(dim=-1).tolist())
+    assert scope["reply"] == scope["tok"].decode(out[start:], skip_special_tokens=True)

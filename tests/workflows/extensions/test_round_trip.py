@@ -12,16 +12,15 @@ from typing import Any
 
 import asyncssh
 import pytest
-from asyncssh.constants import MSG_REQUEST_FAILURE
+from asyncssh.constants import MSG_GLOBAL_REQUEST, MSG_IGNORE, MSG_REQUEST_FAILURE
 from streamflow.core.deployment import ExecutionLocation
 
-from xffl.workflows.extensions.connection import round_trip
+from xffl.workflows.extensions.connection import RTT_PROBES, round_trip
 from xffl.workflows.extensions.copies import Copier, streams_for_rtt
 from xffl.workflows.extensions.ssh import XfflSshConnector
 
 PROXY = Path(__file__).resolve().parents[3] / "bench" / "transfer" / "proxy.py"
-# the proxy's: 100 ms each way, slept, so no round trip through it is shorter; long, so that
-# the bound below (twice this) leaves a loaded machine's scheduling a whole RTT of slack
+# the proxy's: 100 ms each way, slept, so no round trip through it is shorter
 RTT_MS = 200
 
 
@@ -43,31 +42,42 @@ def proxied(slurm_stack: Any, tmp_path: Path) -> Iterator[tuple[int, str]]:  # t
         proc.wait(timeout=10)
 
 
-async def _measure(stack: Any, port: int, known_hosts: str) -> tuple[float, int]:
+async def _measure(stack: Any, port: int, known_hosts: str) -> tuple[float, int, list[int]]:
+    """(the round trip measured, sshd's answer to a keepalive, the types of the packets the
+    client sent while it measured)."""
     async with asyncssh.connect("127.0.0.1", port, username=stack.user,
                                 client_keys=[stack.ssh_key], known_hosts=known_hosts) as conn:
+        sent: list[int] = []
+        send = conn.send_packet
+
+        def noted(pkttype: int, *args: bytes, **kwargs: Any) -> None:
+            if pkttype != MSG_IGNORE:  # asyncssh puts one before each packet (CBC padding)
+                sent.append(pkttype)
+            send(pkttype, *args, **kwargs)
+
+        conn.send_packet = noted  # type: ignore[method-assign]  # noted, then sent as ever
         rtt = await round_trip(conn)
+        conn.send_packet = send  # type: ignore[method-assign]
         # upstream's private call, pinned: sshd refuses keepalive@openssh.com, and answers
         kind, _ = await conn._make_global_request(b"keepalive@openssh.com")
-        return rtt, kind
+        return rtt, kind, sent
 
 
 @pytest.mark.slow
 def test_the_round_trip_is_the_links_not_a_logins(
         slurm_stack: Any, proxied: tuple[int, str]) -> None:  # type: ignore[no-untyped-def]
-    direct, kind = asyncio.run(_measure(slurm_stack, slurm_stack.clusters["alpha"].ssh_port,
-                                        slurm_stack.known_hosts))
+    _, kind, direct = asyncio.run(_measure(slurm_stack, slurm_stack.clusters["alpha"].ssh_port,
+                                           slurm_stack.known_hosts))
     assert kind == MSG_REQUEST_FAILURE
-    delayed, _ = asyncio.run(_measure(slurm_stack, *proxied))
-    # a probe that did not wait for sshd's answer would time nothing (~0 through the proxy).
-    # One that ran a command would wait for at least two of sshd's answers through the proxy
-    # (the channel's open confirmation, then the exec request's reply, before any output),
-    # so it takes two round trips or more, however fast the machine: a keepalive takes one,
-    # and the shortest of three stays under two unless every one was held up by a whole RTT.
-    # Loopback without the proxy: the shortest of three keepalives, far under the proxy's
-    # delay (0.12 ms measured on an idle machine)
-    assert RTT_MS / 1e3 <= delayed < 2 * RTT_MS / 1e3
-    assert direct < RTT_MS / 1e3
+    delayed, _, sent = asyncio.run(_measure(slurm_stack, *proxied))
+    # a probe that did not wait for sshd's answer would time nothing (~0 through the proxy),
+    # and one that waited for it cannot take less than the proxy's round trip, which sleeps
+    # RTT_MS: a lower bound however slow the machine (no upper one: a loaded machine may
+    # hold up any wait). What was timed is one round trip per probe, not a login: the
+    # client sent one packet per probe, the keepalive global request, and no channel open
+    # or exec request (a command waits for two of sshd's answers, and starts a shell)
+    assert delayed >= RTT_MS / 1e3
+    assert sent == direct == [MSG_GLOBAL_REQUEST] * RTT_PROBES, (sent, direct)
     assert streams_for_rtt(delayed, 4) == 4
 
 

@@ -49,9 +49,13 @@ def test_a_slurm_job_past_the_round_deadline_is_scancelled(
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
     ctl = tmp_path / "ctl"
     ctl.mkdir()
-    (ctl / "sleep-b-r2").write_text("120")  # b's round-2 job would run for 2 minutes
+    # b's round-2 job sleeps past the limit, which counts from its submission (queue included)
+    (ctl / "sleep-b-r2").write_text("120")
     deployments, name = slurm_b(slurm_stack, tmp_path, "xffl-slurm")
-    code, out, run_dir = run_rounds(tmp_path, deployments, retries=1, limit=15,
+    # the round's time limit is a time by design; every other job (a SLURM job's queue,
+    # start and a shell script) must end within it, so it is wide: a loaded machine's jobs
+    # take seconds, and only round 2 waits it out
+    code, out, run_dir = run_rounds(tmp_path, deployments, retries=1, limit=60,
                                     services={"b": "train"})
     assert code == 0, out[-3000:]
     r2 = "a@2(a@1(w0)+b@1(w0))"  # round 2 went on without b
