@@ -301,8 +301,8 @@ class TrainingSpec(StrictModel):
     @model_validator(mode="after")
     def _ddp_and_tp(self) -> TrainingSpec:
         if self.data_parallel == "hsdp" and self.shard_group is None:
-            raise ValueError("data_parallel hsdp needs shard_group: the ranks of one shard "
-                             "group (e.g. shard_group: 4 for nodes of 4 GPUs)")
+            raise ValueError("data_parallel hsdp needs shard_group; add shard_group: the ranks "
+                             "of one shard group (e.g. 4 for nodes of 4 GPUs)")
         if self.shard_group is not None and self.data_parallel != "hsdp":
             raise ValueError("shard_group applies to data_parallel: hsdp only; set "
                              "data_parallel: hsdp or remove shard_group")

@@ -230,11 +230,11 @@ def _check_shard_group(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
         elif group > site.ranks:
             errors.append(
                 f"{_at(doc, path, ('training', 'shard_group'))}: shard_group {group} is larger "
-                f"than site {site.name!r}'s {site.ranks} ranks; use a divisor of {site.ranks}.")
+                f"than site {site.name!r} ({site.ranks} ranks); use a divisor of {site.ranks}.")
         elif site.ranks % group:
             errors.append(
                 f"{_at(doc, path, ('training', 'shard_group'))}: shard_group {group} does not "
-                f"divide site {site.name!r}'s {site.ranks} ranks; use a divisor of "
+                f"divide the ranks of site {site.name!r} ({site.ranks}); use a divisor of "
                 f"{site.ranks}.")
     return errors
 
