@@ -157,7 +157,7 @@ def test_an_hsdp_shard_group_across_nodes_is_named(tmp_path: Path, xffl_home: Pa
     [warning] = report["warnings"]
     assert ("a shard group of 4 ranks spans 2 of its 2 nodes (2 ranks a node), so its "
             "all-gathers and reduce-scatters cross the network every step (allowed)") in warning
-    assert [row["layout"] for row in report["sites"]][0] == "hsdp 1 x 4"
+    assert report["sites"][0]["layout"] == "hsdp 1 x 4"
     (tmp_path / "in-node").mkdir()
     inside = _hsdp_job(tmp_path / "in-node", 2)
     result = runner.invoke(app, ["validate", str(inside), "--json"])

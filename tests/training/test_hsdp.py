@@ -12,7 +12,9 @@ from safetensors import safe_open
 
 from tests.conftest import REPO
 from xffl.core.errors import InvalidInput
-from xffl.training.config import TrainingSpec
+from xffl.training.arch import build_config
+from xffl.training.config import ModelSpec, TrainingSpec
+from xffl.training.memory_model import model_parts, site_layout, state_terms
 from xffl.training.parallelize import data_parallel_mode
 
 NPROC = 4
@@ -100,3 +102,17 @@ def test_hsdp_needs_a_shard_group_and_no_tensor_parallel() -> None:
     assert data_parallel_mode("hsdp", 1) == "fsdp"  # FSDP2's wrapper, on a 2-D mesh
     with pytest.raises(InvalidInput, match="hsdp does not combine with tensor_parallel"):
         data_parallel_mode("hsdp", 2)
+
+
+def test_the_memory_model_shards_hsdp_over_a_group() -> None:
+    """xffl validate's estimate: HSDP 2 x 2 keeps the sharded states of FSDP2 over 2 ranks
+    (its shard group), not over the 4 ranks of the site."""
+    parts = model_parts(build_config(ModelSpec(preset="llama3.1-8b")))
+    hsdp = TrainingSpec(data_parallel="hsdp", shard_group=2)
+    layout = site_layout(hsdp, 4, parts)
+    assert (layout.mode, layout.dp, layout.shard) == ("fsdp", 4, 2)
+    by_group = state_terms(parts, layout)
+    assert by_group == state_terms(parts, site_layout(TrainingSpec(data_parallel="fsdp"), 2,
+                                                      parts))
+    assert by_group != state_terms(parts, site_layout(TrainingSpec(data_parallel="fsdp"), 4,
+                                                      parts))
