@@ -243,10 +243,14 @@ class TrainingSpec(StrictModel):
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term weight")
     tensor_parallel: int = Field(default=1, ge=1, le=1024, description="ranks splitting "
                                  "every layer Megatron-style; divides ranks and heads")
-    data_parallel: Literal["auto", "ddp", "fsdp"] = Field(
+    data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = Field(
         default="auto", description="across the dp groups; auto: FSDP2 when tp > 1 or the "
         "model has 1 B parameters or more (fewer when its fp32 weights, gradients and AdamW "
-        "states, 16 B a parameter, exceed half of a GPU's memory), else DDP")
+        "states, 16 B a parameter, exceed half of a GPU's memory), else DDP; hsdp: FSDP2 "
+        "sharding inside groups of shard_group ranks, replicated across the groups")
+    shard_group: int | None = Field(
+        default=None, ge=1, le=1 << 20, description="data_parallel hsdp: ranks of one "
+        "shard group (consecutive ranks, e.g. one node's GPUs); divides every site's ranks")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 on GPUs, fp32 on CPUs; bf16 under FSDP2 is "
         "its mixed-precision policy (bf16 compute, fp32 weights and gradient reductions), "
@@ -296,6 +300,16 @@ class TrainingSpec(StrictModel):
 
     @model_validator(mode="after")
     def _ddp_and_tp(self) -> TrainingSpec:
+        if self.data_parallel == "hsdp" and self.shard_group is None:
+            raise ValueError("data_parallel hsdp needs shard_group; add shard_group: the ranks "
+                             "of one shard group (e.g. 4 for nodes of 4 GPUs)")
+        if self.shard_group is not None and self.data_parallel != "hsdp":
+            raise ValueError("shard_group applies to data_parallel: hsdp only; set "
+                             "data_parallel: hsdp or remove shard_group")
+        if self.data_parallel == "hsdp" and self.tensor_parallel > 1:
+            raise ValueError("data_parallel hsdp does not combine with tensor_parallel > 1 "
+                             "yet; use data_parallel: fsdp with tensor_parallel, or hsdp with "
+                             "tensor_parallel: 1")
         if self.data_parallel == "ddp" and self.tensor_parallel > 1:
             raise ValueError("data_parallel ddp does not combine with tensor_parallel > 1 in "
                              "torch; use data_parallel: fsdp (or auto)")

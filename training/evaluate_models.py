@@ -108,7 +108,7 @@ def eval_model(job: TrainJob, model_dir: Path, config: ModelConfig,
                              precision=spec.precision)
     return parallelize(load_model(model_dir, job.model.entry_point).to(device),
                        spec.tensor_parallel, device, spec.data_parallel,
-                       precision=spec.precision)
+                       precision=spec.precision, shard_group=spec.shard_group)
 
 
 def evaluate_models(job: TrainJob, models: dict[str, Path], data_dir: Path,

@@ -159,7 +159,8 @@ def load_sliced_adapted(base_dir: Path, adapter_dir: Path, config: ModelConfig,
                         spec: LoraSpec, freeze_a: bool, device: torch.device,
                         data_parallel: str, checkpointing: int = 0,
                         dtype: torch.dtype = torch.float32, *, precision: str = "auto",
-                        compile: bool = False) -> ParallelModel:
+                        compile: bool = False, shard_group: int | None = None
+                        ) -> ParallelModel:
     """The frozen base in ``base_dir`` (``dtype``) with the global adapter in ``adapter_dir``
     (fp32), sharded over the ranks' mesh as the full model is (:mod:`sharded_load`).
 
@@ -185,7 +186,7 @@ def load_sliced_adapted(base_dir: Path, adapter_dir: Path, config: ModelConfig,
     # activation checkpointing, compilation and FSDP2 reach the decoder layers through peft
     return load_sliced(peft_model, base_dir, 1, device, data_parallel, base_checkpoint_name,
                        given, checkpointing=checkpointing, precision=precision,
-                       compile=compile)
+                       compile=compile, shard_group=shard_group)
 
 
 def adapter_state(peft_model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:

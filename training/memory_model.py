@@ -179,6 +179,7 @@ class Layout:
     ac_every: int = 0  # 0: no activation checkpointing; k: every k-th decoder layer
     loss_chunk: int = 0  # tokens per cross-entropy chunk; 0: the whole micro-batch
     lora: bool = False
+    shard: int = 0  # ranks a parameter is sharded over under FSDP2 (0: dp; HSDP: a group)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,9 @@ def site_layout(spec: TrainingSpec, ranks: int, parts: ModelParts, *, gpu: bool 
                   batch=spec.batch_size,
                   seq=spec.seq_len, grad_accum=spec.grad_accum,
                   ac_every=checkpoint_every(spec.activation_checkpointing),
-                  loss_chunk=spec.loss_chunk, lora=spec.lora is not None)
+                  loss_chunk=spec.loss_chunk, lora=spec.lora is not None,
+                  shard=(spec.shard_group or 0)
+                  if (data_parallel or spec.data_parallel) == "hsdp" else 0)
 
 
 def layer_activation_bytes(parts: ModelParts, layout: Layout) -> int:
@@ -288,7 +291,7 @@ def state_terms(parts: ModelParts, layout: Layout) -> dict[str, int]:
     """Weights, gradients and AdamW states a rank keeps, and what each wrapper adds."""
     layer_params = parts.layers * parts.layer // layout.tp
     local = layer_params + parts.root  # embedding, head and norm are replicated over tp
-    shard = layout.dp if layout.mode == "fsdp" else 1
+    shard = (layout.shard or layout.dp) if layout.mode == "fsdp" else 1
     trained = (parts.adapter if layout.lora else local) // shard
     base = 0
     if layout.lora:  # frozen base: bf16 on GPUs (2 B), fp32 on CPUs, sharded under FSDP2

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["ParallelModel", "apply_checkpointing", "check_tensor_parallel", "data_parallel_mode",
-           "decoder_layers", "device_memory", "fsdp_threshold", "layer_plan", "parallelize",
+           "decoder_layers", "device_memory", "fsdp_threshold", "hsdp_mesh", "layer_plan",
+           "parallelize",
            "uses_bf16"]
 
 MESH_DIMS = ("dp", "tp")
@@ -118,7 +119,8 @@ def _config_of(model: nn.Module) -> ModelConfig | None:
     return ModelConfig(to_dict())
 
 
-DataParallel = Literal["auto", "ddp", "fsdp"]
+DataParallel = Literal["auto", "ddp", "fsdp", "hsdp"]
+HSDP_DIMS = ("replicate", "shard")
 
 
 def uses_bf16(precision: str, device: torch.device) -> bool:
@@ -136,16 +138,21 @@ def device_memory(device: torch.device) -> int | None:
 def data_parallel_mode(requested: str, tp: int, params: int = 0,
                        memory: int | None = None) -> Literal["ddp", "fsdp"]:
     """The data-parallel wrapper to use. "auto": FSDP2 when tp > 1 or the model is large
-    (``params`` at or over :func:`fsdp_threshold` of the GPU's ``memory``), else DDP."""
+    (``params`` at or over :func:`fsdp_threshold` of the GPU's ``memory``), else DDP; "hsdp"
+    is FSDP2 too (on a 2-D mesh, :func:`hsdp_mesh`)."""
     if requested == "ddp" and tp > 1:
         raise InvalidInput(
             "training.data_parallel ddp cannot be combined with tensor_parallel > 1 in torch; "
             "use data_parallel: fsdp (or auto)."
         )
+    if requested == "hsdp" and tp > 1:
+        raise InvalidInput("training.data_parallel hsdp does not combine with tensor_parallel "
+                           "> 1 yet; use data_parallel: fsdp with tensor_parallel, or hsdp "
+                           "with tensor_parallel: 1.")
     if requested == "auto":
         return "fsdp" if tp > 1 or params >= fsdp_threshold(memory) else "ddp"
-    if requested not in ("ddp", "fsdp"):
-        raise InvalidInput(f"training.data_parallel {requested!r}: use auto, ddp or fsdp.")
+    if requested not in ("ddp", "fsdp", "hsdp"):
+        raise InvalidInput(f"training.data_parallel {requested!r}: use auto, ddp, fsdp or hsdp.")
     return "ddp" if requested == "ddp" else "fsdp"
 
 
@@ -269,9 +276,20 @@ def _count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def hsdp_mesh(device: torch.device, world: int, shard_group: int | None) -> DeviceMesh:
+    """The (replicate, shard) mesh of HSDP: ``world // shard_group`` replicas, each sharding
+    over ``shard_group`` consecutive ranks (one node, or a group of nodes)."""
+    if shard_group is None or shard_group < 1 or world % shard_group or world < 2:
+        raise InvalidInput(f"training.shard_group {shard_group} must divide the site's "
+                           f"{world} ranks (and HSDP needs 2 or more ranks); choose a divisor.")
+    return init_device_mesh(device.type, (world // shard_group, shard_group),
+                            mesh_dim_names=HSDP_DIMS)
+
+
 def parallelize(model: nn.Module, tp: int, device: torch.device,
                 data_parallel: str = "auto", *, precision: str = "auto",
-                checkpointing: int = 0, compile: bool = False) -> ParallelModel:
+                checkpointing: int = 0, compile: bool = False,
+                shard_group: int | None = None) -> ParallelModel:
     """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
 
     Every rank must hold the same full weights on entry (they are sliced, not scattered).
@@ -279,7 +297,10 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     compilation). Tensor parallelism needs a transformers model whose family has a plan;
     FSDP2 shards other models as one unit. ``precision`` (the spec's) gives FSDP2 its bf16
     policy; ``checkpointing``: every k-th decoder layer (:func:`apply_checkpointing`);
-    ``compile``: ``torch.compile`` each decoder layer.
+    ``compile``: ``torch.compile`` each decoder layer. ``data_parallel`` "hsdp": FSDP2 on
+    the 2-D (replicate, shard) mesh of :func:`hsdp_mesh` (torch's HSDP: reduce-scatter
+    inside a shard group, all-reduce of the shards across the replicas), ``shard_group``
+    ranks a group.
     """
     config = _config_of(model)
     if tp > 1 and config is None:
@@ -292,8 +313,11 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     if config is not None:
         check_tensor_parallel(config, tp, world)
     mode = data_parallel_mode(data_parallel, tp, _count_params(model), device_memory(device))
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS) \
-        if distributed else None
+    if data_parallel == "hsdp" and distributed:
+        mesh: DeviceMesh | None = hsdp_mesh(device, world, shard_group)
+    else:
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS) \
+            if distributed else None
     if mesh is not None and tp > 1 and config is not None and config.tp_plan is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -312,10 +336,14 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if uses_bf16(precision, device) else MixedPrecisionPolicy()
+        dp_mesh = mesh if data_parallel == "hsdp" else mesh["dp"]
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         net = model
+        if data_parallel == "hsdp":  # every rank reads its own batches: dp rank = rank
+            return ParallelModel(module=model, net=net, dp_rank=dist.get_rank(),
+                                 dp_size=world, tp_size=1, mesh=mesh)
     else:
         net = DistributedDataParallel(
             model, process_group=mesh.get_group("dp"),

@@ -213,16 +213,18 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
             return lora.load_sliced_adapted(weights_dir, model_dir, config, spec.lora,
                                             job.freeze_a, device, spec.data_parallel,
                                             every, dtype, precision=spec.precision,
-                                            compile=spec.compile)
+                                            compile=spec.compile,
+                                            shard_group=spec.shard_group)
         return load_parallel(weights_dir, config, spec.tensor_parallel, device,
                              spec.data_parallel, every, precision=spec.precision,
-                             compile=spec.compile)
+                             compile=spec.compile, shard_group=spec.shard_group)
     model = load_model(weights_dir, job.model.entry_point, dtype)
     if spec.lora is not None:  # checkpointing reaches the decoder layers through peft
         model = lora.wrap(model, spec.lora, job.freeze_a)
         lora.load_adapter(model, read_weights(model_dir), model_dir)
     return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel,
-                       precision=spec.precision, checkpointing=every, compile=spec.compile)
+                       precision=spec.precision, checkpointing=every, compile=spec.compile,
+                       shard_group=spec.shard_group)
 
 
 def _round_checkpoints(job: TrainJob, round: int, parent: str, state_dir: Path | None,

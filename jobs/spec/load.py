@@ -215,6 +215,30 @@ def _check_tensor_parallel(doc: YamlDoc, spec: JobSpec, path: Path,
     return errors
 
 
+def _check_shard_group(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
+    """HSDP: every site has 2 or more ranks, and shard_group divides them (not larger)."""
+    group = spec.training.shard_group
+    if spec.training.data_parallel != "hsdp" or group is None:
+        return []
+    errors = []
+    for i, site in enumerate(spec.sites):
+        if site.ranks < 2:
+            errors.append(
+                f"{_at(doc, path, ('sites', i, 'ranks'))}: site {site.name!r} has 1 rank, and "
+                "data_parallel hsdp needs 2 or more (it shards within groups and replicates "
+                "across them); give it more ranks or use data_parallel: auto.")
+        elif group > site.ranks:
+            errors.append(
+                f"{_at(doc, path, ('training', 'shard_group'))}: shard_group {group} is larger "
+                f"than site {site.name!r} ({site.ranks} ranks); use a divisor of {site.ranks}.")
+        elif site.ranks % group:
+            errors.append(
+                f"{_at(doc, path, ('training', 'shard_group'))}: shard_group {group} does not "
+                f"divide the ranks of site {site.name!r} ({site.ranks}); use a divisor of "
+                f"{site.ranks}.")
+    return errors
+
+
 def _check_deadline(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
     """A round deadline must leave every site time beyond its start-up to train."""
     deadline = spec.round_deadline
@@ -265,6 +289,7 @@ def load_job(path: Path) -> LoadedJob:
         errors.extend(_check_model(doc, spec, path))
         errors.extend(_check_slurm_overrides(doc, spec, path, profiles))
         errors.extend(_check_deadline(doc, spec, path))
+        errors.extend(_check_shard_group(doc, spec, path))
         errors.extend(check_round_checkpoints(doc, spec, path, profiles))
     if errors or spec is None:
         raise InvalidInput(errors[0], lines=errors)

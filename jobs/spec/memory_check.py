@@ -5,7 +5,8 @@ estimates for the site's layout is compared with the GPU memory its profile decl
 (``gpu_memory_gib``): a job fits when the estimate is at most 90 % of it. A site without
 that field (a CPU machine, the ``local`` profile) gets the fp32 CPU estimate, for information,
 and no check. Ranks per node must not exceed the node's GPUs (two ranks on one GPU stop
-NCCL), and a tensor-parallel group should stay on one node.
+NCCL), and a tensor-parallel group should stay on one node; an HSDP shard group that spans
+nodes is named (allowed).
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def find_fix(parts: ModelParts, spec: TrainingSpec, ranks: int, gib: float) -> s
     return "a GPU with more memory (no layout up to 4096 ranks fits)"
 
 
+def _shard_group_note(where: str, site: str, ranks: int, group: int | None,
+                      profile: SiteProfile) -> list[str]:
+    """HSDP: a shard group that spans nodes is allowed, but its collectives cross the network."""
+    slurm = profile.slurm
+    if group is None or slurm is None or slurm.nodes <= 1 or ranks % slurm.nodes:
+        return []
+    per_node = ranks // slurm.nodes
+    if per_node % group == 0:
+        return []
+    return [f"{where}: site {site!r}: a shard group of {group} ranks spans "
+            f"{math.ceil(group / per_node) if group > per_node else 2} of its {slurm.nodes} "
+            f"nodes ({per_node} ranks a node), so its all-gathers and reduce-scatters cross "
+            f"the network every step (allowed); a shard_group dividing {per_node} keeps "
+            "them inside a node."]
+
+
 def _node_checks(where: str, site: str, ranks: int, tp: int,
                  profile: SiteProfile) -> tuple[list[str], list[str]]:
     """Ranks per node against the node's GPUs; a tensor-parallel group inside one node."""
@@ -156,12 +173,16 @@ def check_sites(loaded: LoadedJob) -> SiteChecks:
                                                   training.tensor_parallel, profile)
         errors.extend(node_errors)
         warnings.extend(node_warnings)
+        warnings.extend(_shard_group_note(where, site.name, site.ranks, training.shard_group,
+                                          profile))
         gpus = profile.slurm.gpus_per_node if profile.slurm is not None else None
         gpu = gib is not None or bool(gpus)
         est = _estimate(parts, training, site.ranks, gpu, gib) if parts else None
         layout = site_layout(training, site.ranks, parts, gpu_memory=_bytes(gib)) \
             if parts else None
-        shape = (f"{layout.mode} dp {layout.dp} x tp {layout.tp}" if layout else
+        shape = (f"hsdp {layout.dp // training.shard_group} x {training.shard_group}"
+                 if layout and training.shard_group and layout.shard else
+                 f"{layout.mode} dp {layout.dp} x tp {layout.tp}" if layout else
                  f"tp {training.tensor_parallel}")
         fits = None if gib is None or est is None else _fits(est, gib)
         fix = None

@@ -133,3 +133,34 @@ def test_a_tensor_parallel_group_across_nodes_is_warned_about(tmp_path: Path,
     assert result.exit_code == 0, result.output
     [warning] = json.loads(result.stdout)["warnings"]
     assert "tensor_parallel 2 does not divide the 1 GPUs (1 ranks) of a node" in warning
+
+
+def _hsdp_job(tmp_path: Path, shard_group: int) -> Path:
+    """:func:`_gpu_job` under HSDP, site alpha on 2 nodes of 2 GPUs, every site 4 ranks (a
+    shard_group divides every site's ranks)."""
+    job = _gpu_job(tmp_path, {"data_parallel": "hsdp", "shard_group": shard_group}, 4,
+                   {"nodes": 2, "gpus_per_node": 2})
+    data = yaml.safe_load(job.read_text())
+    for site in data["sites"]:
+        site["ranks"] = 4
+    job.write_text(yaml.safe_dump(data, sort_keys=False))
+    return job
+
+
+def test_an_hsdp_shard_group_across_nodes_is_named(tmp_path: Path, xffl_home: Path) -> None:
+    """HSDP: a shard group spanning nodes is allowed (exit 0) but named; one that divides a
+    node's ranks is not; the layout column shows the (replicate x shard) mesh."""
+    job = _hsdp_job(tmp_path, 4)
+    result = runner.invoke(app, ["validate", str(job), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    [warning] = report["warnings"]
+    assert ("a shard group of 4 ranks spans 2 of its 2 nodes (2 ranks a node), so its "
+            "all-gathers and reduce-scatters cross the network every step (allowed)") in warning
+    assert report["sites"][0]["layout"] == "hsdp 1 x 4"
+    (tmp_path / "in-node").mkdir()
+    inside = _hsdp_job(tmp_path / "in-node", 2)
+    result = runner.invoke(app, ["validate", str(inside), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["warnings"] == [] and report["sites"][0]["layout"] == "hsdp 2 x 2"

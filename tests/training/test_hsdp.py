@@ -1,0 +1,147 @@
+"""HSDP (training.data_parallel: hsdp) on gloo: a 2 x 2 (replicate, shard) mesh == FSDP2 over 4."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.conftest import REPO
+from xffl.aggregator.exchange import Manifest, verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
+from xffl.core.errors import InvalidInput
+from xffl.training.arch import build_config
+from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
+from xffl.training.launch import launch
+from xffl.training.memory_model import model_parts, site_layout, state_terms
+from xffl.training.parallelize import data_parallel_mode
+
+NPROC = 4
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), "pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 4-rank launch (the forked launcher xffl runs CPU ranks with): FSDP2(4), HSDP 2x2."""
+    out = tmp_path_factory.mktemp("hsdp")
+    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
+           "-m", "tests.training.hsdp_worker", str(out), "fsdp", "hsdp:2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_is_fsdp2_over_4(layouts: Path) -> None:
+    """HSDP's mesh and shards, and its losses and weights after 3 steps == FSDP2(4)'s.
+
+    Bounds (u = 2^-24, fp32; STEPS = 3, lr = 0.1 constant, AdamW eps = 1, no clipping).
+    Both layouts all-gather the same full weights (a gather copies bits) and every rank
+    runs the same rows through the same kernels, so step 1's forward, its losses and each
+    rank's local gradient g_k are bitwise equal. Only the gradient mean differs: FSDP2(4)
+    reduce-scatters the 4 g_k in one order, HSDP reduce-scatters pairs in each shard group
+    and all-reduces the two results across the replicas, another order; the divisions (by
+    4, or 2 and 2) are by powers of two, exact. A sum of 4 terms in any order is within
+    3u sum|g_k| of the exact one, so the means differ by <= 2 * 3u * G = 6.8e-8, with G =
+    max|g_k| <= 0.19 (this model and data, steps 1-3, measured). AdamW's step at eps = 1,
+    lr m_hat / (sqrt(v_hat) + 1), moves by <= 2 lr per unit change of a gradient it
+    averages (m_hat is a convex combination of them, and the sqrt(v_hat) term adds at most
+    as much): 2 * 0.1 * 6.8e-8 = 1.4e-8 a step; w - step, rounded to fp32, may then land on
+    the neighbouring float, 1 ulp <= 2^-23 = 1.19e-7 (|w| <= 1, the norms' weights). Over 3
+    steps: 3 * (1.19e-7 + 1.4e-8) = 4.0e-7; atol 5e-7, whose 1e-7 of margin takes the
+    second-order term (steps 2-3's gradients at weights 4e-7 apart). Losses: step 1's
+    are equal; later ones are the same rows through weights <= 5e-7 apart, so they move by
+    <= |grad L_rank|_1 * 5e-7 + 2 ulp(L) (fp32 rounding of L < 8: 2 * 4.8e-7), with
+    |grad L_rank|_1 <= 99 (a rank's 2 sequences, measured): 5.1e-5: atol 6e-5.
+
+    The bugs these catch (made once on purpose): replicating without averaging (FSDP2 on
+    the shard dimension only, the two replicas never reduce together) moves the weights by
+    9.5e-3 and the losses by 1.9e-3 to 5.0e-3 per rank; sharding over all 4 ranks with no
+    replication holds 1/4 of the parameters per rank, not 1/2, on a (4,) mesh.
+    """
+    for rank in range(NPROC):
+        ref, ref_meta = _load(layouts / "fsdp" / f"rank{rank}.safetensors")
+        got, meta = _load(layouts / "hsdp-2" / f"rank{rank}.safetensors")
+        assert (ref_meta["dims"], ref_meta["shape"]) == ("dp,tp", "4,1")
+        # the 2-D mesh: 2 replicas of shard groups of 2 consecutive ranks
+        assert (meta["dims"], meta["shape"]) == ("replicate,shard", "2,2"), meta
+        assert meta["placements"] == "(Replicate(), Shard(dim=0))", meta
+        assert (meta["dp_rank"], meta["dp_size"]) == (str(rank), "4")  # rows as under FSDP2
+        total = local = 0
+        for name in (k.removeprefix("shape.") for k in got if k.startswith("shape.")):
+            shape, shard = got[f"shape.{name}"].tolist(), got[f"local.{name}"]
+            assert shape[0] % 2 == 0, name  # tiny-test: every dim 0 splits evenly
+            assert list(shard.shape) == [shape[0] // 2, *shape[1:]], name
+            total += int(torch.tensor(shape).prod())
+            local += shard.numel()
+        assert local * 2 == total, (local, total)  # each rank holds half the parameters
+        assert torch.equal(got["losses"][0], ref["losses"][0])  # step 1: bitwise (docstring)
+        assert (got["losses"] - ref["losses"]).abs().max() <= 6e-5
+        weights = [k for k in ref if k.startswith("weight.")]
+        assert weights and sorted(weights) == sorted(k for k in got if k.startswith("weight."))
+        worst = max(float((got[k] - ref[k]).abs().max()) for k in weights)
+        assert worst <= 5e-7, worst
+
+
+def test_hsdp_needs_a_shard_group_and_no_tensor_parallel() -> None:
+    """The spec's own checks, and the runtime's, of what HSDP combines with."""
+    spec = TrainingSpec(data_parallel="hsdp", shard_group=2)
+    assert spec.shard_group == 2
+    with pytest.raises(ValueError, match="data_parallel hsdp needs shard_group"):
+        TrainingSpec(data_parallel="hsdp")
+    with pytest.raises(ValueError, match="shard_group applies to data_parallel: hsdp only"):
+        TrainingSpec(data_parallel="fsdp", shard_group=2)
+    with pytest.raises(ValueError, match="does not combine with tensor_parallel"):
+        TrainingSpec(data_parallel="hsdp", shard_group=2, tensor_parallel=2)
+    assert data_parallel_mode("hsdp", 1) == "fsdp"  # FSDP2's wrapper, on a 2-D mesh
+    with pytest.raises(InvalidInput, match="hsdp does not combine with tensor_parallel"):
+        data_parallel_mode("hsdp", 2)
+
+
+def test_the_memory_model_shards_hsdp_over_a_group() -> None:
+    """xffl validate's estimate: HSDP 2 x 2 keeps the sharded states of FSDP2 over 2 ranks
+    (its shard group), not over the 4 ranks of the site."""
+    parts = model_parts(build_config(ModelSpec(preset="llama3.1-8b")))
+    hsdp = TrainingSpec(data_parallel="hsdp", shard_group=2)
+    layout = site_layout(hsdp, 4, parts)
+    assert (layout.mode, layout.dp, layout.shard) == ("fsdp", 4, 2)
+    by_group = state_terms(parts, layout)
+    assert by_group == state_terms(parts, site_layout(TrainingSpec(data_parallel="fsdp"), 2,
+                                                      parts))
+    assert by_group != state_terms(parts, site_layout(TrainingSpec(data_parallel="fsdp"), 4,
+                                                      parts))
+
+
+@pytest.mark.slow
+def test_an_hsdp_round_through_the_launcher(tmp_path: Path, global0: tuple[Path, Manifest],
+                                            make_job: Callable[..., TrainJob]) -> None:
+    """The site trainer end to end at 4 ranks under HSDP 2 x 2: the global loaded into the
+    2-D mesh's slices, 2 steps, the update gathered from (Replicate, Shard) parameters and
+    written by rank 0; it verifies, counts 4 data-parallel ranks and moved every tensor's
+    checkpoint away from nothing (the same names and shapes as the global)."""
+    job = make_job(tmp_path / "data", steps=2)
+    job = job.model_copy(update={"training": job.training.model_copy(
+        update={"data_parallel": "hsdp", "shard_group": 2})})
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    out = tmp_path / "update"
+    args = ["--job", str(tmp_path / "job.json"), "--round", "1", "--model", str(global0[0]),
+            "--out", str(out)]
+    assert launch(NPROC, "torchrun", args, out) == 0
+    manifest = verify_checkpoint(out)
+    assert manifest.extra["dp"] == NPROC
+    with safe_open(str(out / MODEL_FILE), "pt") as got, \
+            safe_open(str(global0[0] / MODEL_FILE), "pt") as base:
+        assert sorted(got.keys()) == sorted(base.keys())
+        moved = [k for k in got.keys()  # noqa: SIM118
+                 if not torch.equal(got.get_tensor(k), base.get_tensor(k))]
+    assert moved, "the update equals the global: nothing trained"
