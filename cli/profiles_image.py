@@ -8,14 +8,14 @@ from typing import Annotated
 import typer
 
 from xffl.cli.common import console, handle_errors, print_json
-from xffl.cli.options import JsonOpt
+from xffl.cli.options import JsonOpt, output_option
 
 
 @handle_errors
 def image(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Profile name (file NAME.yaml).")],
-    out: Annotated[Path | None, typer.Option(
-        "--out", "-o", metavar="DIR", help="Folder to write (default: ./xffl-image-NAME).")] = None,
+    out: Annotated[Path | None, output_option(
+        "Folder to write (default: ./xffl-image-NAME).")] = None,
     wheel: Annotated[Path | None, typer.Option(
         "--wheel", metavar="WHL", help="The xffl wheel to put in the image (default: built "
         "from the source folder this xffl was installed from).")] = None,

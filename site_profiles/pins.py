@@ -12,6 +12,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from xffl.core.errors import InvalidInput
+from xffl.core.startup import collect_less
 
 #: left to the site: torch is its own build (CUDA, ROCm) from its module or a torch index,
 #: and what only torch needs (sympy, triton, the nvidia-* libraries) comes with it
@@ -94,6 +95,7 @@ def source_digest() -> str:
 
 def main() -> None:
     """Print the pins, one a line (scripts/site-wheels.sh downloads them)."""
+    collect_less()  # first, as in every entry point (see xffl.core.startup)
     print("\n".join(pinned_requirements()))
 
 

@@ -130,10 +130,19 @@ def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Finishe
     yield FinishedRun(home, status, json.loads(done["report"].stdout))
 
 
+def _module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture made once per module."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker;
-    the tests of one shared finished run in one worker; tests of the SLURM stack are marked
+    the tests of one shared finished run in one worker; the tests of a module that share a
+    module fixture (one real run, an image, an installed venv) in one worker, so that it is
+    made once, not once per worker; tests of the SLURM stack are marked
     ``stack`` (``-m "not stack"`` leaves them out). Slow tests go first, so that the workers
     do not end on one long test while the other idles.
 
@@ -145,6 +154,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif "quickstart_run" in fixtures:
             item.add_marker(pytest.mark.xdist_group("quickstart"))
+        elif item.get_closest_marker("xdist_group") is None and _module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         if "slurm_stack" in fixtures:
             item.add_marker(pytest.mark.stack)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

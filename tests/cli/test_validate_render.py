@@ -90,8 +90,9 @@ def test_every_output_option_is_spelled_the_same() -> None:
 
     outs = [p.opts for c in leaves(typer.main.get_command(full)) for p in c.params
             if "-o" in p.opts]
-    # render, report, provenance, export, aggregate, simulate, data prepare
-    assert len(outs) == 7 and all(sorted(o) == ["--out", "--output", "-o"] for o in outs)
+    # render, report, provenance, export, aggregate, simulate, data prepare, profiles image
+    # (and its hidden alias, sites image)
+    assert len(outs) == 9 and all(sorted(o) == ["--out", "--output", "-o"] for o in outs)
 
 
 def test_every_command_help_has_an_example() -> None:
