@@ -14,7 +14,7 @@ from xffl.cli.options import JsonOpt, output_option
 @handle_errors
 def image(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Profile name (file NAME.yaml).")],
-    out: Annotated[Path | None, output_option(
+    output: Annotated[Path | None, output_option(
         "Folder to write (default: ./xffl-image-NAME).")] = None,
     wheel: Annotated[Path | None, typer.Option(
         "--wheel", metavar="WHL", help="The xffl wheel to put in the image (default: built "
@@ -31,7 +31,7 @@ def image(
     from xffl.site_profiles.lookup import find_profile
 
     profile = find_profile(name)
-    files = write_image_files(profile, out or Path(f"xffl-image-{name}"), wheel)
+    files = write_image_files(profile, output or Path(f"xffl-image-{name}"), wheel)
     if json_out:
         print_json({"profile": name, "folder": str(files.folder),
                     "definition": str(files.definition), "wheel": files.wheel,
