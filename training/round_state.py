@@ -357,3 +357,28 @@ def begin(spec: RoundCheckpointSpec, state_dir: Path, want: Identity, grad_accum
              f"this run, round and global model in {Path(state_dir) / ROOT}.")
     return resumed, RoundCheckpointer(spec, state_dir, want, grad_accum)
 
+
+def step_hook(saver: RoundCheckpointer | None, steps: int,
+              pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR
+              ) -> Callable[[int, Tensor, int], None] | None:
+    """What runs after each optimizer step: a checkpoint when one is due (none without
+    ``training.checkpoint``)."""
+    if saver is None:
+        return None
+
+    def after_step(done: int, so_far: Tensor, loss_tokens: int) -> None:
+        if saver.due(done, steps):
+            saver.save(done, pm, optimizer, scheduler, so_far, loss_tokens)
+        saver.failpoint(done)
+
+    return after_step
+
+
+def manifest_record(saver: RoundCheckpointer | None,
+                    resumed: Resumed | None) -> dict[str, Any]:
+    """The update manifest's record of the round's checkpoints: saves, seconds training
+    waited on them, the step it continued from (nothing without ``training.checkpoint``)."""
+    if saver is None:
+        return {}
+    return {"checkpoints": {"saved": saver.saves, "blocked_seconds": saver.blocked,
+                            "resumed_at": 0 if resumed is None else resumed.step}}

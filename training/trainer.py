@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -272,6 +272,18 @@ def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: fl
     return metrics
 
 
+def _layout_record(job: TrainJob, pm: ParallelModel, device: torch.device,
+                   world: int) -> dict[str, Any]:
+    """The update manifest's record of how the site ran the round: ranks, mesh, device,
+    threads, batch shape and exchange."""
+    spec = job.training
+    return {"world_size": world, "dp": pm.dp_size, "tp": pm.tp_size,
+            "device": device_name(device), "gpus": device_count(device, world),
+            "threads": torch.get_num_threads(), "batch_size": spec.batch_size,
+            "grad_accum": spec.grad_accum, "seq_len": spec.seq_len,
+            "exchange": job.exchange.label()}
+
+
 def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                 out_dir: Path, base_dir: Path | None = None,
                 state_dir: Path | None = None) -> Manifest:
@@ -327,12 +339,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
         json.dumps, json.loads)
     speed = round_speed(pm.module, config, spec.seq_len, device, world)
-    after_step = None
-    if saver is not None:
-        def after_step(done: int, so_far: Tensor, loss_tokens: int) -> None:
-            if saver.due(done, steps):
-                saver.save(done, pm, optimizer, scheduler, so_far, loss_tokens)
-            saver.failpoint(done)
+    after_step = round_state.step_hook(saver, steps, pm, optimizer, scheduler)
     try:
         result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                            deadline=deadline, check_deadline=deadline is not None, prox=prox,
@@ -375,15 +382,9 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         num_tokens=num_tokens,
         metrics=metrics,
         parent=parent,
-        extra={"world_size": world, "dp": pm.dp_size, "tp": pm.tp_size,
-               "device": device_name(device), "gpus": device_count(device, world),
-               "threads": torch.get_num_threads(), "steps": done,
+        extra={**_layout_record(job, pm, device, world), "steps": done,
                "steps_planned": steps, "stopped_early": result.stopped_early,
-               "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
-               "seq_len": spec.seq_len, "exchange": job.exchange.label(),
-               **({} if saver is None else {"checkpoints": {
-                   "saved": saver.saves, "blocked_seconds": saver.blocked,
-                   "resumed_at": 0 if resumed is None else resumed.step}}),
+               **round_state.manifest_record(saver, resumed),
                "losses": [float(v) for v in losses] if done <= 1000 else []},
     )
     return _write_update(job, pm, model_dir, out_dir, config, manifest, state_dir)
