@@ -11,17 +11,13 @@ pinned nor reinstalled, and every install runs with ``--no-deps`` so pip never s
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
-from importlib.metadata import distributions
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from xffl.core.errors import InvalidInput, RunFailed
+from xffl.core.errors import InvalidInput
+from xffl.site_profiles import own_wheel
 from xffl.site_profiles.container import ContainerSpec
 from xffl.site_profiles.pins import pinned_requirements
 from xffl.site_profiles.schema import SiteProfile
@@ -51,16 +47,6 @@ def install_steps(python: str, folder: str, wheel: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def _source_dir() -> Path | None:
-    """The source folder this xffl was installed from (an editable or local install)."""
-    for dist in distributions(name="xffl"):  # a source folder's own xffl.egg-info has no URL
-        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
-        path = Path(url.removeprefix("file://")) if url.startswith("file://") else None
-        if path is not None and (path / "pyproject.toml").is_file():
-            return path
-    return None
-
-
 def build_wheel(out: Path, wheel: Path | None = None) -> str:
     """This xffl's wheel in ``out`` (``wheel`` copied, or built from its source); its name."""
     if wheel is not None:
@@ -70,27 +56,7 @@ def build_wheel(out: Path, wheel: Path | None = None) -> str:
                                "xffl-VERSION-py3-none-any.whl")
         shutil.copyfile(wheel, out / wheel.name)
         return wheel.name
-    source = _source_dir()
-    if source is None:
-        raise InvalidInput("this xffl was not installed from a source folder, so its wheel "
-                           "cannot be built here; pass --wheel PATH (the xffl wheel you "
-                           "installed)")
-    leftovers = [p for p in (source / "build", source / "xffl.egg-info") if not p.exists()]
-    with tempfile.TemporaryDirectory(prefix="xffl-wheel-") as tmp:
-        try:
-            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                                    "--no-build-isolation", "--no-index", "-w", tmp,
-                                    str(source)], capture_output=True, text=True, check=False)
-        finally:  # setuptools' work folders in the source tree, unless they were there
-            for path in leftovers:
-                shutil.rmtree(path, ignore_errors=True)
-        if built.returncode != 0:
-            tail = " | ".join((built.stderr or built.stdout).strip().splitlines()[-3:])
-            raise RunFailed(f"building xffl's wheel from {source} failed ({tail}); pass "
-                            "--wheel PATH instead")
-        (made,) = Path(tmp).glob("xffl-*.whl")
-        shutil.copyfile(made, out / made.name)
-        return made.name
+    return own_wheel.build_wheel(out, "pass --wheel PATH (the xffl wheel you installed)").name
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ import hashlib
 import re
 from functools import cache
 from importlib import metadata
-from pathlib import Path
 
 from packaging.requirements import Requirement
 
 from xffl.core.errors import InvalidInput
 from xffl.core.startup import collect_less
+from xffl.site_profiles import own_wheel
 
 #: left to the site: torch is its own build (CUDA, ROCm) from its module or a torch index,
 #: and what only torch needs (sympy, triton, the nvidia-* libraries) comes with it
@@ -24,6 +24,9 @@ SITE_OWN = frozenset({"torch"})
 COORDINATOR_ONLY = frozenset({"streamflow", "cwltool", "paramiko", "cryptography", "croniter",
                               "python-crontab", "matplotlib"})
 #: the checkout's folders (pyproject.toml's package-dir) whose files make the xffl wheel
+#: how to get a wheel when xffl runs from an installed wheel, not a checkout
+INSTALL_FIX = ("run `xffl profiles install` from a checkout's venv (scripts/setup-venv.sh), "
+               "which builds the wheel the site installs.")
 SOURCE_DIRS = ("aggregator", "cli", "core", "jobs", "site_profiles", "training", "workflows",
                "docs/json", "examples")
 
@@ -64,24 +67,11 @@ def torch_version() -> str:
     return metadata.version("torch").split("+")[0]
 
 
-def source_dir() -> Path:
-    """The checkout this xffl runs from (its pyproject.toml), which `pip wheel` builds."""
-    import xffl.core
-
-    root = Path(xffl.core.__file__).resolve().parents[1]
-    project = root / "pyproject.toml"
-    if not project.is_file() or 'name = "xffl"' not in project.read_text():
-        raise InvalidInput(f"xffl runs from {root}, which is not a source checkout; run `xffl "
-                           "profiles install` from a checkout's venv (scripts/setup-venv.sh), "
-                           "which builds the wheel the site installs.")
-    return root
-
-
 @cache
 def source_digest() -> str:
     """sha256 of the checkout's files that make the wheel (names and bytes): a change there
     is a new wheel, and a site install that is no longer current."""
-    root = source_dir()
+    root = own_wheel.source_dir(INSTALL_FIX)
     digest = hashlib.sha256()
     for name in ("pyproject.toml", *SOURCE_DIRS):
         path = root / name

@@ -16,7 +16,8 @@ from pathlib import Path
 from xffl.core.errors import InvalidInput, RunFailed
 from xffl.core.paths import xffl_home
 from xffl.core.versions import xffl_version
-from xffl.site_profiles.pins import pinned_requirements, source_digest, source_dir
+from xffl.site_profiles import own_wheel
+from xffl.site_profiles.pins import INSTALL_FIX, pinned_requirements, source_digest
 from xffl.site_profiles.site_python import SitePython
 
 REQUIREMENTS = "requirements.txt"
@@ -93,9 +94,9 @@ def build_wheelhouse(target: SitePython, find_links: Sequence[Path], step: Step,
     part = final.with_name(key + ".part")
     shutil.rmtree(part, ignore_errors=True)
     (part / "fetched").mkdir(parents=True)
-    step(f"building this xffl's wheel ({xffl_version()}) from {source_dir()}")
-    _pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(part),
-          str(source_dir())], "building xffl's wheel")
+    step(f"building this xffl's wheel ({xffl_version()}) from "
+         f"{own_wheel.source_dir(INSTALL_FIX)}")
+    own_wheel.build_wheel(part, INSTALL_FIX)
     if deps:
         _fetch(target, find_links, part, step)
     (part / REQUIREMENTS).write_text("\n".join(requirements()) + "\n")
