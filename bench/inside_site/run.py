@@ -70,7 +70,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group-nodes", type=int, default=1,
                    help="nodes of an HSDP shard group and of a federated group")
     p.add_argument("--every", default="1,8,64", help="the federated groups' K values")
-    p.add_argument("--steps", type=int, default=128, help="optimizer steps of the loss table (128: K=64 averages twice)")
+    p.add_argument("--steps", type=int, default=128,
+                   help="optimizer steps of the loss table (128: K=64 averages twice)")
     p.add_argument("--no-loss", action="store_true", help="the step table only")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
