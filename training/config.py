@@ -249,8 +249,10 @@ class TrainingSpec(StrictModel):
         "states, 16 B a parameter, exceed half of a GPU's memory), else DDP; hsdp: FSDP2 "
         "sharding inside groups of shard_group ranks, replicated across the groups")
     shard_group: int | None = Field(
-        default=None, ge=1, le=1 << 20, description="data_parallel hsdp: ranks of one "
-        "shard group (consecutive ranks, e.g. one node's GPUs); divides every site's ranks")
+        default=None, ge=1, le=1 << 20, description="data_parallel hsdp: data-parallel "
+        "ranks of one shard group (consecutive ranks, e.g. one node's GPUs); with "
+        "tensor_parallel a group spans shard_group x tensor_parallel ranks, which divides "
+        "every site's ranks")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 on GPUs, fp32 on CPUs; bf16 under FSDP2 is "
         "its mixed-precision policy (bf16 compute, fp32 weights and gradient reductions), "
@@ -306,10 +308,6 @@ class TrainingSpec(StrictModel):
         if self.shard_group is not None and self.data_parallel != "hsdp":
             raise ValueError("shard_group applies to data_parallel: hsdp only; set "
                              "data_parallel: hsdp or remove shard_group")
-        if self.data_parallel == "hsdp" and self.tensor_parallel > 1:
-            raise ValueError("data_parallel hsdp does not combine with tensor_parallel > 1 "
-                             "yet; use data_parallel: fsdp with tensor_parallel, or hsdp with "
-                             "tensor_parallel: 1")
         if self.data_parallel == "ddp" and self.tensor_parallel > 1:
             raise ValueError("data_parallel ddp does not combine with tensor_parallel > 1 in "
                              "torch; use data_parallel: fsdp (or auto)")

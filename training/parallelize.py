@@ -12,7 +12,9 @@ the root) for models that do not fit replicated and whenever tp > 1 (torch's DDP
 tensor-parallel parameters into plain attributes after the first forward, so it does not
 compose with DTensor parameters). Embeddings, norms and the LM head stay replicated on tp.
 Ranks are laid out with tp innermost, so the ranks of one tensor-parallel group are
-consecutive (on one node, where SLURM and torchrun place consecutive ranks).
+consecutive (on one node, where SLURM and torchrun place consecutive ranks). HSDP with
+tensor parallelism is torchtitan's 3-D mesh (replicate, shard, tp): the plan on ``tp``,
+FSDP2 on the 2-D (replicate, shard) sub-mesh, tp innermost and a shard group's ranks next.
 
 Memory, as torchtitan's ``parallelize_llama`` does it: tensor parallelism first, then
 activation checkpointing of every k-th decoder layer (torch's composable ``checkpoint``;
@@ -139,16 +141,12 @@ def data_parallel_mode(requested: str, tp: int, params: int = 0,
                        memory: int | None = None) -> Literal["ddp", "fsdp"]:
     """The data-parallel wrapper to use. "auto": FSDP2 when tp > 1 or the model is large
     (``params`` at or over :func:`fsdp_threshold` of the GPU's ``memory``), else DDP; "hsdp"
-    is FSDP2 too (on a 2-D mesh, :func:`hsdp_mesh`)."""
+    is FSDP2 too (on a 2-D mesh, or 3-D with tensor parallelism: :func:`hsdp_mesh`)."""
     if requested == "ddp" and tp > 1:
         raise InvalidInput(
             "training.data_parallel ddp cannot be combined with tensor_parallel > 1 in torch; "
             "use data_parallel: fsdp (or auto)."
         )
-    if requested == "hsdp" and tp > 1:
-        raise InvalidInput("training.data_parallel hsdp does not combine with tensor_parallel "
-                           "> 1 yet; use data_parallel: fsdp with tensor_parallel, or hsdp "
-                           "with tensor_parallel: 1.")
     if requested == "auto":
         return "fsdp" if tp > 1 or params >= fsdp_threshold(memory) else "ddp"
     if requested not in ("ddp", "fsdp", "hsdp"):
@@ -276,14 +274,23 @@ def _count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def hsdp_mesh(device: torch.device, world: int, shard_group: int | None) -> DeviceMesh:
-    """The (replicate, shard) mesh of HSDP: ``world // shard_group`` replicas, each sharding
-    over ``shard_group`` consecutive ranks (one node, or a group of nodes)."""
-    if shard_group is None or shard_group < 1 or world % shard_group or world < 2:
-        raise InvalidInput(f"training.shard_group {shard_group} must divide the site's "
-                           f"{world} ranks (and HSDP needs 2 or more ranks); choose a divisor.")
-    return init_device_mesh(device.type, (world // shard_group, shard_group),
-                            mesh_dim_names=HSDP_DIMS)
+def hsdp_mesh(device: torch.device, world: int, shard_group: int | None,
+              tp: int = 1) -> DeviceMesh:
+    """The mesh of HSDP: ``world // (shard_group * tp)`` replicas, each sharding over
+    ``shard_group`` data-parallel ranks; (replicate, shard), or with tensor parallelism
+    (replicate, shard, tp), tp innermost: a tensor-parallel group is ``tp`` consecutive
+    ranks and a shard group ``shard_group * tp`` consecutive ones (one node, or a group of
+    nodes), as torchtitan lays out (dp_replicate, dp_shard, tp)."""
+    group = (shard_group or 0) * tp
+    if shard_group is None or shard_group < 1 or world % group or world // tp < 2:
+        raise InvalidInput(f"training.shard_group {shard_group} times tensor_parallel {tp} "
+                           f"must divide the site's {world} ranks (and HSDP needs 2 or more "
+                           "data-parallel ranks); choose a divisor.")
+    if tp == 1:
+        return init_device_mesh(device.type, (world // group, shard_group),
+                                mesh_dim_names=HSDP_DIMS)
+    return init_device_mesh(device.type, (world // group, shard_group, tp),
+                            mesh_dim_names=(*HSDP_DIMS, "tp"))
 
 
 def parallelize(model: nn.Module, tp: int, device: torch.device,
@@ -300,7 +307,8 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     ``compile``: ``torch.compile`` each decoder layer. ``data_parallel`` "hsdp": FSDP2 on
     the 2-D (replicate, shard) mesh of :func:`hsdp_mesh` (torch's HSDP: reduce-scatter
     inside a shard group, all-reduce of the shards across the replicas), ``shard_group``
-    ranks a group.
+    data-parallel ranks a group; with tp > 1 that mesh is the (replicate, shard) sub-mesh
+    of the 3-D (replicate, shard, tp) one.
     """
     config = _config_of(model)
     if tp > 1 and config is None:
@@ -314,7 +322,7 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
         check_tensor_parallel(config, tp, world)
     mode = data_parallel_mode(data_parallel, tp, _count_params(model), device_memory(device))
     if data_parallel == "hsdp" and distributed:
-        mesh: DeviceMesh | None = hsdp_mesh(device, world, shard_group)
+        mesh: DeviceMesh | None = hsdp_mesh(device, world, shard_group, tp)
     else:
         mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS) \
             if distributed else None
@@ -336,14 +344,14 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if uses_bf16(precision, device) else MixedPrecisionPolicy()
-        dp_mesh = mesh if data_parallel == "hsdp" else mesh["dp"]
+        dp_mesh = mesh[HSDP_DIMS] if data_parallel == "hsdp" else mesh["dp"]
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         net = model
-        if data_parallel == "hsdp":  # every rank reads its own batches: dp rank = rank
-            return ParallelModel(module=model, net=net, dp_rank=dist.get_rank(),
-                                 dp_size=world, tp_size=1, mesh=mesh)
+        if data_parallel == "hsdp":  # a tp group reads one dp rank's batches (tp innermost)
+            return ParallelModel(module=model, net=net, dp_rank=dist.get_rank() // tp,
+                                 dp_size=world // tp, tp_size=tp, mesh=mesh)
     else:
         net = DistributedDataParallel(
             model, process_group=mesh.get_group("dp"),

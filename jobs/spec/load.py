@@ -216,26 +216,35 @@ def _check_tensor_parallel(doc: YamlDoc, spec: JobSpec, path: Path,
 
 
 def _check_shard_group(doc: YamlDoc, spec: JobSpec, path: Path) -> list[str]:
-    """HSDP: every site has 2 or more ranks, and shard_group divides them (not larger)."""
-    group = spec.training.shard_group
-    if spec.training.data_parallel != "hsdp" or group is None:
+    """HSDP: every site has 2 or more data-parallel ranks, and a shard group (shard_group x
+    tensor_parallel ranks) divides them (not larger)."""
+    shard = spec.training.shard_group
+    tp = spec.training.tensor_parallel
+    if spec.training.data_parallel != "hsdp" or shard is None:
         return []
+    group = shard * tp
+    what = f"shard_group {shard}" + (f" x tensor_parallel {tp} = {group} ranks" if tp > 1
+                                     else "")
     errors = []
     for i, site in enumerate(spec.sites):
-        if site.ranks < 2:
+        if tp > 1 and site.ranks % tp:
+            continue  # the tensor-parallel check names it
+        if site.ranks // tp < 2:
             errors.append(
-                f"{_at(doc, path, ('sites', i, 'ranks'))}: site {site.name!r} has 1 rank, and "
-                "data_parallel hsdp needs 2 or more (it shards within groups and replicates "
-                "across them); give it more ranks or use data_parallel: auto.")
+                f"{_at(doc, path, ('sites', i, 'ranks'))}: site {site.name!r} has 1 rank"
+                + (f" per tensor-parallel group ({site.ranks} ranks, tensor_parallel {tp})"
+                   if tp > 1 else "") + ", and data_parallel hsdp needs 2 or more (it shards "
+                "within groups and replicates across them); give it more ranks or use "
+                "data_parallel: auto.")
         elif group > site.ranks:
             errors.append(
-                f"{_at(doc, path, ('training', 'shard_group'))}: shard_group {group} is larger "
-                f"than site {site.name!r} ({site.ranks} ranks); use a divisor of {site.ranks}.")
+                f"{_at(doc, path, ('training', 'shard_group'))}: {what} is larger than site "
+                f"{site.name!r} ({site.ranks} ranks); use a divisor of {site.ranks // tp}.")
         elif site.ranks % group:
             errors.append(
-                f"{_at(doc, path, ('training', 'shard_group'))}: shard_group {group} does not "
-                f"divide the ranks of site {site.name!r} ({site.ranks}); use a divisor of "
-                f"{site.ranks}.")
+                f"{_at(doc, path, ('training', 'shard_group'))}: {what} does not divide the "
+                f"ranks of site {site.name!r} ({site.ranks}); use a divisor of "
+                f"{site.ranks // tp}.")
     return errors
 
 

@@ -116,20 +116,22 @@ def find_fix(parts: ModelParts, spec: TrainingSpec, ranks: int, gib: float) -> s
     return "a GPU with more memory (no layout up to 4096 ranks fits)"
 
 
-def _shard_group_note(where: str, site: str, ranks: int, group: int | None,
-                      profile: SiteProfile) -> list[str]:
-    """HSDP: a shard group that spans nodes is allowed, but its collectives cross the network."""
+def _shard_group_note(where: str, site: str, ranks: int, shard: int | None,
+                      profile: SiteProfile, tp: int = 1) -> list[str]:
+    """HSDP: a shard group (shard_group x tensor_parallel consecutive ranks) that spans nodes
+    is allowed, but its collectives cross the network."""
     slurm = profile.slurm
-    if group is None or slurm is None or slurm.nodes <= 1 or ranks % slurm.nodes:
+    if shard is None or slurm is None or slurm.nodes <= 1 or ranks % slurm.nodes:
         return []
+    group = shard * tp
     per_node = ranks // slurm.nodes
     if per_node % group == 0:
         return []
     return [f"{where}: site {site!r}: a shard group of {group} ranks spans "
             f"{math.ceil(group / per_node) if group > per_node else 2} of its {slurm.nodes} "
             f"nodes ({per_node} ranks a node), so its all-gathers and reduce-scatters cross "
-            f"the network every step (allowed); a shard_group dividing {per_node} keeps "
-            "them inside a node."]
+            f"the network every step (allowed); a shard_group dividing {per_node // tp or 1} "
+            "keeps them inside a node."]
 
 
 def _node_checks(where: str, site: str, ranks: int, tp: int,
@@ -174,13 +176,14 @@ def check_sites(loaded: LoadedJob) -> SiteChecks:
         errors.extend(node_errors)
         warnings.extend(node_warnings)
         warnings.extend(_shard_group_note(where, site.name, site.ranks, training.shard_group,
-                                          profile))
+                                          profile, training.tensor_parallel))
         gpus = profile.slurm.gpus_per_node if profile.slurm is not None else None
         gpu = gib is not None or bool(gpus)
         est = _estimate(parts, training, site.ranks, gpu, gib) if parts else None
         layout = site_layout(training, site.ranks, parts, gpu_memory=_bytes(gib)) \
             if parts else None
         shape = (f"hsdp {layout.dp // training.shard_group} x {training.shard_group}"
+                 + (f" x tp {layout.tp}" if layout.tp > 1 else "")
                  if layout and training.shard_group and layout.shard else
                  f"{layout.mode} dp {layout.dp} x tp {layout.tp}" if layout else
                  f"tp {training.tensor_parallel}")

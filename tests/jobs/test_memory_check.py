@@ -135,11 +135,11 @@ def test_a_tensor_parallel_group_across_nodes_is_warned_about(tmp_path: Path,
     assert "tensor_parallel 2 does not divide the 1 GPUs (1 ranks) of a node" in warning
 
 
-def _hsdp_job(tmp_path: Path, shard_group: int) -> Path:
+def _hsdp_job(tmp_path: Path, shard_group: int, tp: int = 1) -> Path:
     """:func:`_gpu_job` under HSDP, site alpha on 2 nodes of 2 GPUs, every site 4 ranks (a
     shard_group divides every site's ranks)."""
-    job = _gpu_job(tmp_path, {"data_parallel": "hsdp", "shard_group": shard_group}, 4,
-                   {"nodes": 2, "gpus_per_node": 2})
+    job = _gpu_job(tmp_path, {"data_parallel": "hsdp", "shard_group": shard_group,
+                              "tensor_parallel": tp}, 4, {"nodes": 2, "gpus_per_node": 2})
     data = yaml.safe_load(job.read_text())
     for site in data["sites"]:
         site["ranks"] = 4
@@ -164,3 +164,21 @@ def test_an_hsdp_shard_group_across_nodes_is_named(tmp_path: Path, xffl_home: Pa
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["warnings"] == [] and report["sites"][0]["layout"] == "hsdp 2 x 2"
+
+
+def test_an_hsdp_group_with_tensor_parallel_counts_its_tp_ranks(tmp_path: Path,
+                                                               xffl_home: Path) -> None:
+    """HSDP x tp: a shard group is shard_group x tensor_parallel consecutive ranks, so
+    shard_group 2 at tp 2 spans both nodes of 2 GPUs (named); shard_group 1 stays in one."""
+    result = runner.invoke(app, ["validate", str(_hsdp_job(tmp_path, 2, 2)), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    [warning] = report["warnings"]
+    assert "a shard group of 4 ranks spans 2 of its 2 nodes (2 ranks a node)" in warning
+    assert report["sites"][0]["layout"] == "hsdp 1 x 2 x tp 2"
+    (tmp_path / "in-node").mkdir()
+    inside = _hsdp_job(tmp_path / "in-node", 1, 2)
+    result = runner.invoke(app, ["validate", str(inside), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["warnings"] == [] and report["sites"][0]["layout"] == "hsdp 2 x 1 x tp 2"

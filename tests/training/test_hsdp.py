@@ -1,4 +1,5 @@
-"""HSDP (training.data_parallel: hsdp) on gloo: a 2 x 2 (replicate, shard) mesh == FSDP2 over 4."""
+"""HSDP (training.data_parallel: hsdp) on gloo: a 2 x 2 (replicate, shard) mesh == FSDP2 over 4,
+and with tensor parallelism a 2 x 2 x 2 (replicate, shard, tp) mesh == FSDP2 over 4 x tp 2."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.launch import launch
 from xffl.training.memory_model import model_parts, site_layout, state_terms
-from xffl.training.parallelize import data_parallel_mode
+from xffl.training.parallelize import data_parallel_mode, hsdp_mesh
 
 NPROC = 4
+NPROC_TP = 8
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -36,6 +39,21 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
            "-m", "tests.training.hsdp_worker", str(out), "fsdp", "hsdp:2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 8-rank launch: FSDP2(4) x TP 2, HSDP (2 x 2) x TP 2, then that HSDP loaded from a
+    checkpoint as a site loads it (and its update gathered as a site saves it, which the
+    worker checks against the parameters)."""
+    out = tmp_path_factory.mktemp("hsdp-tp")
+    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC_TP),
+           "-m", "tests.training.hsdp_worker", str(out), "fsdp/2", "hsdp:2/2",
+           "hsdp:2/2+sharded"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -93,7 +111,58 @@ def test_hsdp_2x2_is_fsdp2_over_4(layouts: Path) -> None:
         assert worst <= 5e-7, worst
 
 
-def test_hsdp_needs_a_shard_group_and_no_tensor_parallel() -> None:
+@pytest.mark.slow
+def test_hsdp_with_tensor_parallel_is_a_3d_mesh(layouts_tp: Path) -> None:
+    """HSDP 2 x 2 with tensor_parallel 2 on 8 ranks: the 3-D (replicate, shard, tp) mesh, tp
+    innermost, and its losses and weights after 3 steps == FSDP2 over 4 dp ranks x tp 2.
+
+    Bounds: the derivation of :func:`test_hsdp_2x2_is_fsdp2_over_4` holds term by term. Both
+    layouts split every layer over the same tp pairs (ranks 2d, 2d + 1) and all-gather the
+    same full tp-local shards, so step 1's forward, its tp all-reduces and every dp rank's
+    local gradient g_k are bitwise equal; only the mean over the 4 dp ranks is summed in
+    another order (one reduce-scatter of 4, or pairs then an all-reduce of 2): <= 6.8e-8,
+    the same model, data and steps (max|g_k| <= 0.19). Weights: atol 5e-7; losses 6e-5.
+
+    The bug this catches (made once on purpose): the mesh laid out (tp, replicate, shard),
+    tp outermost, puts ranks r and r + 4 in one tensor-parallel group while the data follow
+    rank // tp, so a tp pair splits a layer over two different batches: the losses then
+    differ from step 1 on, by 3.3e-3 to 1.1e-2 per rank, and the weights by 9.5e-3 (besides
+    the mesh's names and groups, which the first asserts check).
+    """
+    for rank in range(NPROC_TP):
+        ref, ref_meta = _load(layouts_tp / "fsdp-2" / f"rank{rank}.safetensors")
+        got, meta = _load(layouts_tp / "hsdp-2-2" / f"rank{rank}.safetensors")
+        assert (ref_meta["dims"], ref_meta["shape"]) == ("dp,tp", "4,2")
+        assert (meta["dims"], meta["shape"]) == ("replicate,shard,tp", "2,2,2"), meta
+        # tp innermost: a tp group is 2 consecutive ranks, a shard group (its 2 dp ranks x
+        # tp 2) the 4 consecutive ranks of one node of 4 GPUs; the replicas 4 ranks apart
+        t, base = rank % 2, rank - rank % 2
+        assert meta["group.tp"] == f"{base},{base + 1}", meta
+        assert meta["group.shard"] == f"{rank // 4 * 4 + t},{rank // 4 * 4 + 2 + t}", meta
+        assert meta["group.replicate"] == f"{rank % 4},{rank % 4 + 4}", meta
+        assert (meta["dp_rank"], meta["dp_size"], meta["tp_size"]) == (str(rank // 2), "4",
+                                                                        "2")
+        for name in (k.removeprefix("shape.") for k in got if k.startswith("shape.")):
+            total = int(torch.tensor(got[f"shape.{name}"].tolist()).prod())
+            local, placement = got[f"local.{name}"].numel(), meta[f"placement.{name}"]
+            assert placement.startswith("(Replicate(), "), (name, placement)
+            # a tp-split weight: 1/(shard x tp) of it; the rest (norms, embedding, head,
+            # replicated over tp): 1/shard
+            split = 2 * 2 if name.split(".")[-2] in TP_SPLIT else 2
+            assert local * split == total, (name, local, total, placement)
+        assert torch.equal(got["losses"][0], ref["losses"][0])  # step 1: bitwise
+        assert (got["losses"] - ref["losses"]).abs().max() <= 6e-5
+        weights = [k for k in ref if k.startswith("weight.")]
+        assert weights and sorted(weights) == sorted(k for k in got if k.startswith("weight."))
+        worst = max(float((got[k] - ref[k]).abs().max()) for k in weights)
+        assert worst <= 5e-7, worst
+        # the site's own load: the same slices of the same weights, so the same run, bitwise
+        loaded, _ = _load(layouts_tp / "hsdp-2-2+sharded" / f"rank{rank}.safetensors")
+        assert sorted(loaded) == sorted(got)
+        assert all(torch.equal(loaded[k], got[k]) for k in got), rank
+
+
+def test_hsdp_needs_a_shard_group() -> None:
     """The spec's own checks, and the runtime's, of what HSDP combines with."""
     spec = TrainingSpec(data_parallel="hsdp", shard_group=2)
     assert spec.shard_group == 2
@@ -101,11 +170,11 @@ def test_hsdp_needs_a_shard_group_and_no_tensor_parallel() -> None:
         TrainingSpec(data_parallel="hsdp")
     with pytest.raises(ValueError, match="shard_group applies to data_parallel: hsdp only"):
         TrainingSpec(data_parallel="fsdp", shard_group=2)
-    with pytest.raises(ValueError, match="does not combine with tensor_parallel"):
-        TrainingSpec(data_parallel="hsdp", shard_group=2, tensor_parallel=2)
+    assert TrainingSpec(data_parallel="hsdp", shard_group=2, tensor_parallel=2).shard_group == 2
     assert data_parallel_mode("hsdp", 1) == "fsdp"  # FSDP2's wrapper, on a 2-D mesh
-    with pytest.raises(InvalidInput, match="hsdp does not combine with tensor_parallel"):
-        data_parallel_mode("hsdp", 2)
+    assert data_parallel_mode("hsdp", 2) == "fsdp"  # and on the 3-D one with tp
+    with pytest.raises(InvalidInput, match="shard_group 4 times tensor_parallel 2 must divide"):
+        hsdp_mesh(torch.device("cpu"), 12, 4, 2)  # checked before any group is made
 
 
 def test_the_memory_model_shards_hsdp_over_a_group() -> None:
@@ -120,6 +189,11 @@ def test_the_memory_model_shards_hsdp_over_a_group() -> None:
                                                       parts))
     assert by_group != state_terms(parts, site_layout(TrainingSpec(data_parallel="fsdp"), 4,
                                                       parts))
+    # with tensor parallelism: HSDP 2 x 2 x tp 2 on 8 ranks keeps FSDP2(2) x tp 2's states
+    hsdp_tp = site_layout(hsdp.model_copy(update={"tensor_parallel": 2}), 8, parts)
+    assert (hsdp_tp.dp, hsdp_tp.tp, hsdp_tp.shard) == (4, 2, 2)
+    fsdp_tp = TrainingSpec(data_parallel="fsdp", tensor_parallel=2)
+    assert state_terms(parts, hsdp_tp) == state_terms(parts, site_layout(fsdp_tp, 4, parts))
 
 
 @pytest.mark.slow
