@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import time
 from collections.abc import Iterator
@@ -30,10 +29,10 @@ from xffl.jobs.registry.round_lock import RoundInFlight, holder, round_lock
 from xffl.jobs.registry.states import RoundState, RunState, SiteState
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import (
+    SLURM,
     SSH_TIMEOUT,
     SiteUnreachable,
     in_flight_round,
-    job_ids_command,
     job_name,
     query_site,
     slurm_sites,
@@ -124,10 +123,7 @@ def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
     exit status is 0 when every ``scancel -n`` succeeded.
     """
     names = [job_name(run_id, site)] + ([job_name(run_id, site, rnd)] if rnd else [])
-    return (f"ids=$({job_ids_command(run_id, site)}); "
-            "[ -z \"$ids\" ] || scancel $ids 2>/dev/null; "
-            f"r=0; for n in {' '.join(shlex.quote(n) for n in names)}; "
-            "do scancel -n \"$n\" || r=1; done; [ $r -eq 0 ]")
+    return SLURM.cancel_command(job_name(run_id, site), names)
 
 
 def scancel_site(run_id: str, site: str, profile: SiteProfile,
