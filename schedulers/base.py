@@ -2,7 +2,9 @@
 
 A scheduler speaks its own dialect in four places, and each is a method here:
 
-* the batch script: the directive lines of a round's job (:meth:`Scheduler.directives`);
+* the batch script: a site's options and the directive lines of a round's job
+  (:meth:`Scheduler.batch_options`, :meth:`Scheduler.name_directive`,
+  :meth:`Scheduler.directives`);
 * the login node: the shell lines that list the user's jobs, print the ids of a name
   prefix's jobs, cancel them, and estimate when a job would start, and the parsers of what
   the facility answers (its text is not trusted: a line that is not the scheduler's is
@@ -52,9 +54,17 @@ class Scheduler(Protocol):
 
     name: str  # the registry's name, and DistEnv.source in its job steps
 
-    def directives(self, job_name: str, nodes: int, ranks: int, time: str,
-                   options: Sequence[str]) -> list[str]:
-        """The batch script's scheduler lines of a round's job (options: the site's extra)."""
+    def batch_options(self, settings: Mapping[str, object], extra: Sequence[str]) -> list[str]:
+        """The scheduler's options for a site's settings (partition, account, qos, mem, ...:
+        the profile's fields, None when unset), the site's own ``extra`` options last."""
+        ...
+
+    def name_directive(self, job_name: str) -> str:
+        """The batch script's line naming the job."""
+        ...
+
+    def directives(self, nodes: int, ranks: int, time: str, options: Sequence[str]) -> list[str]:
+        """The batch script's scheduler lines of a round's job (``options``: batch_options)."""
         ...
 
     def list_command(self) -> str:

@@ -206,10 +206,17 @@ class Slurm:
 
     name = "slurm"
 
-    def directives(self, job_name: str, nodes: int, ranks: int, time: str,
-                   options: Sequence[str]) -> list[str]:
+    def batch_options(self, settings: Mapping[str, object], extra: Sequence[str]) -> list[str]:
+        """``--partition=...`` and the other sbatch options that are set, ``extra`` last."""
+        return slurm_login.batch_options(settings, extra)
+
+    def name_directive(self, job_name: str) -> str:
+        """``#SBATCH --job-name=...``."""
+        return slurm_login.name_directive(job_name)
+
+    def directives(self, nodes: int, ranks: int, time: str, options: Sequence[str]) -> list[str]:
         """The ``#SBATCH`` lines of a round's job."""
-        return slurm_login.directives(job_name, nodes, ranks, time, options)
+        return slurm_login.directives(nodes, ranks, time, options)
 
     def list_command(self) -> str:
         """The login node's clock, then squeue of every job of the user."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from xffl.schedulers.base import QueuedJob
@@ -29,6 +29,12 @@ SQUEUE_FORMAT = "%i|%j|%T|%V|%S|%M|%N"
 # every job of the user on the login node's cluster, with its name (filtered by prefix later)
 SQUEUE_MINE = f"squeue -h -u \"$(id -un)\" -o {shlex.quote(SQUEUE_FORMAT)}"
 CLOCK = "date +%Y-%m-%dT%H:%M:%S"
+# sbatch's long option names and the settings (a site profile's SlurmSpec fields) they take
+SBATCH_OPTIONS = (
+    ("partition", "partition"), ("account", "account"), ("qos", "qos"),
+    ("ntasks-per-node", "ntasks_per_node"), ("gpus-per-node", "gpus_per_node"),
+    ("cpus-per-task", "cpus_per_task"), ("mem", "mem"), ("constraint", "constraint"),
+)
 
 MAX_ESTIMATE_S = 366 * 86400.0
 MAX_LINES = 64  # what is read of the answer (sbatch prints one line)
@@ -38,11 +44,21 @@ _ANSWER = re.compile(rf"sbatch: Job \d{{1,12}} to start at ({_ISO}) using \d{{1,
                      r" on nodes [\w\[\]\-,.]{1,1000} in partition [\w\-.]{1,64}")
 
 
-def directives(job_name: str, nodes: int, ranks: int, time: str,
-               options: Sequence[str]) -> list[str]:
-    """The ``#SBATCH`` lines of a round's job: its name, nodes, tasks, time limit, options."""
-    return [f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
-            f"#SBATCH --ntasks={ranks}", f"#SBATCH --time={time}",
+def batch_options(settings: Mapping[str, object], extra: Sequence[str]) -> list[str]:
+    """The ``--option=value`` sbatch options of the settings that are set, ``extra`` last."""
+    options = [f"--{flag}={settings[field]}" for flag, field in SBATCH_OPTIONS
+               if settings.get(field) is not None]
+    return options + list(extra)
+
+
+def name_directive(job_name: str) -> str:
+    """The ``#SBATCH`` line naming the job (the script's first line after the shebang)."""
+    return f"#SBATCH --job-name={job_name}"
+
+
+def directives(nodes: int, ranks: int, time: str, options: Sequence[str]) -> list[str]:
+    """The ``#SBATCH`` lines of a round's job: nodes, tasks, time limit, then ``options``."""
+    return [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ranks}", f"#SBATCH --time={time}",
             *(f"#SBATCH {opt}" for opt in options)]
 
 

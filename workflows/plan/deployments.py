@@ -21,6 +21,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
 from xffl.core.paths import xffl_home
+from xffl.schedulers.slurm import SLURM
 from xffl.site_profiles.container import binds, rank_python
 from xffl.site_profiles.login import Login, resolve
 from xffl.site_profiles.schema import (
@@ -120,10 +121,10 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     round_job_name = (f"{{{{ streamflow_command.split('{SLURM_NAME_OPTION}')[1].split()[0] "
                       f"if '{SLURM_NAME_OPTION}' in streamflow_command else '{prefix}' }}}}")
     return env.get_template("sbatch.sh.j2").render(
-        round_job_name=round_job_name,
+        name_directive=SLURM.name_directive(prefix if by_hand else round_job_name),
+        directives=SLURM.directives(slurm.nodes, ranks, slurm.time, sbatch_options(slurm)),
         by_hand=by_hand, site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
-        job_name=prefix, slurm=slurm, ranks=ranks,
-        options=sbatch_options(slurm), setup=profile.setup, env=sorted(profile.env.items()),
+        job_name=prefix, ranks=ranks, setup=profile.setup, env=sorted(profile.env.items()),
         python=site_python(profile), launcher=profile.launcher, data=data_path,
         model=paths.model, job_file=paths.job_file.format(site=site),
         out=paths.out.format(site=site), base=paths.base if lora else "",
