@@ -38,6 +38,7 @@ from xffl.jobs.slurm_view import (
     slurm_sites,
     ssh_run,
 )
+from xffl.schedulers.base import Scheduler
 from xffl.site_profiles.schema import SiteProfile
 
 RUNNER_GRACE_S = 5.0
@@ -113,7 +114,8 @@ def stop_runner(run: RunRecord, grace: float = RUNNER_GRACE_S) -> bool:
     return _gone()
 
 
-def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
+def scancel_command(run_id: str, site: str, rnd: int | None = None,
+                    scheduler: Scheduler = SLURM) -> str:
     """The shell line that cancels the run's jobs at ``site``.
 
     By id, every job squeue lists under the site's name prefix (any round, renamed or not);
@@ -123,13 +125,13 @@ def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
     exit status is 0 when every ``scancel -n`` succeeded.
     """
     names = [job_name(run_id, site)] + ([job_name(run_id, site, rnd)] if rnd else [])
-    return SLURM.cancel_command(job_name(run_id, site), names)
+    return scheduler.cancel_command(job_name(run_id, site), names)
 
 
 def scancel_site(run_id: str, site: str, profile: SiteProfile,
                  timeout: float = SSH_TIMEOUT, rnd: int | None = None) -> None:
     """scancel every job of the run on the site (any round), retried once; SiteUnreachable."""
-    cmd = scancel_command(run_id, site, rnd)
+    cmd = scancel_command(run_id, site, rnd, profile.scheduler or SLURM)
     last = ""
     for _attempt in range(2):
         try:

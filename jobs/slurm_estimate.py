@@ -35,13 +35,15 @@ def slurm_estimate(profile: SiteProfile, ranks: int) -> float | None:
     """SLURM's estimated queue wait of a round's job at the site (None: none, or unreachable)."""
     from xffl.jobs.slurm_view import SiteUnreachable, ssh_run
 
-    if profile.slurm is None:
+    scheduler, batch = profile.scheduler, profile.batch
+    if scheduler is None or batch is None:
         return None
+    command = scheduler.estimate_command(batch.nodes, ranks, batch.time, profile.batch_options())
     try:
-        rc, out, _ = ssh_run(profile, estimate_command(profile.slurm, ranks))
+        rc, out, _ = ssh_run(profile, command)
     except SiteUnreachable:
         return None
-    return parse_test_only(out) if rc == 0 else None
+    return scheduler.parse_estimate(out) if rc == 0 else None
 
 
 def seed_estimates(registry: Registry, run: RunRecord, ranks: dict[str, int]) -> dict[str, float]:

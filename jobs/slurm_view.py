@@ -24,6 +24,7 @@ from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name, slurm_job_round
 from xffl.jobs.registry.records import RunRecord
 from xffl.jobs.registry.store import Registry
+from xffl.schedulers.base import Scheduler
 from xffl.schedulers.registry import scheduler
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
@@ -43,12 +44,12 @@ def job_name(run_id: str, site: str, rnd: int | None = None) -> str:
     return slurm_job_name(run_id, site, rnd)
 
 
-def job_ids_command(run_id: str, site: str) -> str:
+def job_ids_command(run_id: str, site: str, scheduler: Scheduler = SLURM) -> str:
     """A shell line printing the ids of every job of ``site`` in ``run_id`` (any round).
 
     It matches the prefix itself and the prefix followed by ``-r<digits>``, nothing else.
     """
-    return SLURM.job_ids_command(job_name(run_id, site))
+    return scheduler.job_ids_command(job_name(run_id, site))
 
 
 def load_profiles(run_dir: Path) -> dict[str, SiteProfile]:
@@ -63,7 +64,7 @@ def load_profiles(run_dir: Path) -> dict[str, SiteProfile]:
 def slurm_sites(run_dir: Path) -> dict[str, SiteProfile]:
     """The run's SLURM sites reached over SSH, by name."""
     return {n: p for n, p in load_profiles(run_dir).items()
-            if p.slurm is not None and isinstance(p.connector, SshConnector)}
+            if p.scheduler is not None and isinstance(p.connector, SshConnector)}
 
 
 def ssh_run(profile: SiteProfile, command: str,
@@ -109,7 +110,8 @@ class SlurmJob:
         return asdict(self)
 
 
-def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None) -> list[SlurmJob]:
+def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None,
+                 scheduler: Scheduler = SLURM) -> list[SlurmJob]:
     """Parse the clock line and squeue's lines (:meth:`Slurm.parse_list`): ``site``'s jobs.
 
     Only jobs named for ``site`` in ``run_id`` are kept; a job's round comes from its name
@@ -118,7 +120,7 @@ def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None) -> l
     field that is not SLURM's counts as unknown.
     """
     jobs = []
-    for job in SLURM.parse_list(text):
+    for job in scheduler.parse_list(text):
         job_round = slurm_job_round(job.name, run_id, site)
         if job_round is None:
             continue
@@ -134,13 +136,14 @@ def query_site(run_id: str, site: str, profile: SiteProfile, rnd: int | None = N
 
     ``rnd`` is the round of a job still named with the bare prefix (and of the markers).
     """
+    sched = profile.scheduler or SLURM
     try:
-        rc, out, err = ssh_run(profile, SLURM.list_command(), timeout)
+        rc, out, err = ssh_run(profile, sched.list_command(), timeout)
     except SiteUnreachable as exc:
         return [SlurmJob(site=site, round=rnd, reachable=False, error=str(exc))]
     if rc != 0:
         return [SlurmJob(site=site, round=rnd, error=f"squeue failed: {err.strip()[:200]}")]
-    return parse_squeue(run_id, site, out, rnd)
+    return parse_squeue(run_id, site, out, rnd, sched)
 
 
 def record_delivered(registry: Registry, run_id: str, rnd: int, site: str,

@@ -16,6 +16,7 @@ from pydantic import (
 
 from xffl.core.names import check_name
 from xffl.core.validation import PathText, StrictModel
+from xffl.schedulers.base import Scheduler
 from xffl.schedulers.slurm import SLURM
 from xffl.site_profiles.container import GPU_RUNTIMES as GPU_RUNTIMES
 from xffl.site_profiles.container import ContainerSpec
@@ -296,6 +297,23 @@ class SiteProfile(StrictModel):
 
     _name = field_validator("name")(check_name)
     _workdir_text = field_validator("workdir")(workdir_text)
+
+    @property
+    def batch(self) -> SlurmSpec | None:
+        """The site's batch settings (its scheduler's section); None: no batch scheduler."""
+        return self.slurm
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The batch scheduler the site's rounds are submitted to; None: no batch scheduler."""
+        return None if self.slurm is None else SLURM
+
+    def batch_options(self) -> list[str]:
+        """The scheduler's options of the site's batch settings (partition, ...), extra last."""
+        if self.batch is None or self.scheduler is None:
+            return []
+        return self.scheduler.batch_options(self.batch.model_dump(exclude={"extra"}),
+                                            self.batch.extra)
 
     def with_slurm(self, override: SlurmOverride | None) -> SiteProfile:
         """This profile with a job spec's SLURM overrides applied (ValueError: no SLURM here)."""

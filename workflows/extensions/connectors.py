@@ -111,6 +111,10 @@ class XfflSlurmConnector(DeadlineMixin, SlurmConnector):
         return job_id
 
 
+# xffl's connector of each batch scheduler (schedulers.registry), registered as xffl-<name>
+QUEUE_CONNECTORS: dict[str, type[DeadlineMixin]] = {"slurm": XfflSlurmConnector}
+
+
 class XfflLocalConnector(LocalConnector):
     """LocalConnector that kills a job's whole process group at its deadline or cancellation."""
 
