@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import time
 from collections.abc import Iterator
@@ -30,15 +29,16 @@ from xffl.jobs.registry.round_lock import RoundInFlight, holder, round_lock
 from xffl.jobs.registry.states import RoundState, RunState, SiteState
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import (
+    SLURM,
     SSH_TIMEOUT,
     SiteUnreachable,
     in_flight_round,
-    job_ids_command,
     job_name,
     query_site,
     slurm_sites,
     ssh_run,
 )
+from xffl.schedulers.base import Scheduler
 from xffl.site_profiles.schema import SiteProfile
 
 RUNNER_GRACE_S = 5.0
@@ -114,7 +114,8 @@ def stop_runner(run: RunRecord, grace: float = RUNNER_GRACE_S) -> bool:
     return _gone()
 
 
-def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
+def scancel_command(run_id: str, site: str, rnd: int | None = None,
+                    scheduler: Scheduler = SLURM) -> str:
     """The shell line that cancels the run's jobs at ``site``.
 
     By id, every job squeue lists under the site's name prefix (any round, renamed or not);
@@ -124,16 +125,13 @@ def scancel_command(run_id: str, site: str, rnd: int | None = None) -> str:
     exit status is 0 when every ``scancel -n`` succeeded.
     """
     names = [job_name(run_id, site)] + ([job_name(run_id, site, rnd)] if rnd else [])
-    return (f"ids=$({job_ids_command(run_id, site)}); "
-            "[ -z \"$ids\" ] || scancel $ids 2>/dev/null; "
-            f"r=0; for n in {' '.join(shlex.quote(n) for n in names)}; "
-            "do scancel -n \"$n\" || r=1; done; [ $r -eq 0 ]")
+    return scheduler.cancel_command(job_name(run_id, site), names)
 
 
 def scancel_site(run_id: str, site: str, profile: SiteProfile,
                  timeout: float = SSH_TIMEOUT, rnd: int | None = None) -> None:
     """scancel every job of the run on the site (any round), retried once; SiteUnreachable."""
-    cmd = scancel_command(run_id, site, rnd)
+    cmd = scancel_command(run_id, site, rnd, profile.scheduler or SLURM)
     last = ""
     for _attempt in range(2):
         try:

@@ -3,7 +3,8 @@
 The job that trains round r at a SLURM site is named ``xffl-<run_id>-<site>-r<r>``: the
 runner submits it under that name, and the launcher renames a job submitted under the bare
 prefix ``xffl-<run_id>-<site>`` (a batch script run by hand). squeue cannot match a name
-prefix, so the user's jobs are listed with their names (``%j``) and filtered here
+prefix, so the user's jobs are listed with their names (SLURM's own listing and its parser:
+:mod:`xffl.schedulers.slurm_login`) and filtered here
 (:func:`xffl.core.names.slurm_job_round`); the round comes from the name. Every finished
 job is also recorded from the ``slurm_job.json`` its update brought back
 (:func:`record_delivered`), so status shows every round's job id after the jobs left squeue.
@@ -14,10 +15,7 @@ Every SSH call is bounded; a site that cannot be reached is reported as such, ne
 from __future__ import annotations
 
 import json
-import re
-import shlex
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +24,12 @@ from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name, slurm_job_round
 from xffl.jobs.registry.records import RunRecord
 from xffl.jobs.registry.store import Registry
+from xffl.schedulers.base import Scheduler
+from xffl.schedulers.registry import scheduler
 from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0
-# what a squeue field may be; a line with any other field is not SLURM's and is skipped
-_ELAPSED = re.compile(r"(?:(\d{1,5})-)?(?:(\d{1,5}):)?(\d{1,5}):(\d{1,5})")
-_JOB_ID = re.compile(r"[0-9][0-9_+\[\]\-,]{0,63}")  # 12, 12_3, 12_[1-4], 12+0
-_STATE = re.compile(r"[A-Z_]{1,32}")
-_NODES = re.compile(r"[\w\[\]\-,.]{0,1000}")
-SQUEUE_FORMAT = "%i|%j|%T|%V|%S|%M|%N"
-# every job of the user on the login node's cluster, with its name (filtered by prefix here)
-SQUEUE_MINE = f"squeue -h -u \"$(id -un)\" -o {shlex.quote(SQUEUE_FORMAT)}"
+SLURM = scheduler("slurm")
 
 
 class SiteUnreachable(Exception):
@@ -51,15 +44,12 @@ def job_name(run_id: str, site: str, rnd: int | None = None) -> str:
     return slurm_job_name(run_id, site, rnd)
 
 
-def job_ids_command(run_id: str, site: str) -> str:
+def job_ids_command(run_id: str, site: str, scheduler: Scheduler = SLURM) -> str:
     """A shell line printing the ids of every job of ``site`` in ``run_id`` (any round).
 
     It matches the prefix itself and the prefix followed by ``-r<digits>``, nothing else.
     """
-    prefix = shlex.quote(job_name(run_id, site))
-    return (f"squeue -h -u \"$(id -un)\" -o '%i %j' | awk -v p={prefix} "
-            "'$2 == p || (index($2, p \"-r\") == 1 && "
-            "substr($2, length(p) + 3) ~ /^[0-9]+$/) {print $1}'")
+    return scheduler.job_ids_command(job_name(run_id, site))
 
 
 def load_profiles(run_dir: Path) -> dict[str, SiteProfile]:
@@ -74,7 +64,7 @@ def load_profiles(run_dir: Path) -> dict[str, SiteProfile]:
 def slurm_sites(run_dir: Path) -> dict[str, SiteProfile]:
     """The run's SLURM sites reached over SSH, by name."""
     return {n: p for n, p in load_profiles(run_dir).items()
-            if p.slurm is not None and isinstance(p.connector, SshConnector)}
+            if p.scheduler is not None and isinstance(p.connector, SshConnector)}
 
 
 def ssh_run(profile: SiteProfile, command: str,
@@ -99,22 +89,6 @@ def ssh_run(profile: SiteProfile, command: str,
     return rc, out, err
 
 
-def _seconds(text: str) -> float | None:
-    """SLURM's elapsed time ([D-]HH:MM:SS, MM:SS) in seconds; None for anything else."""
-    match = _ELAPSED.fullmatch(text.strip())
-    if match is None:
-        return None
-    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return float(days * 86400 + hours * 3600 + minutes * 60 + seconds)
-
-
-def _time(text: str) -> datetime | None:
-    try:
-        return datetime.fromisoformat(text.strip())
-    except ValueError:
-        return None
-
-
 @dataclass
 class SlurmJob:
     """One site's job as SLURM sees it (or why it could not be seen)."""
@@ -136,36 +110,23 @@ class SlurmJob:
         return asdict(self)
 
 
-def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None) -> list[SlurmJob]:
-    """Parse ``date +%Y-%m-%dT%H:%M:%S`` and squeue lines in SQUEUE_FORMAT: ``site``'s jobs.
+def parse_squeue(run_id: str, site: str, text: str, rnd: int | None = None,
+                 scheduler: Scheduler = SLURM) -> list[SlurmJob]:
+    """Parse the clock line and squeue's lines (:meth:`Slurm.parse_list`): ``site``'s jobs.
 
     Only jobs named for ``site`` in ``run_id`` are kept; a job's round comes from its name
     (``rnd`` for a job still named with the bare prefix). A facility's text is not trusted:
     a line whose id, state or node list is not SLURM's is skipped, and a time or elapsed
     field that is not SLURM's counts as unknown.
     """
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    now = _time(lines[0]) if lines else None
     jobs = []
-    for line in lines[1:]:
-        fields = line.split("|")
-        if len(fields) != 7:
+    for job in scheduler.parse_list(text):
+        job_round = slurm_job_round(job.name, run_id, site)
+        if job_round is None:
             continue
-        job_id, name, state, submit, start, elapsed, nodes = fields
-        job_round = slurm_job_round(name, run_id, site)
-        if job_round is None or not (_JOB_ID.fullmatch(job_id) and _STATE.fullmatch(state)
-                                     and _NODES.fullmatch(nodes)):
-            continue
-        sub, sta = _time(submit), _time(start)
-        if sub is not None and sta is not None and state != "PENDING":
-            wait: float | None = max(0.0, (sta - sub).total_seconds())
-        elif sub is not None and now is not None:
-            wait = max(0.0, (now - sub).total_seconds())
-        else:
-            wait = None
-        jobs.append(SlurmJob(site=site, round=job_round or rnd, job_id=job_id, name=name,
-                             nodes="" if nodes in {"", "(null)"} else nodes, state=state,
-                             queue_wait_s=wait, run_s=_seconds(elapsed)))
+        jobs.append(SlurmJob(site=site, round=job_round or rnd, job_id=job.job_id,
+                             name=job.name, nodes=job.nodes, state=job.state,
+                             queue_wait_s=job.queue_wait_s, run_s=job.run_s))
     return jobs
 
 
@@ -175,14 +136,14 @@ def query_site(run_id: str, site: str, profile: SiteProfile, rnd: int | None = N
 
     ``rnd`` is the round of a job still named with the bare prefix (and of the markers).
     """
-    cmd = f"date +%Y-%m-%dT%H:%M:%S; {SQUEUE_MINE}"
+    sched = profile.scheduler or SLURM
     try:
-        rc, out, err = ssh_run(profile, cmd, timeout)
+        rc, out, err = ssh_run(profile, sched.list_command(), timeout)
     except SiteUnreachable as exc:
         return [SlurmJob(site=site, round=rnd, reachable=False, error=str(exc))]
     if rc != 0:
         return [SlurmJob(site=site, round=rnd, error=f"squeue failed: {err.strip()[:200]}")]
-    return parse_squeue(run_id, site, out, rnd)
+    return parse_squeue(run_id, site, out, rnd, sched)
 
 
 def record_delivered(registry: Registry, run_id: str, rnd: int, site: str,

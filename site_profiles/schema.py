@@ -16,6 +16,8 @@ from pydantic import (
 
 from xffl.core.names import check_name
 from xffl.core.validation import PathText, StrictModel
+from xffl.schedulers.base import Scheduler
+from xffl.schedulers.slurm import SLURM
 from xffl.site_profiles.container import GPU_RUNTIMES as GPU_RUNTIMES
 from xffl.site_profiles.container import ContainerSpec
 from xffl.site_profiles.install_spec import InstallSpec
@@ -187,14 +189,6 @@ def _slurm_time(value: str | None) -> str | None:
 _TEXT_FIELDS = ("partition", "account", "qos", "time", "mem", "constraint")
 
 
-# sbatch's long option names and the SlurmSpec field
-SBATCH_OPTIONS = (
-    ("partition", "partition"), ("account", "account"), ("qos", "qos"),
-    ("ntasks-per-node", "ntasks_per_node"), ("gpus-per-node", "gpus_per_node"),
-    ("cpus-per-task", "cpus_per_task"), ("mem", "mem"), ("constraint", "constraint"),
-)
-
-
 class SlurmSpec(StrictModel):
     """SLURM defaults of the facility (a job spec may override them per site)."""
 
@@ -217,9 +211,7 @@ class SlurmSpec(StrictModel):
 
     def sbatch_options(self) -> list[str]:
         """The ``--option=value`` sbatch options beyond nodes/ntasks/time, ``extra`` last."""
-        options = [f"--{flag}={getattr(self, field)}" for flag, field in SBATCH_OPTIONS
-                   if getattr(self, field) is not None]
-        return options + list(self.extra)
+        return SLURM.batch_options(self.model_dump(exclude={"extra"}), self.extra)
 
 
 class SlurmOverride(StrictModel):
@@ -305,6 +297,23 @@ class SiteProfile(StrictModel):
 
     _name = field_validator("name")(check_name)
     _workdir_text = field_validator("workdir")(workdir_text)
+
+    @property
+    def batch(self) -> SlurmSpec | None:
+        """The site's batch settings (its scheduler's section); None: no batch scheduler."""
+        return self.slurm
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The batch scheduler the site's rounds are submitted to; None: no batch scheduler."""
+        return None if self.slurm is None else SLURM
+
+    def batch_options(self) -> list[str]:
+        """The scheduler's options of the site's batch settings (partition, ...), extra last."""
+        if self.batch is None or self.scheduler is None:
+            return []
+        return self.scheduler.batch_options(self.batch.model_dump(exclude={"extra"}),
+                                            self.batch.extra)
 
     def with_slurm(self, override: SlurmOverride | None) -> SiteProfile:
         """This profile with a job spec's SLURM overrides applied (ValueError: no SLURM here)."""

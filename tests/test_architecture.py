@@ -2,9 +2,11 @@
 
 xffl's subpackages form layers; a module may import its own package and the layers below:
 
-    core  <-  aggregator  <-  training  <-  site_profiles  <-  jobs  <-  workflows  <-  cli
+    core <- schedulers <- aggregator <- training <- site_profiles <- jobs <- workflows <- cli
 
-(``aggregator`` owns the exchange format that training writes; ``jobs`` is the job spec, the
+(``schedulers`` is the batch schedulers' dialect behind one protocol, SLURM its one
+implementation, used by the site's trainer and by the coordinator alike; ``aggregator`` owns
+the exchange format that training writes; ``jobs`` is the job spec, the
 run registry and the run's state; ``workflows`` compiles and runs the plan, and submits and
 resumes runs.) ``jobs`` is itself layered by concern:
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-LAYERS = ["core", "aggregator", "training", "site_profiles",
+LAYERS = ["core", "schedulers", "aggregator", "training", "site_profiles",
           "jobs.spec", "jobs.registry", "jobs.tracking", "jobs.report", "jobs",
           "workflows.steps", "workflows.extensions", "workflows.plan", "workflows", "cli"]
 

@@ -1,26 +1,24 @@
-"""Process-group set-up from torchrun or SLURM variables, with a single-process fallback.
+"""Process-group set-up from torchrun or a scheduler's variables, with a single-process fallback.
 
 torchrun exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
-Under ``srun`` each task sees SLURM_PROCID, SLURM_STEP_NUM_TASKS (or SLURM_NTASKS),
-SLURM_LOCALID and SLURM_JOB_NODELIST; the rendezvous address is the first host of the node
-list and the port is derived from the job id so that concurrent jobs on a node do not collide.
-A batch script itself (SLURM variables but no job step) counts as a single process.
+A scheduler's job step says the same in its own variables (SLURM's: SLURM_PROCID, ...), read
+by the scheduler (:meth:`xffl.schedulers.base.Scheduler.ranks`); a batch script itself (a
+job's variables but no job step) counts as a single process.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import subprocess
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from xffl.schedulers.registry import current, step_ranks
+from xffl.schedulers.slurm import first_host as first_host  # re-exported: SLURM's node lists
+from xffl.schedulers.slurm import node_addr as node_addr
 
 DEFAULT_TIMEOUT_S = 1800.0
 TIMEOUT_ENV = "XFFL_DIST_TIMEOUT"
@@ -36,7 +34,7 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    source: Literal["torchrun", "slurm", "none"] = "none"
+    source: str = "none"  # "torchrun", a scheduler's name ("slurm"), or "none"
 
     @property
     def is_main(self) -> bool:
@@ -44,88 +42,11 @@ class DistEnv:
         return self.rank == 0
 
 
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list ("node[003-005,9],gpu1" -> "node003"), no scontrol."""
-    nodelist = nodelist.strip()
-    if not nodelist:
-        raise ValueError("empty SLURM node list")
-    depth, end = 0, len(nodelist)
-    for i, ch in enumerate(nodelist):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            end = i
-            break
-    first = nodelist[:end]
-    match = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", first)
-    if not match:
-        return first
-    prefix, ranges, suffix = match.groups()
-    start = ranges.split(",")[0].split("-")[0]
-    # Nested brackets in the suffix ("a[1-2]b[3-4]") are expanded recursively.
-    return prefix + start + (first_host(suffix) if "[" in suffix else suffix)
-
-
-def _scontrol_first_host(nodelist: str) -> str | None:
-    exe = shutil.which("scontrol")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=20, check=True).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[0] if out else None
-
-
-def node_addr(host: str) -> str:
-    """The address SLURM reaches ``host`` at (its NodeAddr), or ``host`` itself.
-
-    Node names need not resolve in DNS (SLURM maps them with NodeAddr), so the rendezvous
-    address is taken from SLURM's own view of the node.
-    """
-    exe = shutil.which("scontrol")
-    if exe is None:
-        return host
-    try:
-        out = subprocess.run([exe, "show", "node", "-o", host], capture_output=True,
-                             text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return host
-    match = re.search(r"\bNodeAddr=(\S+)", out)
-    return match.group(1) if match else host
-
-
-def slurm_end_time(environ: Mapping[str, str] | None = None) -> float | None:
-    """When this SLURM job's time limit runs out (epoch seconds); None outside SLURM.
-
-    SLURM_JOB_END_TIME where SLURM exports it (23.02 and later), else ``squeue -o %e``.
-    """
+def job_end_time(environ: Mapping[str, str] | None = None) -> float | None:
+    """When this process's batch job runs out of time (epoch seconds); None outside a job."""
     env = os.environ if environ is None else environ
-    if env.get("SLURM_JOB_END_TIME", "").isdigit():
-        return float(env["SLURM_JOB_END_TIME"])
-    job, exe = env.get("SLURM_JOB_ID"), shutil.which("squeue")
-    if not job or exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "-h", "-j", job, "-o", "%e"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout.strip()
-        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None  # no time limit (UNLIMITED / N/A) or squeue unavailable
-
-
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
-    """Entry ``node_id`` of a SLURM tasks-per-node list such as "2(x3),1"."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not match:
-            return None
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts[node_id] if 0 <= node_id < len(counts) else None
+    scheduler = current(env)
+    return None if scheduler is None else scheduler.end_time(env)
 
 
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -142,33 +63,12 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT", "29500")),
             source="torchrun",
         )
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    if "SLURM_PROCID" in env and in_step:
-        world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1")
-        node_id = int(env.get("SLURM_NODEID", "0"))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        local_world = (_tasks_on_node(per_node, node_id) if per_node else None) or world
-        if "MASTER_ADDR" in env:
-            addr = env["MASTER_ADDR"]
-        else:
-            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-            addr = (
-                node_addr(_scontrol_first_host(nodelist) or first_host(nodelist))
-                if nodelist else "127.0.0.1"
-            )
-        if "MASTER_PORT" in env:
-            port = int(env["MASTER_PORT"])
-        else:
-            port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
-        return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", "0")),
-            local_world_size=local_world,
-            master_addr=addr,
-            master_port=port,
-            source="slurm",
-        )
+    found = step_ranks(env)
+    if found is not None:
+        scheduler, r = found
+        return DistEnv(rank=r.rank, world_size=r.world_size, local_rank=r.local_rank,
+                       local_world_size=r.local_world_size, master_addr=r.master_addr,
+                       master_port=r.master_port, source=scheduler.name)
     return DistEnv()
 
 

@@ -1,9 +1,10 @@
-"""The SLURM job a round trains in: give it the round's name and record it for the coordinator.
+"""The batch job a round trains in: give it the round's name and record it for the coordinator.
 
 The launcher runs once per job, in the batch script. When the job is not yet named as the
 round's job should be (``xffl-<run>-<site>-r<round>``: a script submitted by hand, or
-main.cwl run directly by StreamFlow), it renames it with ``scontrol update``, so SLURM's own
-records (squeue, sacct, jobcomp) carry the round. When training ends it writes
+main.cwl run directly by StreamFlow), its scheduler renames it (SLURM: ``scontrol update``,
+:func:`xffl.schedulers.slurm.job_start`), so the scheduler's own records carry the round.
+When training ends it writes
 ``slurm_job.json`` (job id, name, cluster, nodes, submit/start times, exit code) into the
 update directory, beside the checkpoint: it travels back with the update and the coordinator
 records it in the run registry. The file is not part of the checkpoint (the manifest does
@@ -16,82 +17,28 @@ import json
 import math
 import os
 import re
-import shutil
-import subprocess
 import time
 from collections.abc import Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from xffl.schedulers.registry import current
 
 RECORD_FILE = "slurm_job.json"
 RECORD_BYTES = 64 << 10
 MAX_INT = 2**53  # an integer from the record: SQLite's range, exact as a float, and no abort
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,12})?$")
-SCONTROL_TIMEOUT = 20.0
-
-
-def _scontrol(args: list[str]) -> str | None:
-    """stdout of ``scontrol ARGS``; None when it is missing, fails or hangs."""
-    exe = shutil.which("scontrol")
-    if exe is None:
-        return None
-    try:
-        proc = subprocess.run([exe, *args], capture_output=True, text=True,
-                              timeout=SCONTROL_TIMEOUT, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def parse_show_job(text: str) -> dict[str, str]:
-    """``scontrol show -o job`` output as KEY -> VALUE (values never hold spaces with -o)."""
-    fields: dict[str, str] = {}
-    for token in text.split():
-        key, sep, value = token.partition("=")
-        if sep and key not in fields:
-            fields[key] = value
-    return fields
-
-
-def _epoch(text: str | None) -> float | None:
-    """SLURM's local ISO time (2026-11-22T07:00:02) as epoch seconds."""
-    try:
-        return datetime.fromisoformat(text).timestamp() if text else None
-    except ValueError:
-        return None
 
 
 def start(name: str | None, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
-    """At the job's start: rename it to ``name`` if needed; return what SLURM says about it.
+    """At the job's start: rename it to ``name`` if needed; return what its scheduler says.
 
-    None outside a SLURM job. Never raises: a job that cannot be renamed or described still
+    None outside a batch job. Never raises: a job that cannot be renamed or described still
     trains (the record then says so).
     """
     env = os.environ if environ is None else environ
-    job_id = env.get("SLURM_JOB_ID")
-    if not job_id:
-        return None
-    record: dict[str, Any] = {"job_id": job_id, "job_name": env.get("SLURM_JOB_NAME", ""),
-                              "cluster": env.get("SLURM_CLUSTER_NAME", ""),
-                              "node_list": env.get("SLURM_JOB_NODELIST", ""),
-                              "launcher_start": time.time()}
-    if name and record["job_name"] != name:
-        record["renamed_from"] = record["job_name"]
-        if _scontrol(["update", f"JobId={job_id}", f"JobName={name}"]) is None:
-            record["rename_error"] = f"scontrol update JobName={name} failed"
-        else:
-            record["job_name"] = name
-    shown = _scontrol(["show", "-o", "job", job_id])
-    fields = parse_show_job(shown) if shown else {}
-    record["job_name"] = fields.get("JobName", record["job_name"])
-    record["node_list"] = fields.get("NodeList", record["node_list"])
-    record["partition"] = fields.get("Partition", env.get("SLURM_JOB_PARTITION", ""))
-    submit, started = _epoch(fields.get("SubmitTime")), _epoch(fields.get("StartTime"))
-    record["submit_time"], record["start_time"] = submit, started
-    record["queue_wait_s"] = (max(0.0, started - submit)
-                              if submit is not None and started is not None else None)
-    return record
+    scheduler = current(env)
+    return None if scheduler is None else scheduler.job_start(name, env)
 
 
 def finish(record: dict[str, Any] | None, out_dir: Path, returncode: int) -> Path | None:

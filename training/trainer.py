@@ -104,7 +104,7 @@ def round_deadline(spec: TrainingSpec, reserve: float = 0.0,
     seconds (the update's evaluation after training)."""
     now = time.time()
     ends = [now + spec.time_budget] if spec.time_budget is not None else []
-    slurm_end = xdist.slurm_end_time()
+    slurm_end = xdist.job_end_time()
     if slurm_end is not None:
         ends.append(slurm_end - time_margin(spec.time_margin, save_bytes) - reserve)
     return min(ends) if ends else None

@@ -45,7 +45,7 @@ SRUN_TASK = {
 
 
 def test_srun_task_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(xdist, "_scontrol_first_host", lambda nodelist: None)
+    monkeypatch.setattr("xffl.schedulers.slurm._scontrol_first_host", lambda nodelist: None)
     env = detect_env(SRUN_TASK)
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 6, 1, 2)
     assert env.master_addr == "lrdn0042"
@@ -56,7 +56,8 @@ def test_srun_task_variables(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_scontrol_is_preferred_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(xdist, "_scontrol_first_host", lambda nodelist: "from-scontrol")
+    monkeypatch.setattr("xffl.schedulers.slurm._scontrol_first_host",
+                        lambda nodelist: "from-scontrol")
     assert detect_env(SRUN_TASK).master_addr == "from-scontrol"
 
 

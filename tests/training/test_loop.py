@@ -188,7 +188,7 @@ def test_no_step_before_the_slurm_limit_fails_cleanly(
                    training=TrainingSpec(steps=5, batch_size=2, seq_len=16, time_margin=120),
                    data={"path": str(data)})  # type: ignore[arg-type]
     # the job's time limit ends in 60 s: less than the 120 s margin kept for saving
-    monkeypatch.setattr("xffl.training.distributed.slurm_end_time",
+    monkeypatch.setattr("xffl.training.distributed.job_end_time",
                         lambda environ=None: time.time() + 60)
     with pytest.raises(RunFailed, match="no training step fitted before the deadline"):
         train_round(job, 1, global0[0], data, tmp_path / "update")
@@ -203,10 +203,10 @@ def test_the_deadline_leaves_the_updates_evaluation_before_the_slurm_limit(
     from xffl.training.trainer import round_deadline
 
     end = time.time() + 3600
-    monkeypatch.setattr("xffl.training.distributed.slurm_end_time", lambda environ=None: end)
+    monkeypatch.setattr("xffl.training.distributed.job_end_time", lambda environ=None: end)
     spec = TrainingSpec(time_margin=120)
     assert round_deadline(spec, reserve=7.5) == end - 120 - 7.5
-    monkeypatch.setattr("xffl.training.distributed.slurm_end_time", lambda environ=None: None)
+    monkeypatch.setattr("xffl.training.distributed.job_end_time", lambda environ=None: None)
     before = time.time()
     budget = round_deadline(TrainingSpec(time_budget=10), reserve=7.5)
     assert budget is not None and before + 10 <= budget <= time.time() + 10

@@ -254,7 +254,7 @@ def test_time_margin_auto_grows_with_the_updates_bytes(tmp_path: Path, spec: str
         header = 8 + int.from_bytes(fh.read(8), "little")
     assert nbytes == (tmp_path / "u" / MODEL_FILE).stat().st_size - header
     end = time.time() + 3600
-    monkeypatch.setattr("xffl.training.distributed.slurm_end_time", lambda environ=None: end)
+    monkeypatch.setattr("xffl.training.distributed.job_end_time", lambda environ=None: end)
     assert round_deadline(TrainingSpec(), 7.5, 32 * 10**9) == end - (120 + 8 * 32) - 7.5
     assert round_deadline(TrainingSpec(), 0.0, nbytes) == end - 120 - 8 * nbytes / 1e9
     assert round_deadline(TrainingSpec(time_margin=30), 0.0, 32 * 10**9) == end - 30

@@ -6,6 +6,10 @@ extensions in ``streamflow.yml`` by the names below, which the plugin registers.
 
 FAILURE_MANAGER = "xffl"
 DATA_MANAGER = "xffl"
-SLURM_CONNECTOR = "xffl-slurm"
 LOCAL_CONNECTOR = "xffl-local"
 SSH_CONNECTOR = "xffl-ssh"
+
+
+def queue_connector(scheduler: str) -> str:
+    """The name of xffl's connector for a batch scheduler (``xffl-slurm``)."""
+    return f"xffl-{scheduler}"

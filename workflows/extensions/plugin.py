@@ -16,10 +16,10 @@ from xffl.workflows.extensions import (
     DATA_MANAGER,
     FAILURE_MANAGER,
     LOCAL_CONNECTOR,
-    SLURM_CONNECTOR,
     SSH_CONNECTOR,
+    queue_connector,
 )
-from xffl.workflows.extensions.connectors import XfflLocalConnector, XfflSlurmConnector
+from xffl.workflows.extensions.connectors import QUEUE_CONNECTORS, XfflLocalConnector
 from xffl.workflows.extensions.failure import SiteFailureManager
 from xffl.workflows.extensions.listing import install as install_listing_fix
 from xffl.workflows.extensions.shell import install as install_shell_quoting
@@ -38,6 +38,7 @@ class XfflPlugin(StreamFlowPlugin):
         install_translation_fix()
         self.register_failure_manager(FAILURE_MANAGER, SiteFailureManager)
         self.register_data_manager(DATA_MANAGER, TransferClock)
-        self.register_connector(SLURM_CONNECTOR, XfflSlurmConnector)
+        for scheduler, connector in QUEUE_CONNECTORS.items():  # xffl-slurm
+            self.register_connector(queue_connector(scheduler), connector)
         self.register_connector(LOCAL_CONNECTOR, XfflLocalConnector)
         self.register_connector(SSH_CONNECTOR, XfflSshConnector)

@@ -29,6 +29,7 @@ from xffl.workflows.plan.deployments import (
     COORDINATOR,
     batch_script,
     kept_updates_dir,
+    queue_deployment,
     site_data_path,
     site_deployments,
     site_python,
@@ -113,10 +114,12 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
         if copy_limit is not None and login is not None:
             login["config"]["copyTimeout"] = copy_limit
     late = adopting(loaded.spec)
-    for site in loaded.spec.sites:  # SLURM sites leave a late job running, then adopt it
-        slurm = deployments.get(f"slurm-{site.name}")
-        if late is not None and slurm is not None:
-            slurm["config"]["late"] = {"runDir": str(final), "site": site.name,
+    for site in loaded.spec.sites:  # batch sites leave a late job running, then adopt it
+        scheduler = loaded.site_profile(site.name).scheduler
+        queue = None if scheduler is None else deployments.get(
+            queue_deployment(scheduler, site.name))
+        if late is not None and queue is not None:
+            queue["config"]["late"] = {"runDir": str(final), "site": site.name,
                                        "maxRounds": late.staleness.max_rounds}
     bindings += [{"step": cwl.step_path(cwl.train_step(s)), "target": target}
                  for s, target in targets.items()]

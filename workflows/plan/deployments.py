@@ -21,18 +21,18 @@ from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
 from xffl.core.names import slurm_job_name
 from xffl.core.paths import xffl_home
+from xffl.schedulers.base import Scheduler
 from xffl.site_profiles.container import binds, rank_python
 from xffl.site_profiles.login import Login, resolve
 from xffl.site_profiles.schema import (
     LocalConnector,
     SiteProfile,
-    SlurmSpec,
     shell_unsafe_char,
 )
 from xffl.workflows.extensions import (
     LOCAL_CONNECTOR,
-    SLURM_CONNECTOR,
     SSH_CONNECTOR,
+    queue_connector,
 )
 
 TRAIN_SERVICE = "train"
@@ -73,11 +73,6 @@ def kept_updates_dir(profile: SiteProfile, site: str, run_id: str) -> str:
     return f"{site_workdir(profile, site).rstrip('/')}/kept/{run_id}"
 
 
-def sbatch_options(slurm: SlurmSpec) -> list[str]:
-    """The ``--option=value`` lines of ``slurm`` beyond nodes/ntasks/time, ``extra`` last."""
-    return slurm.sbatch_options()
-
-
 @dataclass(frozen=True)
 class BatchPaths:
     """Where the hand-run batch script finds its inputs, relative to the submit folder."""
@@ -103,8 +98,8 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
 
     from xffl.training.launch import build_command
 
-    slurm = profile.slurm
-    assert slurm is not None
+    slurm, scheduler = profile.batch, profile.scheduler
+    assert slurm is not None and scheduler is not None
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("xffl.workflows.plan", "templates"),
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
@@ -120,10 +115,10 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     round_job_name = (f"{{{{ streamflow_command.split('{SLURM_NAME_OPTION}')[1].split()[0] "
                       f"if '{SLURM_NAME_OPTION}' in streamflow_command else '{prefix}' }}}}")
     return env.get_template("sbatch.sh.j2").render(
-        round_job_name=round_job_name,
+        name_directive=scheduler.name_directive(prefix if by_hand else round_job_name),
+        directives=scheduler.directives(slurm.nodes, ranks, slurm.time, profile.batch_options()),
         by_hand=by_hand, site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
-        job_name=prefix, slurm=slurm, ranks=ranks,
-        options=sbatch_options(slurm), setup=profile.setup, env=sorted(profile.env.items()),
+        job_name=prefix, ranks=ranks, setup=profile.setup, env=sorted(profile.env.items()),
         python=site_python(profile), launcher=profile.launcher, data=data_path,
         model=paths.model, job_file=paths.job_file.format(site=site),
         out=paths.out.format(site=site), base=paths.base if lora else "",
@@ -193,15 +188,22 @@ def site_deployments(site: str, profile: SiteProfile, out: Path,
     deployments: dict[str, Any] = {  # xffl-ssh: checked copies, owner-only job folders
         f"login-{site}": {"type": SSH_CONNECTOR, "config": login, "workdir": workdir},
     }
-    if profile.slurm is None:
+    if profile.batch is None or profile.scheduler is None:
         return deployments, {"deployment": f"login-{site}"}
-    deployments[f"slurm-{site}"] = {
-        "type": SLURM_CONNECTOR, "wraps": f"login-{site}", "workdir": workdir,
+    queue = queue_deployment(profile.scheduler, site)
+    deployments[queue] = {
+        "type": queue_connector(profile.scheduler.name), "wraps": f"login-{site}",
+        "workdir": workdir,
         "config": {
             # every sbatch option is a #SBATCH line of the template, as in the hand-run
             # script; StreamFlow adds --parsable, --chdir and the output file
-            "pollingInterval": profile.slurm.polling_interval, "maxConcurrentJobs": 4,
+            "pollingInterval": profile.batch.polling_interval, "maxConcurrentJobs": 4,
             "services": {TRAIN_SERVICE: {"file": str(RunLayout(final).batch_template(site))}},
         },
     }
-    return deployments, {"deployment": f"slurm-{site}", "service": TRAIN_SERVICE}
+    return deployments, {"deployment": queue, "service": TRAIN_SERVICE}
+
+
+def queue_deployment(scheduler: Scheduler, site: str) -> str:
+    """The name of the site's deployment that submits to its scheduler (``slurm-<site>``)."""
+    return f"{scheduler.name}-{site}"

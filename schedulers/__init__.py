@@ -1,0 +1,1 @@
+"""The batch schedulers of the facilities: one protocol (base), its implementations, a registry."""
