@@ -53,6 +53,11 @@ class Scheduler(Protocol):
     """A batch scheduler's dialect: directives, login-node commands, rank variables, record."""
 
     name: str  # the registry's name, and DistEnv.source in its job steps
+    #: StreamFlow's connector of the scheduler (module:class), which xffl's deadline logic
+    #: is mixed into (xffl.workflows.extensions.connectors builds ``xffl-<name>`` from it)
+    streamflow_connector: str
+    job_word: str  # how messages name one of its jobs: "SLURM job"
+    cancelled_word: str  # what a job it cancelled is called: "scancelled"
 
     def batch_options(self, settings: Mapping[str, object], extra: Sequence[str]) -> list[str]:
         """The scheduler's options for a site's settings (partition, account, qos, mem, ...:

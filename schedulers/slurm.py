@@ -205,6 +205,9 @@ class Slurm:
     """SLURM behind the :class:`~xffl.schedulers.base.Scheduler` protocol."""
 
     name = "slurm"
+    streamflow_connector = "streamflow.deployment.connector.queue_manager:SlurmConnector"
+    job_word = "SLURM job"
+    cancelled_word = "scancelled"
 
     def batch_options(self, settings: Mapping[str, object], extra: Sequence[str]) -> list[str]:
         """``--partition=...`` and the other sbatch options that are set, ``extra`` last."""

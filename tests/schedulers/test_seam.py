@@ -111,3 +111,52 @@ def test_slurms_dialect_lives_in_schedulers() -> None:
              if any(DIALECT.search(text) for text in _strings(f))}
     assert found - ELSEWHERE == set()
     assert ELSEWHERE - found == set()  # a file that no longer names it leaves the list
+
+
+class _PbsOnPaper(Slurm):
+    """A second scheduler's entry as PBS would write it: only its connector and words differ
+    here (the rest of its dialect is not what this test is about)."""
+
+    name = "pbs"
+    streamflow_connector = "streamflow.deployment.connector.queue_manager:PBSConnector"
+    job_word = "PBS job"
+    cancelled_word = "qdel'ed"
+
+
+def test_a_second_schedulers_connector_comes_from_its_entry_alone() -> None:
+    """xffl-<scheduler> is built from the registry entry over StreamFlow's own connector of the
+    scheduler: a PBS entry gets upstream's PBSConnector with the deadline mixed in, its
+    schema (upstream's and ``late``) and its words, with no line of connectors.py of its own."""
+    import json
+
+    from streamflow.deployment.connector.queue_manager import PBSConnector, SlurmConnector
+
+    from xffl.workflows.extensions.connectors import (
+        QUEUE_CONNECTORS,
+        XfflQueueConnector,
+        queue_connector_class,
+    )
+    from xffl.workflows.extensions.deadline import DeadlineMixin
+
+    assert set(QUEUE_CONNECTORS) == set(SCHEDULERS)
+    slurm = QUEUE_CONNECTORS["slurm"]
+    assert slurm.__mro__[1:4] == (XfflQueueConnector, DeadlineMixin, SlurmConnector)
+    pbs = queue_connector_class(_PbsOnPaper())
+    assert pbs.__name__ == "XfflPBSConnector"
+    assert pbs.__mro__[1:4] == (XfflQueueConnector, DeadlineMixin, PBSConnector)
+    assert (pbs.JOB_WORD, pbs.CANCELLED) == ("PBS job", "qdel'ed")
+    schema = json.loads(pbs.get_schema())
+    upstream = json.loads(PBSConnector.get_schema())
+    assert schema["$id"] == "https://xffl.dev/schemas/streamflow/xffl_pbs.json"
+    assert set(schema["properties"]) == set(upstream["properties"]) | {"late"}
+    assert "qdel'ed" in schema["properties"]["late"]["properties"]["maxRounds"]["description"]
+
+
+def test_an_entry_naming_no_queue_manager_is_refused() -> None:
+    from xffl.workflows.extensions.connectors import queue_connector_class
+
+    class _Wrong(_PbsOnPaper):
+        streamflow_connector = "streamflow.deployment.connector.local:LocalConnector"
+
+    with pytest.raises(TypeError, match="is not a StreamFlow queue manager"):
+        queue_connector_class(_Wrong())

@@ -9,13 +9,16 @@ into what a round needs:
 * ``LocalConnector`` stops waiting after ``timeout`` but leaves the command running
   (``asyncio.wait_for`` on ``communicate()``, no kill).
 
-The two classes here, registered by xffl's StreamFlow plugin as ``xffl-slurm`` and
-``xffl-local``, keep everything else of their parents. ``xffl-slurm`` takes the deadline
-(scancel when it passes) and the adoption of late jobs (``round_deadline.late: adopt``) from
-:class:`~xffl.workflows.extensions.deadline.DeadlineMixin`, which is written against
-StreamFlow's queue-manager methods alone; what is left here is SLURM's own: its messages,
-its schema's id, and the checks of what reaches sbatch. ``xffl-local`` kills the local
-process group at the deadline.
+The classes here, registered by xffl's StreamFlow plugin as ``xffl-<scheduler>`` (one per
+scheduler of :mod:`xffl.schedulers.registry`: ``xffl-slurm``) and ``xffl-local``, keep
+everything else of their parents. A scheduler's class is built from its registry entry:
+StreamFlow's own connector of the scheduler (``SlurmConnector``; upstream's ``PBSConnector``
+and ``FluxConnector`` would do as well) under :class:`XfflQueueConnector`, which takes the
+deadline (the job cancelled when it passes) and the adoption of late jobs
+(``round_deadline.late: adopt``) from
+:class:`~xffl.workflows.extensions.deadline.DeadlineMixin` (written against StreamFlow's
+queue-manager methods alone), and checks what reaches the submit command. ``xffl-local``
+kills the local process group at the deadline.
 
 StreamFlow also renders each batch template with a plain ``jinja2.Template``
 (``streamflow/deployment/template.py``), in which an expression such as
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import shlex
 import signal
@@ -41,9 +45,11 @@ from typing import Any
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.local import LocalConnector
-from streamflow.deployment.connector.queue_manager import SlurmConnector
+from streamflow.deployment.connector.queue_manager import QueueManagerConnector
 from streamflow.deployment.template import CommandTemplateMap
 
+from xffl.schedulers.base import Scheduler
+from xffl.schedulers.registry import SCHEDULERS
 from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.extensions.deadline import STDOUT, DeadlineMixin, timeout_error
 from xffl.workflows.extensions.shell import create_command, environment_words
@@ -76,16 +82,15 @@ class SandboxedTemplateMap(CommandTemplateMap):
             **kwargs)
 
 
-class XfflSlurmConnector(DeadlineMixin, SlurmConnector):
-    """SlurmConnector whose ``timeout`` is a deadline from submission, then scancel."""
-
-    JOB_WORD = "SLURM job"
-    CANCELLED = "scancelled"
-    SCHEMA_ID = "https://xffl.dev/schemas/streamflow/xffl_slurm.json"
+class XfflQueueConnector(DeadlineMixin):
+    """A scheduler's StreamFlow connector as xffl runs it: the deadline and late adoption
+    (:class:`DeadlineMixin`), sandboxed templates, and a job folder that is plain path text.
+    Each scheduler's class is built from its entry in :mod:`xffl.schedulers.registry`
+    (:func:`queue_connector_class`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """As SlurmConnector with the deadline (``late``: :class:`DeadlineMixin`), with
-        sandboxed templates."""
+        """As the scheduler's connector with the deadline (``late``: :class:`DeadlineMixin`),
+        with sandboxed templates."""
         super().__init__(*args, **kwargs)
         files = {name: Path(self.config_dir, service.file).read_text()
                  for name, service in self.services.items() if service.file is not None}
@@ -98,9 +103,10 @@ class XfflSlurmConnector(DeadlineMixin, SlurmConnector):
                                  workdir: str | None = None, stdin: int | str | None = None,
                                  stdout: int | str = STDOUT, stderr: int | str = STDOUT,
                                  timeout: int | None = None) -> str:
-        """sbatch, keeping the facility's time limit; record the job id.
+        """Submit, keeping the facility's time limit; record the job id.
 
-        Upstream writes ``--chdir "{workdir}"``: the workdir must be plain path text.
+        Upstream puts the workdir in the submit command's double quotes (SLURM's ``--chdir
+        "{workdir}"``): it must be plain path text.
         """
         if workdir is not None and shell_unsafe_char(workdir) is not None:
             raise WorkflowExecutionException(
@@ -111,8 +117,26 @@ class XfflSlurmConnector(DeadlineMixin, SlurmConnector):
         return job_id
 
 
+def queue_connector_class(scheduler: Scheduler) -> type[XfflQueueConnector]:
+    """``xffl-<scheduler>``: :class:`XfflQueueConnector` over the scheduler's own StreamFlow
+    connector (its ``streamflow_connector``), with its words in messages and its schema id."""
+    module, _, name = scheduler.streamflow_connector.partition(":")
+    base = getattr(importlib.import_module(module), name)
+    if not (isinstance(base, type) and issubclass(base, QueueManagerConnector)):
+        raise TypeError(f"{scheduler.streamflow_connector} is not a StreamFlow queue manager")
+    made: type[XfflQueueConnector] = type(f"Xffl{name}", (XfflQueueConnector, base), {
+        "__doc__": f"{name} whose ``timeout`` is a deadline from submission, then "
+                   f"{scheduler.cancelled_word}.",
+        "__module__": __name__,
+        "JOB_WORD": scheduler.job_word, "CANCELLED": scheduler.cancelled_word,
+        "SCHEMA_ID": f"https://xffl.dev/schemas/streamflow/xffl_{scheduler.name}.json"})
+    return made
+
+
 # xffl's connector of each batch scheduler (schedulers.registry), registered as xffl-<name>
-QUEUE_CONNECTORS: dict[str, type[DeadlineMixin]] = {"slurm": XfflSlurmConnector}
+QUEUE_CONNECTORS: dict[str, type[XfflQueueConnector]] = {
+    name: queue_connector_class(sched) for name, sched in SCHEDULERS.items()}
+XfflSlurmConnector = QUEUE_CONNECTORS["slurm"]
 
 
 class XfflLocalConnector(LocalConnector):
