@@ -115,6 +115,8 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
     late = adopting(loaded.spec)
     for site in loaded.spec.sites:  # SLURM sites leave a late job running, then adopt it
         slurm = deployments.get(f"slurm-{site.name}")
+        if slurm is not None:  # a job an earlier supervisor left running is adopted too
+            slurm["config"]["inflight"] = {"runDir": str(final), "site": site.name}
         if late is not None and slurm is not None:
             slurm["config"]["late"] = {"runDir": str(final), "site": site.name,
                                        "maxRounds": late.staleness.max_rounds}
