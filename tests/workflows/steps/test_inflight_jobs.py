@@ -46,7 +46,7 @@ def test_a_record_is_owner_only_and_read_back_until_cleared(tmp_path: Path) -> N
                                  {"workdir": "/scratch/$(reboot)"}])
 def test_what_sbatch_answered_must_be_a_plain_id_and_the_folder_plain_text(
         tmp_path: Path, bad: dict[str, str]) -> None:
-    with pytest.raises(ValueError, match="not a SLURM job id|not plain path text"):
+    with pytest.raises(ValueError, match=r"not a SLURM job id|not plain path text"):
         record_submitted(RunLayout(tmp_path), _job(**bad))
 
 
