@@ -157,9 +157,9 @@ def test_a_round_in_the_middle_is_adopted_by_resume_and_continued_by_a_cron_tick
 
     final_a = wait_for_run(Registry(), adopt, 600)
     assert final_a.state == "completed" and final_a.rounds_done == 2, final_a.message
+    assert _beta_jobs(slurm_stack, adopt, 1) == [(job_a, "COMPLETED")]  # one job, no sbatch
     (said_a,) = _said(adopt)
     assert said_a.startswith(f"round 1: beta: SLURM job {job_a} ") and "adopted" in said_a
-    assert _beta_jobs(slurm_stack, adopt, 1) == [(job_a, "COMPLETED")]  # one job, no sbatch
 
     final_b = Registry().get_run(tick)
     assert final_b.state == "completed", final_b.message
