@@ -234,10 +234,13 @@ class XfflSlurmConnector(SlurmConnector):
                                     "(late: adopt)", "round_deadline.seconds") from None
             await self._remove_jobs(location, [job_id])
             raise timeout_error(job_name, limit, f"SLURM job {job_id} scancelled") from None
-        finally:
-            self._job_ids.pop(job_name, None)
+        finally:  # a record of this step's job goes once its outcome is known; an earlier
+            # supervisor's stays while this step has no job (its sbatch failed: SLURM's
+            # controller may be away, the job it names still running)
+            mine = self._job_ids.pop(job_name, None) is not None \
+                or isinstance(adopted, InflightJob)
             self._rounds.pop(job_name, None)
-            if self.inflight is not None and rnd is not None and outcome:
+            if self.inflight is not None and rnd is not None and outcome and mine:
                 inflight_jobs.clear_inflight(self.inflight[0], rnd, self.inflight[1])
 
     async def _adoptable(self, location: ExecutionLocation, rnd: int | None) -> LateJob | None:

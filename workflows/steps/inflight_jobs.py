@@ -5,7 +5,9 @@ When the ``xffl-slurm`` connector submits a site's train job, it writes
 as digits; the job's folder at the site, which is the coordinator's own path for it; the
 submit time and the submitting process), owner-only and atomically, and removes it when the
 step has the job's outcome (it ended, was scancelled at its deadline or left late). A
-cancelled step (``xffl cancel``: its job is scancelled) keeps the record. A record that is
+cancelled step (``xffl cancel``: its job is scancelled) keeps the record, and so does a step
+whose own sbatch failed (an earlier supervisor's record: SLURM's controller may have been
+away while the job it names still runs). A record that is
 still there when the train step of the same site and round starts was left by an earlier
 supervisor: a killed coordinator, a cron tick after one, ``xffl cancel``. Then:
 

@@ -1,7 +1,7 @@
 """xffl-slurm's record of a train job in flight, against real SLURM: the connector of a
 supervisor that dies (its step cancelled, no undeploy) leaves its job and the record; the
 next supervisor's connector adopts the job while SLURM still runs it (no second sbatch) and
-submits a new one when it ended."""
+submits a new one when it ended; a step that got no job of its own leaves the record."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import pytest
 
 from xffl.core.layout import Registration, RunLayout
 from xffl.jobs.registry.store import Registry
-from xffl.workflows.steps.inflight_jobs import EVENT, read_inflight
+from xffl.workflows.steps.inflight_jobs import (
+    EVENT,
+    InflightJob,
+    read_inflight,
+    record_submitted,
+)
 
 
 async def _connector(stack: Any, run_dir: Path) -> tuple[Any, Any, Any]:
@@ -58,6 +63,8 @@ def _step(work: str, rnd: int) -> list[str]:
 @pytest.mark.slow
 def test_a_job_left_by_a_dead_supervisor_is_adopted_while_running_and_replaced_once_ended(
         tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamflow.core.exception import WorkflowExecutionException
+
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     work = f"{slurm_stack.clusters['beta'].work_dir}/inflight-{secrets.token_hex(3)}"
     here = Path(work)  # the stack's clusters share this machine's filesystem
@@ -126,9 +133,20 @@ def test_a_job_left_by_a_dead_supervisor_is_adopted_while_running_and_replaced_o
         again = started(2)
         assert len(again) == 2 and again[0] == gone and again[1] != gone, again
         assert (here / "b2" / "update" / "x").read_text().split() == [again[1]]
+        # 3. a step that gets no job of its own (its sbatch refused) leaves an earlier
+        # supervisor's record for the next attempt (its controller may have been away)
+        left = InflightJob(site="beta", round=3, job_id=gone, workdir=f"{work}/a2")
+        record_submitted(layout, left)
+        conn, loc, ssh = await _connector(slurm_stack, tmp_path)
+        try:
+            with pytest.raises(WorkflowExecutionException, match="refused to submit"):
+                await conn.run(loc, _step(work, 3), workdir=f"{work}/b$3", job_name="train-3")
+        finally:
+            await ssh.undeploy(False)
+        assert read_inflight(layout, 3, "beta") == left
 
     asyncio.run(scenario())
     said = [m for _, k, m in registry.events("r1") if k == EVENT]
-    assert len(said) == 2, said
+    assert len(said) == 3, said
     assert said[0].startswith("round 1: beta: SLURM job ") and "adopted, no second job" in said[0]
     assert said[1].startswith("round 2: beta: SLURM job ") and "a new job is submitted" in said[1]
