@@ -23,7 +23,9 @@ def resume(
 
     Works after any stop: the coordinator killed, a failed round (e.g. too few sites), a
     cancel. Finished rounds are never recomputed, and updates that already arrived for the
-    interrupted round are reused. With --wait it follows the run to its end, as
+    interrupted round are reused; a site's SLURM job of that round still queued or running
+    is adopted, not submitted again, and one that ended is continued from its checkpoint.
+    With --wait it follows the run to its end, as
     `xffl submit --wait` does (exit 0 completed, 1 failed, 4 after --timeout).
 
     Example: xffl resume quickstart-20261122-051000-a3f9 --wait

@@ -17,6 +17,7 @@ for the path, so the layout can be read in one place::
     rounds/<r>/validation.json         the federated validation loss of round r's incoming global
     late/<site>.json                   a site's SLURM job left running at a round deadline
     rounds/<r>/adopted/<site>.json     that job, adopted by round r (its update admitted late)
+    rounds/<r>/inflight/<site>.json    a site's SLURM job of round r, submitted, outcome not seen
     stopped.json                       why the run stopped early (training.stop_when)
     job.yaml  job.json  run.json       the spec as submitted, as resolved, the registration
     executions/<name>.yml              inputs of a resumed or one-round execution of main.cwl
@@ -194,6 +195,10 @@ class RunLayout:
     def adopted_job(self, rnd: int, site: str) -> Path:
         """The late SLURM job of ``site`` whose update round ``rnd`` took."""
         return self.round_dir(rnd) / "adopted" / f"{site}.json"
+
+    def inflight_job(self, rnd: int, site: str) -> Path:
+        """``site``'s SLURM job of round ``rnd`` from its submission until its step ends."""
+        return self.round_dir(rnd) / "inflight" / f"{site}.json"
 
     def validation_file(self, rnd: int) -> Path:
         """The federated validation loss of the global model round ``rnd`` started from."""

@@ -58,6 +58,7 @@ FORMAT = 1
 STEP_FAILPOINT = "round-step-{step}"
 MARKER_FAILPOINT = "round-checkpoint-marker"
 PAUSE = "@pause"
+UNTIL = "@until="  # round-step-K@until=PATH: held after step K until PATH exists
 _STEP_RE = re.compile(r"^step-([0-9]{1,9})$")
 #: the line rank 0 prints when a checkpoint is complete; the failure manager reads it (bounded)
 PROGRESS_LINE = "xffl.training: checkpoint complete: round {round} step {step}"
@@ -302,7 +303,8 @@ class RoundCheckpointer:
     def failpoint(self, done: int) -> None:
         """Rank 0: the ``round-step-K`` failpoint, once the checkpoints begun are complete
         (the kill of a test that a checkpoint was written before, without sleeping);
-        ``round-step-K@pause`` stops the round there until the job is killed (scancel)."""
+        ``round-step-K@pause`` stops the round there until the job is killed (scancel),
+        ``round-step-K@until=PATH`` until PATH exists (a test's event), then goes on."""
         name = STEP_FAILPOINT.format(step=done)
         wanted = os.environ.get(FAILPOINT_ENV, "")
         if self.rank == 0 and wanted.split("@")[0] == name:
@@ -310,6 +312,12 @@ class RoundCheckpointer:
             if wanted == name + PAUSE:
                 _say(f"failpoint {wanted}: paused after step {done} until the job is killed.")
                 threading.Event().wait()
+            if wanted.startswith(name + UNTIL):
+                release = Path(wanted[len(name + UNTIL):])
+                _say(f"failpoint {name}: held after step {done} until {release} exists.")
+                while not release.exists():
+                    time.sleep(0.2)
+                return
             failpoint(name)
             failpoint(name + "@group")
 

@@ -118,6 +118,8 @@ def streamflow_config(run_id: str, loaded: LoadedJob, out: Path, final: Path) ->
         scheduler = loaded.site_profile(site.name).scheduler
         queue = None if scheduler is None else deployments.get(
             queue_deployment(scheduler, site.name))
+        if queue is not None:  # a job an earlier supervisor left running is adopted too
+            queue["config"]["inflight"] = {"runDir": str(final), "site": site.name}
         if late is not None and queue is not None:
             queue["config"]["late"] = {"runDir": str(final), "site": site.name,
                                        "maxRounds": late.staleness.max_rounds}
