@@ -126,7 +126,7 @@ class _PbsOnPaper(Slurm):
 def test_a_second_schedulers_connector_comes_from_its_entry_alone() -> None:
     """xffl-<scheduler> is built from the registry entry over StreamFlow's own connector of the
     scheduler: a PBS entry gets upstream's PBSConnector with the deadline mixed in, its
-    schema (upstream's and ``late``) and its words, with no line of connectors.py of its own."""
+    schema (upstream's, ``late`` and ``inflight``) and its words, with no line of connectors.py of its own."""
     import json
 
     from streamflow.deployment.connector.queue_manager import PBSConnector, SlurmConnector
@@ -148,7 +148,7 @@ def test_a_second_schedulers_connector_comes_from_its_entry_alone() -> None:
     schema = json.loads(pbs.get_schema())
     upstream = json.loads(PBSConnector.get_schema())
     assert schema["$id"] == "https://xffl.dev/schemas/streamflow/xffl_pbs.json"
-    assert set(schema["properties"]) == set(upstream["properties"]) | {"late"}
+    assert set(schema["properties"]) == set(upstream["properties"]) | {"late", "inflight"}
     assert "qdel'ed" in schema["properties"]["late"]["properties"]["maxRounds"]["description"]
 
 
