@@ -126,7 +126,8 @@ class _PbsOnPaper(Slurm):
 def test_a_second_schedulers_connector_comes_from_its_entry_alone() -> None:
     """xffl-<scheduler> is built from the registry entry over StreamFlow's own connector of the
     scheduler: a PBS entry gets upstream's PBSConnector with the deadline mixed in, its
-    schema (upstream's, ``late`` and ``inflight``) and its words, with no line of connectors.py of its own."""
+    schema (upstream's, ``late`` and ``inflight``) and its words, with no line of
+    connectors.py of its own."""
     import json
 
     from streamflow.deployment.connector.queue_manager import PBSConnector, SlurmConnector
