@@ -166,6 +166,12 @@ class ParallelModel:
     dp_size: int = 1
     tp_size: int = 1
     mesh: DeviceMesh | None = None
+    groups: int = 1  # training.local_groups: dp ranks split into this many groups
+
+    @property
+    def group(self) -> int:
+        """This rank's local group (0 without groups): dp ranks in blocks of dp/groups."""
+        return self.dp_rank // (self.dp_size // self.groups)
 
     @contextmanager
     def _fsdp_no_sync(self) -> Iterator[None]:
@@ -190,7 +196,7 @@ class ParallelModel:
         """
         if isinstance(self.net, DistributedDataParallel):
             return self.net.no_sync()
-        if is_fsdp(self.module) and self.dp_size == 1:
+        if is_fsdp(self.module) and self.dp_size // self.groups == 1:
             return self._fsdp_no_sync()
         return nullcontext()
 
@@ -289,7 +295,7 @@ def hsdp_mesh(device: torch.device, world: int, shard_group: int | None) -> Devi
 def parallelize(model: nn.Module, tp: int, device: torch.device,
                 data_parallel: str = "auto", *, precision: str = "auto",
                 checkpointing: int = 0, compile: bool = False,
-                shard_group: int | None = None) -> ParallelModel:
+                shard_group: int | None = None, groups: int = 1) -> ParallelModel:
     """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
 
     Every rank must hold the same full weights on entry (they are sliced, not scattered).
@@ -300,7 +306,8 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     ``compile``: ``torch.compile`` each decoder layer. ``data_parallel`` "hsdp": FSDP2 on
     the 2-D (replicate, shard) mesh of :func:`hsdp_mesh` (torch's HSDP: reduce-scatter
     inside a shard group, all-reduce of the shards across the replicas), ``shard_group``
-    ranks a group.
+    ranks a group. ``groups`` > 1: the ranks form that many local groups, each with this
+    parallelism inside (:func:`xffl.training.local_groups.group_mesh`).
     """
     config = _config_of(model)
     if tp > 1 and config is None:
@@ -313,8 +320,13 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     if config is not None:
         check_tensor_parallel(config, tp, world)
     mode = data_parallel_mode(data_parallel, tp, _count_params(model), device_memory(device))
-    if data_parallel == "hsdp" and distributed:
-        mesh: DeviceMesh | None = hsdp_mesh(device, world, shard_group)
+    if groups > 1 and distributed:
+        from xffl.training.local_groups import group_mesh
+
+        mesh: DeviceMesh | None = group_mesh(device, world, groups, tp, shard_group
+                                             if data_parallel == "hsdp" else None)
+    elif data_parallel == "hsdp" and distributed:
+        mesh = hsdp_mesh(device, world, shard_group)
     else:
         mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS) \
             if distributed else None
@@ -336,19 +348,21 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if uses_bf16(precision, device) else MixedPrecisionPolicy()
-        dp_mesh = mesh if data_parallel == "hsdp" else mesh["dp"]
+        dp_mesh = (mesh[HSDP_DIMS] if groups > 1 else mesh) if data_parallel == "hsdp" \
+            else mesh["dp"]
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         net = model
         if data_parallel == "hsdp":  # every rank reads its own batches: dp rank = rank
             return ParallelModel(module=model, net=net, dp_rank=dist.get_rank(),
-                                 dp_size=world, tp_size=1, mesh=mesh)
+                                 dp_size=world, tp_size=1, mesh=mesh, groups=groups)
     else:
         net = DistributedDataParallel(
             model, process_group=mesh.get_group("dp"),
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
-    return ParallelModel(module=model, net=net, dp_rank=mesh.get_local_rank("dp"),
-                         dp_size=world // tp, tp_size=tp, mesh=mesh)
+    first = mesh.get_local_rank("groups") * (world // tp // groups) if groups > 1 else 0
+    return ParallelModel(module=model, net=net, dp_rank=first + mesh.get_local_rank("dp"),
+                         dp_size=world // tp, tp_size=tp, mesh=mesh, groups=groups)
