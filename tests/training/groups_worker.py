@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from xffl.training.chunked_loss import _MARK  # the loop's own-loss protocol
-
 from xffl.training.config import TrainingSpec
 from xffl.training.group_spec import LocalGroupsSpec
 from xffl.training.local_groups import chain, make_sync
