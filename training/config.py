@@ -285,7 +285,8 @@ class TrainingSpec(StrictModel):
         "job continues from: {every: STEPS or \"<N>m\", keep: N}")
     local_groups: LocalGroupsSpec | None = Field(
         default=None, description="federated groups of ranks inside a site: {groups: G, "
-        "every: K}, averaged every K steps and at the round's end (xffl.training.group_spec)")
+        "every: K}: each group trains on its share of every step's batch, and the groups "
+        "average their weights every K steps and at the round's end")
 
     @field_validator("activation_checkpointing")
     @classmethod

@@ -212,3 +212,18 @@ def test_a_groups_round_through_the_launcher(tmp_path: Path, global0: tuple[Path
         2 * manifest.metrics[metric.GROUP_SYNC_BYTES] > 0
     lines = (tmp_path / "steps.log").read_text().splitlines()
     assert lines and all(" groups 2 every 2 sync MB/step " in line for line in lines), lines
+
+
+def test_the_memory_model_shards_inside_a_group() -> None:
+    """xffl validate's estimate: 2 groups of FSDP2 at 8 ranks keep FSDP2-over-4's states."""
+    from xffl.training.arch import build_config
+    from xffl.training.config import ModelSpec
+    from xffl.training.memory_model import model_parts, site_layout, state_terms
+
+    parts = model_parts(build_config(ModelSpec(preset="llama3.1-8b")))
+    fsdp = TrainingSpec(data_parallel="fsdp")
+    grouped = fsdp.model_copy(update={"local_groups": LocalGroupsSpec(groups=2, every=8)})
+    assert site_layout(grouped, 8, parts).dp == 4
+    assert state_terms(parts, site_layout(grouped, 8, parts)) == \
+        state_terms(parts, site_layout(fsdp, 4, parts)) != \
+        state_terms(parts, site_layout(fsdp, 8, parts))
