@@ -1,15 +1,16 @@
 """Per-rank worker for the local-groups tests: plain data parallelism and local groups.
 
 Usage: ``python -m xffl.training.forked --nproc-per-node 4 -m tests.training.groups_worker
-OUT LAYOUT ...`` with LAYOUT ``MODE,OPT[,gG,kK[,moments|nesterov]]``: MODE ddp or fsdp
-(inside each group), OPT ``linear`` or ``adamw`` (:data:`OPTIMIZERS`), G groups averaging
-every K steps. For each layout in turn, in one gloo process group: :class:`Bigram` (float64,
-seed 3) through xffl's :func:`~xffl.training.parallelize.parallelize` with ``groups``, the
-steps of xffl's loop on fixed global batches (rank r reads rows of its site-wide dp rank,
-GLOBAL / 4 rows each: the same rows under every layout) with the groups' sync of
-:mod:`xffl.training.local_groups` after every step and at the end, then
-``OUT/LAYOUT/rank<k>.safetensors``: the step losses, the initial and final full weights,
-each parameter's local shard, the mesh and the sync's metrics in its metadata.
+OUT STEPS LAYOUT ...`` with LAYOUT ``MODE,OPT[,gG,kK[,moments|nesterov]]``: MODE ddp, fsdp
+or hsdpS (HSDP with shard_group S; inside each group), OPT ``linear`` or ``adamw``
+(:data:`OPTIMIZERS`), G groups averaging every K steps. For each layout in turn, in one
+gloo process group: :class:`Bigram` (float64, seed 3) through xffl's
+:func:`~xffl.training.parallelize.parallelize` with ``groups``, STEPS steps of xffl's loop
+on fixed global batches (rank r reads the rows of its site-wide dp rank, GLOBAL / 4 each:
+the same rows under every layout) with the groups' sync of :mod:`xffl.training.local_groups`
+after every step and at the end, then ``OUT/LAYOUT/rank<k>.safetensors``: the step losses,
+the initial and final full weights, each parameter's local shard, the mesh and the sync's
+metrics in its metadata.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def run_layout(layout: str, steps: int, out: Path) -> None:
                         **OPTIMIZERS[opt])  # type: ignore[arg-type]
     model = Bigram()
     record = {f"init.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    pm = parallelize(model, 1, torch.device("cpu"), mode,
+    hsdp = mode.startswith("hsdp")
+    pm = parallelize(model, 1, torch.device("cpu"), "hsdp" if hsdp else mode,
+                     shard_group=int(mode[4:]) if hsdp else None,
                      groups=groups.groups if groups else 1)
     assert pm.mesh is not None
     r, b = pm.dp_rank, spec.batch_size

@@ -30,8 +30,8 @@ from xffl.training.launch import launch
 from xffl.training.local_groups import check
 
 NPROC, STEPS, EVERY, GROUPS = 4, 7, 3, 2
-LAYOUTS = ("fsdp,linear", "fsdp,linear,g2,k1", "ddp,adamw,g2,k3", "fsdp,adamw,g2,k3,moments",
-           "ddp,adamw,g2,k3,nesterov")
+LAYOUTS = ("fsdp,linear", "fsdp,linear,g2,k1", "hsdp2,linear,g2,k1", "ddp,adamw,g2,k3",
+           "fsdp,adamw,g2,k3,moments", "ddp,adamw,g2,k3,nesterov")
 Record = tuple[dict[str, torch.Tensor], dict[str, str]]
 
 
@@ -59,8 +59,13 @@ def _weights(record: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_every_step_is_plain_data_parallelism(runs: Path) -> None:
-    """2 groups of 2 ranks (FSDP2 inside each) averaging after every step == FSDP2 over 4.
+@pytest.mark.parametrize(("layout", "dims"), [("fsdp,linear,g2,k1", ("groups,dp,tp", "2,2,1")),
+                                              ("hsdp2,linear,g2,k1",
+                                               ("groups,replicate,shard", "2,1,2"))])
+def test_every_step_is_plain_data_parallelism(runs: Path, layout: str,
+                                              dims: tuple[str, str]) -> None:
+    """2 groups of 2 ranks (FSDP2, or HSDP 1 x 2, inside each) averaging after every step ==
+    FSDP2 over 4.
 
     The optimizer is made linear: AdamW at eps = 2^60 with lr = 0.1 * 2^60 (float64). Its
     step is lr / (1 - 0.9^t) * exp_avg / (sqrt(v_hat) + eps), and sqrt(v_hat) <= 0.25 (the
@@ -86,13 +91,13 @@ def test_every_step_is_plain_data_parallelism(runs: Path) -> None:
     """
     for rank in range(NPROC):
         ref, ref_meta = _load(runs, "fsdp,linear", rank)
-        got, meta = _load(runs, "fsdp,linear,g2,k1", rank)
+        got, meta = _load(runs, layout, rank)
         assert (ref_meta["dims"], ref_meta["shape"]) == ("dp,tp", "4,1")
-        assert (meta["dims"], meta["shape"]) == ("groups,dp,tp", "2,2,1"), meta
+        assert (meta["dims"], meta["shape"]) == dims, meta
         assert (int(meta["dp_rank"]), int(meta["group"])) == (rank, rank // 2)
         # FSDP2 inside a group of 2: half of every parameter, the same half as the rank at
         # the same place in the other group (the averaged local tensors are the same slice)
-        other, _ = _load(runs, "fsdp,linear,g2,k1", (rank + 2) % NPROC)
+        other, _ = _load(runs, layout, (rank + 2) % NPROC)
         for name in ("embed.weight", "head.weight"):
             assert got[f"local.{name}"].shape == (8, 8)
             assert torch.equal(got[f"local.{name}"], other[f"local.{name}"])
