@@ -39,6 +39,9 @@ class LocalGroupsSpec(StrictModel):
                             "(DiLoCo: 0.7)")
     outer_momentum: float = Field(default=0.9, description="nesterov: the outer momentum "
                                   "(DiLoCo: 0.9), 0 <= m < 1")
+    keep: bool = Field(default=False, description="write each group's model before the "
+                       "round's last sync into the site's state folder (groups/r<round>/"
+                       "group-<g>.safetensors; the launcher's --keep), to audit the average")
 
     @field_validator("groups")
     @classmethod

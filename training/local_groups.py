@@ -26,6 +26,7 @@ sync / every) and per round, in the step lines and the round's metrics.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,10 +78,15 @@ class GroupSync:
     """Averages the groups' models every ``spec.every`` steps; counts what that sends."""
 
     def __init__(self, spec: LocalGroupsSpec, pm: ParallelModel,
-                 optimizer: torch.optim.Optimizer, steps: int) -> None:
-        """``pm`` on a mesh of :func:`group_mesh`; ``steps`` planned in the round."""
+                 optimizer: torch.optim.Optimizer, steps: int,
+                 keep_dir: Path | None = None) -> None:
+        """``pm`` on a mesh of :func:`group_mesh`; ``steps`` planned in the round;
+        ``keep_dir``: where each group's model is written before the round's last sync."""
         assert pm.mesh is not None and pm.groups == spec.groups
         self.spec = spec
+        self.pm = pm
+        self.steps = steps
+        self.keep_dir = keep_dir
         self.process_group = pm.mesh.get_group("groups")
         self.optimizer = optimizer
         self.params = [p for p in pm.module.parameters() if p.requires_grad]
@@ -107,9 +113,29 @@ class GroupSync:
                 out.extend(_local(state[k]) for k in ("exp_avg", "exp_avg_sq") if k in state)
         return out
 
+    def _keep(self) -> None:
+        """Each group's model, gathered inside the group (collective) and written by the
+        group's first rank to ``keep_dir/group-<g>.safetensors``."""
+        assert self.keep_dir is not None and self.pm.mesh is not None
+        from safetensors.torch import save_file
+
+        state = {}
+        for name, p in self.pm.module.named_parameters():  # the same order on every rank
+            full = getattr(p, "full_tensor", None)
+            state[name] = (full() if callable(full) else p).detach().to("cpu").contiguous()
+        mesh = self.pm.mesh
+        names = mesh.mesh_dim_names or ()
+        if all(mesh.get_local_rank(d) == 0 for d in names if d != "groups"):
+            self.keep_dir.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(self.keep_dir / f"group-{self.pm.group}.safetensors"))
+        dist.barrier()
+
     @torch.no_grad()
-    def sync(self) -> None:
-        """Average the groups' tensors (then DiLoCo's outer step, under ``nesterov``)."""
+    def sync(self, last: bool = False) -> None:
+        """Average the groups' tensors (then DiLoCo's outer step, under ``nesterov``);
+        ``last``: the round's last sync (each group's model is kept first, if asked)."""
+        if last and self.keep_dir is not None:
+            self._keep()
         tensors = self._tensors()
         handles = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group,
                                    async_op=True) for t in tensors]
@@ -131,12 +157,12 @@ class GroupSync:
         """Called after every optimizer step: a sync every ``every`` steps."""
         self.since += 1
         if self.since >= self.spec.every:
-            self.sync()
+            self.sync(last=done >= self.steps)
 
     def finish(self) -> None:
         """The round's last sync (none when the last step synced already)."""
         if self.since:
-            self.sync()
+            self.sync(last=True)
 
     def note(self) -> str:
         """What a step line adds: the groups, the interval and the bytes of the syncs."""
@@ -168,11 +194,15 @@ def chain(sync: GroupSync | None, hook: AfterStep | None) -> AfterStep | None:
 
 
 def make_sync(spec: LocalGroupsSpec | None, pm: ParallelModel,
-              optimizer: torch.optim.Optimizer, steps: int) -> GroupSync | None:
-    """The round's GroupSync (None without ``training.local_groups`` or a process group)."""
+              optimizer: torch.optim.Optimizer, steps: int,
+              state_dir: Path | None = None, round: int = 0) -> GroupSync | None:
+    """The round's GroupSync (None without ``training.local_groups`` or a process group);
+    with ``keep``, the groups' models go to ``state_dir/groups/r<round>``."""
     if spec is None or pm.mesh is None or pm.groups < 2:
         return None
-    return GroupSync(spec, pm, optimizer, steps)
+    keep_dir = Path(state_dir) / "groups" / f"r{round}" \
+        if spec.keep and state_dir is not None else None
+    return GroupSync(spec, pm, optimizer, steps, keep_dir)
 
 
 

@@ -340,7 +340,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     deadline = _on_main(lambda: round_deadline(
         spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
         json.dumps, json.loads)
-    sync = local_groups.make_sync(spec.local_groups, pm, optimizer, steps)
+    sync = local_groups.make_sync(spec.local_groups, pm, optimizer, steps, state_dir, round)
     speed = local_groups.noted(round_speed(pm.module, config, spec.seq_len, device, world), sync)
     after_step = local_groups.chain(sync, round_state.step_hook(saver, steps, pm, optimizer,
                                                                 scheduler))

@@ -23,6 +23,7 @@ from tests.training.groups_worker import OPTIMIZERS, global_batches
 from tests.training.local_sgd_reference import local_sgd
 from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
+from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.errors import InvalidInput
 from xffl.training.config import TrainingSpec, TrainJob
 from xffl.training.group_spec import LocalGroupsSpec
@@ -200,17 +201,34 @@ def test_a_groups_round_through_the_launcher(tmp_path: Path, global0: tuple[Path
                                              make_job: Callable[..., TrainJob]) -> None:
     """The site trainer end to end at 4 ranks in 2 groups of FSDP2(2), averaging every 2 of
     3 steps: the global loaded into the groups' slices, the update written by rank 0 with
-    the syncs' metrics (2 syncs: after step 2 and at the end), and the step lines saying
-    what the syncs send."""
+    the syncs' metrics (2 syncs: after step 2 and at the end), the step lines saying what
+    the syncs send, and the update is the mean of the groups' models kept before the last
+    sync (``keep``).
+
+    Bound: the kept models are fp32 and the update is their fp32 all-reduced sum halved
+    (exact: a sum of 2 is rounded once, / 2 is exact), so it is the fp32 rounding of the
+    exact mean, as is the mean computed here: bitwise equal.
+    """
     job = make_job(tmp_path / "data", steps=3)
     job = job.model_copy(update={"training": job.training.model_copy(update={
-        "data_parallel": "fsdp", "local_groups": LocalGroupsSpec(groups=2, every=2)})})
+        "data_parallel": "fsdp",
+        "local_groups": LocalGroupsSpec(groups=2, every=2, keep=True)})})
     (tmp_path / "job.json").write_text(job.model_dump_json())
     out = tmp_path / "update"
     args = ["--job", str(tmp_path / "job.json"), "--round", "1", "--model", str(global0[0]),
             "--out", str(out)]
-    assert launch(NPROC, "torchrun", args, out) == 0
+    assert launch(NPROC, "torchrun", args, out, keep=tmp_path / "state") == 0
     manifest = verify_checkpoint(out)
+    kept = [tmp_path / "state" / "groups" / "r1" / f"group-{g}.safetensors" for g in (0, 1)]
+    with safe_open(str(kept[0]), "pt") as a, safe_open(str(kept[1]), "pt") as b, \
+            safe_open(str(out / MODEL_FILE), "pt") as update:
+        names = set(update.keys())
+        assert names and names <= set(a.keys())
+        apart = max(float((a.get_tensor(k) - b.get_tensor(k)).abs().max()) for k in names)
+        assert apart > 1e-4, apart  # the groups trained on different rows since step 2
+        for name in names:
+            assert torch.equal(update.get_tensor(name),
+                               (a.get_tensor(name) + b.get_tensor(name)) / 2), name
     assert manifest.extra["dp"] == NPROC
     assert manifest.metrics[metric.GROUP_SYNCS] == 2
     assert manifest.metrics[metric.GROUP_BYTES_ROUND] == \
