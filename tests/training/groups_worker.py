@@ -1,7 +1,7 @@
 """Per-rank worker for the local-groups tests: plain data parallelism and local groups.
 
 Usage: ``python -m xffl.training.forked --nproc-per-node 4 -m tests.training.groups_worker
-OUT STEPS LAYOUT ...`` with LAYOUT ``MODE,OPT[,gG,kK[,moments|nesterov]]``: MODE ddp, fsdp
+OUT STEPS LAYOUT ...`` with LAYOUT ``MODE,OPT[,gG,kK[,moments|nesterov|masked]]``: MODE ddp, fsdp
 or hsdpS (HSDP with shard_group S; inside each group), OPT ``linear`` or ``adamw``
 (:data:`OPTIMIZERS`), G groups averaging every K steps. For each layout in turn, in one
 gloo process group: :class:`Bigram` (float64, seed 3) through xffl's
@@ -67,11 +67,17 @@ class Bigram(nn.Module):
                                reduction="sum")
 
 
-def global_batches(steps: int) -> list[tuple[Tensor, Tensor]]:
-    """Every step's GLOBAL rows of (inputs, targets), the same in every layout."""
+def global_batches(steps: int, masked: bool = False) -> list[tuple[Tensor, Tensor]]:
+    """Every step's GLOBAL rows of (inputs, targets), the same in every layout; ``masked``:
+    the first 5 targets of the first half of the rows are -100 (out of the loss), so that
+    the groups count 12 and 32 targets."""
     gen = torch.Generator().manual_seed(DATA_SEED)
-    return [(torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=gen),
-             torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=gen)) for _ in range(steps)]
+    out = [(torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=gen),
+            torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=gen)) for _ in range(steps)]
+    if masked:
+        for _, y in out:
+            y[:GLOBAL // 2, :5] = -100
+    return out
 
 
 def parse(layout: str) -> tuple[str, str, LocalGroupsSpec | None]:
@@ -105,7 +111,9 @@ def run_layout(layout: str, steps: int, out: Path) -> None:
                      groups=groups.groups if groups else 1)
     assert pm.mesh is not None
     r, b = pm.dp_rank, spec.batch_size
-    mine = iter([(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]) for x, y in global_batches(steps)])
+    masked = layout.endswith(",masked")
+    mine = iter([(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])
+                 for x, y in global_batches(steps, masked)])
     for name, p in pm.module.named_parameters():
         local = getattr(p, "to_local", None)
         record[f"local.{name}"] = (local() if callable(local) else p).detach().clone()
@@ -113,7 +121,7 @@ def run_layout(layout: str, steps: int, out: Path) -> None:
     scheduler = make_scheduler(optimizer, spec, offset=0, total=steps)
     sync = make_sync(groups, pm, optimizer, steps)
     result = run_steps(pm, optimizer, scheduler, mine, steps, spec, torch.device("cpu"),
-                       after_step=chain(sync, None))
+                       after_step=chain(sync, None), masked=masked)
     if sync is not None:
         sync.finish()
     record["losses"] = result.losses.double()

@@ -19,17 +19,20 @@ BETAS = (0.9, 0.95)
 
 def loss_and_grads(embed: Array, head: Array, x: NDArray[np.int64],
                    y: NDArray[np.int64]) -> tuple[float, Array, Array]:
-    """Mean cross-entropy of ``head @ embed[x]`` against ``y`` and its gradients."""
+    """Mean cross-entropy of ``head @ embed[x]`` against ``y`` (targets -100 left out) and
+    its gradients."""
     h = embed[x]  # (B, S, H)
     logits = h @ head.T  # (B, S, V)
     logits = logits - logits.max(axis=-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-    n = y.size
-    loss = -float(np.take_along_axis(logp, y[..., None], axis=-1).sum()) / n
+    kept = y != -100
+    t = np.where(kept, y, 0)
+    n = int(kept.sum())
+    loss = -float((np.take_along_axis(logp, t[..., None], axis=-1)[..., 0] * kept).sum()) / n
     d = np.exp(logp)
-    np.put_along_axis(d, y[..., None], np.take_along_axis(d, y[..., None], axis=-1) - 1.0,
+    np.put_along_axis(d, t[..., None], np.take_along_axis(d, t[..., None], axis=-1) - 1.0,
                       axis=-1)
-    d /= n
+    d *= kept[..., None] / n
     g_head = d.reshape(-1, head.shape[0]).T @ h.reshape(-1, h.shape[-1])
     g_embed = np.zeros_like(embed)
     np.add.at(g_embed, x.ravel(), (d @ head).reshape(-1, h.shape[-1]))

@@ -32,7 +32,7 @@ from xffl.training.local_groups import check
 
 NPROC, STEPS, EVERY, GROUPS = 4, 7, 3, 2
 LAYOUTS = ("fsdp,linear", "fsdp,linear,g2,k1", "hsdp2,linear,g2,k1", "ddp,adamw,g2,k3",
-           "fsdp,adamw,g2,k3,moments", "ddp,adamw,g2,k3,nesterov")
+           "fsdp,adamw,g2,k3,moments", "ddp,adamw,g2,k3,nesterov", "ddp,adamw,g2,k3,masked")
 Record = tuple[dict[str, torch.Tensor], dict[str, str]]
 
 
@@ -109,11 +109,11 @@ def test_every_step_is_plain_data_parallelism(runs: Path, layout: str,
         assert json.loads(meta["metrics"])[metric.GROUP_SYNCS] == STEPS
 
 
-def _reference(record: dict[str, torch.Tensor], **options: object
+def _reference(record: dict[str, torch.Tensor], masked: bool = False, **options: object
                ) -> tuple[list[np.ndarray], np.ndarray]:
     init = [record["init.embed.weight"].numpy(), record["init.head.weight"].numpy()]
     rows = [[(x[4 * a:4 * a + 4].numpy(), y[4 * a:4 * a + 4].numpy()) for a in range(GROUPS)]
-            for x, y in global_batches(STEPS)]  # group a: dp ranks 2a, 2a+1, 2 rows each
+            for x, y in global_batches(STEPS, masked)]  # group a: dp ranks 2a, 2a+1
     opt = OPTIMIZERS["adamw"]
     return local_sgd(init, rows, EVERY, opt["lr"], opt["adam_eps"], **options)  # type: ignore[arg-type]
 
@@ -123,6 +123,7 @@ def _reference(record: dict[str, torch.Tensor], **options: object
     ("ddp,adamw,g2,k3", {}),
     ("fsdp,adamw,g2,k3,moments", {"moments": True}),
     ("ddp,adamw,g2,k3,nesterov", {"nesterov": (0.7, 0.9)}),
+    ("ddp,adamw,g2,k3,masked", {"masked": True}),
 ])
 def test_every_k_is_local_sgd(runs: Path, layout: str, options: dict[str, object]) -> None:
     """2 groups averaging every 3 of 7 steps (at 3, 6 and the round's end) == numpy.
@@ -133,7 +134,9 @@ def test_every_k_is_local_sgd(runs: Path, layout: str, options: dict[str, object
     code with xffl or torch (not even the gradients), so the groups' data, the loss scale
     inside a group, when the syncs happen and what they average are all checked. The
     model is the smallest xffl's loop trains (an embedding and a head, in float64, its
-    own loss: :class:`tests.training.groups_worker.Bigram`).
+    own loss: :class:`tests.training.groups_worker.Bigram`). ``masked``: group 0 has 12
+    targets in the loss a step and group 1 has 32, so each group's gradient must be the mean
+    over its own targets (xffl's loop counts them per group).
 
     Bound (float64, u = 1.1e-16, AdamW lr 0.05, eps 0.01). A gradient entry sums <= 32
     tokens' d * h with |d| <= 1/32 (softmax minus one-hot over the group's 32 targets),
@@ -149,7 +152,8 @@ def test_every_k_is_local_sgd(runs: Path, layout: str, options: dict[str, object
     The bugs this catches (made once on purpose): averaging every 4 steps instead of 3
     moves the weights by 5.8e-3 (moments 1.3e-2, Nesterov 0.11); leaving out the round's
     last sync (after step 7) by 2.4e-2 (1.5e-2, 0.15); group 1 reading group 0's rows (its
-    dp ranks numbered inside the group, not in the site) by 0.22.
+    dp ranks numbered inside the group, not in the site) by 0.22; scaling a group's loss
+    by the site's count of targets, not the group's (masked), by 2.3e-2.
     """
     want, losses = _reference(_load(runs, layout, 0)[0], **options)
     for rank in range(NPROC):
