@@ -241,6 +241,21 @@ def test_a_groups_round_through_the_launcher(tmp_path: Path, global0: tuple[Path
     assert lines and all(" groups 2 every 2 sync MB/step " in line for line in lines), lines
 
 
+def test_validate_shows_the_groups_layout(xffl_home: Path, tmp_path: Path) -> None:
+    """xffl validate's layout column: each group's mesh, prefixed by the groups."""
+    from typer.testing import CliRunner
+
+    from xffl.cli.app import app
+
+    job = tmp_path / "job.yaml"
+    job.write_text("name: good\nrounds: 2\ntraining:\n  data_parallel: fsdp\n"
+                   "  local_groups: {groups: 2, every: 8}\nsites:\n  - name: alpha\n"
+                   "    profile: local\n    ranks: 4\n    data: {path: data/alpha}\n")
+    out = CliRunner().invoke(app, ["validate", str(job), "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["sites"][0]["layout"] == "2 groups of fsdp dp 2 x tp 1"
+
+
 def test_the_memory_model_shards_inside_a_group() -> None:
     """xffl validate's estimate: 2 groups of FSDP2 at 8 ranks keep FSDP2-over-4's states."""
     from xffl.training.arch import build_config
