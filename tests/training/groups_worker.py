@@ -1,16 +1,16 @@
 """Per-rank worker for the local-groups tests: plain data parallelism and local groups.
 
 Usage: ``python -m xffl.training.forked --nproc-per-node 4 -m tests.training.groups_worker
-OUT STEPS LAYOUT ...`` with LAYOUT ``MODE,OPT[,gG,kK[,moments|nesterov|masked]]``: MODE ddp, fsdp
-or hsdpS (HSDP with shard_group S; inside each group), OPT ``linear`` or ``adamw``
-(:data:`OPTIMIZERS`), G groups averaging every K steps. For each layout in turn, in one
-gloo process group: :class:`Bigram` (float64, seed 3) through xffl's
-:func:`~xffl.training.parallelize.parallelize` with ``groups``, STEPS steps of xffl's loop
-on fixed global batches (rank r reads the rows of its site-wide dp rank, GLOBAL / 4 each:
-the same rows under every layout) with the groups' sync of :mod:`xffl.training.local_groups`
-after every step and at the end, then ``OUT/LAYOUT/rank<k>.safetensors``: the step losses,
-the initial and final full weights, each parameter's local shard, the mesh and the sync's
-metrics in its metadata.
+OUT STEPS LAYOUT ...`` with LAYOUT ``MODE,OPT[,gG,kK[,moments|nesterov|masked]]``: MODE
+ddp, fsdp, hsdpS (HSDP with shard_group S) or tp2 (FSDP2 with tensor parallel 2, the
+tiny-test model), OPT ``linear`` or ``adamw`` (:data:`OPTIMIZERS`), G groups averaging
+every K steps. For each layout in turn, in one gloo process group: :class:`Bigram`
+(float64, seed 3) through xffl's :func:`~xffl.training.parallelize.parallelize` with
+``groups``, STEPS steps of xffl's loop on fixed global batches (rank r reads the rows of
+its site-wide dp rank: the same rows under every layout) with the groups' sync of
+:mod:`xffl.training.local_groups` after every step and at the end, then
+``OUT/LAYOUT/rank<k>.safetensors``: the step losses, the initial and final full weights,
+each parameter's local shard, the mesh and the sync's metrics in its metadata.
 """
 
 from __future__ import annotations
@@ -97,17 +97,30 @@ def _full(p: Tensor) -> Tensor:
     return (full() if callable(full) else p).detach().double().contiguous()
 
 
+def _model(mode: str) -> nn.Module:
+    """Bigram, or for ``tp2`` the tiny-test transformers model (seed 1, float32), whose
+    family has a tensor-parallel plan."""
+    if mode != "tp2":
+        return Bigram()
+    from xffl.training.arch import build_config
+    from xffl.training.config import ModelSpec
+    from xffl.training.model import build_model
+
+    return build_model(build_config(ModelSpec(preset="tiny-test")), seed=1)
+
+
 def run_layout(layout: str, steps: int, out: Path) -> None:
     """Train one layout on this rank and write its record."""
     mode, opt, groups = parse(layout)
-    spec = TrainingSpec(steps=steps, batch_size=GLOBAL // dist.get_world_size(), seq_len=SEQ,
-                        grad_clip=0.0, weight_decay=0.0, local_groups=groups,
+    tp = 2 if mode == "tp2" else 1
+    spec = TrainingSpec(steps=steps, batch_size=GLOBAL * tp // dist.get_world_size(),
+                        seq_len=SEQ, grad_clip=0.0, weight_decay=0.0, local_groups=groups,
                         **OPTIMIZERS[opt])  # type: ignore[arg-type]
-    model = Bigram()
+    model = _model(mode)
     record = {f"init.{n}": p.detach().clone() for n, p in model.named_parameters()}
     hsdp = mode.startswith("hsdp")
-    pm = parallelize(model, 1, torch.device("cpu"), "hsdp" if hsdp else mode,
-                     shard_group=int(mode[4:]) if hsdp else None,
+    pm = parallelize(model, tp, torch.device("cpu"), "hsdp" if hsdp else "fsdp" if tp > 1
+                     else mode, shard_group=int(mode[4:]) if hsdp else None,
                      groups=groups.groups if groups else 1)
     assert pm.mesh is not None
     r, b = pm.dp_rank, spec.batch_size

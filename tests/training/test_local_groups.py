@@ -32,7 +32,8 @@ from xffl.training.local_groups import check
 
 NPROC, STEPS, EVERY, GROUPS = 4, 7, 3, 2
 LAYOUTS = ("fsdp,linear", "fsdp,linear,g2,k1", "hsdp2,linear,g2,k1", "ddp,adamw,g2,k3",
-           "fsdp,adamw,g2,k3,moments", "ddp,adamw,g2,k3,nesterov", "ddp,adamw,g2,k3,masked")
+           "fsdp,adamw,g2,k3,moments", "ddp,adamw,g2,k3,nesterov", "ddp,adamw,g2,k3,masked",
+           "tp2,linear", "tp2,linear,g2,k1")
 Record = tuple[dict[str, torch.Tensor], dict[str, str]]
 
 
@@ -107,6 +108,40 @@ def test_every_step_is_plain_data_parallelism(runs: Path, layout: str,
         assert worst <= 1e-14, worst
         assert float((got["losses"] - ref["losses"]).abs().max()) <= 2e-14
         assert json.loads(meta["metrics"])[metric.GROUP_SYNCS] == STEPS
+
+
+@pytest.mark.slow
+def test_tensor_parallel_inside_groups(runs: Path) -> None:
+    """2 groups of tensor parallel 2 (FSDP2 dp 1 x tp 2 each, the tiny-test transformers
+    model, float32) averaging after every step == FSDP2 dp 2 x tp 2 over the 4 ranks.
+
+    With the linear optimizer of :func:`test_every_step_is_plain_data_parallelism`, equal
+    in exact arithmetic. Bound (fp32, |w| <= 1.01, ulp 2.4e-7): step 1's rank gradients are
+    bitwise equal (the same tensor-parallel pair computes the same rows through the same
+    collectives); plain rounds w - 0.1 * (g0 + g1) / 2 twice, the groups round w - 0.1 g_a
+    and their mean, so each step adds <= 2 ulp = 4.8e-7; 7 steps: 3.4e-6, and the carried
+    errors move later gradients (0.1 * Lipschitz * 3.4e-6 a step, assumed below 1e-7 for
+    this model at these weights): atol 5e-6. Losses: a rank's loss moves by <= |grad L|_1
+    * 5e-6 with |grad L|_1 <= 198 (twice the 99 tests/training/test_hsdp.py measured for 2
+    sequences of this model; 4 here): atol 1e-3.
+
+    The bug this catches (made once on purpose): averaging every 2 steps instead of every
+    step moves the weights by 1.0e-2 and the losses by 2.3e-2; never averaging (only at
+    the end of 3 steps) by 5.1e-3 and 3.2e-2.
+    """
+    for rank in range(NPROC):
+        ref, ref_meta = _load(runs, "tp2,linear", rank)
+        got, meta = _load(runs, "tp2,linear,g2,k1", rank)
+        assert (ref_meta["dims"], ref_meta["shape"]) == ("dp,tp", "2,2")
+        assert (meta["dims"], meta["shape"]) == ("groups,dp,tp", "2,1,2"), meta
+        assert (int(meta["dp_rank"]), int(meta["group"])) == (rank // 2, rank // 2)
+        other, _ = _load(runs, "tp2,linear,g2,k1", (rank + 2) % NPROC)
+        q = "local.model.layers.0.self_attn.q_proj.weight"
+        assert got[q].shape == (16, 32) and torch.equal(got[q], other[q])  # the same slice
+        weights = [k for k in ref if k.startswith("weight.")]
+        worst = max(float((got[k] - ref[k]).abs().max()) for k in weights)
+        assert worst <= 5e-6, worst
+        assert float((got["losses"] - ref["losses"]).abs().max()) <= 1e-3
 
 
 def _reference(record: dict[str, torch.Tensor], masked: bool = False, **options: object
