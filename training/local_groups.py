@@ -167,8 +167,9 @@ class GroupSync:
     def note(self) -> str:
         """What a step line adds: the groups, the interval and the bytes of the syncs."""
         per_step = self.sync_bytes / self.spec.every
-        return (f" groups {self.spec.groups} every {self.spec.every} sync MB/step "
-                f"{per_step / 1e6:.3g} sync MB/round {self.planned * self.sync_bytes / 1e6:.3g}")
+        return (f" groups {self.spec.groups} every {self.spec.every} sync MB "
+                f"{self.sync_bytes / 1e6:.3g} MB/step {per_step / 1e6:.3g} MB/round "
+                f"{self.planned * self.sync_bytes / 1e6:.3g}")
 
     def metrics(self) -> dict[str, float]:
         """The round's metrics of the syncs: bytes a rank all-reduces per sync, per step

@@ -273,7 +273,9 @@ def test_a_groups_round_through_the_launcher(tmp_path: Path, global0: tuple[Path
     assert manifest.metrics[metric.GROUP_BYTES_ROUND] == \
         2 * manifest.metrics[metric.GROUP_SYNC_BYTES] > 0
     lines = (tmp_path / "steps.log").read_text().splitlines()
-    assert lines and all(" groups 2 every 2 sync MB/step " in line for line in lines), lines
+    sync = manifest.metrics[metric.GROUP_SYNC_BYTES] / 1e6
+    note = f" groups 2 every 2 sync MB {sync:.3g} MB/step {sync / 2:.3g} MB/round {sync * 2:.3g}"
+    assert lines and all(line.endswith(note) for line in lines), (note, lines)
 
 
 def test_validate_shows_the_groups_layout(xffl_home: Path, tmp_path: Path) -> None:
