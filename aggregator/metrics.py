@@ -44,7 +44,15 @@ MFU = "mfu"  # TFLOPS over the device's dense bf16 peak (absent when no peak is 
 PEAK_MEMORY_GIB = "peak_memory_gib"  # the largest peak of any rank (GPU memory, else RSS)
 SAVE_SECONDS = "save_seconds"  # writing the update, checksums included
 HARDWARE_METRICS = (TOKENS_PER_S_PER_GPU, TFLOPS, MFU, PEAK_MEMORY_GIB, SAVE_SECONDS)
-SITE_ONLY_METRICS = (*VALIDATION_METRICS, EVAL_SECONDS, *HARDWARE_METRICS)  # never averaged
+# training.local_groups (xffl.training.local_groups): the groups' syncs inside the site, and
+# the bytes a rank all-reduces for them per sync, per optimizer step and in the round
+GROUP_SYNCS = "group_syncs"
+GROUP_SYNC_BYTES = "group_sync_bytes"
+GROUP_BYTES_PER_STEP = "group_bytes_per_step"
+GROUP_BYTES_ROUND = "group_bytes_round"
+GROUP_METRICS = (GROUP_SYNCS, GROUP_SYNC_BYTES, GROUP_BYTES_PER_STEP, GROUP_BYTES_ROUND)
+SITE_ONLY_METRICS = (*VALIDATION_METRICS, EVAL_SECONDS, *HARDWARE_METRICS,
+                     *GROUP_METRICS)  # never averaged
 
 # the only metric names an update may carry: a site cannot fill the global's manifest with
 # names of its own (the global carries the mean of each, and every site's numbers)

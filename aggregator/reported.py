@@ -16,6 +16,9 @@ from typing import Any
 
 from xffl.aggregator.exchange import Manifest
 from xffl.aggregator.metrics import (
+    GROUP_BYTES_PER_STEP,
+    GROUP_BYTES_ROUND,
+    GROUP_METRICS,
     HARDWARE_METRICS,
     KNOWN_METRICS,
     MFU,
@@ -148,7 +151,7 @@ def check_hardware(manifest: Manifest) -> None:
     """The hardware numbers are not negative, MFU is at most 1, and the ``device`` and
     ``gpus`` of the manifest's ``extra`` (when given) are a short printable name and a count:
     they are shown in `xffl status` and the report, and recorded in the registry."""
-    for name in HARDWARE_METRICS:
+    for name in (*HARDWARE_METRICS, *GROUP_METRICS):
         value = manifest.metrics.get(name)
         if value is not None and value < 0:
             raise CheckpointError(f"metric {name!r} is {value!r}; it is never negative")
@@ -176,4 +179,6 @@ def hardware_of(manifest: Manifest) -> dict[str, Any]:
             "gpus": gpus if type(gpus) is int else None,
             **{name: manifest.metrics.get(name) for name in (
                 TOKENS_PER_S_PER_GPU, TFLOPS, MFU, PEAK_MEMORY_GIB)},
-            "save_seconds": manifest.metrics.get(SAVE_SECONDS)}
+            "save_seconds": manifest.metrics.get(SAVE_SECONDS),
+            "group_bytes_per_step": manifest.metrics.get(GROUP_BYTES_PER_STEP),
+            "group_bytes_round": manifest.metrics.get(GROUP_BYTES_ROUND)}

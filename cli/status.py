@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 # what an 80-column terminal shows of the rounds x sites table (`--json`, `--tsv` or a wider
 # terminal show every column)
 COMPACT = ("round", "site", "state", "sequences", "loss", "val loss", "train s")
+# training.local_groups: shown when a site of the run reports them
+GROUP_COLUMNS = ("groups MB/step", "groups MB/round")
 
 
 def _num(value: Any, fmt: str = "{}") -> str:
@@ -34,6 +36,13 @@ def _hardware(site: SiteStatus) -> list[str]:
             fmt("tokens_per_s_per_gpu", site.tokens_per_s_per_gpu), fmt("tflops", site.tflops),
             fmt("mfu", site.mfu), fmt("peak_memory_gib", site.peak_memory_gib),
             fmt("save_s", site.save_seconds)]
+
+
+def _groups(site: SiteStatus) -> list[str]:
+    """training.local_groups: the MB a rank all-reduced for the groups' syncs, per optimizer
+    step (a sync's / every) and in the round (``-`` without groups)."""
+    return [_num(None if v is None else v / 1e6, "{:.3g}")
+            for v in (site.group_bytes_per_step, site.group_bytes_round)]
 
 
 def title(run: RunRecord) -> str:
@@ -61,11 +70,14 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
     from xffl.jobs.report.numbers import fmt, megabytes
 
     run = data.run
+    # training.local_groups' columns, in a run whose sites report them
+    grouped = any(s.group_bytes_round is not None for r in data.rounds for s in r.sites)
     if not tsv:
         say(f"run [bold]{markup_safe(run.id)}[/bold]: {markup_safe(title(run))}")
     table = Rows(("round", "site", "state", "sequences", "tokens", "loss", "val loss", "queue s",
                   "start s", "train s", "xfer s", "other s", "agg s", "MB in/out", "device",
-                  "GPUs", "tok/s per GPU", "TFLOP/s", "MFU", "peak GiB", "save s"),
+                  "GPUs", "tok/s per GPU", "TFLOP/s", "MFU", "peak GiB", "save s",
+                  *GROUP_COLUMNS[:len(GROUP_COLUMNS) if grouped else 0]),
                  text=("state", "device"), compact=COMPACT)
     for rnd in data.rounds:
         number = str(rnd.record.round)
@@ -79,11 +91,13 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
                 fmt("startup_s", site.startup_seconds), _num(site.train_seconds, "{:.1f}"),
                 fmt("transfer_s", site.transfer_s), fmt("other_s", site.other_s), "",
                 f"{megabytes(site.received_bytes)}/{megabytes(site.sent_bytes)}"
-                if site.received_bytes is not None else "-", *_hardware(site))
+                if site.received_bytes is not None else "-", *_hardware(site),
+                *(_groups(site) if grouped else []))
         table.add(number, Markup("[bold]global[/bold]"), rnd.record.state,
                   _num(rnd.record.num_samples), "", _num(rnd.record.loss, "{:.4f}"),
                   _num(rnd.record.val_loss, "{:.4f}"), "", "", "", "", "",
-                  _num(rnd.record.aggregate_seconds, "{:.2f}"), "", *[""] * 7,
+                  _num(rnd.record.aggregate_seconds, "{:.2f}"), "",
+                  *[""] * (7 + (len(GROUP_COLUMNS) if grouped else 0)),
                   end_section=True)
     table.print(tsv)
     if tsv:

@@ -18,6 +18,7 @@ from pydantic import (
 
 from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.core.validation import PathText, StrictModel
+from xffl.training.group_spec import LocalGroupsSpec
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -284,6 +285,10 @@ class TrainingSpec(StrictModel):
     checkpoint: RoundCheckpointSpec | None = Field(
         default=None, description="checkpoints inside a round at the site, which a retried "
         "job continues from: {every: STEPS or \"<N>m\", keep: N}")
+    local_groups: LocalGroupsSpec | None = Field(
+        default=None, description="federated groups of ranks inside a site: {groups: G, "
+        "every: K}: each group trains on its share of every step's batch, and the groups "
+        "average their weights every K steps and at the round's end")
 
     @field_validator("activation_checkpointing")
     @classmethod

@@ -98,14 +98,17 @@ def _agree_to_stop(want: bool, device: torch.device) -> bool:
 
 
 def _step_targets(micro: list[tuple[Tensor, ...]], masked: bool, pm: ParallelModel,
-                  device: torch.device) -> int:
-    """Targets in the loss of one step on all dp ranks (collective when ``masked``)."""
+                  device: torch.device) -> tuple[int, int]:
+    """Targets in the loss of one step on all dp ranks, and on those of this rank's local
+    group (the same without ``training.local_groups``); collective when ``masked``."""
     local = sum(int((m[1] != IGNORE).sum()) for m in micro)
     if not masked or not dist.is_available() or not dist.is_initialized():
-        return local * pm.dp_size
-    count = torch.tensor([local], dtype=torch.float64, device=device)
+        return local * pm.dp_size, local * (pm.dp_size // pm.groups)
+    count = torch.zeros(pm.groups, dtype=torch.float64, device=device)
+    count[pm.group] = local
     dist.all_reduce(count, op=dist.ReduceOp.SUM)  # each dp group's count once per tp rank
-    return round(float(count.item()) / pm.tp_size)
+    return round(float(count.sum().item()) / pm.tp_size), \
+        round(float(count[pm.group].item()) / pm.tp_size)
 
 
 #: called after each optimizer step with (steps done, the losses so far, targets counted)
@@ -160,9 +163,10 @@ def run_steps(pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: La
         step_tokens = tokens
         optimizer.zero_grad(set_to_none=True)
         micro_batches = [next(batches) for _ in range(spec.grad_accum)]
-        counted = _step_targets(micro_batches, masked, pm, device)
+        counted, in_group = _step_targets(micro_batches, masked, pm, device)
         loss_tokens += counted
-        scale = pm.dp_size / max(counted, 1)  # no target in the loss: the step moves nothing
+        # the gradient's mean runs over the group's dp ranks (all of them without groups)
+        scale = (pm.dp_size // pm.groups) / max(in_group, 1)  # no target: the step moves nothing
         for micro, (inputs, targets, *rest) in enumerate(micro_batches):
             tokens += inputs.numel()
             inputs = inputs.to(device, non_blocking=True)

@@ -225,7 +225,10 @@ def resolve_data_parallel(requested: str, tp: int, params: int, ranks: int,
 def site_layout(spec: TrainingSpec, ranks: int, parts: ModelParts, *, gpu: bool = True,
                 data_parallel: str | None = None, gpu_memory: int | None = None) -> Layout:
     """The Layout of a site running ``spec`` on ``ranks`` ranks (``data_parallel`` overrides;
-    ``gpu_memory``: one GPU's bytes, which ``auto``'s choice depends on)."""
+    ``gpu_memory``: one GPU's bytes, which ``auto``'s choice depends on); under
+    ``local_groups`` a rank's memory is that of a site of one group's ranks."""
+    if spec.local_groups is not None:
+        ranks = spec.local_groups.ranks_per_group(ranks) or ranks
     tp = spec.tensor_parallel
     mode = resolve_data_parallel(data_parallel or spec.data_parallel, tp, parts.total, ranks,
                                  gpu_memory)

@@ -164,6 +164,12 @@ class ParallelModel:
     dp_size: int = 1
     tp_size: int = 1
     mesh: DeviceMesh | None = None
+    groups: int = 1  # training.local_groups: dp ranks split into this many groups
+
+    @property
+    def group(self) -> int:
+        """This rank's local group (0 without groups): dp ranks in blocks of dp/groups."""
+        return self.dp_rank // (self.dp_size // self.groups)
 
     @contextmanager
     def _fsdp_no_sync(self) -> Iterator[None]:
@@ -188,7 +194,7 @@ class ParallelModel:
         """
         if isinstance(self.net, DistributedDataParallel):
             return self.net.no_sync()
-        if is_fsdp(self.module) and self.dp_size == 1:
+        if is_fsdp(self.module) and self.dp_size // self.groups == 1:
             return self._fsdp_no_sync()
         return nullcontext()
 
@@ -296,7 +302,7 @@ def hsdp_mesh(device: torch.device, world: int, shard_group: int | None,
 def parallelize(model: nn.Module, tp: int, device: torch.device,
                 data_parallel: str = "auto", *, precision: str = "auto",
                 checkpointing: int = 0, compile: bool = False,
-                shard_group: int | None = None) -> ParallelModel:
+                shard_group: int | None = None, groups: int = 1) -> ParallelModel:
     """Split ``model`` over a (dp, tp) mesh of all ranks and wrap it for data parallelism.
 
     Every rank must hold the same full weights on entry (they are sliced, not scattered).
@@ -308,7 +314,9 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     the 2-D (replicate, shard) mesh of :func:`hsdp_mesh` (torch's HSDP: reduce-scatter
     inside a shard group, all-reduce of the shards across the replicas), ``shard_group``
     data-parallel ranks a group; with tp > 1 that mesh is the (replicate, shard) sub-mesh
-    of the 3-D (replicate, shard, tp) one.
+    of the 3-D (replicate, shard, tp) one. ``groups`` > 1: the ranks form that many local
+    groups, each with this parallelism inside (:func:`xffl.training.local_groups.group_mesh`;
+    HSDP inside groups without tp).
     """
     config = _config_of(model)
     if tp > 1 and config is None:
@@ -321,8 +329,13 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     if config is not None:
         check_tensor_parallel(config, tp, world)
     mode = data_parallel_mode(data_parallel, tp, _count_params(model), device_memory(device))
-    if data_parallel == "hsdp" and distributed:
-        mesh: DeviceMesh | None = hsdp_mesh(device, world, shard_group, tp)
+    if groups > 1 and distributed:
+        from xffl.training.local_groups import group_mesh
+
+        mesh: DeviceMesh | None = group_mesh(device, world, groups, tp, shard_group
+                                             if data_parallel == "hsdp" else None)
+    elif data_parallel == "hsdp" and distributed:
+        mesh = hsdp_mesh(device, world, shard_group, tp)
     else:
         mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=MESH_DIMS) \
             if distributed else None
@@ -351,12 +364,13 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
         net = model
         if data_parallel == "hsdp":  # a tp group reads one dp rank's batches (tp innermost)
             return ParallelModel(module=model, net=net, dp_rank=dist.get_rank() // tp,
-                                 dp_size=world // tp, tp_size=tp, mesh=mesh)
+                                 dp_size=world // tp, tp_size=tp, mesh=mesh, groups=groups)
     else:
         net = DistributedDataParallel(
             model, process_group=mesh.get_group("dp"),
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
-    return ParallelModel(module=model, net=net, dp_rank=mesh.get_local_rank("dp"),
-                         dp_size=world // tp, tp_size=tp, mesh=mesh)
+    first = mesh.get_local_rank("groups") * (world // tp // groups) if groups > 1 else 0
+    return ParallelModel(module=model, net=net, dp_rank=first + mesh.get_local_rank("dp"),
+                         dp_size=world // tp, tp_size=tp, mesh=mesh, groups=groups)

@@ -51,13 +51,14 @@ class Speed:
     devices: int = 1  # the site's ranks (GPUs, or CPU processes)
     flops_per_token: float = 0.0  # xffl.training.telemetry.flops_per_token
     peak_tflops: float | None = None  # the device's dense bf16 peak; None: unknown
+    note: str = ""  # appended to every line (training.local_groups: its syncs' bytes)
 
     def text(self, tokens: float, seconds: float) -> str:
         """`` tokens/s/gpu R mfu M%`` of ``tokens`` (the site's) in ``seconds``."""
         per_device = tokens / max(self.devices, 1) / max(seconds, 1e-9)
         mfu = "-" if self.peak_tflops is None else \
             f"{100 * self.flops_per_token * per_device / 1e12 / self.peak_tflops:.1f}%"
-        return f" tokens/s/gpu {per_device:.0f} mfu {mfu}"
+        return f" tokens/s/gpu {per_device:.0f} mfu {mfu}{self.note}"
 
 
 class StepReporter:

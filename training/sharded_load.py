@@ -55,17 +55,18 @@ def load_sliced(model: nn.Module, model_dir: Path, tp: int, device: torch.device
                 data_parallel: str, checkpoint_name: Callable[[str], str] = str,
                 given: Mapping[str, Tensor] | None = None, *, checkpointing: int = 0,
                 precision: str = "auto", compile: bool = False,
-                shard_group: int | None = None) -> ParallelModel:
+                shard_group: int | None = None, groups: int = 1) -> ParallelModel:
     """A meta-device ``model`` split over the (dp, tp) mesh of all ranks, its slices filled
     one tensor at a time: a state-dict entry from ``given`` (by the model's key) when there,
     else from the checkpoint in ``model_dir``, whose tensor ``checkpoint_name(key)`` it is.
     For meshes whose ranks hold slices (FSDP2, tensor parallel): DDP would wrap the model
-    before its weights exist. ``checkpointing``, ``precision``, ``compile``, ``shard_group``:
-    as :func:`parallelize` takes them."""
+    before its weights exist. ``checkpointing``, ``precision``, ``compile``, ``shard_group``,
+    ``groups``: as :func:`parallelize` takes them."""
     from torch.distributed.tensor import distribute_tensor
 
     pm = parallelize(model, tp, device, data_parallel, precision=precision,
-                     checkpointing=checkpointing, compile=compile, shard_group=shard_group)
+                     checkpointing=checkpointing, compile=compile, shard_group=shard_group,
+                     groups=groups)
     pm.module.to_empty(device=device)
     _restore_buffers(pm.module)
     tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings",
@@ -100,10 +101,11 @@ def load_sliced(model: nn.Module, model_dir: Path, tp: int, device: torch.device
 
 def load_parallel(model_dir: Path, config: ModelConfig, tp: int, device: torch.device,
                   data_parallel: str, checkpointing: int = 0, *, precision: str = "auto",
-                  compile: bool = False, shard_group: int | None = None) -> ParallelModel:
+                  compile: bool = False, shard_group: int | None = None,
+                  groups: int = 1) -> ParallelModel:
     """The checkpoint in ``model_dir`` as a model split over the (dp, tp) mesh of all ranks
-    (``checkpointing``, ``precision``, ``compile``, ``shard_group``: as :func:`parallelize`
-    takes them)."""
+    (``checkpointing``, ``precision``, ``compile``, ``shard_group``, ``groups``: as
+    :func:`parallelize` takes them)."""
     return load_sliced(meta_causal_lm(config), model_dir, tp, device, data_parallel,
                        checkpointing=checkpointing, precision=precision, compile=compile,
-                       shard_group=shard_group)
+                       shard_group=shard_group, groups=groups)

@@ -32,7 +32,7 @@ from xffl.aggregator.exchange import (
 from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
 from xffl.training import distributed as xdist
-from xffl.training import lora, round_state
+from xffl.training import local_groups, lora, round_state
 from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
@@ -208,6 +208,7 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
                                 device_memory(device)) == "fsdp"
     dtype = lora.frozen_dtype(spec.precision, device) if spec.lora is not None \
         else torch.float32
+    groups = local_groups.check(spec, xdist.world_size())
     if sliced and xdist.world_size() > 1 and job.model.entry_point is None:
         if spec.lora is not None:
             return lora.load_sliced_adapted(weights_dir, model_dir, config, spec.lora,
@@ -217,14 +218,15 @@ def site_model(job: TrainJob, weights_dir: Path, model_dir: Path, config: ModelC
                                             shard_group=spec.shard_group)
         return load_parallel(weights_dir, config, spec.tensor_parallel, device,
                              spec.data_parallel, every, precision=spec.precision,
-                             compile=spec.compile, shard_group=spec.shard_group)
+                             compile=spec.compile, shard_group=spec.shard_group,
+                             groups=groups)
     model = load_model(weights_dir, job.model.entry_point, dtype)
     if spec.lora is not None:  # checkpointing reaches the decoder layers through peft
         model = lora.wrap(model, spec.lora, job.freeze_a)
         lora.load_adapter(model, read_weights(model_dir), model_dir)
     return parallelize(model.to(device), spec.tensor_parallel, device, spec.data_parallel,
                        precision=spec.precision, checkpointing=every, compile=spec.compile,
-                       shard_group=spec.shard_group)
+                       shard_group=spec.shard_group, groups=groups)
 
 
 def _round_checkpoints(job: TrainJob, round: int, parent: str, state_dir: Path | None,
@@ -338,8 +340,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     deadline = _on_main(lambda: round_deadline(
         spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
         json.dumps, json.loads)
-    speed = round_speed(pm.module, config, spec.seq_len, device, world)
-    after_step = round_state.step_hook(saver, steps, pm, optimizer, scheduler)
+    sync = local_groups.make_sync(spec.local_groups, pm, optimizer, steps, state_dir, round)
+    speed = local_groups.noted(round_speed(pm.module, config, spec.seq_len, device, world), sync)
+    after_step = local_groups.chain(sync, round_state.step_hook(saver, steps, pm, optimizer,
+                                                                scheduler))
     try:
         result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                            deadline=deadline, check_deadline=deadline is not None, prox=prox,
@@ -350,6 +354,8 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     finally:
         if saver is not None:
             saver.close()
+    if sync is not None:  # the site's update: the groups' result
+        sync.finish()
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
@@ -373,6 +379,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                              startup, incoming, trained, eval_seconds, hardware_metrics(
                                  per_device_rate(result.steady_tokens, pm.tp_size,
                                                  steady_seconds), speed, peak_bytes))
+    metrics.update(sync.metrics() if sync is not None else {})
     manifest = Manifest(
         kind="update",
         run_id=job.run_id,

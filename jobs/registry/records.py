@@ -73,6 +73,10 @@ class SiteRound:
     mfu: float | None = None
     peak_memory_gib: float | None = None
     save_seconds: float | None = None
+    # training.local_groups: the bytes a rank all-reduced for the groups' syncs, per
+    # optimizer step (a sync's / every) and in the round
+    group_bytes_per_step: float | None = None
+    group_bytes_round: float | None = None
 
 
 @dataclass(frozen=True)

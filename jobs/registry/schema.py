@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     delivered_seconds REAL, startup_seconds REAL, val_loss REAL, val_loss_update REAL,
     val_samples INTEGER, val_tokens INTEGER, staleness INTEGER, staleness_weight REAL,
     late_job_id TEXT, device TEXT, gpus INTEGER, tokens_per_s_per_gpu REAL, tflops REAL,
-    mfu REAL, peak_memory_gib REAL, save_seconds REAL, PRIMARY KEY (run_id, round, site)
+    mfu REAL, peak_memory_gib REAL, save_seconds REAL, group_bytes_per_step REAL,
+    group_bytes_round REAL, PRIMARY KEY (run_id, round, site)
 );
 CREATE TABLE IF NOT EXISTS transfers (
     run_id TEXT NOT NULL, site TEXT NOT NULL, direction TEXT NOT NULL,
@@ -65,7 +66,8 @@ _ADDED_COLUMNS = {
                     ("val_tokens", "INTEGER"), ("staleness", "INTEGER"),
                     ("staleness_weight", "REAL"), ("late_job_id", "TEXT"), ("device", "TEXT"),
                     ("gpus", "INTEGER"), ("tokens_per_s_per_gpu", "REAL"), ("tflops", "REAL"),
-                    ("mfu", "REAL"), ("peak_memory_gib", "REAL"), ("save_seconds", "REAL")],
+                    ("mfu", "REAL"), ("peak_memory_gib", "REAL"), ("save_seconds", "REAL"),
+                    ("group_bytes_per_step", "REAL"), ("group_bytes_round", "REAL")],
     "rounds": [("val_loss", "REAL"), ("val_samples", "INTEGER"), ("val_tokens", "INTEGER")],
     "transfers": [("bytes", "INTEGER")],
     "slurm_jobs": [("name", "TEXT NOT NULL DEFAULT ''"), ("nodes", "TEXT NOT NULL DEFAULT ''")],

@@ -179,15 +179,16 @@ class Registry:
                     " num_tokens, loss, train_seconds, reason, attempts, delivered_seconds,"
                     " startup_seconds, val_loss, val_loss_update, val_samples, val_tokens,"
                     " staleness, staleness_weight, late_job_id, device, gpus,"
-                    " tokens_per_s_per_gpu, tflops, mfu, peak_memory_gib, save_seconds)"
+                    " tokens_per_s_per_gpu, tflops, mfu, peak_memory_gib, save_seconds,"
+                    " group_bytes_per_step, group_bytes_round)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-                    " ?, ?, ?, ?, ?, ?, ?)",
+                    " ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, record.round, s.site, SiteState(s.state).value, s.num_samples,
                      s.num_tokens, s.loss, s.train_seconds, s.reason, s.attempts, delivered,
                      s.startup_seconds, s.val_loss, s.val_loss_update, s.val_samples,
                      s.val_tokens, s.staleness, s.staleness_weight, s.late_job_id, s.device,
                      s.gpus, s.tokens_per_s_per_gpu, s.tflops, s.mfu, s.peak_memory_gib,
-                     s.save_seconds),
+                     s.save_seconds, s.group_bytes_per_step, s.group_bytes_round),
                 )
             if record.state == RoundState.COMPLETED:
                 db.execute(
@@ -218,7 +219,9 @@ class Registry:
                           late_job_id=s["late_job_id"], device=s["device"], gpus=s["gpus"],
                           tokens_per_s_per_gpu=s["tokens_per_s_per_gpu"], tflops=s["tflops"],
                           mfu=s["mfu"], peak_memory_gib=s["peak_memory_gib"],
-                          save_seconds=s["save_seconds"])
+                          save_seconds=s["save_seconds"],
+                          group_bytes_per_step=s["group_bytes_per_step"],
+                          group_bytes_round=s["group_bytes_round"])
             )
         return [
             RoundRecord(round=r["round"], state=RoundState(r["state"]), started=r["started"],

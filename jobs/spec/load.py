@@ -12,6 +12,7 @@ from xffl.core.errors import InvalidInput
 from xffl.core.validation import field_path, validate_doc
 from xffl.core.yamlio import Loc, YamlDoc, load_yaml
 from xffl.jobs.spec.checkpoint_check import check_round_checkpoints
+from xffl.jobs.spec.groups_check import check_local_groups
 from xffl.jobs.spec.peft_check import install_command, peft_installed
 from xffl.jobs.spec.schema import JobSpec
 from xffl.jobs.spec.tracking import resolve
@@ -299,6 +300,7 @@ def load_job(path: Path) -> LoadedJob:
         errors.extend(_check_slurm_overrides(doc, spec, path, profiles))
         errors.extend(_check_deadline(doc, spec, path))
         errors.extend(_check_shard_group(doc, spec, path))
+        errors.extend(check_local_groups(doc, spec, path))
         errors.extend(check_round_checkpoints(doc, spec, path, profiles))
     if errors or spec is None:
         raise InvalidInput(errors[0], lines=errors)

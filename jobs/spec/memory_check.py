@@ -187,6 +187,8 @@ def check_sites(loaded: LoadedJob) -> SiteChecks:
                  if layout and training.shard_group and layout.shard else
                  f"{layout.mode} dp {layout.dp} x tp {layout.tp}" if layout else
                  f"tp {training.tensor_parallel}")
+        if training.local_groups is not None:  # the layout of each group (site_layout's)
+            shape = f"{training.local_groups.groups} groups of {shape}"
         fits = None if gib is None or est is None else _fits(est, gib)
         fix = None
         if fits is False and parts is not None and est is not None and gib is not None:

@@ -49,6 +49,8 @@ class Verdict:
     mfu: float | None = None
     peak_memory_gib: float | None = None
     save_seconds: float | None = None
+    group_bytes_per_step: float | None = None  # training.local_groups: a rank's sync bytes
+    group_bytes_round: float | None = None
 
     def __post_init__(self) -> None:
         """A reason quotes what the site sent: it enters the registry at most REASON_CHARS
@@ -72,7 +74,9 @@ class Verdict:
                          late_job_id=self.late_job_id, device=self.device, gpus=self.gpus,
                          tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, tflops=self.tflops,
                          mfu=self.mfu, peak_memory_gib=self.peak_memory_gib,
-                         save_seconds=self.save_seconds)
+                         save_seconds=self.save_seconds,
+                         group_bytes_per_step=self.group_bytes_per_step,
+                         group_bytes_round=self.group_bytes_round)
 
     def write(self, path: Path) -> None:
         """Store as JSON."""
