@@ -31,8 +31,8 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
+from xffl.training import chain, lora, round_state
 from xffl.training import distributed as xdist
-from xffl.training import lora, round_state
 from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
@@ -104,7 +104,8 @@ def round_deadline(spec: TrainingSpec, reserve: float = 0.0,
     seconds (the update's evaluation after training)."""
     now = time.time()
     ends = [now + spec.time_budget] if spec.time_budget is not None else []
-    slurm_end = xdist.slurm_end_time()
+    chained = spec.checkpoint is not None and spec.checkpoint.chain  # continues instead
+    slurm_end = None if chained else xdist.slurm_end_time()
     if slurm_end is not None:
         ends.append(slurm_end - time_margin(spec.time_margin, save_bytes) - reserve)
     return min(ends) if ends else None
@@ -339,7 +340,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
         json.dumps, json.loads)
     speed = round_speed(pm.module, config, spec.seq_len, device, world)
-    after_step = round_state.step_hook(saver, steps, pm, optimizer, scheduler)
+    after_step, watch = chain.begin(  # training.checkpoint.chain: a round of several jobs
+        spec.checkpoint, saver, state_dir, round, parent, steps,
+        0 if resumed is None else resumed.step, pm, optimizer, scheduler,
+        round_state.step_hook(saver, steps, pm, optimizer, scheduler))
     try:
         result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                            deadline=deadline, check_deadline=deadline is not None, prox=prox,
@@ -347,9 +351,12 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                            resume=None if resumed is None else (resumed.losses,
                                                                 resumed.loss_tokens),
                            after_step=after_step)
+        if watch is not None:
+            watch.finish(len(result.losses), continues=False)
     finally:
-        if saver is not None:
-            saver.close()
+        for part in (saver, watch):
+            if part is not None:
+                part.close()
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
