@@ -39,7 +39,7 @@ from xffl.training.round_state import RoundCheckpointer
 
 STOP_FILE = ".chain-stop"  # the launcher's request (its USR1), in the site's state folder
 END_FILE = ".chain-end.json"  # rank 0's account of the job that just ended
-JOBS_FILE = "round-jobs.json"  # the launcher's list of the round's jobs
+JOBS_FILE = "chain-jobs.json"  # the launcher's list of the round's jobs
 MAX_JOBS = 64  # jobs of one round kept and reported, the newest
 #: rank 0's line when a job ends a chained round early; the failure manager reads its numbers
 CONTINUE_LINE = "xffl.training: round {round} continues in the next job at step {step} of {steps}"
