@@ -60,6 +60,8 @@ FORKED_MODULE = "xffl.training.forked"
 # launcher's working folder replaces {cwd}
 RANK_PYTHON_ENV = "XFFL_RANK_PYTHON"
 CWD_WORD = "{cwd}"
+#: the file the launcher writes its process id to, for the batch shell's USR1 trap (chain)
+PID_FILE_ENV = "XFFL_LAUNCHER_PID_FILE"
 FORK_ENV = "XFFL_FORK_RANKS"  # "0": exec every rank as torchrun does, even on a CPU machine
 # device files of GPUs a rank could use: NVIDIA, AMD (ROCm's kfd), Intel and other DRM render
 ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dri/renderD*", "accel/*")
@@ -229,6 +231,13 @@ def _listen(keep: Path | None) -> None:
     Path(keep).mkdir(parents=True, exist_ok=True)
     clear(keep)
     signal.signal(signal.SIGUSR1, on_usr1)
+    pid_file = os.environ.get(PID_FILE_ENV)
+    if pid_file:  # where the batch shell's trap finds whom to signal
+        try:
+            Path(pid_file).write_text(f"{os.getpid()}\n")
+        except OSError as exc:
+            print(f"xffl.training.launch: warning: cannot write {pid_file} ({exc}); SLURM's "
+                  "signal will not reach this job.", file=sys.stderr, flush=True)
 
 
 def _chain_jobs(keep: Path | None, rnd: str | None,

@@ -43,6 +43,15 @@ def _parameters(spec: JobSpec) -> int | None:
         return None
 
 
+def signal_margin(spec: JobSpec) -> int | None:
+    """The seconds before a site's time limit at which SLURM signals a chained round's job
+    (``--signal=B:USR1@...``), from the declared cost of one checkpoint (None: no chain)."""
+    ckpt = spec.training.checkpoint
+    if ckpt is None or not ckpt.chain:
+        return None
+    return chain_margin(checkpoint_seconds(_parameters(spec) or 0))
+
+
 def check_round_checkpoints(doc: YamlDoc, spec: JobSpec, path: Path,
                             profiles: dict[str, SiteProfile]) -> list[str]:
     """One line per problem of ``training.checkpoint`` (none when it is not set)."""

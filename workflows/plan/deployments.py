@@ -89,7 +89,7 @@ class BatchPaths:
 
 
 def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str, *,
-                 by_hand: bool, lora: bool = False) -> str:
+                 by_hand: bool, lora: bool = False, chain_margin: int | None = None) -> str:
     """The batch script of ``site`` from the one template, for StreamFlow or for sbatch.
 
     ``by_hand``: a complete script (``sbatch/<site>.sh``) that trains one round from paths
@@ -97,7 +97,9 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     StreamFlow renders again with each round's command (``{{streamflow_command}}``); the
     site's own lines sit in a raw block there (the profile schema refuses ``{%`` in them).
     ``lora``: the hand-run script also passes the frozen base model (``--base``), as the
-    workflow's tool does.
+    workflow's tool does. ``chain_margin``: a chained round's (``training.checkpoint.chain``)
+    seconds before the time limit at which SLURM signals the job (``--signal=B:USR1@...``),
+    which the script forwards to the launcher.
     """
     import jinja2
 
@@ -120,7 +122,7 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     round_job_name = (f"{{{{ streamflow_command.split('{SLURM_NAME_OPTION}')[1].split()[0] "
                       f"if '{SLURM_NAME_OPTION}' in streamflow_command else '{prefix}' }}}}")
     return env.get_template("sbatch.sh.j2").render(
-        round_job_name=round_job_name,
+        round_job_name=round_job_name, chain_margin=chain_margin,
         by_hand=by_hand, site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
         job_name=prefix, slurm=slurm, ranks=ranks,
         options=sbatch_options(slurm), setup=profile.setup, env=sorted(profile.env.items()),
