@@ -18,6 +18,7 @@ time, how it ended); the job that finishes the round hands it back in ``slurm_jo
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from xffl.core.errors import ExitCode, XfflError
+from xffl.core.failpoints import ENV as FAILPOINT_ENV
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
 from xffl.training.parallelize import ParallelModel
@@ -40,6 +42,7 @@ from xffl.training.round_state import RoundCheckpointer
 STOP_FILE = ".chain-stop"  # the launcher's request (its USR1), in the site's state folder
 END_FILE = ".chain-end.json"  # rank 0's account of the job that just ended
 JOBS_FILE = "chain-jobs.json"  # the launcher's list of the round's jobs
+WAIT_FAILPOINT = "chain-wait-{step}"  # xffl.core.failpoints' variable: see should_stop
 MAX_JOBS = 64  # jobs of one round kept and reported, the newest
 #: rank 0's line when a job ends a chained round early; the failure manager reads its numbers
 CONTINUE_LINE = "xffl.training: round {round} continues in the next job at step {step} of {steps}"
@@ -72,8 +75,15 @@ class StopWatch:
     def _on_signal(self, signum: int, frame: object) -> None:
         self.asked = True
 
-    def should_stop(self, measured_cost: float) -> bool:
-        """After a step: whether any rank wants to stop (the same answer on every rank)."""
+    def should_stop(self, done: int, measured_cost: float) -> bool:
+        """After step ``done``: whether any rank wants to stop (the same answer on every
+        rank). The failpoint ``chain-wait-K`` holds rank 0 after step K until a stop is asked
+        (a test's signal lands at a known step, with no sleep in the test)."""
+        if self.rank == 0 and os.environ.get(FAILPOINT_ENV) == WAIT_FAILPOINT.format(step=done):
+            print(f"xffl.training: failpoint {WAIT_FAILPOINT.format(step=done)}: waiting for "
+                  "the stop request.", file=sys.stderr, flush=True)
+            while not (self.asked or (self.state_dir / STOP_FILE).exists()):
+                time.sleep(0.05)
         now = time.monotonic()
         step_seconds, self.last = now - self.last, now
         want = self.asked or (self.rank == 0 and (self.state_dir / STOP_FILE).exists())
@@ -119,7 +129,7 @@ def hook(after_step: Callable[[int, Tensor, int], None] | None, watch: StopWatch
     def after(done: int, so_far: Tensor, loss_tokens: int) -> None:
         if after_step is not None:
             after_step(done, so_far, loss_tokens)
-        if done >= watch.steps or not watch.should_stop(saver.last_cost):
+        if done >= watch.steps or not watch.should_stop(done, saver.last_cost):
             return
         if saver.saved_step != done:
             save(done, so_far, loss_tokens)
