@@ -177,7 +177,10 @@ def status(
     orchestration (until its update was in place); `xffl report` draws the same numbers.
 
     For SLURM sites it also shows each round's job id, SLURM state, queue wait and run time,
-    read live over SSH while the run is running (a site that cannot be reached says so).
+    read live over SSH while the run is running (a site that cannot be reached says so). A
+    round of several jobs (training.checkpoint.chain) shows each job's steps (from-to) and a
+    line per site: jobs so far, steps done and, in flight, an ETA in seconds of training
+    (--json: ``slurm[].step_from``/``step_to`` and ``chains``).
 
     While a round's global goes out to a site or its update comes back, a table of the copies
     in flight shows each one's bytes so far, MB/s and ETA (--json: ``copies``; every finished
