@@ -84,7 +84,7 @@ def test_signalled_job_continues_in_the_next_bitwise(tmp_path: Path,
     k = int(match.group(1))
     assert EVERY < k < STEPS, err
     (folder,) = list((state / ROOT).iterdir())
-    assert (folder / f"step-{k:06d}" / COMPLETE).is_file(), sorted(folder.iterdir())
+    assert (folder / f"step-{k:06d}" / COMPLETE).is_file(), (k, sorted(folder.iterdir()))
     assert f"checkpoint complete: round 1 step {k} " in err  # printed before the job ended
     assert not (out / "model.safetensors").exists()
     rc, err2 = run_round(tmp_path, job, model, state, out)
