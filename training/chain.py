@@ -37,7 +37,7 @@ from xffl.core.files import write_json
 from xffl.training import distributed as xdist
 from xffl.training.parallelize import ParallelModel
 from xffl.training.round_spec import RoundCheckpointSpec, chain_margin, checkpoint_seconds
-from xffl.training.round_state import RoundCheckpointer
+from xffl.training.round_state import Resumed, RoundCheckpointer, step_hook
 
 STOP_FILE = ".chain-stop"  # the launcher's request (its USR1), in the site's state folder
 END_FILE = ".chain-end.json"  # rank 0's account of the job that just ended
@@ -209,17 +209,19 @@ def round_jobs(state_dir: Path | None, rnd: int) -> list[dict[str, Any]] | None:
 
 
 def begin(spec: RoundCheckpointSpec | None, saver: RoundCheckpointer | None,
-          state_dir: Path | None, round: int, parent: str, steps: int, first: int,
-          pm: ParallelModel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-          after_step: Callable[[int, Tensor, int], None] | None
+          state_dir: Path | None, round: int, parent: str, steps: int,
+          resumed: Resumed | None, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+          scheduler: LambdaLR
           ) -> tuple[Callable[[int, Tensor, int], None] | None, StopWatch | None]:
-    """A chained round's step hook and stop watch (``after_step`` and None unless
-    ``training.checkpoint.chain`` with a state folder). Collective."""
+    """The round's step hook (its checkpoints, :func:`round_state.step_hook`) and, with
+    ``training.checkpoint.chain`` and a state folder, the stop watch of a round of several
+    jobs (else None). Collective."""
+    after_step = step_hook(saver, steps, pm, optimizer, scheduler)
     if spec is None or not spec.chain or saver is None or state_dir is None:
         return after_step, None
     parameters = sum(p.numel() for p in pm.module.parameters())
-    watch = StopWatch(state_dir, round, parent, steps, first, xdist.slurm_end_time(),
-                      parameters)
+    watch = StopWatch(state_dir, round, parent, steps, 0 if resumed is None else resumed.step,
+                      xdist.slurm_end_time(), parameters)
 
     def save(done: int, so_far: Tensor, loss_tokens: int) -> None:
         saver.save(done, pm, optimizer, scheduler, so_far, loss_tokens)

@@ -340,10 +340,8 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         spec, reserve=eval_seconds, save_bytes=global_update_nbytes(model_dir, job.exchange)),
         json.dumps, json.loads)
     speed = round_speed(pm.module, config, spec.seq_len, device, world)
-    after_step, watch = chain.begin(  # training.checkpoint.chain: a round of several jobs
-        spec.checkpoint, saver, state_dir, round, parent, steps,
-        0 if resumed is None else resumed.step, pm, optimizer, scheduler,
-        round_state.step_hook(saver, steps, pm, optimizer, scheduler))
+    after_step, watch = chain.begin(spec.checkpoint, saver, state_dir, round, parent, steps,
+                                    resumed, pm, optimizer, scheduler)
     try:
         result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                            deadline=deadline, check_deadline=deadline is not None, prox=prox,
