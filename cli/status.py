@@ -122,8 +122,8 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
                        _num(c.eta_s, "{:.0f}"))
         moving.print()
     if data.slurm:
-        jobs = Rows(("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s"),
-                    title="SLURM jobs", text=("SLURM state",))
+        jobs = Rows(("round", "site", "SLURM job", "SLURM state", "queue wait s", "run s",
+                     "steps"), title="SLURM jobs", text=("SLURM state", "steps"))
         for job in data.slurm:
             state = job.state or ("unreachable" if not job.reachable else "-")
             if job.error:
@@ -131,8 +131,16 @@ def render_status(data: RunStatus, tsv: bool = False) -> None:
             elif not job.live and job.state in {"PENDING", "RUNNING", "COMPLETING"}:
                 state += " (last seen)"
             jobs.add(_num(job.round), job.site, job.job_id or "-", state,
-                         _num(job.queue_wait_s, "{:.0f}"), _num(job.run_s, "{:.0f}"))
+                     _num(job.queue_wait_s, "{:.0f}"), _num(job.run_s, "{:.0f}"),
+                     "-" if job.step_to is None else f"{job.step_from}-{job.step_to}")
         jobs.print()
+    if data.chains:
+        chained = Rows(("round", "site", "jobs", "steps done", "of", "ETA s"),
+                       title="rounds of several jobs (training.checkpoint.chain)")
+        for chain in data.chains:
+            chained.add(str(chain.round), chain.site, str(chain.jobs), str(chain.steps_done),
+                        _num(chain.steps), "done" if chain.done else _num(chain.eta_s, "{:.0f}"))
+        chained.print()
     if any(e.rounds_seen or e.slurm_estimate_s is not None for e in data.estimates):
         est = Rows(("site", "queue wait s", "start-up s", "s/step", "rounds", "SLURM seed s"),
                    title="estimates for the next round (exponentially weighted)")
@@ -183,7 +191,10 @@ def status(
     orchestration (until its update was in place); `xffl report` draws the same numbers.
 
     For SLURM sites it also shows each round's job id, SLURM state, queue wait and run time,
-    read live over SSH while the run is running (a site that cannot be reached says so).
+    read live over SSH while the run is running (a site that cannot be reached says so). A
+    round of several jobs (training.checkpoint.chain) shows each job's steps (from-to) and a
+    line per site: jobs so far, steps done and, in flight, an ETA in seconds of training
+    (--json: ``slurm[].step_from``/``step_to`` and ``chains``).
 
     While a round's global goes out to a site or its update comes back, a table of the copies
     in flight shows each one's bytes so far, MB/s and ETA (--json: ``copies``; every finished

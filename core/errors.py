@@ -14,6 +14,7 @@ class ExitCode(IntEnum):
     CONNECTION = 3
     TIMEOUT = 4
     INTERNAL = 5
+    CONTINUED = 75  # a site job ended a chained round early after a checkpoint (EX_TEMPFAIL)
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
 

@@ -30,6 +30,9 @@ from xffl.site_profiles.schema import SiteProfile, SshConnector
 
 SSH_TIMEOUT = 10.0
 SLURM = scheduler("slurm")
+#: the state recorded of a job that ended a chained round early to continue it (SLURM's own
+#: is FAILED: it exited 75)
+CONTINUED = "CONTINUED"
 
 
 class SiteUnreachable(Exception):
@@ -104,6 +107,9 @@ class SlurmJob:
     reachable: bool = True
     error: str = ""
     live: bool = True  # False: as recorded in the registry when SLURM was last asked
+    # a chained round's job (training.checkpoint.chain): the round's steps it took, from-to
+    step_from: int | None = None
+    step_to: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict for JSON output."""
@@ -149,7 +155,7 @@ def query_site(run_id: str, site: str, profile: SiteProfile, rnd: int | None = N
 def record_delivered(registry: Registry, run_id: str, rnd: int, site: str,
                      update_dir: Path) -> bool:
     """Record the SLURM job that trained ``update_dir`` (its slurm_job.json); False if none."""
-    from xffl.training.slurm_job import read_record
+    from xffl.training.slurm_job import ROUND_JOBS, read_record
 
     job = read_record(update_dir)
     if job is None:
@@ -162,10 +168,19 @@ def record_delivered(registry: Registry, run_id: str, rnd: int, site: str,
             return float(value)
         return None
 
+    chained = {str(j["job_id"]): j for j in job.get(ROUND_JOBS) or [] if j["job_id"]}
+    for job_id, earlier in chained.items():  # a chained round's jobs (validated on reading)
+        if job_id != str(job["job_id"]):
+            registry.record_slurm_job(run_id, rnd, site, job_id, CONTINUED,
+                                      earlier["queue_wait_s"], earlier["run_s"],
+                                      steps=(earlier["step_from"], earlier["step_to"]))
+    last = chained.get(str(job["job_id"]))
     registry.record_slurm_job(run_id, rnd, site, str(job["job_id"]), state,
                               seconds("queue_wait_s"), seconds("run_s"),
                               name=str(job.get("job_name") or ""),
-                              nodes=str(job.get("node_list") or ""))
+                              nodes=str(job.get("node_list") or ""),
+                              steps=None if last is None else (last["step_from"],
+                                                               last["step_to"]))
     return True
 
 
@@ -195,7 +210,8 @@ def recorded_view(registry: Registry, run: RunRecord) -> list[SlurmJob]:
     """What the registry last recorded about the run's SLURM jobs."""
     return [SlurmJob(site=r["site"], round=r["round"], job_id=r["job_id"], name=r["name"],
                      nodes=r["nodes"], state=r["state"], queue_wait_s=r["queue_wait_s"],
-                     run_s=r["run_s"], live=False)
+                     run_s=r["run_s"], live=False, step_from=r["step_from"],
+                     step_to=r["step_to"])
             for r in registry.slurm_jobs(run.id)]
 
 

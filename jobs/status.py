@@ -18,6 +18,7 @@ from xffl.jobs.registry.states import RoundState, RunState
 from xffl.jobs.registry.store import Registry
 
 if TYPE_CHECKING:
+    from xffl.jobs.report.chains import RoundChain
     from xffl.jobs.report.estimates import SiteEstimate
     from xffl.jobs.slurm_view import SlurmJob
 
@@ -179,6 +180,7 @@ class RunStatus:
     transfers: list[FinishedCopy] = field(default_factory=list)  # every finished copy
     # the final model's held-out loss, evaluated at every site after the last round
     final_loss: FinalLoss | None = None
+    chains: list[RoundChain] = field(default_factory=list)  # rounds of several jobs
 
     def as_json(self) -> dict[str, Any]:
         """The `xffl status --json` object: the run's fields, then the rest by name."""
@@ -192,7 +194,8 @@ class RunStatus:
                 "estimates": [e.as_dict() for e in self.estimates],
                 "copies": [asdict(c) for c in self.copies],
                 "transfers": [asdict(t) for t in self.transfers],
-                "final_loss": None if self.final_loss is None else asdict(self.final_loss)}
+                "final_loss": None if self.final_loss is None else asdict(self.final_loss),
+                "chains": [c.as_dict() for c in self.chains]}
 
 
 def rounds_with_breakdown(registry: Registry, run: RunRecord) -> list[RoundStatus]:
@@ -240,6 +243,7 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         if entry is not None:
             schedule = Schedule(entry.expr, entry.next_tick().astimezone()
                                 .isoformat(timespec="seconds"))
+    from xffl.jobs.report.chains import round_chains
     from xffl.jobs.report.estimates import site_estimates
 
     jobs: list[SlurmJob] = []
@@ -259,7 +263,7 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         estimates=site_estimates(registry, run) if uses_deadline(Path(run.run_dir)) else [],
         copies=copies_in_flight(run.run_dir) if not run.finished else [],
         transfers=finished_copies(registry.transfers(run.id), [r.record for r in rounds]),
-        final_loss=registry.final_loss(run.id))
+        final_loss=registry.final_loss(run.id), chains=round_chains(run, jobs))
 
 
 def uses_deadline(run_dir: Path) -> bool:

@@ -68,8 +68,11 @@ class Scheduler(Protocol):
         """The batch script's line naming the job."""
         ...
 
-    def directives(self, nodes: int, ranks: int, time: str, options: Sequence[str]) -> list[str]:
-        """The batch script's scheduler lines of a round's job (``options``: batch_options)."""
+    def directives(self, nodes: int, ranks: int, time: str, options: Sequence[str],
+                   signal_margin: int | None = None) -> list[str]:
+        """The batch script's scheduler lines of a round's job (``options``: batch_options;
+        ``signal_margin``: the scheduler signals the batch shell USR1 that many seconds before
+        the time limit, for a round of several jobs)."""
         ...
 
     def list_command(self) -> str:

@@ -217,9 +217,10 @@ class Slurm:
         """``#SBATCH --job-name=...``."""
         return slurm_login.name_directive(job_name)
 
-    def directives(self, nodes: int, ranks: int, time: str, options: Sequence[str]) -> list[str]:
+    def directives(self, nodes: int, ranks: int, time: str, options: Sequence[str],
+                   signal_margin: int | None = None) -> list[str]:
         """The ``#SBATCH`` lines of a round's job."""
-        return slurm_login.directives(nodes, ranks, time, options)
+        return slurm_login.directives(nodes, ranks, time, options, signal_margin)
 
     def list_command(self) -> str:
         """The login node's clock, then squeue of every job of the user."""

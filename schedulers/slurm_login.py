@@ -56,10 +56,13 @@ def name_directive(job_name: str) -> str:
     return f"#SBATCH --job-name={job_name}"
 
 
-def directives(nodes: int, ranks: int, time: str, options: Sequence[str]) -> list[str]:
-    """The ``#SBATCH`` lines of a round's job: nodes, tasks, time limit, then ``options``."""
+def directives(nodes: int, ranks: int, time: str, options: Sequence[str],
+               signal_margin: int | None = None) -> list[str]:
+    """The ``#SBATCH`` lines of a round's job: nodes, tasks, time limit, ``options``, and with
+    ``signal_margin`` USR1 to the batch shell that many seconds before the time limit."""
     return [f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ranks}", f"#SBATCH --time={time}",
-            *(f"#SBATCH {opt}" for opt in options)]
+            *(f"#SBATCH {opt}" for opt in options),
+            *([f"#SBATCH --signal=B:USR1@{int(signal_margin)}"] if signal_margin else [])]
 
 
 def job_ids_command(prefix: str) -> str:

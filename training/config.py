@@ -19,6 +19,7 @@ from pydantic import (
 from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.core.validation import PathText, StrictModel
 from xffl.training.group_spec import LocalGroupsSpec
+from xffl.training.round_spec import RoundCheckpointSpec as RoundCheckpointSpec
 
 ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -149,56 +150,6 @@ class StopWhen(StrictModel):
                              "as an improvement")
 
 
-_MINUTES_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)m$")
-
-
-def _every(value: object) -> object:
-    """Steps (a whole number >= 1) or ``"<N>m"`` minutes (N > 0): one error for anything else."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    if isinstance(value, str):
-        match = _MINUTES_RE.match(value.strip())
-        if match and float(match.group(1)) > 0:
-            return value.strip()
-    raise ValueError(f"every is {value!r}; write a number of optimizer steps (>= 1) or "
-                     "minutes as \"<N>m\" (e.g. \"30m\")")
-
-
-class RoundCheckpointSpec(StrictModel):
-    """Checkpoints inside a round, at the site: a job that ends early is continued.
-
-    Every ``every`` optimizer steps (or ``"<N>m"`` minutes of training) the ranks write a
-    sharded checkpoint (torch.distributed.checkpoint) of the model, optimizer, learning-rate
-    schedule, data position and RNG into the site's own state folder, never into the update;
-    a retried or requeued job of the same run, round and global model continues from the
-    newest complete one (:mod:`xffl.training.round_state`). The newest ``keep`` are kept.
-    """
-
-    every: Annotated[int | str, BeforeValidator(_every)] = Field(
-        description="optimizer steps between checkpoints, or \"<N>m\" minutes of training")
-    keep: int = Field(default=2, description="complete checkpoints kept (>= 1)")
-
-    @field_validator("keep")
-    @classmethod
-    def _keep(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(f"keep is {value}; keep at least 1 checkpoint (the newest is the "
-                             "one a retried job continues from), or remove training.checkpoint")
-        return value
-
-    @property
-    def every_steps(self) -> int | None:
-        """The interval in steps (None: in minutes)."""
-        return self.every if isinstance(self.every, int) else None
-
-    @property
-    def every_seconds(self) -> float | None:
-        """The interval in seconds (None: in steps)."""
-        if isinstance(self.every, int):
-            return None
-        return float(self.every[:-1]) * 60.0
-
-
 def _time_margin(value: object) -> object:
     """``auto``, or a number of seconds at least 0 (one clear error for anything else)."""
     if value == "auto" or (isinstance(value, int | float) and not isinstance(value, bool)
@@ -284,7 +235,7 @@ class TrainingSpec(StrictModel):
         "improving: {metric: val_loss, patience: N, min_delta: D}")
     checkpoint: RoundCheckpointSpec | None = Field(
         default=None, description="checkpoints inside a round at the site, which a retried "
-        "job continues from: {every: STEPS or \"<N>m\", keep: N}")
+        "job continues from: {every: STEPS or \"<N>m\", keep: N, chain: BOOL}")
     local_groups: LocalGroupsSpec | None = Field(
         default=None, description="federated groups of ranks inside a site: {groups: G, "
         "every: K}: each group trains on its share of every step's batch, and the groups "

@@ -15,6 +15,11 @@ the coordinator stopped), it hands that update back instead of training again. T
 error feedback there (:mod:`xffl.training.feedback`), beside the kept update, never in it,
 and ``training.checkpoint`` its checkpoints inside the round (:mod:`xffl.training.round_state`:
 a rerun of a round cut short continues from them; removed once the round's update is kept).
+
+A chained round (``training.checkpoint.chain``, :mod:`xffl.training.chain`): SIGUSR1 asks
+the ranks to checkpoint and end the job; the launcher then exits 75 (``CONTINUE_EXIT``: no
+update, the next job continues the round) and keeps the list of the round's jobs, which the
+job that finishes the round writes into ``slurm_job.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, verify_checkpoint
 from xffl.core.errors import XfflError
@@ -41,6 +46,7 @@ from xffl.training import slurm_job
 from xffl.training.feedback import SITE_STATE_ENV
 from xffl.training.forked import option_value
 from xffl.training.progress import STEP_LOG_ENV, STEP_LOG_FILE
+from xffl.training.round_spec import CONTINUE_EXIT
 from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
 
 Launcher = Literal["torchrun", "srun", "none"]
@@ -54,6 +60,8 @@ FORKED_MODULE = "xffl.training.forked"
 # launcher's working folder replaces {cwd}
 RANK_PYTHON_ENV = "XFFL_RANK_PYTHON"
 CWD_WORD = "{cwd}"
+#: the file the launcher writes its process id to, for the batch shell's USR1 trap (chain)
+PID_FILE_ENV = "XFFL_LAUNCHER_PID_FILE"
 FORK_ENV = "XFFL_FORK_RANKS"  # "0": exec every rank as torchrun does, even on a CPU machine
 # device files of GPUs a rank could use: NVIDIA, AMD (ROCm's kfd), Intel and other DRM render
 ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dri/renderD*", "accel/*")
@@ -189,6 +197,7 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
               file=sys.stderr, flush=True)
         rc = 0
     else:
+        _listen(keep)
         rc = _run_ranks(ranks, launcher, trainer_args, out_dir, module=module,
                         env={**(os.environ if env is None else env),
                              LAUNCHED_AT_ENV: repr(launched_at),
@@ -202,8 +211,60 @@ def launch(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir:
                 print(f"xffl.training.launch: warning: could not keep the update in {keep} "
                       f"({exc}); a rerun of this round would train again.",
                       file=sys.stderr, flush=True)
-    slurm_job.finish(job, out_dir, rc)
+    jobs = _chain_jobs(keep, rnd, job) if module == TRAINER_MODULE else None
+    slurm_job.finish(job, out_dir, rc, round_jobs=jobs if rc == 0 else None)
     return rc
+
+
+def _listen(keep: Path | None) -> None:
+    """Pass SIGUSR1 (SLURM's ``--signal``, forwarded by the batch shell) on to the ranks of
+    a chained round as a request in the state folder (:mod:`xffl.training.chain`)."""
+    if keep is None:
+        return
+    from xffl.training.chain import clear, request_stop
+
+    def on_usr1(signum: int, frame: object) -> None:
+        print("xffl.training.launch: SIGUSR1: asking the ranks to checkpoint and end this job "
+              "(training.checkpoint.chain).", file=sys.stderr, flush=True)
+        request_stop(keep)
+
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    clear(keep)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    pid_file = os.environ.get(PID_FILE_ENV)
+    if pid_file:  # where the batch shell's trap finds whom to signal
+        try:
+            Path(pid_file).write_text(f"{os.getpid()}\n")
+        except OSError as exc:
+            print(f"xffl.training.launch: warning: cannot write {pid_file} ({exc}); SLURM's "
+                  "signal will not reach this job.", file=sys.stderr, flush=True)
+
+
+def _chain_jobs(keep: Path | None, rnd: str | None,
+                job: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A chained round: this job added to the round's list of jobs; the list (None: no
+    chained round)."""
+    if keep is None or rnd is None or not rnd.isdigit():
+        return None
+    from xffl.training.chain import read_end, record_job
+
+    end = read_end(keep, int(rnd))
+    if end is None:
+        return None
+    try:
+        return record_job(keep, end, job, time.time())
+    except OSError as exc:
+        print(f"xffl.training.launch: warning: could not record this job in {keep} ({exc}).",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _continues(state: Path, rnd: str | None) -> bool:
+    """Whether rank 0 ended this job to continue the round in the next (chain)."""
+    from xffl.training.chain import read_end
+
+    end = read_end(state, int(rnd)) if rnd is not None and rnd.isdigit() else None
+    return end is not None and end.get("continues") is True
 
 
 def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_dir: Path, *,
@@ -252,6 +313,12 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
         print(f"xffl.training.launch: {module} failed ({_describe(rc)}).", file=sys.stderr,
               flush=True)
         return _exit_code(rc) or 1
+    state = child_env.get(SITE_STATE_ENV)
+    if state and _continues(Path(state), option_value(trainer_args, "--round")):
+        print(f"xffl.training.launch: the ranks checkpointed and ended this job ({_describe(rc)})"
+              f"; the round continues in the next job (exit {CONTINUE_EXIT}).",
+              file=sys.stderr, flush=True)
+        return CONTINUE_EXIT
     print(f"xffl.training.launch: training failed ({_describe(rc)}); no new valid checkpoint "
           f"in {out_dir}.", file=sys.stderr, flush=True)
     return _exit_code(rc) or 1

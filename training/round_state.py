@@ -47,8 +47,8 @@ from xffl.core.failpoints import ENV as FAILPOINT_ENV
 from xffl.core.failpoints import failpoint
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
-from xffl.training.config import RoundCheckpointSpec
 from xffl.training.parallelize import ParallelModel
+from xffl.training.round_spec import RoundCheckpointSpec
 
 ROOT = "checkpoints"  # in the state folder; removed once the round's update is kept
 COMPLETE = "complete"
@@ -221,6 +221,8 @@ class RoundCheckpointer:
         self.saves = 0
         self.blocked = 0.0  # seconds the training waited for checkpoints
         self.written_bytes = 0
+        self.saved_step = 0  # the step of the newest save begun
+        self.last_cost = 0.0  # seconds the newest complete save took, to its marker
 
     def due(self, done: int, steps: int) -> bool:
         """Whether to save after step ``done`` (the same answer on every rank)."""
@@ -263,6 +265,7 @@ class RoundCheckpointer:
         if self.pool is not None:
             self.marking = self.pool.submit(self._mark, pending, step_dir, marker)
         self.saves += 1
+        self.saved_step = done
         self.last_time = time.monotonic()
         blocked = time.perf_counter() - began
         self.blocked += blocked
@@ -277,8 +280,9 @@ class RoundCheckpointer:
         failpoint(MARKER_FAILPOINT)  # dies as a kill during the save would leave it
         # seconds from the end of the training's wait to the marker: what a save before a
         # time limit must be given
+        self.last_cost = time.perf_counter() - began
         write_json(step_dir / COMPLETE, {**marker, "files": files,
-                                         "seconds": round(time.perf_counter() - began, 3)})
+                                         "seconds": round(self.last_cost, 3)})
         os.chmod(step_dir / COMPLETE, 0o600)
         size = sum((step_dir / name).stat().st_size for name in files)
         self.written_bytes += size

@@ -28,6 +28,12 @@ RECORD_FILE = "slurm_job.json"
 RECORD_BYTES = 64 << 10
 MAX_INT = 2**53  # an integer from the record: SQLite's range, exact as a float, and no abort
 _JOB_ID = re.compile(r"^[0-9]{1,12}(_[0-9]{1,12})?$")
+#: a chained round's jobs (:mod:`xffl.training.chain`), in the record of the job that ended it
+ROUND_JOBS = "round_jobs"
+MAX_ROUND_JOBS = 64
+_STEP_KEYS = ("step_from", "step_to", "steps")
+_SECONDS_KEYS = ("queue_wait_s", "run_s", "step_seconds")
+_ENDED = ("continued", "completed")
 
 
 def start(name: str | None, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
@@ -41,11 +47,15 @@ def start(name: str | None, environ: Mapping[str, str] | None = None) -> dict[st
     return None if scheduler is None else scheduler.job_start(name, env)
 
 
-def finish(record: dict[str, Any] | None, out_dir: Path, returncode: int) -> Path | None:
-    """Write the job's record into ``out_dir`` (beside it when there is no checkpoint)."""
+def finish(record: dict[str, Any] | None, out_dir: Path, returncode: int,
+           round_jobs: list[dict[str, Any]] | None = None) -> Path | None:
+    """Write the job's record into ``out_dir`` (beside it when there is no checkpoint);
+    ``round_jobs``: a chained round's jobs (:mod:`xffl.training.chain`), this one last."""
     if record is None:
         return None
     done = {**record, "launcher_end": time.time(), "exit_code": returncode}
+    if round_jobs:
+        done[ROUND_JOBS] = round_jobs
     done["run_s"] = done["launcher_end"] - float(record.get("start_time")
                                                  or record["launcher_start"])
     out_dir = Path(out_dir)
@@ -76,7 +86,15 @@ def read_record(update_dir: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(data, dict) or not _JOB_ID.match(str(data.get("job_id", ""))):
         return None
+    jobs = data.pop(ROUND_JOBS, None)
+    if jobs is not None:
+        checked = [valid_round_job(j) for j in jobs] if isinstance(jobs, list) and \
+            len(jobs) <= MAX_ROUND_JOBS else [None]
+        if all(j is not None for j in checked):  # else left out: the rest still counts
+            data[ROUND_JOBS] = checked
     for value in data.values():
+        if isinstance(value, list):
+            continue  # the round's jobs, checked above
         if isinstance(value, str) and (len(value) > 256 or not value.isprintable()):
             return None
         if isinstance(value, float) and not math.isfinite(value):
@@ -86,3 +104,29 @@ def read_record(update_dir: Path) -> dict[str, Any] | None:
         if not isinstance(value, str | int | float | bool | None):
             return None
     return data
+
+
+def valid_round_job(entry: object) -> dict[str, Any] | None:
+    """One job of a chained round as a facility reported it, if well-formed: a SLURM job id
+    (or none), step counts below 2**31, finite seconds, how it ended; None otherwise."""
+    if not isinstance(entry, dict) or not set(entry) <= {"job_id", "ended", *_STEP_KEYS,
+                                                          *_SECONDS_KEYS}:
+        return None
+    job_id = entry.get("job_id", "")
+    if not isinstance(job_id, str) or (job_id and not _JOB_ID.match(job_id)):
+        return None
+    if entry.get("ended") not in _ENDED:
+        return None
+    out: dict[str, Any] = {"job_id": job_id, "ended": entry["ended"]}
+    for key in _STEP_KEYS:
+        value = entry.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
+            return None
+        out[key] = value
+    for key in _SECONDS_KEYS:
+        value = entry.get(key)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)
+                                  or not math.isfinite(value) or not 0 <= value < MAX_INT):
+            return None
+        out[key] = None if value is None else float(value)
+    return out if out["step_from"] <= out["step_to"] <= out["steps"] else None

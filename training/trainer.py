@@ -31,8 +31,8 @@ from xffl.aggregator.exchange import (
 )
 from xffl.aggregator.kinds import LORA_ADAPTER
 from xffl.core.errors import InvalidInput, RunFailed, XfflError
+from xffl.training import chain, local_groups, lora, round_state
 from xffl.training import distributed as xdist
-from xffl.training import local_groups, lora, round_state
 from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
@@ -104,7 +104,8 @@ def round_deadline(spec: TrainingSpec, reserve: float = 0.0,
     seconds (the update's evaluation after training)."""
     now = time.time()
     ends = [now + spec.time_budget] if spec.time_budget is not None else []
-    slurm_end = xdist.job_end_time()
+    chained = spec.checkpoint is not None and spec.checkpoint.chain  # continues instead
+    slurm_end = None if chained else xdist.job_end_time()
     if slurm_end is not None:
         ends.append(slurm_end - time_margin(spec.time_margin, save_bytes) - reserve)
     return min(ends) if ends else None
@@ -342,8 +343,9 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
         json.dumps, json.loads)
     sync = local_groups.make_sync(spec.local_groups, pm, optimizer, steps, state_dir, round)
     speed = local_groups.noted(round_speed(pm.module, config, spec.seq_len, device, world), sync)
-    after_step = local_groups.chain(sync, round_state.step_hook(saver, steps, pm, optimizer,
-                                                                scheduler))
+    after_step, watch = chain.begin(spec.checkpoint, saver, state_dir, round, parent, steps,
+                                    resumed, pm, optimizer, scheduler)
+    after_step = local_groups.chain(sync, after_step)
     try:
         result = run_steps(pm, optimizer, scheduler, batches, steps, spec, device,
                            deadline=deadline, check_deadline=deadline is not None, prox=prox,
@@ -351,9 +353,12 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
                            resume=None if resumed is None else (resumed.losses,
                                                                 resumed.loss_tokens),
                            after_step=after_step)
+        if watch is not None:
+            watch.finish(len(result.losses), continues=False)
     finally:
-        if saver is not None:
-            saver.close()
+        for part in (saver, watch):
+            if part is not None:
+                part.close()
     if sync is not None:  # the site's update: the groups' result
         sync.finish()
     eval_began = time.perf_counter()

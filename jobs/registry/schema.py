@@ -35,6 +35,7 @@ CREATE TABLE IF NOT EXISTS slurm_jobs (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, site TEXT NOT NULL, job_id TEXT NOT NULL,
     state TEXT NOT NULL, queue_wait_s REAL, run_s REAL, updated REAL NOT NULL,
     name TEXT NOT NULL DEFAULT '', nodes TEXT NOT NULL DEFAULT '',
+    step_from INTEGER, step_to INTEGER,
     PRIMARY KEY (run_id, round, site, job_id)
 );
 CREATE TABLE IF NOT EXISTS evaluations (
@@ -70,7 +71,8 @@ _ADDED_COLUMNS = {
                     ("group_bytes_per_step", "REAL"), ("group_bytes_round", "REAL")],
     "rounds": [("val_loss", "REAL"), ("val_samples", "INTEGER"), ("val_tokens", "INTEGER")],
     "transfers": [("bytes", "INTEGER")],
-    "slurm_jobs": [("name", "TEXT NOT NULL DEFAULT ''"), ("nodes", "TEXT NOT NULL DEFAULT ''")],
+    "slurm_jobs": [("name", "TEXT NOT NULL DEFAULT ''"), ("nodes", "TEXT NOT NULL DEFAULT ''"),
+                   ("step_from", "INTEGER"), ("step_to", "INTEGER")],
 }
 
 

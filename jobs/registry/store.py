@@ -254,30 +254,37 @@ class Registry:
 
     def record_slurm_job(self, run_id: str, rnd: int, site: str, job_id: str, state: str,
                          queue_wait_s: float | None, run_s: float | None,
-                         name: str = "", nodes: str = "") -> None:
+                         name: str = "", nodes: str = "",
+                         steps: tuple[int, int] | None = None) -> None:
         """Store what SLURM last said about one site's job in one round.
 
         Values not known now (None, or an empty name or node list) keep what was recorded.
+        ``steps``: the round's steps the job took (from, to), a chained round's job.
         """
+        step_from, step_to = steps if steps is not None else (None, None)
         with self._db() as db:
             db.execute(
                 "INSERT INTO slurm_jobs (run_id, round, site, job_id, state, queue_wait_s,"
-                " run_s, updated, name, nodes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " run_s, updated, name, nodes, step_from, step_to)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (run_id, round, site, job_id) DO UPDATE SET"
                 " state = excluded.state, updated = excluded.updated,"
                 " queue_wait_s = COALESCE(excluded.queue_wait_s, queue_wait_s),"
                 " run_s = COALESCE(excluded.run_s, run_s),"
                 " name = COALESCE(NULLIF(excluded.name, ''), name),"
-                " nodes = COALESCE(NULLIF(excluded.nodes, ''), nodes)",
+                " nodes = COALESCE(NULLIF(excluded.nodes, ''), nodes),"
+                " step_from = COALESCE(excluded.step_from, step_from),"
+                " step_to = COALESCE(excluded.step_to, step_to)",
                 (run_id, rnd, site, job_id, state, queue_wait_s, run_s, time.time(), name,
-                 nodes),
+                 nodes, step_from, step_to),
             )
 
     def slurm_jobs(self, run_id: str) -> list[dict[str, Any]]:
         """Every SLURM job recorded for a run, by round and site."""
         rows = self._select(
-            "SELECT round, site, job_id, name, nodes, state, queue_wait_s, run_s, updated"
-            " FROM slurm_jobs WHERE run_id = ? ORDER BY round, site, updated", (run_id,))
+            "SELECT round, site, job_id, name, nodes, state, queue_wait_s, run_s, updated,"
+            " step_from, step_to FROM slurm_jobs WHERE run_id = ?"
+            " ORDER BY round, site, updated", (run_id,))
         return [dict(r) for r in rows]
 
     def record_queue_estimate(self, run_id: str, site: str, queue_wait_s: float,

@@ -1,6 +1,7 @@
 """``xffl validate``'s checks of ``training.checkpoint`` (checkpoints inside a round) against
 what one checkpoint costs: an interval in minutes shorter than a checkpoint takes to write, or
-a site's SLURM time limit shorter than one checkpoint, is refused with its file:line.
+a site's SLURM time limit shorter than one checkpoint (with ``chain``: plus the margin a
+chained round's job saves in before its limit), is refused with its file:line.
 
 The cost is an estimate, declared here, not a measurement of the site: a checkpoint holds
 the fp32 weights and AdamW's two fp32 moments, :data:`BYTES_PER_PARAMETER` bytes a parameter
@@ -15,21 +16,19 @@ site may write faster, and one that writes slower is not refused.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from xffl.core.validation import field_path
 from xffl.core.yamlio import Loc, YamlDoc
 from xffl.jobs.spec.schema import JobSpec
 from xffl.site_profiles.schema import SiteProfile, slurm_time_seconds
-
-BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's exp_avg and exp_avg_sq
-WRITE_GBPS = 0.4
-FIXED_SECONDS = 1.0
-
-
-def checkpoint_seconds(parameters: int) -> float:
-    """The declared estimate of one checkpoint's seconds for a model of ``parameters``."""
-    return FIXED_SECONDS + BYTES_PER_PARAMETER * parameters / (WRITE_GBPS * 1e9)
+from xffl.training.round_spec import (
+    BYTES_PER_PARAMETER,
+    WRITE_GBPS,
+    chain_margin,
+    checkpoint_seconds,
+)
 
 
 def _parameters(spec: JobSpec) -> int | None:
@@ -42,6 +41,15 @@ def _parameters(spec: JobSpec) -> int | None:
         return int(model_parts(build_config(spec.model)).total)
     except (ValueError, TypeError, AttributeError, KeyError):
         return None
+
+
+def signal_margin(spec: JobSpec) -> int | None:
+    """The seconds before a site's time limit at which SLURM signals a chained round's job
+    (``--signal=B:USR1@...``), from the declared cost of one checkpoint (None: no chain)."""
+    ckpt = spec.training.checkpoint
+    if ckpt is None or not ckpt.chain:
+        return None
+    return chain_margin(checkpoint_seconds(_parameters(spec) or 0))
 
 
 def check_round_checkpoints(doc: YamlDoc, spec: JobSpec, path: Path,
@@ -73,14 +81,20 @@ def check_round_checkpoints(doc: YamlDoc, spec: JobSpec, path: Path,
                 else None
         except ValueError:
             continue  # reported by the profile's own checks
-        if limit is None or limit >= cost:
+        # a chained round's job also keeps the margin before its limit (chain_margin)
+        need = cost + (chain_margin(cost) if ckpt.chain else 0)
+        if limit is None or limit >= need:
             continue
         loc: Loc = ("sites", i, "slurm", "time") if site.slurm is not None and \
             site.slurm.time is not None else ("sites", i, "profile")
         errors.append(f"{_at(doc, path, loc)}: site {site.name!r}'s SLURM time limit "
                       f"{slurm.time if slurm is not None else ''} ({limit} s) is shorter than "
-                      f"one checkpoint: {what}; give the site a longer time limit or remove "
-                      "training.checkpoint.")
+                      + (f"one checkpoint plus the {chain_margin(cost)} s margin a chained "
+                         f"round saves in (training.checkpoint.chain): {what}; give the site "
+                         f"at least {math.ceil(need)} s or remove training.checkpoint.chain."
+                         if ckpt.chain else
+                         f"one checkpoint: {what}; give the site a longer time limit or "
+                         "remove training.checkpoint."))
     return errors
 
 

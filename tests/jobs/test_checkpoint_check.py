@@ -91,3 +91,27 @@ def test_every_is_steps_or_minutes() -> None:
     for bad in (0, -3, True, "30", "0m", "m", "30s", 2.5):
         with pytest.raises(ValidationError, match="write a number of optimizer steps"):
             RoundCheckpointSpec(every=bad)
+
+
+def test_chained_round_time_limit_shorter_than_a_checkpoint_and_its_margin(
+        tmp_path: Path) -> None:
+    """training.checkpoint.chain: a job must fit one checkpoint and the margin it stops in
+    (the tiny model: 1 s + 2 x 1 s + 60 s = 64 s). A 60 s limit fits the checkpoint (accepted
+    without chain) but not the margin: one line with file:line, exit 2; 00:01:05 is enough."""
+    job = write_job(tmp_path, {"every": 10, "chain": True}, preset="tiny", slurm=True)
+    profile = tmp_path / "site_profiles" / "cluster.yaml"
+    for limit, ok in (("00:01:00", False), ("00:01:05", True)):
+        profile.write_text(yaml.safe_dump({**SLURM_PROFILE, "slurm": {
+            "partition": "batch", "time": limit}}))
+        code, lines = validate(job)
+        assert (code == 0) == ok, lines
+        if not ok:
+            assert code == 2 and len(lines) == 1 and lines[0].startswith(
+                f"{job}:{line_of(job, 'profile: cluster')}: job spec field sites[0].profile: "
+                "site 'alpha''s SLURM time limit 00:01:00 (60 s) is shorter than one checkpoint "
+                "plus the 63 s margin a chained round saves in"), lines
+            assert "give the site at least 65 s" in lines[0], lines
+    job.write_text(job.read_text().replace("chain: true", "chain: false"))
+    profile.write_text(yaml.safe_dump({**SLURM_PROFILE, "slurm": {"partition": "batch",
+                                                                  "time": "00:01:00"}}))
+    assert validate(job)[0] == 0  # one job per round: the checkpoint alone must fit

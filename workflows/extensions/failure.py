@@ -11,7 +11,10 @@ steps belong to which site (its ``sites`` config):
   apart), in the same job and working directory; a round timeout is not retried. An attempt
   whose output reports a complete checkpoint inside the round (``training.checkpoint``) of
   a later step than any before uses no retry: the next attempt continues from it
-  (:func:`~xffl.workflows.steps.attempts.counts_against_retries`, bounded);
+  (:func:`~xffl.workflows.steps.attempts.counts_against_retries`, bounded). A job that
+  ended a chained round early to continue it (``training.checkpoint.chain``: exit 75 and
+  its rank 0's line) is run again at once as the round's next job, counted as continued,
+  not as a failure (:func:`~xffl.workflows.steps.attempts.continues`, bounded);
 * when a site is given up (its retries are spent, its job timed out, or its login node could
   not be reached for scheduling or staging), every step of that site's job in that round
   emits an empty (null) token instead of failing. The round's admit step for the site then
@@ -46,6 +49,7 @@ from streamflow.workflow.token import JobToken
 from xffl.core.layout import RunLayout
 from xffl.workflows.steps.attempts import (
     SiteAttempts,
+    continues,
     counts_against_retries,
     short_reason,
     write_attempts,
@@ -130,14 +134,12 @@ class SiteFailureManager(FailureManager):
         if known is not None and known.gave_up:  # a later step of a job already given up
             await self._emit_nothing(job, step)
             return
-        timed_out = is_timeout(exception)
-        record = self._note(site, rnd, short_reason(str(exception) or type(exception).__name__),
-                            timed_out=timed_out, final=final)
-        counts_against_retries(record, str(exception))
+        record, timed_out, chained = self._judge(site, rnd, exception, final)
         if isinstance(step, ExecuteStep) and not timed_out:
-            # an attempt that left a newer checkpoint inside the round uses no retry
-            while record.attempts - record.progressed <= self.retries:
-                if self.retry_delay:
+            # an attempt that left a newer checkpoint inside the round uses no retry, nor does
+            # a job that ended a chained round to continue it (and it waits no retry delay)
+            while record.attempts - record.progressed - record.continued <= self.retries:
+                if self.retry_delay and not chained:
                     await asyncio.sleep(self.retry_delay)
                 record.attempts += 1
                 self._save(record)
@@ -151,10 +153,7 @@ class SiteFailureManager(FailureManager):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    timed_out = is_timeout(exc)
-                    record = self._note(site, rnd, short_reason(str(exc)), timed_out=timed_out,
-                                        final=final)
-                    counts_against_retries(record, str(exc))
+                    record, timed_out, chained = self._judge(site, rnd, exc, final)
                     if timed_out:
                         break
         record.gave_up = True
@@ -163,6 +162,25 @@ class SiteFailureManager(FailureManager):
             logger.warning(f"xffl: {'the final evaluation' if final else f'round {rnd}'} goes "
                            f"on without site {site}: {record.reason}")
         await self._emit_nothing(job, step)
+
+    def _judge(self, site: str, rnd: int, exc: BaseException,
+               final: bool) -> tuple[SiteAttempts, bool, bool]:
+        """Record a failed attempt, or a job that ended a chained round to continue it (not
+        a failure); the record, whether it timed out, whether it continues."""
+        text = str(exc)
+        record = self.records.setdefault((site, rnd, final),
+                                         SiteAttempts(site=site, round=rnd, final=final))
+        if not final and not is_timeout(exc) and continues(record, text):
+            self._save(record)
+            logger.info(f"xffl: round {rnd} site {site}: job {record.continued} of the round "
+                        f"ended at step {record.best_step} of {record.steps}; the next job "
+                        "continues the round")
+            return record, False, True
+        timed_out = is_timeout(exc)
+        record = self._note(site, rnd, short_reason(text or type(exc).__name__),
+                            timed_out=timed_out, final=final)
+        counts_against_retries(record, text)
+        return record, timed_out, False
 
     async def _emit_nothing(self, job: Job, step: Step) -> None:
         """Let the round go on: null outputs for this job (a bare job token for scheduling)."""

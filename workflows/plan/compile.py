@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from xffl.core.layout import RunLayout
+from xffl.jobs.spec.checkpoint_check import signal_margin
 from xffl.jobs.spec.deadline import RoundDeadline
 from xffl.jobs.spec.load import LoadedJob
 from xffl.jobs.spec.schema import JobSpec, SiteSpec
@@ -227,7 +228,8 @@ def write_plan(loaded: LoadedJob, run_id: str, out: Path,
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(batch_script(run_id, site.name, profile, site.ranks, data_path,
                                              by_hand=by_hand,
-                                             lora=spec.training.lora is not None))
+                                             lora=spec.training.lora is not None,
+                                             chain_margin=signal_margin(spec)))
             staged.batch_script(site.name).chmod(0o700)  # runnable by its owner alone
     evaluated = skipped(spec) is None  # the final model's evaluation: steps of main.cwl
     if evaluated:

@@ -84,7 +84,7 @@ class BatchPaths:
 
 
 def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str, *,
-                 by_hand: bool, lora: bool = False) -> str:
+                 by_hand: bool, lora: bool = False, chain_margin: int | None = None) -> str:
     """The batch script of ``site`` from the one template, for StreamFlow or for sbatch.
 
     ``by_hand``: a complete script (``sbatch/<site>.sh``) that trains one round from paths
@@ -92,7 +92,9 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
     StreamFlow renders again with each round's command (``{{streamflow_command}}``); the
     site's own lines sit in a raw block there (the profile schema refuses ``{%`` in them).
     ``lora``: the hand-run script also passes the frozen base model (``--base``), as the
-    workflow's tool does.
+    workflow's tool does. ``chain_margin``: a chained round's (``training.checkpoint.chain``)
+    seconds before the time limit at which SLURM signals the job (``--signal=B:USR1@...``),
+    which the script forwards to the launcher.
     """
     import jinja2
 
@@ -116,7 +118,9 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
                       f"if '{SLURM_NAME_OPTION}' in streamflow_command else '{prefix}' }}}}")
     return env.get_template("sbatch.sh.j2").render(
         name_directive=scheduler.name_directive(prefix if by_hand else round_job_name),
-        directives=scheduler.directives(slurm.nodes, ranks, slurm.time, profile.batch_options()),
+        directives=scheduler.directives(slurm.nodes, ranks, slurm.time, profile.batch_options(),
+                                        chain_margin),
+        chain_margin=chain_margin,
         by_hand=by_hand, site=site, run_id=run_id, script_name=f"sbatch/{site}.sh",
         job_name=prefix, ranks=ranks, setup=profile.setup, env=sorted(profile.env.items()),
         python=site_python(profile), launcher=profile.launcher, data=data_path,

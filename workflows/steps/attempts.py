@@ -23,6 +23,11 @@ REASON_CHARS = 400
 #: (xffl.training.round_state.PROGRESS_LINE): a bounded number, never a path
 _PROGRESS_RE = re.compile(r"\bxffl\.training: checkpoint complete: round ([0-9]{1,9}) "
                           r"step ([0-9]{1,9})\b")
+#: the line a site's rank 0 prints when its job ends a chained round early to continue it in
+#: the next job (xffl.training.chain.CONTINUE_LINE, with the seconds a step took): numbers only
+_CONTINUE_RE = re.compile(r"\bxffl\.training: round ([0-9]{1,9}) continues in the next job at "
+                          r"step ([0-9]{1,9}) of ([0-9]{1,9})(?: \(([0-9]{1,9}(?:\.[0-9]{1,6})?)"
+                          r" s/step\))?")
 #: retries that progressed past the site's last checkpoint and so consume no retry, at most
 #: (a site reporting ever higher steps cannot make a round retry it forever)
 FREE_RETRIES = 100
@@ -43,6 +48,11 @@ class SiteAttempts:
     # not count against failure.retries; best_step: the highest checkpoint step reported
     progressed: int = 0
     best_step: int = 0
+    # jobs that ended a chained round early to continue it (training.checkpoint.chain): no
+    # failure, no retry; steps: the round's steps, step_seconds: the last job's per step
+    continued: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
 
     @property
     def reason(self) -> str:
@@ -63,7 +73,10 @@ def read_attempts(layout: RunLayout, rnd: int, site: str,
                         failures=[str(f) for f in data["failures"]],
                         gave_up=bool(data["gave_up"]), timed_out=bool(data["timed_out"]),
                         final=final, progressed=int(data.get("progressed", 0)),
-                        best_step=int(data.get("best_step", 0)))
+                        best_step=int(data.get("best_step", 0)),
+                        continued=int(data.get("continued", 0)),
+                        steps=int(data.get("steps", 0)),
+                        step_seconds=float(data.get("step_seconds", 0.0)))
 
 
 def write_attempts(layout: RunLayout, record: SiteAttempts) -> Path:
@@ -111,3 +124,29 @@ def counts_against_retries(record: SiteAttempts, text: str) -> bool:
     record.best_step = step
     record.progressed += 1
     return False
+
+
+def continues(record: SiteAttempts, text: str) -> bool:
+    """Whether the attempt whose output is ``text`` ended a chained round's job to continue
+    the round in the next (its rank 0's line, of this round, at a step past any before and
+    short of the round's end), at most :data:`FREE_RETRIES` times a round. Updates
+    ``record``."""
+    found = [m for m in _CONTINUE_RE.finditer(text) if int(m.group(1)) == record.round]
+    if not found or record.continued >= FREE_RETRIES:
+        return False
+    match = found[-1]
+    step, steps = int(match.group(2)), int(match.group(3))
+    if step <= record.best_step or step >= steps:
+        return False
+    record.best_step, record.steps = step, steps
+    record.step_seconds = float(match.group(4) or 0.0)
+    record.continued += 1
+    return True
+
+
+def eta_seconds(record: SiteAttempts) -> float | None:
+    """Seconds of training a chained round still needs (its steps left at the last job's
+    seconds per step; None when unknown). Queue waits of the jobs to come are not in it."""
+    if record.steps <= record.best_step or record.step_seconds <= 0:
+        return None
+    return (record.steps - record.best_step) * record.step_seconds
