@@ -18,7 +18,7 @@ from xffl.jobs.registry.states import RoundState, RunState
 from xffl.jobs.registry.store import Registry
 
 if TYPE_CHECKING:
-    from xffl.jobs.report.chains import RoundChain
+    from xffl.jobs.chains import RoundChain
     from xffl.jobs.report.estimates import SiteEstimate
     from xffl.jobs.slurm_view import SlurmJob
 
@@ -243,7 +243,7 @@ def run_status(registry: Registry, run: RunRecord, *, slurm: bool = False,
         if entry is not None:
             schedule = Schedule(entry.expr, entry.next_tick().astimezone()
                                 .isoformat(timespec="seconds"))
-    from xffl.jobs.report.chains import round_chains
+    from xffl.jobs.chains import round_chains
     from xffl.jobs.report.estimates import site_estimates
 
     jobs: list[SlurmJob] = []

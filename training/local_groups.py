@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from xffl.aggregator import metrics as metric
 from xffl.core.errors import InvalidInput
@@ -43,30 +42,6 @@ if TYPE_CHECKING:
     from xffl.training.config import TrainingSpec
     from xffl.training.loop import AfterStep
     from xffl.training.parallelize import ParallelModel
-
-GROUP_DIMS = ("groups", "dp", "tp")
-HSDP_GROUP_DIMS = ("groups", "replicate", "shard")
-
-
-def group_mesh(device: torch.device, world: int, groups: int, tp: int,
-               shard_group: int | None) -> DeviceMesh:
-    """The site's mesh with ``groups`` outermost: (groups, dp, tp), or under HSDP
-    (``shard_group`` set) (groups, replicate, shard); consecutive ranks form a group."""
-    if groups < 2 or world % groups:
-        raise InvalidInput(f"training.local_groups.groups {groups} must divide the site's "
-                           f"{world} ranks (and be 2 or more); choose a divisor of {world}.")
-    per = world // groups
-    if shard_group is not None:
-        if per % shard_group:
-            raise InvalidInput(f"training.shard_group {shard_group} must divide a local "
-                               f"group's {per} ranks; choose a divisor of {per}.")
-        return init_device_mesh(device.type, (groups, per // shard_group, shard_group),
-                                mesh_dim_names=HSDP_GROUP_DIMS)
-    if per % tp:
-        raise InvalidInput(f"training.tensor_parallel {tp} must divide a local group's {per} "
-                           f"ranks; choose a divisor of {per} or fewer groups.")
-    return init_device_mesh(device.type, (groups, per // tp, tp), mesh_dim_names=GROUP_DIMS)
-
 
 def _local(t: Tensor) -> Tensor:
     """The tensor a rank holds of ``t``: a DTensor's local slice (a view of it), else ``t``."""
@@ -80,7 +55,7 @@ class GroupSync:
     def __init__(self, spec: LocalGroupsSpec, pm: ParallelModel,
                  optimizer: torch.optim.Optimizer, steps: int,
                  keep_dir: Path | None = None) -> None:
-        """``pm`` on a mesh of :func:`group_mesh`; ``steps`` planned in the round;
+        """``pm`` on a mesh of :func:`xffl.training.parallelize.group_mesh`; ``steps`` planned in the round;
         ``keep_dir``: where each group's model is written before the round's last sync."""
         assert pm.mesh is not None and pm.groups == spec.groups
         self.spec = spec

@@ -299,6 +299,30 @@ def hsdp_mesh(device: torch.device, world: int, shard_group: int | None,
                             mesh_dim_names=(*HSDP_DIMS, "tp"))
 
 
+GROUP_DIMS = ("groups", "dp", "tp")
+HSDP_GROUP_DIMS = ("groups", "replicate", "shard")
+
+
+def group_mesh(device: torch.device, world: int, groups: int, tp: int,
+               shard_group: int | None) -> DeviceMesh:
+    """The site's mesh with ``groups`` outermost: (groups, dp, tp), or under HSDP
+    (``shard_group`` set) (groups, replicate, shard); consecutive ranks form a group."""
+    if groups < 2 or world % groups:
+        raise InvalidInput(f"training.local_groups.groups {groups} must divide the site's "
+                           f"{world} ranks (and be 2 or more); choose a divisor of {world}.")
+    per = world // groups
+    if shard_group is not None:
+        if per % shard_group:
+            raise InvalidInput(f"training.shard_group {shard_group} must divide a local "
+                               f"group's {per} ranks; choose a divisor of {per}.")
+        return init_device_mesh(device.type, (groups, per // shard_group, shard_group),
+                                mesh_dim_names=HSDP_GROUP_DIMS)
+    if per % tp:
+        raise InvalidInput(f"training.tensor_parallel {tp} must divide a local group's {per} "
+                           f"ranks; choose a divisor of {per} or fewer groups.")
+    return init_device_mesh(device.type, (groups, per // tp, tp), mesh_dim_names=GROUP_DIMS)
+
+
 def parallelize(model: nn.Module, tp: int, device: torch.device,
                 data_parallel: str = "auto", *, precision: str = "auto",
                 checkpointing: int = 0, compile: bool = False,
@@ -315,7 +339,7 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
     inside a shard group, all-reduce of the shards across the replicas), ``shard_group``
     data-parallel ranks a group; with tp > 1 that mesh is the (replicate, shard) sub-mesh
     of the 3-D (replicate, shard, tp) one. ``groups`` > 1: the ranks form that many local
-    groups, each with this parallelism inside (:func:`xffl.training.local_groups.group_mesh`;
+    groups, each with this parallelism inside (:func:`group_mesh`;
     HSDP inside groups without tp).
     """
     config = _config_of(model)
@@ -330,8 +354,6 @@ def parallelize(model: nn.Module, tp: int, device: torch.device,
         check_tensor_parallel(config, tp, world)
     mode = data_parallel_mode(data_parallel, tp, _count_params(model), device_memory(device))
     if groups > 1 and distributed:
-        from xffl.training.local_groups import group_mesh
-
         mesh: DeviceMesh | None = group_mesh(device, world, groups, tp, shard_group
                                              if data_parallel == "hsdp" else None)
     elif data_parallel == "hsdp" and distributed:

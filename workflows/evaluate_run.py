@@ -21,13 +21,13 @@ from pathlib import Path
 
 from xffl.core.errors import InvalidInput, RunFailed, TimedOut, first_line
 from xffl.core.layout import RunLayout
+from xffl.jobs.registry.attempts import read_attempts
 from xffl.jobs.registry.records import EvalCell, RunRecord
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec.schema import JobSpec
 from xffl.workflows.plan.evaluate_tool import result_name
 from xffl.workflows.plan.evaluation import WORKFLOW, EvaluationPlan, write_evaluation
-from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.evaluate_result import (
     EvaluationRejected,
     SiteEvaluation,

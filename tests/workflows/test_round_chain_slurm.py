@@ -22,8 +22,8 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.jobs.follow import wait_for_run
+from xffl.jobs.registry.attempts import read_attempts
 from xffl.jobs.registry.store import Registry
-from xffl.workflows.steps.attempts import read_attempts
 
 runner = CliRunner()
 STOPS = (25, 50)  # the steps at which beta's first two jobs are signalled

@@ -20,8 +20,8 @@ from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.jobs.follow import wait_for_run
+from xffl.jobs.registry.attempts import read_attempts
 from xffl.jobs.registry.store import Registry
-from xffl.workflows.steps.attempts import read_attempts
 
 runner = CliRunner()
 

@@ -47,13 +47,8 @@ from streamflow.workflow.step import ExecuteStep, ScheduleStep
 from streamflow.workflow.token import JobToken
 
 from xffl.core.layout import RunLayout
-from xffl.workflows.steps.attempts import (
-    SiteAttempts,
-    continues,
-    counts_against_retries,
-    short_reason,
-    write_attempts,
-)
+from xffl.jobs.registry.attempts import SiteAttempts, write_attempts
+from xffl.workflows.steps.attempts import continues, counts_against_retries, short_reason
 
 TIMEOUT_MARK = "xffl: round timeout"
 

@@ -37,11 +37,11 @@ from xffl.aggregator.verify_aggregate import round_rules, verify_update
 from xffl.core.files import link_files
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
+from xffl.jobs.registry.attempts import read_attempts
 from xffl.jobs.registry.states import SiteState
 from xffl.jobs.spec.deadline import StalenessSpec
 from xffl.jobs.spec.schema import JobSpec
 from xffl.training.slurm_job import RECORD_BYTES, RECORD_FILE
-from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import round_report_bounds
 from xffl.workflows.steps.late import read_adopted, read_late
 from xffl.workflows.steps.rejected import keep_rejected

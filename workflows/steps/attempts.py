@@ -1,22 +1,13 @@
-"""A site's failed attempts in one round, as the failure manager records them for the admit step.
-
-The failure manager runs inside StreamFlow on the coordinator; it writes
-``rounds/<r>/attempts/<site>.json`` every time one of the site's steps fails, and the admit
-step of that site and round reads it (of the final model's evaluation after the last round:
-``final-attempts/<site>.json``, read by the final validation step): how many times the job
-ran, why each attempt failed, and whether the site was given up (the round then goes on
-without it). The file is written by the coordinator, never by a site, and atomically.
-"""
+"""What the failure manager makes of a site's failed or continued job: the reason in one line,
+the checkpoint progress and a chained round's continuation read from the trainer's own lines
+(bounded numbers, never a path), and whether the attempt uses up a retry. The record it keeps
+is :mod:`xffl.jobs.registry.attempts`."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from xffl.core.files import write_json
-from xffl.core.layout import RunLayout
+from xffl.jobs.registry.attempts import SiteAttempts
 
 REASON_CHARS = 400
 #: the line a site's rank 0 prints when a checkpoint inside the round is complete
@@ -31,62 +22,6 @@ _CONTINUE_RE = re.compile(r"\bxffl\.training: round ([0-9]{1,9}) continues in th
 #: retries that progressed past the site's last checkpoint and so consume no retry, at most
 #: (a site reporting ever higher steps cannot make a round retry it forever)
 FREE_RETRIES = 100
-
-
-@dataclass
-class SiteAttempts:
-    """What went wrong for one site in one round."""
-
-    site: str
-    round: int
-    attempts: int = 1
-    failures: list[str] = field(default_factory=list)  # "attempt N: reason", in order
-    gave_up: bool = False
-    timed_out: bool = False
-    final: bool = False  # the final model's evaluation after the last round, not a round's job
-    # failed attempts that left a newer complete checkpoint (training.checkpoint): they do
-    # not count against failure.retries; best_step: the highest checkpoint step reported
-    progressed: int = 0
-    best_step: int = 0
-    # jobs that ended a chained round early to continue it (training.checkpoint.chain): no
-    # failure, no retry; steps: the round's steps, step_seconds: the last job's per step
-    continued: int = 0
-    steps: int = 0
-    step_seconds: float = 0.0
-
-    @property
-    def reason(self) -> str:
-        """Every failed attempt's reason, in one line."""
-        return "; ".join(self.failures)
-
-
-def read_attempts(layout: RunLayout, rnd: int, site: str,
-                  final: bool = False) -> SiteAttempts | None:
-    """The record of ``site`` in round ``rnd`` (``final``: in the final model's evaluation);
-    None when no step of it failed."""
-    path = layout.final_attempts_file(site) if final else layout.attempts_file(rnd, site)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    return SiteAttempts(site=site, round=rnd, attempts=int(data["attempts"]),
-                        failures=[str(f) for f in data["failures"]],
-                        gave_up=bool(data["gave_up"]), timed_out=bool(data["timed_out"]),
-                        final=final, progressed=int(data.get("progressed", 0)),
-                        best_step=int(data.get("best_step", 0)),
-                        continued=int(data.get("continued", 0)),
-                        steps=int(data.get("steps", 0)),
-                        step_seconds=float(data.get("step_seconds", 0.0)))
-
-
-def write_attempts(layout: RunLayout, record: SiteAttempts) -> Path:
-    """Store ``record`` (atomically); return its file."""
-    path = (layout.final_attempts_file(record.site) if record.final
-            else layout.attempts_file(record.round, record.site))
-    data = asdict(record)
-    del data["final"]  # the file's place says it
-    write_json(path, data)
-    return path
 
 
 def short_reason(text: str) -> str:
@@ -144,9 +79,3 @@ def continues(record: SiteAttempts, text: str) -> bool:
     return True
 
 
-def eta_seconds(record: SiteAttempts) -> float | None:
-    """Seconds of training a chained round still needs (its steps left at the last job's
-    seconds per step; None when unknown). Queue waits of the jobs to come are not in it."""
-    if record.steps <= record.best_step or record.step_seconds <= 0:
-        return None
-    return (record.steps - record.best_step) * record.step_seconds

@@ -30,10 +30,10 @@ from xffl.core.errors import first_line
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout, registration
 from xffl.core.startup import collect_less
+from xffl.jobs.registry.attempts import read_attempts
 from xffl.jobs.registry.records import FinalLoss
 from xffl.jobs.report.numbers import GLOBAL
 from xffl.jobs.spec.schema import JobSpec
-from xffl.workflows.steps.attempts import read_attempts
 from xffl.workflows.steps.bounds import report_bounds
 from xffl.workflows.steps.early_stop import combine
 from xffl.workflows.steps.evaluate_result import (

@@ -18,11 +18,11 @@ from tests.conftest import QUICKSTART
 from xffl.cli.app import app
 from xffl.core.files import write_json
 from xffl.core.layout import RunLayout
+from xffl.jobs.registry.attempts import SiteAttempts, write_attempts
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.spec.load import load_job
 from xffl.workflows.plan.compile import write_plan
 from xffl.workflows.plan.validate import validate_cwl
-from xffl.workflows.steps.attempts import SiteAttempts, write_attempts
 from xffl.workflows.steps.final_validation import main as final_step
 
 runner = CliRunner()

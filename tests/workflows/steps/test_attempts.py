@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
+from xffl.jobs.registry.attempts import SiteAttempts
 from xffl.training.round_state import PROGRESS_LINE
-from xffl.workflows.steps.attempts import (
-    FREE_RETRIES,
-    SiteAttempts,
-    counts_against_retries,
-    progress_step,
-)
+from xffl.workflows.steps.attempts import FREE_RETRIES, counts_against_retries, progress_step
 
 
 def output(*lines: str) -> str:

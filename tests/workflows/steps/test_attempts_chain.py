@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 
 from xffl.core.layout import RunLayout
+from xffl.jobs.registry.attempts import SiteAttempts, eta_seconds, read_attempts, write_attempts
 from xffl.training.chain import CONTINUE_LINE
 from xffl.training.round_state import PROGRESS_LINE
-from xffl.workflows.steps.attempts import (
-    FREE_RETRIES,
-    SiteAttempts,
-    continues,
-    counts_against_retries,
-    eta_seconds,
-    read_attempts,
-    write_attempts,
-)
+from xffl.workflows.steps.attempts import FREE_RETRIES, continues, counts_against_retries
 
 
 def output(*lines: str) -> str:

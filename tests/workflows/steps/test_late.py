@@ -16,11 +16,11 @@ from tests.aggregator.conftest import write_checkpoint
 from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import read_manifest
 from xffl.core.layout import RunLayout
+from xffl.jobs.registry.attempts import SiteAttempts, write_attempts
 from xffl.jobs.registry.states import SiteState
 from xffl.jobs.spec.deadline import StalenessSpec
 from xffl.workflows.steps.admit import admit
 from xffl.workflows.steps.aggregate import applied_updates
-from xffl.workflows.steps.attempts import SiteAttempts, write_attempts
 from xffl.workflows.steps.late import LateJob, leave_late, mark_adopted, read_late
 
 CONFIG = {"hidden_size": 8}

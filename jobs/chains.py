@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xffl.core.layout import RunLayout
+from xffl.jobs.registry.attempts import eta_seconds, read_attempts
 from xffl.jobs.registry.records import RunRecord
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ class RoundChain:
 def round_chains(run: RunRecord, slurm: list[SlurmJob]) -> list[RoundChain]:
     """The run's chained rounds: finished ones from their recorded jobs (steps from-to),
     the round in flight from the failure manager's record of its continued jobs."""
-    from xffl.workflows.steps.attempts import eta_seconds, read_attempts
 
     by_site: dict[tuple[int, str], list[SlurmJob]] = {}
     for job in slurm:
