@@ -55,8 +55,9 @@ class GroupSync:
     def __init__(self, spec: LocalGroupsSpec, pm: ParallelModel,
                  optimizer: torch.optim.Optimizer, steps: int,
                  keep_dir: Path | None = None) -> None:
-        """``pm`` on a mesh of :func:`xffl.training.parallelize.group_mesh`; ``steps`` planned in the round;
-        ``keep_dir``: where each group's model is written before the round's last sync."""
+        """``pm`` on a mesh of :func:`xffl.training.parallelize.group_mesh`; ``steps``
+        planned in the round; ``keep_dir``: where each group's model is written before the
+        round's last sync."""
         assert pm.mesh is not None and pm.groups == spec.groups
         self.spec = spec
         self.pm = pm
