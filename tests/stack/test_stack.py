@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.stack.fixtures import StackInfo, stack
+from tests.stack.stack import CLUSTER_NAMES, first_job_id
+from xffl.schedulers.slurm import SLURM
 
 ALPHA, BETA = "alpha", "beta"
 
@@ -145,3 +147,19 @@ def test_slurmctld_outage_and_recovery(slurm_stack: StackInfo) -> None:
         stack.start_slurmctld(slurm_stack.dir, BETA)
     assert _ok(slurm_stack.ssh(BETA, "sinfo -h -o %P")).split() == ["debug*"]
     assert not stack.problems(slurm_stack)
+
+
+def test_stack_instances_never_share_a_rendezvous_port() -> None:
+    """Every cluster of every instance shares 127.0.0.1: the MASTER_PORT SLURM's ranks derive
+    from their job id must differ between any two of them for their first 1000 jobs (with
+    instances 100000 job ids apart alone, the n-th jobs of two instances took one port)."""
+    owner: dict[int, tuple[int, int]] = {}
+    for inst in range(10):
+        for cluster in range(len(CLUSTER_NAMES)):
+            for n in range(1000):
+                job = first_job_id(inst, cluster) + n
+                ranks = SLURM.ranks({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0",
+                                     "SLURM_NTASKS": "2", "SLURM_JOB_ID": str(job),
+                                     "MASTER_ADDR": "127.0.0.1"})
+                assert ranks is not None
+                assert owner.setdefault(ranks.master_port, (inst, cluster)) == (inst, cluster)
