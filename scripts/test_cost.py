@@ -39,28 +39,54 @@ def _children_left() -> list[int]:
     return found
 
 
+def _reap(by_name: dict[str, float]) -> tuple[int, int] | None:
+    """Reap one exited child, adding its CPU seconds (its reaped descendants' included) under
+    its command name; (its pid, its exit code), or None when none has exited (raises
+    ChildProcessError when no child is left)."""
+    info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None or info.si_pid == 0:
+        return None
+    try:
+        with open(f"/proc/{info.si_pid}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        name = "?"
+    _, status, used = os.wait4(info.si_pid, 0)
+    by_name[name] = by_name.get(name, 0.0) + used.ru_utime + used.ru_stime
+    return info.si_pid, os.waitstatus_to_exitcode(status)
+
+
 def main(argv: list[str]) -> int:
-    """Run pytest with ``argv`` (or the command after ``--``), reap all it left, print the cost."""
+    """Run pytest with ``argv`` (or the command after ``--``), reap all it left, print the cost
+    in all and by the command name of each process reaped here (``python`` is the test run with
+    what it waited for; adopted daemons, ``slurmstepd`` (a SLURM job) and the like apart)."""
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     start = time.monotonic()
     command = argv[1:] if argv[:1] == ["--"] else [
         sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", *argv]
-    rc = subprocess.call(command)
-    wall = time.monotonic() - start
-    limit = time.monotonic() + 60  # stack daemons stop at the session's end
-    while time.monotonic() < limit:
+    main_proc = subprocess.Popen(command)  # reaped by _reap, not by Popen
+    by_name: dict[str, float] = {}
+    rc: int | None = None
+    wall = 0.0
+    limit = float("inf")
+    while time.monotonic() < limit:  # stack daemons stop at the session's end
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            reaped = _reap(by_name)
         except ChildProcessError:
             break
-        if pid == 0:
-            time.sleep(0.2)
+        if reaped is None:
+            time.sleep(0.05)
+        elif reaped[0] == main_proc.pid:
+            rc, wall = reaped[1], time.monotonic() - start
+            limit = time.monotonic() + 60
     left = _children_left()
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    parts = ", ".join(f"{name} {cpu:.1f}" for name, cpu in
+                      sorted(by_name.items(), key=lambda kv: -kv[1]) if cpu >= 0.05)
     print(f"test_cost: wall {wall:.1f} s, CPU user {used.ru_utime:.1f} s + sys "
-          f"{used.ru_stime:.1f} s = {used.ru_utime + used.ru_stime:.1f} s"
+          f"{used.ru_stime:.1f} s = {used.ru_utime + used.ru_stime:.1f} s ({parts})"
           + (f" (still running, not counted: {left})" if left else ""), file=sys.stderr)
-    return rc
+    return rc if rc is not None else 1
 
 
 if __name__ == "__main__":
