@@ -25,9 +25,12 @@ docs=$!
 # three workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py): the
 # third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
 # timeout (on 2026-11-26, 1170 tests: 3 workers 573 s of pytest, 4 workers 606 s; 1213 tests:
-# 427-447 s with both cores 90-100% busy nearly throughout); XFFL_TEST_WORKERS=0 runs everything here
+# 427-447 s with both cores 90-100% busy nearly throughout); XFFL_TEST_WORKERS=0 runs everything here.
+# scripts/test_cost.py prints the run's CPU-seconds at the end, by process name: the SLURM
+# jobs (slurmstepd) and the stacks' daemons included, which the workers never wait for
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 \
+.venv/bin/python scripts/test_cost.py -- \
+  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 \
   --dist loadgroup "$@"
 tests=$?
 wait "$typecheck"

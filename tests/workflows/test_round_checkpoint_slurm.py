@@ -27,16 +27,18 @@ runner = CliRunner()
 
 
 def _submit(where: Path, stack: Any, name: str, setup: list[str]) -> str:
-    """A one-round run of 40 steps, 2 ranks a site, a checkpoint every 10 steps; beta's
-    batch script starts with ``setup``. Its run id."""
+    """A one-round run of 40 steps at beta alone, 2 ranks, a checkpoint every 10 steps; its
+    batch script starts with ``setup``. Its run id. (A second site would train the same
+    update in both runs, two SLURM jobs of 2 ranks, and prove nothing more: the globals'
+    equality is beta's resumed update's.)"""
     where.mkdir()
-    job = _job(where, stack, name, rounds=1, steps=40, retries=1, min_sites=2,
+    job = _job(where, stack, name, rounds=1, steps=40, retries=1, min_sites=1,
                round_timeout=900)
     spec = yaml.safe_load(job.read_text())
     spec["training"]["checkpoint"] = {"every": 10, "keep": 2}
-    for site in spec["sites"]:
-        site["ranks"] = 2
-    spec["sites"][1]["profile"] = write_profile(where / "site_profiles",
+    spec["sites"] = [site for site in spec["sites"] if site["name"] == "beta"]
+    spec["sites"][0]["ranks"] = 2
+    spec["sites"][0]["profile"] = write_profile(where / "site_profiles",
                                                 stack.clusters["beta"], stack, setup=setup)
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = runner.invoke(app, ["submit", str(job), "--json"])
