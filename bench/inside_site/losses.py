@@ -4,8 +4,9 @@ Each mode is a set of ``training`` fields; the round is the site trainer real si
 (``python -m xffl.training`` through :func:`xffl.training.launch.launch`, gloo, RANKS CPU
 ranks), from the same round-0 global, data, seed and batches, for ``steps`` optimizer steps.
 Reported per mode: the last step's training loss and the held-out loss of the update (the
-site's ``data.validation`` share, never trained on), from the update's manifest. A new mode
-(federated node groups: ``training.local_groups``) is one more entry of :data:`MODES`.
+site's ``data.validation`` share, never trained on), from the update's manifest. Federated
+node groups (``training.local_groups``, K in 1, 8 and 64) are entries of :data:`MODES` as
+FSDP2 and HSDP are; a new mode is one more.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ RANKS = 4
 MODES: dict[str, dict[str, Any]] = {
     "fsdp": {"data_parallel": "fsdp"},
     "hsdp 2 x 2": {"data_parallel": "hsdp", "shard_group": 2},
+    **{f"groups 2, K={k}": {"data_parallel": "fsdp", "local_groups": {"groups": 2, "every": k}}
+       for k in (1, 8, 64)},
 }
 
 

@@ -72,12 +72,17 @@ def test_the_step_table_prints_ratios_against_fsdp(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.slow
-def test_the_loss_table_runs_every_mode(tmp_path: Path) -> None:
-    """Real site rounds (4 CPU ranks), 3 steps each: every mode trains from the same global,
-    and its update's held-out loss is below the global's."""
+def test_the_loss_table_runs_every_kind_of_mode(tmp_path: Path) -> None:
+    """Real site rounds (4 CPU ranks), 3 steps each, one of each kind of mode (FSDP2, HSDP,
+    federated groups: the groups' K=8 and K=64 rows are the K=1 row's code with another
+    number): each trains from the same global, and its update's held-out loss is below the
+    global's."""
     losses = load_bench("inside_site", "losses.py")
-    table = losses.loss_table(tmp_path, 3)
-    assert list(table) == list(losses.MODES)
+    kinds = ("fsdp", "hsdp 2 x 2", "groups 2, K=1")
+    assert set(kinds) <= set(losses.MODES) and {"groups 2, K=8", "groups 2, K=64"} <= set(
+        losses.MODES)
+    table = losses.loss_table(tmp_path, 3, modes={k: losses.MODES[k] for k in kinds})
+    assert list(table) == list(kinds)
     starts = {r["val_loss_start"] for r in table.values()}
     assert len(starts) == 1, starts  # one global, one held-out share
     for name, row in table.items():
