@@ -7,7 +7,9 @@ command line is ``-m xffl.workflows.supervisor``; it runs StreamFlow) and its ch
 ``/proc/<pid>/stat`` gives a process's own user+system time and, separately, that of its
 children it has waited for, so the supervisor's samples split each round exactly into
 ``self`` (StreamFlow: scheduling, SSH, transfers, polling) and ``steps`` (the coordinator's
-step processes it ran: admit, aggregate). Each child's last sample, by its module, says
+step processes it ran: admit, aggregate; with the warm step server
+(:mod:`xffl.workflows.steps.warm`), the clients it ran and the server's own time and its
+forks', which the server reaps as they end). Each child's last sample, by its module, says
 roughly where ``steps`` went (StreamFlow runs a step as ``sh -c``: the step's Python is
 a grandchild) (a child's last ``PERIOD`` before it exits is not seen, so the
 named parts add up to a little less than ``steps``).
@@ -59,9 +61,13 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _kind(argv: list[str]) -> str:
-    """A child's name in the breakdown: the step module's last part, else the program."""
+    """A child's name in the breakdown: the step module's last part (``python -m
+    xffl.workflows.steps STEP``: the step's), else the program's."""
     if "-m" in argv and argv.index("-m") + 1 < len(argv):
-        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+        at = argv.index("-m") + 1
+        if argv[at] == "xffl.workflows.steps" and at + 1 < len(argv):
+            return f"{argv[at + 1]}*"  # the client handing the step to the warm server
+        return argv[at].rsplit(".", 1)[-1]
     return Path(argv[0]).name if argv and argv[0] else "?"
 
 
@@ -95,13 +101,16 @@ class CpuSampler(threading.Thread):
         now = time.time()
         # fields[11:15]: utime, stime, cutime, cstime (proc(5) fields 14-17), in ticks
         utime, stime, cutime, cstime = (int(x) / TICK for x in fields[11:15])
-        self.series.append((now, utime + stime, cutime + cstime))
+        warm = 0.0
         for kid in _descendants(pid):
             f = _stat(kid)
             if f is None:
                 continue
             kind, first, _ = self.children.get(kid, (_kind(_cmdline(kid)), now, 0.0))
             self.children[kid] = (kind, first, (int(f[11]) + int(f[12])) / TICK)
+            if kind == "warm" and int(f[1]) == pid:  # the server: its own and its forks'
+                warm += sum(int(x) for x in f[11:15]) / TICK
+        self.series.append((now, utime + stime, cutime + cstime + warm))
         return True
 
     def run(self) -> None:
@@ -137,7 +146,8 @@ class CpuSampler(threading.Thread):
 
 
 def show(rows: list[dict[str, float]]) -> None:
-    """One line per round: the coordinator's CPU seconds, by process."""
+    """One line per round: the coordinator's CPU seconds, by process (``admit*``: the client
+    handing the admit step to the warm server; ``warm``: that server's forks)."""
     kinds = sorted({k for r in rows for k in r} - {"self", "steps"})
     print("round    self  steps | " + " ".join(f"{k:>9}" for k in kinds)
           + "   (CPU seconds; self: the supervisor, StreamFlow; steps: its children)")
