@@ -53,12 +53,12 @@ from typing import Any
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.local import LocalConnector
-from streamflow.deployment.connector.queue_manager import SlurmConnector
 from streamflow.deployment.template import CommandTemplateMap
 
 from xffl.core.layout import RunLayout
 from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.extensions.failure import TIMEOUT_MARK
+from xffl.workflows.extensions.job_end import OneTripSlurmConnector
 from xffl.workflows.extensions.shell import create_command, environment_words
 from xffl.workflows.steps.late import (
     LateJob,
@@ -106,8 +106,9 @@ class SandboxedTemplateMap(CommandTemplateMap):
             **kwargs)
 
 
-class XfflSlurmConnector(SlurmConnector):
-    """SlurmConnector whose ``timeout`` is a deadline from submission, then scancel."""
+class XfflSlurmConnector(OneTripSlurmConnector):
+    """SlurmConnector whose ``timeout`` is a deadline from submission, then scancel (a job's
+    end read in one round trip: :mod:`xffl.workflows.extensions.job_end`)."""
 
     def __init__(self, *args: Any, late: MutableMapping[str, Any] | None = None,
                  **kwargs: Any) -> None:
