@@ -4,6 +4,8 @@ same streams, same exit code), in a fork of a process that imported the steps on
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,14 @@ def _step(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 def _imported(stderr: str, module: str) -> bool:
     return any(line.startswith("import time:") and line.split("|")[-1].strip() == module
                for line in stderr.splitlines())
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _said(stderr: str) -> list[str]:
@@ -105,3 +115,32 @@ def test_only_the_plan_steps_are_run(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "usage: python -m xffl.workflows.steps {admit,aggregate,final_validation}" in \
         done.stderr
+
+
+def test_the_server_ends_with_its_supervisor(plan: RunLayout, tmp_path: Path) -> None:
+    """A supervisor killed outright (no finally, no stop): its server sees its parent gone,
+    takes its socket away and ends; a step then runs cold."""
+    said = tmp_path / "parent.out"  # a file, not a pipe: the server shares its streams
+    with said.open("w") as out:
+        parent = subprocess.run(
+            [sys.executable, "-c", "import os, sys, time\n"
+             "from pathlib import Path\n"
+             "from xffl.workflows.steps import warm\n"
+             "server = warm.spawn(Path(sys.argv[1]))\n"
+             "while not (Path(sys.argv[1]) / 'steps.sock').exists(): time.sleep(0.05)\n"
+             "print(server.pid, flush=True)\n"
+             "os._exit(9)\n", str(plan.root)],
+            stdout=out, stderr=subprocess.STDOUT, timeout=300, check=False)
+    assert parent.returncode == 9, said.read_text()
+    server = int(said.read_text().split()[-1])
+    deadline = time.monotonic() + 120  # an upper bound on a loaded machine, not a measure
+    try:
+        while _running(server):
+            assert time.monotonic() < deadline, "the server outlived its supervisor"
+            time.sleep(0.1)
+    finally:
+        if _running(server):  # the test failed: leave no server behind
+            os.kill(server, signal.SIGTERM)
+    assert not (plan.root / SOCKET).exists()
+    done = _step(tmp_path, "aggregate", "--run-dir", str(plan.root), "--round", "1")
+    assert done.returncode == 2 and _imported(done.stderr, "pydantic")  # cold
