@@ -19,7 +19,10 @@ import statistics
 import subprocess
 import sys
 
-STEPS = ("xffl.workflows.steps.admit", "xffl.workflows.steps.aggregate")
+# a step's module (what a cold step imports), and what a step's command imports when the
+# warm step server runs it (xffl.workflows.steps.warm)
+STEPS = ("xffl.workflows.steps.admit", "xffl.workflows.steps.aggregate",
+         "xffl.workflows.steps.handoff")
 
 
 def cpu_seconds(code: str) -> float:
