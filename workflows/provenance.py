@@ -94,6 +94,9 @@ def _walk(node: Any) -> Iterable[dict[str, Any]]:
 
 async def _streamflow_crate(layout: RunLayout, out: Path, embed_limit: int) -> None:
     """StreamFlow's CWL Run Crate of every execution in the run's database, into ``out``."""
+    from xffl.workflows.extensions.lazy_kubernetes import install
+
+    install()  # before StreamFlow's connectors are imported: no Kubernetes client unless used
     from streamflow.core.workflow import Workflow
     from streamflow.persistence.loading_context import DefaultDatabaseLoadingContext
     from streamflow.provenance.run_crate import CWLRunCrateProvenanceManager

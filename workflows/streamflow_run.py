@@ -10,6 +10,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from xffl.workflows.extensions.lazy_kubernetes import install
+
+install()  # before StreamFlow's connectors are imported: no Kubernetes client unless used
+
 
 class ErrorLines(logging.Handler):
     """The first lines of StreamFlow's ERROR messages while a workflow runs (for the reason a

@@ -45,6 +45,7 @@ from xffl.jobs.slurm_view import load_profiles
 from xffl.jobs.spec.schema import JobSpec
 from xffl.jobs.spec.trust import consented
 from xffl.workflows.plan.compile import write_execution_inputs, write_initial_model
+from xffl.workflows.steps import warm
 from xffl.workflows.steps.aggregate import QUORUM_EVENT
 from xffl.workflows.steps.early_stop import read_stopped
 from xffl.workflows.steps.final_validation import EVENT as FINAL_EVENT
@@ -100,10 +101,12 @@ async def _execute(layout: RunLayout, run_id: str, spec: JobSpec, name: str, fir
     loop = asyncio.get_running_loop()
     if task is not None:  # xffl cancel: stop StreamFlow, whose connectors scancel the jobs
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    server = warm.spawn(layout.root)  # the coordinator's steps, imported once for the run
     try:
         await execute_workflow(context, pristine, run_id, name,
                                layout.workflow_outputs(name), on_start=on_start)
     finally:
+        warm.stop(server)
         loop.remove_signal_handler(signal.SIGTERM)
         with contextlib.suppress(Exception):
             await context.close()

@@ -42,6 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.round_overhead import cpu  # noqa: E402
 from bench.round_overhead.breakdown import breakdown, show  # noqa: E402
 from tests.stack import stack  # noqa: E402  (the repo's stack driver: stdlib only)
 from tests.stack.profiles import write_profile  # noqa: E402
@@ -100,10 +101,17 @@ def _round_row(wall: float, updates: dict[str, Path], extra: dict[str, Any]) -> 
 
 
 def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
-    """Submit the job, wait for it, and read every round's times from the registry."""
+    """Submit the job, wait for it, and read every round's times from the registry (and the
+    coordinator's CPU seconds per round, :mod:`bench.round_overhead.cpu`)."""
     from xffl.jobs.registry.store import Registry
 
-    status = json.loads(_xffl(env, "submit", str(job), "--wait", "--json", "--timeout", "1500"))
+    sampler = cpu.CpuSampler(job.parent)
+    sampler.start()
+    try:
+        status = json.loads(_xffl(env, "submit", str(job), "--wait", "--json",
+                                  "--timeout", "1500"))
+    finally:
+        sampler.stop()
     if status["state"] != "completed":
         raise SystemExit(f"the xffl run ended {status['state']}: {status.get('message')}")
     run_dir = Path(status["run_dir"])
@@ -119,6 +127,14 @@ def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
         updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in SITES}
         rows.append(_round_row(rnd.ended - rnd.started, updates,
                                {"aggregate_s": rnd.aggregate_seconds or 0.0}))
+    windows = [(submitted, first)] + [(r.started or 0.0, r.ended or 0.0)
+                                      for r in registry.rounds(status["run_id"])]
+    spent = sampler.per_round(windows)
+    print(f"xffl: the coordinator's CPU seconds before round 1: {spent[0]['self']:.2f} "
+          f"(supervisor), {spent[0]['steps']:.2f} (its children); per round:", flush=True)
+    cpu.show(spent[1:])
+    for row, used in zip(rows, spent[1:], strict=True):
+        row["cpu_s"] = used
     print("xffl: each round, per site (seconds; breakdown.py):", flush=True)
     try:
         show(breakdown(run_dir))
@@ -211,7 +227,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     xffl = summary["overhead_s"]["xffl"]
     summary["ratio"] = {m: xffl / v for m, v in summary["overhead_s"].items() if m != "xffl"}
     print(" mean | " + ", ".join(f"{m} {v:.2f} s" for m, v in summary["overhead_s"].items())
-          + "; xffl / " + ", xffl / ".join(f"{m} = {r:.2f}" for m, r in summary["ratio"].items())
+          + "".join(f"; xffl / {m} = {r:.2f}" for m, r in summary["ratio"].items())
           + f"; xffl's worst round {summary['max_overhead_s']['xffl']:.2f} s "
           "(target: <= 1.1 x poll)")
     print("      | wall - the slowest training loop (torch start-up counted as overhead too): "
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--polling-interval", type=float, default=1.0,
                    help="StreamFlow's squeue polling interval (the job spec's slurm override)")
     p.add_argument("--baselines", default="wait,poll", help="wait (sbatch --wait), poll "
-                   "(squeue every polling interval), or both: wait,poll")
+                   "(squeue every polling interval), both: wait,poll, or none: ''")
     p.add_argument("--stack-dir", type=Path, default=None, help="default: the tests' stack dir")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
@@ -251,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {"xffl": xffl}
         plan = work / "plan"
         _xffl(env, "render", str(job), "-o", str(plan))
-        for mode in args.baselines.split(","):
+        for mode in filter(None, args.baselines.split(",")):
             t0 = time.perf_counter()
             results[mode] = run_baseline(plan, info, work, args.rounds, mode,
                                          args.polling_interval)

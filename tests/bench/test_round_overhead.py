@@ -28,6 +28,10 @@ def test_xffl_and_baselines_do_the_same_rounds(slurm_stack,  # type: ignore[no-u
             {s: t["samples"] for s, t in rounds["xffl"][0]["sites"].items()}
         # the same float64 subtraction of the same numbers (JSON round-trips floats exactly)
         assert row["overhead_s"] == row["wall_s"] - row["slowest_job_s"]
+    # the coordinator's CPU seconds in the round (bench/round_overhead/cpu.py): StreamFlow's
+    # in the supervisor, and the admit steps' it ran
+    spent = rounds["xffl"][0]["cpu_s"]
+    assert spent["self"] > 0 and spent["steps"] > 0, spent
     job_ids = [t["job_id"] for rows in rounds.values() for t in rows[0]["sites"].values()]
     assert len(set(job_ids)) == 4  # four distinct SLURM jobs: 2 modes x 2 sites
     # one round: each mean is its one value exactly (statistics.mean sums exactly), and the

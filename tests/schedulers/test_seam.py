@@ -138,10 +138,12 @@ def test_a_second_schedulers_connector_comes_from_its_entry_alone() -> None:
         queue_connector_class,
     )
     from xffl.workflows.extensions.deadline import DeadlineMixin
+    from xffl.workflows.extensions.job_end import OneTripSlurmConnector
 
     assert set(QUEUE_CONNECTORS) == set(SCHEDULERS)
     slurm = QUEUE_CONNECTORS["slurm"]
-    assert slurm.__mro__[1:4] == (XfflQueueConnector, DeadlineMixin, SlurmConnector)
+    assert slurm.__mro__[1:5] == (XfflQueueConnector, DeadlineMixin, OneTripSlurmConnector,
+                                  SlurmConnector)
     pbs = queue_connector_class(_PbsOnPaper())
     assert pbs.__name__ == "XfflPBSConnector"
     assert pbs.__mro__[1:4] == (XfflQueueConnector, DeadlineMixin, PBSConnector)

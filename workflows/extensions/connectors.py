@@ -45,16 +45,21 @@ from typing import Any
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.core.exception import WorkflowExecutionException
 from streamflow.deployment.connector.local import LocalConnector
-from streamflow.deployment.connector.queue_manager import QueueManagerConnector
+from streamflow.deployment.connector.queue_manager import QueueManagerConnector, SlurmConnector
 from streamflow.deployment.template import CommandTemplateMap
 
 from xffl.schedulers.base import Scheduler
 from xffl.schedulers.registry import SCHEDULERS
 from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.extensions.deadline import STDOUT, DeadlineMixin, timeout_error
+from xffl.workflows.extensions.job_end import OneTripSlurmConnector
 from xffl.workflows.extensions.shell import create_command, environment_words
 
 KILL_GRACE_S = 10.0
+#: xffl's refinements of upstream's connectors, taken in their place: SLURM's reads a
+#: finished job's output and exit code in one round trip (:mod:`.job_end`)
+REFINED: dict[type[QueueManagerConnector], type[QueueManagerConnector]] = {
+    SlurmConnector: OneTripSlurmConnector}
 
 
 class SandboxedTemplateMap(CommandTemplateMap):
@@ -124,6 +129,7 @@ def queue_connector_class(scheduler: Scheduler) -> type[XfflQueueConnector]:
     base = getattr(importlib.import_module(module), name)
     if not (isinstance(base, type) and issubclass(base, QueueManagerConnector)):
         raise TypeError(f"{scheduler.streamflow_connector} is not a StreamFlow queue manager")
+    base = REFINED.get(base, base)
     made: type[XfflQueueConnector] = type(f"Xffl{name}", (XfflQueueConnector, base), {
         "__doc__": f"{name} whose ``timeout`` is a deadline from submission, then "
                    f"{scheduler.cancelled_word}.",

@@ -101,10 +101,12 @@ def train_tool(*, run_id: str, site: str, python: str, launcher: str, ranks: int
 
 def coordinator_tool(module: str, doc: str, arguments: list[str], inputs: dict[str, Any],
                      outputs: dict[str, Any]) -> dict[str, Any]:
-    """A CommandLineTool that runs one of xffl's steps (``python -m module``) on the
-    coordinator, with this Python."""
+    """A CommandLineTool that runs one of xffl's steps on the coordinator, with this Python:
+    ``python -m xffl.workflows.steps STEP``, in the run's warm step server when it listens
+    (:mod:`xffl.workflows.steps.handoff`)."""
+    package, _, step = module.rpartition(".")
     return {"cwlVersion": CWL_VERSION, "class": "CommandLineTool", "doc": doc,
-            "baseCommand": [sys.executable, "-m", module], "arguments": arguments,
+            "baseCommand": [sys.executable, "-m", package, step], "arguments": arguments,
             "inputs": inputs, "outputs": outputs}
 
 

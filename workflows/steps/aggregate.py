@@ -159,10 +159,10 @@ def applied_updates(layout: RunLayout, rnd: int, previous: Path, verdicts: list[
 def track(spec: JobSpec, reg: Registry, run_id: str, rnd: int) -> None:
     """Log the round just recorded to the job's experiment trackers (``tracking``), from the
     registry; a tracker that fails leaves a ``tracking`` event, never a failed round."""
-    from xffl.jobs.tracking.rounds import log_round
-
     if spec.tracking is None:
         return
+    from xffl.jobs.tracking.rounds import log_round  # the trackers' modules, only when used
+
     record = next(r for r in reg.rounds(run_id) if r.round == rnd)
     warnings = log_round(spec.tracking, reg.get_run(run_id), spec.model_dump(mode="json"),
                          record, reg.transfers(run_id))

@@ -1,0 +1,183 @@
+"""The warm step server: the coordinator's steps run in forks of one process that imported them.
+
+Each round runs one admit step per site and one aggregate step on the coordinator, each a
+new Python process; nearly all of such a process's CPU time went to its imports (numpy,
+pydantic and the job spec's models: 0.41 of 0.45 CPU-s), and the last admission and the
+aggregation are on the round's critical path. The supervisor starts this server for the time
+its workflow runs (``python -m xffl.workflows.steps.warm RUN_DIR``). It imports the steps'
+modules once, listens on ``steps.sock`` in the run directory (a Unix socket, owner-only as
+every file the run makes; a peer of another user is refused by its credentials), and for
+each step :mod:`xffl.workflows.steps.handoff` hands it, forks: the fork takes the step's
+arguments, working directory, environment and standard streams (passed as file
+descriptors), runs the step's ``main`` as ``python -m`` would, and answers its exit code.
+The request is JSON; nothing is unpickled. Only the plan's coordinator steps can be asked
+for. The server ends when its supervisor does (it checks its parent every second) or on
+SIGTERM. (:mod:`multiprocessing`'s forkserver forks preloaded processes too, but for its own
+``Process`` objects, not for a command handed a process's streams.)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from xffl.core.paths import private_files
+from xffl.core.startup import collect_less
+from xffl.workflows.steps.handoff import LIMIT, SOCKET, STEPS
+
+STREAMS = 3  # the step's stdin, stdout, stderr
+
+
+def spawn(run_dir: Path) -> subprocess.Popen[bytes]:
+    """Start the warm step server of ``run_dir`` (its output goes where this process's does)."""
+    return subprocess.Popen([sys.executable, "-m", "xffl.workflows.steps.warm", str(run_dir)],
+                            stdin=subprocess.DEVNULL)
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    """End the server (a step it is running finishes in its fork)."""
+    if server.poll() is None:
+        server.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(timeout=10)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of ``conn`` (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def exit_code(main: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run ``main(argv)``; its exit code as the interpreter would make it."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:  # as an uncaught exception would: its traceback, exit 1
+        traceback.print_exc()
+        return 1
+    return code if isinstance(code, int) else 0
+
+
+def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The step's request and its standard streams (ValueError: not a valid request)."""
+    data, fds, _flags, _addr = socket.recv_fds(conn, LIMIT, STREAMS)
+    while not data.endswith(b"\n") and len(data) <= LIMIT:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    req = json.loads(data)
+    if (len(fds) != STREAMS or not isinstance(req, dict) or req.get("step") not in STEPS
+            or not isinstance(req.get("cwd"), str)
+            or not isinstance(req.get("argv"), list)
+            or not all(isinstance(a, str) for a in req["argv"])
+            or not isinstance(req.get("env"), dict)
+            or not all(isinstance(k, str) and isinstance(v, str)
+                       for k, v in req["env"].items())):
+        raise ValueError("not a step request")
+    return req, fds
+
+
+def run_fork(conn: socket.socket, modules: dict[str, ModuleType]) -> int:
+    """In the fork: take the request, become the step's process, run it, answer its code."""
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        req, fds = _request(conn)
+    except (OSError, ValueError):
+        return 2
+    conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    module = modules[req["step"]]
+    sys.argv = [module.__name__, *req["argv"]]
+    code = exit_code(module.main, req["argv"])
+    atexit._run_exitfuncs()  # what the interpreter runs at exit (os._exit does not)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+    return code
+
+
+def _reap(_signum: int = 0, _frame: object = None) -> None:
+    """Collect the forks that have ended, as they end (their CPU time then counts as this
+    process's children's, where ``/proc`` and ``getrusage`` show it)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def serve(run_dir: Path, parent: int) -> None:
+    """Import the steps, listen in ``run_dir``, fork a process per step until ``parent`` ends."""
+    modules = {s: importlib.import_module(f"xffl.workflows.steps.{s}") for s in STEPS}
+    os.chdir(run_dir)  # a relative name: a run directory's path may pass AF_UNIX's limit
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SOCKET)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(SOCKET)  # 0600: the process's umask is owner-only
+    try:
+        sock.listen(16)
+        sock.settimeout(1.0)
+        signal.signal(signal.SIGCHLD, _reap)
+        while os.getppid() == parent:
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(None)
+                if peer_uid(conn) != os.getuid():
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if os.fork() == 0:
+                    sock.close()
+                    code = 2
+                    try:
+                        code = run_fork(conn, modules)
+                    finally:
+                        os._exit(code)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(SOCKET)
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m xffl.workflows.steps.warm RUN_DIR``."""
+    collect_less()  # before the imports it makes (see xffl.core.startup)
+    private_files()
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m xffl.workflows.steps.warm RUN_DIR", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    serve(Path(args[0]), os.getppid())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
