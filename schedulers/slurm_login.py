@@ -162,3 +162,27 @@ def parse_test_only(text: str) -> float | None:
         secs = max(0.0, (start - now).total_seconds())
         return secs if secs <= MAX_ESTIMATE_S else None
     return None
+
+
+_EXIT = "'s/^.*ExitCode=\\([0-9]\\+\\):.*/\\1/p'"  # upstream's _get_returncode
+_STDOUT = "'s/^.*StdOut=\\([^[:space:]]*\\).*/\\1/p'"  # upstream's _get_output
+
+
+def job_end_command(job_id: str) -> str:
+    """The site's shell line: a finished job's exit code on the first line, then its output
+    file (upstream SlurmConnector's two ``sed`` expressions over one ``scontrol show``; used
+    by :mod:`xffl.workflows.extensions.job_end`)."""
+    return (f"j=$(scontrol show -o job {shlex.quote(job_id)}); "
+            f"printf '%s\\n' \"$(printf '%s\\n' \"$j\" | sed -n {_EXIT})\"; "
+            f"o=$(printf '%s\\n' \"$j\" | sed -n {_STDOUT}); "
+            "if [ -n \"$o\" ]; then cat \"$o\"; fi")
+
+
+def parse_job_end(text: str) -> tuple[int | None, str]:
+    """The exit code (None: not a number) and the output that :func:`job_end_command` wrote."""
+    first, _, rest = text.partition("\n")
+    try:
+        code: int | None = int(first.strip())
+    except ValueError:
+        code = None
+    return code, rest.strip()

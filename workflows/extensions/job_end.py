@@ -14,32 +14,12 @@ bare).
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from streamflow.core.deployment import ExecutionLocation
 from streamflow.deployment.connector.queue_manager import SlurmConnector
 
-_EXIT = "'s/^.*ExitCode=\\([0-9]\\+\\):.*/\\1/p'"  # upstream's _get_returncode
-_STDOUT = "'s/^.*StdOut=\\([^[:space:]]*\\).*/\\1/p'"  # upstream's _get_output
-
-
-def job_end_command(job_id: str) -> str:
-    """The site's shell line: the job's exit code on the first line, then its output file."""
-    return (f"j=$(scontrol show -o job {shlex.quote(job_id)}); "
-            f"printf '%s\\n' \"$(printf '%s\\n' \"$j\" | sed -n {_EXIT})\"; "
-            f"o=$(printf '%s\\n' \"$j\" | sed -n {_STDOUT}); "
-            "if [ -n \"$o\" ]; then cat \"$o\"; fi")
-
-
-def parse_job_end(text: str) -> tuple[int | None, str]:
-    """The exit code (None: not a number) and the output that :func:`job_end_command` wrote."""
-    first, _, rest = text.partition("\n")
-    try:
-        code: int | None = int(first.strip())
-    except ValueError:
-        code = None
-    return code, rest.strip()
+from xffl.schedulers.slurm_login import job_end_command, parse_job_end
 
 
 class OneTripSlurmConnector(SlurmConnector):

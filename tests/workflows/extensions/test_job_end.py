@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from xffl.workflows.extensions.job_end import job_end_command, parse_job_end
+from xffl.schedulers.slurm_login import job_end_command, parse_job_end
 
 
 def test_the_first_line_is_the_exit_code_the_rest_the_output() -> None:

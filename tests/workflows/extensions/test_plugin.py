@@ -141,6 +141,7 @@ def test_a_failed_job_is_retried_and_a_lost_site_is_left_out(tmp_path: Path) -> 
     assert attempts(run_dir, 2, "a") == {
         "site": "a", "round": 2, "attempts": 2, "gave_up": False, "timed_out": False,
         "progressed": 0, "best_step": 0,  # no checkpoint inside the round: no free retry
+        "continued": 0, "steps": 0, "step_seconds": 0.0,  # and no round of several jobs
         "failures": ["attempt 1: xffl.training (rank 0): a cannot train round 2"]}
     lost = attempts(run_dir, 3, "b")
     assert lost is not None and lost["gave_up"] and lost["attempts"] == 2
