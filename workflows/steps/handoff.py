@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+from typing import BinaryIO
 
 STEPS = ("admit", "aggregate", "final_validation")
 SOCKET = "steps.sock"  # in the run directory
@@ -51,17 +52,15 @@ def connect(run_dir: str) -> socket.socket | None:
     return sock
 
 
-def read_line(sock: socket.socket) -> bytes:
-    """One newline-ended line from ``sock`` (b"" when it closes first)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(4096)
-        if not chunk:
-            return b""
-        data += chunk
-        if len(data) > LIMIT:
-            raise ValueError("a line over the limit")
-    return data
+def read_line(stream: BinaryIO) -> bytes:
+    """One newline-ended line of the server's replies (b"" when it closes first). The replies
+    are read through one buffered ``stream``: the step's start and end lines may arrive in one
+    packet (a step that ends at once), and a line read off the socket by itself would swallow
+    the next."""
+    line = stream.readline(LIMIT + 1)
+    if len(line) > LIMIT:
+        raise ValueError("a line over the limit")
+    return line if line.endswith(b"\n") else b""
 
 
 def warm(sock: socket.socket, step: str, argv: list[str]) -> int:
@@ -69,13 +68,14 @@ def warm(sock: socket.socket, step: str, argv: list[str]) -> int:
     SIGTERM/SIGINT to it; its exit code."""
     request = {"step": step, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-    started = json.loads(read_line(sock) or b"{}")
+    replies = sock.makefile("rb")
+    started = json.loads(read_line(replies) or b"{}")
     pid = started.get("pid")
     if not isinstance(pid, int):  # the server did not start it: nothing ran
         return cold(step, argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
-    ended = json.loads(read_line(sock) or b"{}")
+    ended = json.loads(read_line(replies) or b"{}")
     code = ended.get("exit")
     if not isinstance(code, int):
         print(f"xffl: the {step} step ended without an exit code", file=sys.stderr)

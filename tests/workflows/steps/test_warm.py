@@ -144,3 +144,33 @@ def test_the_server_ends_with_its_supervisor(plan: RunLayout, tmp_path: Path) ->
     assert not (plan.root / SOCKET).exists()
     done = _step(tmp_path, "aggregate", "--run-dir", str(plan.root), "--round", "1")
     assert done.returncode == 2 and _imported(done.stderr, "pydantic")  # cold
+
+
+def test_a_step_that_ends_at_once_keeps_its_exit_code() -> None:
+    """The server's two replies (the fork's pid, then its exit code) can arrive in one packet
+    when a step ends at once (an admit step of a site given up: under CI's load that run
+    failed with exit 1). The client reads both through one buffer: it still sees 3."""
+    import socket
+    import threading
+
+    from xffl.workflows.steps import handoff
+
+    client, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def serve() -> None:
+        _data, fds, _flags, _addr = socket.recv_fds(server, 1 << 20, 3)
+        for fd in fds:
+            os.close(fd)
+        server.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n"
+                       + json.dumps({"exit": 3}).encode() + b"\n")
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with client, server:
+            assert handoff.warm(client, "admit", ["--run-dir", "x"]) == 3
+    finally:
+        thread.join(timeout=10)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # warm() relays them to the step's pid
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
