@@ -82,4 +82,10 @@ def test_the_same_answers_as_upstream(tmp_path: Path, slurm_stack: Any,
         ours, upstream = asyncio.run(_both(slurm_stack, tmp_path, job_id))
         assert ours == upstream == expected
     ours, upstream = asyncio.run(_both(slurm_stack, tmp_path, "999999999"))
-    assert ours == upstream and "return code" in str(ours[1]), ours
+    # upstream's own error, raised by upstream's own call: its tail is scontrol's stderr as the
+    # SSH session delivered it, which under load once came back empty on one of the two
+    # calls ("...job 999999999: " against "...: slurm_load_jobs error: Invalid job id
+    # specified"): the class and upstream's sentence are compared, not SLURM's stderr
+    prefix = "Error while retrieving return code for job 999999999:"
+    assert ours[0] is upstream[0] and str(ours[1]).startswith(prefix) \
+        and str(upstream[1]).startswith(prefix), (ours, upstream)
