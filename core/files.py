@@ -17,10 +17,12 @@ def _unique_tmp(final: Path) -> Path:
 
 
 def atomic_write(final: Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` through a fsynced temporary file and one rename."""
+    """Write ``data`` to ``final`` through a fsynced temporary file and one rename; the file
+    is owner-only (0600) whatever the process's umask."""
     tmp = _unique_tmp(final)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with tmp.open("wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -31,8 +33,9 @@ def atomic_write(final: Path, data: bytes) -> None:
 
 
 def write_json(final: Path, data: Any) -> None:
-    """Write ``data`` as indented JSON to ``final`` atomically (parents created)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` as indented JSON to ``final`` atomically and owner-only (parents
+    created, owner-only)."""
+    final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write(final, (json.dumps(data, indent=2) + "\n").encode())
 
 

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from xffl.core.files import write_json
 from xffl.core.layout import RunLayout, registration
 from xffl.site_profiles.schema import shell_unsafe_char
 from xffl.workflows.steps.late import is_job_id
@@ -61,7 +62,7 @@ def record_submitted(layout: RunLayout, job: InflightJob) -> Path:
     if shell_unsafe_char(job.workdir) is not None:
         raise ValueError(f"the job folder {job.workdir!r} is not plain path text")
     path = layout.inflight_job(job.round, job.site)
-    _write_private(path, asdict(job))
+    write_json(path, asdict(job))
     return path
 
 
@@ -120,19 +121,3 @@ def note(layout: RunLayout, message: str) -> None:
     from xffl.jobs.registry.store import Registry
 
     Registry(reg.registry).event(reg.run_id, EVENT, message)
-
-
-def _write_private(path: Path, data: dict[str, object]) -> None:
-    """Replace ``path`` with ``data`` as JSON, owner-only, through a fsynced temporary."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(data, out, indent=2)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
