@@ -10,6 +10,7 @@ exchange format of :mod:`xffl.aggregator.exchange`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -20,11 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import (
     Manifest,
     verify_checkpoint,
@@ -36,7 +34,7 @@ from xffl.training import distributed as xdist
 from xffl.training.checkpoint import load_model, read_config, read_weights
 from xffl.training.config import TrainingSpec, TrainJob, round_steps
 from xffl.training.data import TokenShards, site_splits
-from xffl.training.evaluate import Evaluation, eval_count, evaluate_net
+from xffl.training.evaluate import evaluate_net
 from xffl.training.launch import LAUNCHED_AT_ENV
 from xffl.training.loop import make_scheduler, prox_snapshot, run_steps
 from xffl.training.memory_model import model_parts
@@ -49,13 +47,11 @@ from xffl.training.parallelize import (
     device_memory,
     parallelize,
 )
+from xffl.training.round_report import held_out_evaluation, round_report
 from xffl.training.sharded_load import load_parallel
 from xffl.training.telemetry import (
     device_count,
     device_name,
-    hardware_metrics,
-    peak_memory_bytes,
-    per_device_rate,
     round_speed,
 )
 from xffl.training.update_save import (
@@ -118,19 +114,6 @@ def startup_seconds(env: Mapping[str, str], now: float) -> float | None:
     except (KeyError, ValueError):
         return None
     return max(0.0, now - launched_at) if math.isfinite(launched_at) else None
-
-
-def across_ranks(losses: Tensor, maxima: list[float],
-                 device: torch.device) -> tuple[Tensor, list[float]]:
-    """Every rank's step losses averaged, and the largest of each of ``maxima`` over the ranks
-    (the slowest rank's seconds, the largest peak memory: one all-reduce for all of them)."""
-    largest = torch.tensor(maxima, dtype=torch.float64)
-    if xdist.is_distributed():
-        losses, largest = losses.to(device), largest.to(device)
-        dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        losses, largest = losses.cpu() / xdist.world_size(), largest.cpu()
-    return losses, [float(v) for v in largest]
 
 
 def _site_data(job: TrainJob, data_dir: Path, config: ModelConfig,
@@ -248,33 +231,6 @@ def _round_checkpoints(job: TrainJob, round: int, parent: str, state_dir: Path |
                              optimizer, scheduler)
 
 
-def _round_metrics(losses: Tensor, seconds: float, tokens_read: int, lr_last: float,
-                   startup: float | None, incoming: Evaluation | None,
-                   trained: Evaluation | None, eval_seconds: float,
-                   hardware: Mapping[str, float] | None = None) -> dict[str, float]:
-    """The update manifest's metrics of a round: losses, speed, start-up, the held-out
-    losses of the global it started from and of the update (when the site holds data out),
-    and how the hardware ran it (:func:`xffl.training.telemetry.hardware_metrics`)."""
-    metrics = {
-        metric.LOSS: float(losses.mean()),
-        metric.LOSS_FIRST: float(losses[0]),
-        metric.LOSS_LAST: float(losses[-1]),
-        metric.TOKENS_PER_S: tokens_read / seconds if seconds > 0 else 0.0,
-        metric.TRAIN_SECONDS: seconds,
-        metric.STEPS: float(len(losses)),
-        metric.LR_LAST: lr_last,
-        **(hardware or {}),
-    }
-    if startup is not None:
-        metrics[metric.STARTUP_SECONDS] = startup
-    if incoming is not None and trained is not None:
-        metrics.update({metric.VAL_LOSS: incoming.loss, metric.VAL_LOSS_UPDATE: trained.loss,
-                        metric.VAL_SAMPLES: float(incoming.sequences),
-                        metric.VAL_TOKENS: float(incoming.tokens),
-                        metric.EVAL_SECONDS: eval_seconds})
-    return metrics
-
-
 def _layout_record(job: TrainJob, pm: ParallelModel, device: torch.device,
                    world: int) -> dict[str, Any]:
     """The update manifest's record of how the site ran the round: ranks, mesh, device,
@@ -326,13 +282,7 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     xdist.barrier()
     startup = startup_seconds(os.environ, time.time())
 
-    def validate() -> Evaluation | None:  # the model as it stands, on the held-out sequences
-        if held_out is None:
-            return None
-        return evaluate_net(pm.net, held_out, eval_count(held_out, job.evaluation, spec),
-                            job.evaluation.batch(spec), device,
-                            spec.precision, pm.dp_rank, pm.dp_size, spec.loss_chunk)
-
+    validate = functools.partial(held_out_evaluation, job, pm, held_out, device)
     eval_began = time.perf_counter()
     incoming = validate()  # the global model this round starts from
     eval_seconds = time.perf_counter() - eval_began
@@ -364,15 +314,10 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     eval_began = time.perf_counter()
     trained = validate()  # this site's update
     eval_seconds += time.perf_counter() - eval_began
-    losses, (seconds, steady_seconds, peak_bytes) = across_ranks(
-        result.losses, [result.seconds, result.steady_seconds, peak_memory_bytes(device)],
-        device)
+    losses, read, metrics = round_report(
+        job, pm, device, result, speed, float(scheduler.get_last_lr()[0]), startup,
+        incoming, trained, eval_seconds)
     done = len(losses)
-    if done == 0:
-        raise RunFailed(f"site {job.site}: no training step fitted before the deadline "
-                        "(time_budget or the SLURM time limit minus time_margin).")
-    read = done * spec.batch_size * spec.grad_accum * pm.dp_size  # sequences the round read
-    tokens_read = read * spec.seq_len
     # the tokens the round trained on: the targets in the loss (every target of text data;
     # of instruction and chat data, the responses), the FedAvg weight under weighting: tokens
     num_tokens = result.loss_tokens
@@ -380,10 +325,6 @@ def train_round(job: TrainJob, round: int, model_dir: Path, data_dir: Path,
     # bounds the report by that), else the samples the round read, which it can bound
     num_samples = len(shards) if job.data.declared_samples is not None else \
         min(len(shards), read)
-    metrics = _round_metrics(losses, seconds, tokens_read, float(scheduler.get_last_lr()[0]),
-                             startup, incoming, trained, eval_seconds, hardware_metrics(
-                                 per_device_rate(result.steady_tokens, pm.tp_size,
-                                                 steady_seconds), speed, peak_bytes))
     metrics.update(sync.metrics() if sync is not None else {})
     manifest = Manifest(
         kind="update",

@@ -21,6 +21,7 @@ from xffl.training.checkpoint import load_model, read_config
 from xffl.training.config import TrainJob
 from xffl.training.data import ensure_synthetic
 from xffl.training.progress import Speed, StepReporter
+from xffl.training.round_report import across_ranks
 from xffl.training.telemetry import (
     GIB,
     PEAK_ENV,
@@ -32,7 +33,7 @@ from xffl.training.telemetry import (
     peak_tflops,
     warmup_steps,
 )
-from xffl.training.trainer import across_ranks, train_round
+from xffl.training.trainer import train_round
 
 # a small Llama: d=32, 2 layers, 4 query heads of 8 (2 key/value heads), MLP 48, vocab 96
 D, LAYERS, HEADS, KV, FFN, VOCAB, T, B = 32, 2, 4, 2, 48, 96, 16, 2
