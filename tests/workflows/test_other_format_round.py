@@ -8,7 +8,8 @@ rejected at aggregation. Each time the registry's reason names both formats and 
 versions, and the round goes on with the other site (failure.min_sites 1).
 
 The final model's held-out loss, part of the plan (tests/workflows/plan/test_final_steps.py):
-the first tick runs round 1 and no final evaluation (the run is not over); in the second,
+the first tick runs round 1 and no final evaluation (the run is not over: it waits for the
+next tick, as a cron tick leaves it, tests/jobs/test_schedule.py); in the second,
 beta's evaluation of the final global dies at the site (a failpoint SIGKILLs it): the run
 completes, alpha's loss is recorded as the final loss, and the run's message names beta.
 """
@@ -55,24 +56,27 @@ sys.exit(code)
 @dataclass(frozen=True)
 class Ticks:
     """The run after its two ticks: where it lives, what `xffl status --json` showed of each
-    round's sites right after its tick, and whether the final loss was on disk after tick 1."""
+    round's sites right after its tick, what `xffl round --json` printed for tick 1 and
+    whether the final loss was on disk after it."""
 
     home: Path
     run_id: str
     layout: RunLayout
     sites: dict[int, dict[str, dict[str, Any]]]
+    tick_1: dict[str, Any]
     final_after_tick_1: bool
 
 
-def _round(run_id: str, rnd: int) -> dict[str, dict[str, Any]]:
-    """Run the next round; the sites' rows of round ``rnd`` in `xffl status --json`."""
+def _round(run_id: str, rnd: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Run the next round; what `xffl round --json` printed, and the sites' rows of round
+    ``rnd`` in `xffl status --json`."""
     done = runner.invoke(app, ["round", run_id, "--json"])
     assert done.exit_code == 0, done.output
     shown = runner.invoke(app, ["status", run_id, "--json"])
     assert shown.exit_code == 0, shown.output
     status = json.loads(shown.stdout)
     row = next(r for r in status["rounds"] if r["round"] == rnd)
-    return {s["site"]: s for s in row["sites"]}
+    return json.loads(done.stdout), {s["site"]: s for s in row["sites"]}
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +115,14 @@ def ticks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ticks]:
         layout = RunLayout(Path(json.loads(submitted.stdout)["run_dir"]))
 
         assert other_xffl_python(site) == python  # the site's xffl is now 9.9.9, format 99
-        first = _round(run_id, 1)
+        tick_1, first = _round(run_id, 1)
         final_after_tick_1 = layout.final_validation.exists()
 
         python.write_text(f"#!{sys.executable}\n" + NEWER_WRITER.format(real=sys.executable))
         mp.setenv("XFFL_FAILPOINT", "evaluate-models-beta")
-        second = _round(run_id, 2)
-    yield Ticks(where / "xffl-home", run_id, layout, {1: first, 2: second}, final_after_tick_1)
+        _, second = _round(run_id, 2)
+    yield Ticks(where / "xffl-home", run_id, layout, {1: first, 2: second}, tick_1,
+                final_after_tick_1)
 
 
 @pytest.mark.slow
@@ -147,7 +152,10 @@ def test_an_update_of_another_format_is_rejected_at_aggregation(
 def test_a_site_whose_final_evaluation_fails(ticks: Ticks,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XFFL_HOME", str(ticks.home))
-    assert not ticks.final_after_tick_1  # one round of two: not over
+    # one round of two: not over, the run waits for its next tick
+    assert (ticks.tick_1["state"], ticks.tick_1["rounds_done"]) == ("waiting", 1), ticks.tick_1
+    assert ticks.tick_1["message"].startswith("round 1 of 2 done"), ticks.tick_1
+    assert not ticks.final_after_tick_1
     run = Registry().get_run(ticks.run_id)
     assert (run.state, run.rounds_done) == ("completed", 2), run.message
     assert "the final model's held-out loss is" in run.message
