@@ -1,15 +1,18 @@
-"""A real 2-round LoRA run in which one site sends its adapter_config.json as other bytes of
+"""A real 1-round LoRA run in which one site sends its adapter_config.json as other bytes of
 the same JSON value.
 
 Site "eve" trains honestly, then rewrites its update's ``adapter_config.json`` with every
 integer as a float (``"r": 4.0``) and the right checksum (tests/security/json_equal_site.py):
 equal to the global's as a JSON value, so it is admitted, but not loadable by peft. "eve"
 sorts before "honest": were the first update's bytes written as the global's (as before the
-coordinator wrote its own), every global would carry eve's floats. The run must write every
-global's config from the coordinator's own bytes, let the honest site train round 2, and
-export an adapter peft loads. The whole-model case (``config.json`` with ``2.0`` for ``2``,
-which transformers cannot load) is folded into the FedAdam run of
-tests/workflows/test_wiring.py.
+coordinator wrote its own), the global would carry eve's floats, and the honest site could
+not load it for round 2. The run must write the global's config from the coordinator's own
+bytes (round 0's, which peft loads: the export below), and export an adapter peft loads. One
+round is enough: every round's global is written by the same aggregate step, and a round 2
+would load exactly the bytes checked here (a real round 2 from a global written by the
+coordinator: the FedAdam run of tests/workflows/test_wiring.py). The whole-model case
+(``config.json`` with ``2.0`` for ``2``, which transformers cannot load) is folded into that
+FedAdam run.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.security.json_equal_site import write_profile
-from tests.workflows.runs import admitted, reused
-from xffl.aggregator.exchange import read_manifest
 from xffl.aggregator.shards import ADAPTER_CONFIG_FILE
 from xffl.cli.app import app
 
@@ -39,7 +40,7 @@ def _spec() -> dict[str, Any]:
                        "synthetic_sequences": 32}}
              for name, profile, synthetic in (("eve", "jsoneq", "alpha"),
                                               ("honest", "local", "beta"))]
-    return {"name": "jsoneq-lora", "rounds": 2, "model": {"preset": "tiny-test"},
+    return {"name": "jsoneq-lora", "rounds": 1, "model": {"preset": "tiny-test"},
             "training": {"steps": 2, "batch_size": 2, "seq_len": 16, "lr": 0.01, "lora": LORA},
             # freeze_a, with the adapters sent as bf16
             "aggregation": {"strategy": "fedavg", "lora": "freeze_a"},
@@ -62,19 +63,14 @@ def test_a_json_equal_adapter_config_never_becomes_the_globals(tmp_path: Path,
     run_id, rounds = status["run_id"], Path(status["run_dir"]) / "rounds"
     name = ADAPTER_CONFIG_FILE
     own = (rounds / "0" / "global" / name).read_bytes()
-    for r in (1, 2):
-        # eve's update was admitted with its floats (the attack happened, and was not a
-        # rejection), and the global's config is the coordinator's bytes all the same
-        sent = (rounds / str(r) / "updates" / "eve" / name).read_bytes()
-        assert sent != own and json.loads(sent) == json.loads(own)
-        assert '"r": 4.0' in sent.decode()
-        assert (rounds / str(r) / "global" / name).read_bytes() == own, r
-        assert {s["site"]: s["state"] for s in status["rounds"][r - 1]["sites"]} == {
-            "eve": "completed", "honest": "completed"}, status["rounds"][r - 1]
-    # the honest site trained round 2 from round 1's global (not a kept update handed back)
-    assert len(admitted(status, 2, "honest")) == 1 and not reused(status["run_dir"], 2)
-    assert read_manifest(rounds / "2" / "updates" / "honest").parent == \
-        read_manifest(rounds / "1" / "global").digest()
+    # eve's update was admitted with its floats (the attack happened, and was not a
+    # rejection), and the global's config is the coordinator's bytes all the same
+    sent = (rounds / "1" / "updates" / "eve" / name).read_bytes()
+    assert sent != own and json.loads(sent) == json.loads(own)
+    assert '"r": 4.0' in sent.decode()
+    assert (rounds / "1" / "global" / name).read_bytes() == own
+    assert {s["site"]: s["state"] for s in status["rounds"][0]["sites"]} == {
+        "eve": "completed", "honest": "completed"}, status["rounds"][0]
 
     out = tmp_path / "export"
     result = runner.invoke(app, ["export", run_id, "-o", str(out)])
@@ -88,7 +84,7 @@ def test_a_json_equal_adapter_config_never_becomes_the_globals(tmp_path: Path,
     # what eve sent is what peft cannot load: had its bytes become the global's, the export
     # would be refused the same way
     with pytest.raises(TypeError, match="tuple of ints"):
-        PeftModel.from_pretrained(base(), str(rounds / "2" / "updates" / "eve"))
+        PeftModel.from_pretrained(base(), str(rounds / "1" / "updates" / "eve"))
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     model = PeftModel.from_pretrained(base(), str(out)).eval()
     with torch.no_grad():

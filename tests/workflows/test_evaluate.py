@@ -9,7 +9,10 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +23,12 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.cli.schemas import check
-from tests.conftest import QUICKSTART, FinishedRun
+from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry.records import RoundRecord
+from xffl.jobs.registry.records import EvalCell, FinalLoss, RoundRecord
 from xffl.jobs.registry.states import RoundState
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.spec.schema import JobSpec
@@ -62,82 +65,6 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
             for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
 
 
-@pytest.mark.slow
-def test_cross_site_matrix_of_the_quickstart(quickstart_run: FinishedRun,
-                                             monkeypatch: pytest.MonkeyPatch,
-                                             tmp_path: Path) -> None:
-    """The quickstart's last round (3 rounds, 2 sites, 2 ranks each): a 2 x 3 matrix, in the
-    registry, one cell recomputed here in float64 by transformers from the files."""
-    import torch
-    import transformers
-
-    monkeypatch.setenv("XFFL_HOME", str(quickstart_run.home))
-    run_id, run_dir = quickstart_run.run_id, quickstart_run.run_dir
-    before = _files(run_dir)
-    began = time.monotonic()
-    data = _evaluate(run_id)
-    print(f"xffl evaluate of the quickstart: {time.monotonic() - began:.1f} s "
-          f"(workflow {data['wall_s']:.1f} s)")
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    training = spec["training"]
-    assert (data["run_id"], data["round"]) == (run_id, 3)
-    assert (data["models"], data["sites"], data["failed"]) == (MODELS, ["alpha", "beta"], {})
-    assert [len(row) for row in data["losses"]] == [3, 3]
-    # held out: ceil(0.1 x n) of each site's n sequences, all of them within the budget
-    # (16 batches of 8)
-    assert data["samples"] == {s["name"]: min(math.ceil(0.1 * s["data"]["synthetic_sequences"]),
-                                              16 * training["batch_size"])
-                               for s in spec["sites"]} == {"alpha": 77, "beta": 52}
-    alpha, beta = ({m: v for m, v in zip(MODELS, row, strict=True)} for row in data["losses"])
-    # each site's own update reads its own language better than the other site's update does
-    assert alpha["alpha"] < alpha["beta"] and beta["beta"] < beta["alpha"], data["losses"]
-
-    cells = Registry().evaluations(run_id)
-    assert len(cells) == 6 and {c.round for c in cells} == {3}
-    assert {(c.data_site, c.model): (c.loss, c.samples) for c in cells} == {
-        (site, m): (row[j], data["samples"][site])
-        for site, row in zip(data["sites"], data["losses"], strict=True)
-        for j, m in enumerate(MODELS)}
-
-    # the report draws the latest matrix as its heat map, and its JSON carries it
-    shown = CliRunner().invoke(app, ["report", run_id, "-o", str(tmp_path / "report"), "--json"])
-    assert shown.exit_code == 0, shown.output
-    matrix = {"round": 3, "sites": data["sites"], "models": MODELS, "losses": data["losses"]}
-    assert json.loads(shown.stdout)["cross_site"] == matrix
-    with PIL.Image.open(tmp_path / "report" / "cross-site.png") as png:
-        assert json.loads(png.text["Description"]) == matrix
-
-    # the global model on alpha's held-out data, another way: transformers' LLaMA in float64
-    # on the windows derived above, mean token cross-entropy
-    windows = torch.from_numpy(_held_out(quickstart_run.home / "sites" / "alpha" / "data" /
-                                         "alpha", training["seq_len"], 0.1, 77))
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        str(run_dir / "rounds" / "3" / "global"), torch_dtype=torch.float64).eval()
-    with torch.no_grad():
-        logits = model(windows[:, :-1]).logits
-    reference = float(torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1)))
-    # The site computes in fp32 (unit roundoff u = 2^-24): each batch's loss is an fp32 sum of
-    # 8 x 64 = 512 token losses, within (512 - 1) u ~ 3.0e-5 of its value (Higham's
-    # gamma_{n-1}, worst case); each token loss comes from logits through 2 layers whose dot
-    # products (length <= 172) are each within 172 u ~ 1.0e-5 relative of the sum of
-    # |products|, a few such errors per token; the float64 reference and the float64 total
-    # add nothing visible. rtol 1e-4 covers the sum of these worst cases; a different
-    # model or a different held-out window moves the loss by > 1e-2.
-    assert alpha["global"] == pytest.approx(reference, rel=1e-4, abs=0)
-
-    # the run's own files are as they were: the evaluation only added its own
-    layout = RunLayout(run_dir)
-    ours = {layout.evaluate_cwl, layout.streamflow_evaluate, layout.evaluate_db,
-            layout.evaluate_log, layout.evaluate_inputs(3),
-            *(layout.tool(f"evaluate_{s}") for s in ("alpha", "beta"))}
-    after = _files(run_dir)
-    assert {k: v for k, v in after.items() if k in before
-            and run_dir / k not in ours} == {k: v for k, v in before.items()
-                                             if run_dir / k not in ours}
-    assert {run_dir / k for k in after} >= ours
-
-
 def _seeded_run(tmp_path: Path, spec: dict[str, Any]) -> str:
     """Register ``spec`` as a run whose round 1 is made here, nothing trained: a seeded
     global and one seeded model per site as its kept updates; the run's id."""
@@ -154,31 +81,185 @@ def _seeded_run(tmp_path: Path, spec: dict[str, Any]) -> str:
     return run_id
 
 
-@pytest.mark.slow
-def test_a_failing_site_is_a_failed_row_the_others_are_recorded(xffl_home: Path,
-                                                                 tmp_path: Path) -> None:
-    """A registered run whose round 1 is made here (a seeded global and one seeded model per
-    site as its updates; nothing trained): alpha generates its synthetic data and evaluates;
-    beta's data folder holds a dataset xffl did not generate, so its evaluation fails at the
-    site (exit 1, with beta's own sentence) and alpha's row is recorded all the same."""
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="evalfail", rounds=1)
-    for site in spec["sites"]:
-        site["ranks"] = 1
-        site["data"]["synthetic_sequences"] = 128
-    run_id = _seeded_run(tmp_path, spec)
-    meta = xffl_home / "sites" / "beta" / "data" / "beta" / "meta.json"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(json.dumps({"dtype": "uint16", "num_tokens": 1, "vocab_size": 256}))
+@dataclass(frozen=True)
+class Evaluated:
+    """One seeded run (:func:`_seeded_run`; alpha 128 sequences, beta 96, one rank each)
+    evaluated three times, in this order: with beta's data folder holding a dataset xffl did
+    not generate (``failing``), then, that folder removed, ``--final`` (``final``), then the
+    whole matrix (``matrix``); what each printed and what the registry held after it."""
 
-    data = _evaluate(run_id, code=1)
+    home: Path
+    run_id: str
+    run_dir: Path
+    failing: dict[str, Any]
+    failing_cells: list[EvalCell]
+    round_2_code: int  # `xffl evaluate RUN --round 2`, the run having one round
+    final_with_round_code: int  # `xffl evaluate RUN --final --round 1`
+    final: dict[str, Any]
+    final_recorded: FinalLoss | None
+    final_cells: list[EvalCell]
+    matrix: dict[str, Any]
+    matrix_cells: list[EvalCell]
+    report: dict[str, Any]  # `xffl report RUN -o DIR --json`, DIR outside the run
+    report_png: dict[str, Any]  # the heat map's matrix, from its PNG's Description
+    files_before: dict[str, tuple[int, int]]  # the run directory's, before the matrix
+    files_after: dict[str, tuple[int, int]]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Evaluated]:
+    """The three evaluations of :class:`Evaluated`, with a home of their own."""
+    where = tmp_path_factory.mktemp("evaluated")
+    home = where / "xffl-home"
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="evaluated", rounds=1)
+    for site, sequences in zip(spec["sites"], (128, 96), strict=True):
+        site["ranks"] = 1
+        site["data"]["synthetic_sequences"] = sequences
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XFFL_HOME", str(home))
+        mp.setenv("XDG_CONFIG_HOME", str(where / "config"))
+        run_id = _seeded_run(where, spec)
+        run_dir = Path(Registry().get_run(run_id).run_dir)
+        meta = home / "sites" / "beta" / "data" / "beta" / "meta.json"
+        meta.parent.mkdir(parents=True)
+        meta.write_text(json.dumps({"dtype": "uint16", "num_tokens": 1, "vocab_size": 256}))
+        failing = _evaluate(run_id, code=1)
+        failing_cells = Registry().evaluations(run_id)
+        round_2_code = runner.invoke(app, ["evaluate", run_id, "--round", "2"]).exit_code
+
+        shutil.rmtree(meta.parent)  # beta generates its own data at its next evaluation
+        final_with_round_code = runner.invoke(
+            app, ["evaluate", run_id, "--final", "--round", "1"]).exit_code
+        final = _evaluate(run_id, "--final")
+        final_recorded, final_cells = Registry().final_loss(run_id), Registry().evaluations(run_id)
+
+        before = _files(run_dir)
+        began = time.monotonic()
+        matrix = _evaluate(run_id)
+        print(f"xffl evaluate of a seeded round: {time.monotonic() - began:.1f} s "
+              f"(workflow {matrix['wall_s']:.1f} s)")
+        matrix_cells = Registry().evaluations(run_id)
+        shown = runner.invoke(app, ["report", run_id, "-o", str(where / "report"), "--json"])
+        assert shown.exit_code == 0, shown.output
+        with PIL.Image.open(where / "report" / "cross-site.png") as png:
+            report_png = json.loads(png.text["Description"])
+        after = _files(run_dir)
+    yield Evaluated(home, run_id, run_dir, failing, failing_cells, round_2_code,
+                    final_with_round_code, final, final_recorded, final_cells, matrix,
+                    matrix_cells, json.loads(shown.stdout), report_png, before, after)
+
+
+@pytest.mark.slow
+def test_a_failing_site_is_a_failed_row_the_others_are_recorded(evaluated: Evaluated) -> None:
+    """alpha generates its synthetic data and evaluates; beta's data folder holds a dataset
+    xffl did not generate, so its evaluation fails at the site (exit 1, with beta's own
+    sentence) and alpha's row is recorded all the same."""
+    data = evaluated.failing
     assert (data["round"], data["sites"], data["models"]) == (1, ["alpha", "beta"], MODELS)
-    assert data["losses"][1] is None and data["samples"] == {"alpha": 13}
+    assert data["losses"][1] is None and data["samples"] == {"alpha": 13}  # ceil(0.1 x 128)
     assert "not generated by xffl" in data["failed"]["beta"], data["failed"]
-    cells = Registry().evaluations(run_id)
-    assert sorted((c.data_site, c.model) for c in cells) == [("alpha", m) for m in sorted(MODELS)]
+    assert sorted((c.data_site, c.model) for c in evaluated.failing_cells) == [
+        ("alpha", m) for m in sorted(MODELS)]
     # no round 2 yet: refused before anything runs
-    assert runner.invoke(app, ["evaluate", run_id, "--round", "2"]).exit_code == 2
+    assert evaluated.round_2_code == 2
+
+
+@pytest.mark.slow
+def test_evaluate_final_records_the_final_loss_by_hand(evaluated: Evaluated) -> None:
+    """`xffl evaluate RUN --final`: both sites evaluate the round's global alone, and the
+    federated value is recorded as `xffl status` shows it."""
+    assert evaluated.final_with_round_code == 2  # --final measures the last round's global
+    data = evaluated.final
+    assert (data["models"], data["sites"], data["failed"]) == (["global"], ["alpha", "beta"], {})
+    losses = {s: row[0] for s, row in zip(data["sites"], data["losses"], strict=True)}
+    final = data["final_loss"]
+    # ceil(0.1 x 128) = 13 and ceil(0.1 x 96) = 10 held-out windows, every one of their 64
+    # targets
+    assert final["site_tokens"] == {"alpha": 13 * 64, "beta": 10 * 64}
+    assert final["sites"] == losses and final["round"] == 1
+    assert final["val_loss"] == math.fsum(v * t for v, t in zip(
+        losses.values(), final["site_tokens"].values(), strict=True)) / (23 * 64)
+    recorded = evaluated.final_recorded
+    assert recorded is not None and asdict(recorded) == final
+    # a final evaluation records no cross-site matrix: the cells are the failing row's
+    assert evaluated.final_cells == evaluated.failing_cells
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XFFL_HOME", str(evaluated.home))
+        shown = runner.invoke(app, ["status", evaluated.run_id, "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert check("status", json.loads(shown.stdout))["final_loss"] == final
+
+
+@pytest.mark.slow
+def test_cross_site_matrix_of_a_seeded_round(evaluated: Evaluated) -> None:
+    """The whole 2 x 3 matrix, in the registry and the report; every cell recomputed here in
+    float64 by transformers from the files, on the held-out windows derived here."""
+    import torch
+    import transformers
+
+    data, run_id, run_dir = evaluated.matrix, evaluated.run_id, evaluated.run_dir
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    training = spec["training"]
+    assert (data["run_id"], data["round"]) == (run_id, 1)
+    assert (data["models"], data["sites"], data["failed"]) == (MODELS, ["alpha", "beta"], {})
+    assert [len(row) for row in data["losses"]] == [3, 3]
+    # held out: ceil(0.1 x n) of each site's n sequences, all of them within the budget
+    # (16 batches of 8)
+    assert data["samples"] == {"alpha": 13, "beta": 10}
+    # alpha's row again (the failing evaluation's first), replaced: 6 cells of round 1
+    assert len(evaluated.matrix_cells) == 6 and {c.round for c in evaluated.matrix_cells} == {1}
+    assert {(c.data_site, c.model): (c.loss, c.samples) for c in evaluated.matrix_cells} == {
+        (site, m): (row[j], data["samples"][site])
+        for site, row in zip(data["sites"], data["losses"], strict=True)
+        for j, m in enumerate(MODELS)}
+
+    # the report draws the latest matrix as its heat map, and its JSON carries it
+    matrix = {"round": 1, "sites": data["sites"], "models": MODELS, "losses": data["losses"]}
+    assert evaluated.report["cross_site"] == matrix and evaluated.report_png == matrix
+
+    # every cell another way: transformers' LLaMA in float64 on the windows derived here,
+    # mean token cross-entropy
+    layout = RunLayout(run_dir)
+    folders = {"global": layout.global_dir(1), "alpha": layout.kept_update(1, "alpha"),
+               "beta": layout.kept_update(1, "beta")}
+    windows = {site: torch.from_numpy(_held_out(evaluated.home / "sites" / site / "data" / site,
+                                                training["seq_len"], 0.1, n))
+               for site, n in data["samples"].items()}
+    for j, name in enumerate(MODELS):
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            str(folders[name]), torch_dtype=torch.float64).eval()
+        for site, row in zip(data["sites"], data["losses"], strict=True):
+            with torch.no_grad():
+                logits = model(windows[site][:, :-1]).logits
+            reference = float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), windows[site][:, 1:].reshape(-1)))
+            # The site computes in fp32 (unit roundoff u = 2^-24): each batch's loss is an
+            # fp32 sum of 8 x 64 = 512 token losses, within (512 - 1) u ~ 3.0e-5 of its value
+            # (Higham's gamma_{n-1}, worst case); each token loss comes from logits through 2
+            # layers whose dot products (length <= 172) are each within 172 u ~ 1.0e-5
+            # relative of the sum of |products|, a few such errors per token; the float64
+            # reference and the float64 total add nothing visible. rtol 1e-4 covers the sum
+            # of these worst cases (5.6e-4 at these losses, ~log 256); the three seeded
+            # models are 3e-3 to 1.1e-2 apart on the same random tokens, and beta's update
+            # in alpha's column at alpha is off by 3.8e-2 (measured).
+            assert row[j] == pytest.approx(reference, rel=1e-4, abs=0), (site, name)
+
+    # the run's own files are as they were: the evaluation only wrote its own (the updates
+    # as it sends them, written again: the failing evaluation sent them first)
+    ours = {layout.evaluate_cwl, layout.streamflow_evaluate, layout.evaluate_db,
+            layout.evaluate_log, layout.evaluate_inputs(1),
+            *(layout.tool(f"evaluate_{s}") for s in ("alpha", "beta"))}
+    sent = [layout.evaluate_update(1, s) for s in ("alpha", "beta")]
+
+    def theirs(files: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        return {k: v for k, v in files.items() if run_dir / k not in ours
+                and not any((run_dir / k).is_relative_to(folder) for folder in sent)}
+
+    before, after = evaluated.files_before, evaluated.files_after
+    assert {k: v for k, v in theirs(after).items() if k in before} == theirs(before)
+    assert {run_dir / k for k in after} >= ours
+    assert all((folder / "config.json").is_file() for folder in sent)
 
 
 def _spec(**changes: Any) -> JobSpec:
@@ -284,7 +365,7 @@ def test_evaluation_runs_as_slurm_jobs_at_both_facilities(
     the round, and the numbers came back over SSH. The round is seeded, not trained (as
     in the test above): what is under test is the evaluation's own jobs, and a trained
     round at these clusters would cost a whole run (evaluation after a trained run: the
-    quickstart's matrix above)."""
+    quickstart's final evaluation, tests/workflows/test_final_evaluation.py)."""
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
     profiles = tmp_path / "site_profiles"
     profiles.mkdir()

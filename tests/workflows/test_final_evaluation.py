@@ -1,15 +1,14 @@
 """The final model's held-out loss: after the quickstart's last round every site evaluates the
 final global (round 3's), as Flower's final evaluation; `xffl status` (and --json) and the
 run directory carry the federated value, which equals an evaluation made here by
-transformers, in float64, of the same files on the same held-out windows."""
+transformers, in float64, of the same files on the same held-out windows. (`xffl evaluate RUN
+--final` by hand: tests/workflows/test_evaluate.py, on the seeded run its other tests share.)"""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +20,7 @@ from tests.conftest import QUICKSTART, FinishedRun
 from tests.workflows.test_end_to_end import held_out_windows
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
-from xffl.jobs.registry.records import FinalLoss, RoundRecord
-from xffl.jobs.registry.states import RoundState
-from xffl.jobs.registry.store import Registry
-from xffl.training.checkpoint import init_global
-from xffl.training.config import ModelSpec
+from xffl.jobs.registry.records import FinalLoss
 from xffl.workflows.evaluate_run import Outcome, SiteRow
 from xffl.workflows.final_evaluation import final_loss
 from xffl.workflows.steps.evaluate_result import SiteEvaluation
@@ -122,39 +117,3 @@ def test_the_quickstarts_final_loss_is_an_evaluation_of_the_last_global(
     # round 2's global, what round 3 measured, is another model: > 0.1 away from it
     last_round = quickstart_run.status["rounds"][-1]
     assert abs(last_round["val_loss"] - final["val_loss"]) > 100 * max(bound.values())
-
-
-@pytest.mark.slow
-def test_evaluate_final_records_the_final_loss_by_hand(xffl_home: Path, tmp_path: Path) -> None:
-    """`xffl evaluate RUN --final` on a registered run whose round 1 is made here (a seeded
-    global, nothing trained): both sites evaluate that global alone, and the federated
-    value is recorded as `xffl status` shows it."""
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="finalbyhand", rounds=1)
-    for site in spec["sites"]:
-        site["ranks"] = 1
-        site["data"]["synthetic_sequences"] = 128
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    result = runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
-    assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["run_id"]
-    layout = RunLayout(Path(json.loads(result.stdout)["run_dir"]))
-    init_global(run_id, ModelSpec(preset="tiny"), 1, layout.global_dir(1))
-    Registry().finish_round(run_id, RoundRecord(round=1, state=RoundState.COMPLETED))
-    assert runner.invoke(app, ["evaluate", run_id, "--final", "--round", "1"]).exit_code == 2
-
-    shown = runner.invoke(app, ["evaluate", run_id, "--final", "--json"])
-    assert shown.exit_code == 0, shown.output
-    data = check("evaluate", json.loads(shown.stdout))
-    assert (data["models"], data["sites"], data["failed"]) == (["global"], ["alpha", "beta"], {})
-    losses = {s: row[0] for s, row in zip(data["sites"], data["losses"], strict=True)}
-    final = data["final_loss"]
-    # 13 = ceil(0.1 x 128) held-out windows at each site, every one of their 64 targets
-    assert final["site_tokens"] == {"alpha": 13 * 64, "beta": 13 * 64}
-    assert final["sites"] == losses and final["round"] == 1
-    assert final["val_loss"] == math.fsum(v * 13 * 64 for v in losses.values()) / (26 * 64)
-    recorded = Registry().final_loss(run_id)
-    assert recorded is not None and asdict(recorded) == final
-    # a final evaluation records no cross-site matrix
-    assert Registry().evaluations(run_id) == []

@@ -164,10 +164,15 @@ def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the sites import tests.workflows.update_fns
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec["evaluation"] = {"final": False}  # test_final_evaluation
-    spec.update(name="rejected", rounds=1)
-    spec["training"].update(update_fn="tests.workflows.update_fns:nan_at_beta")
+    # one round of the smallest training that writes an update: what is under test is the
+    # admission of beta's update and the round's verdict, not what the sites learn
+    spec.update(name="rejected", rounds=1, model={"preset": "tiny-test"})
+    spec["training"].update(steps=2, batch_size=2, seq_len=16,
+                            update_fn="tests.workflows.update_fns:nan_at_beta")
     for site in spec["sites"]:
         site.update(ranks=1)
+        site["data"]["synthetic_sequences"] = 32
+        del site["data"]["validation"]  # no held-out evaluation in the round
     code, status = _submit(tmp_path, spec, "--trust-entry-point")  # local sites import it
     assert code == 1 and status["state"] == "failed"
     (r1,) = status["rounds"]

@@ -1,31 +1,24 @@
 """The final model's held-out loss is part of the plan: main.cwl's steps after the loop (each
 site's evaluation of the last global, then the coordinator's combination), written by render,
 run by submit, `streamflow run` and cwltool alike; absent when the job turns it off or cannot
-evaluate its final model."""
+evaluate its final model. (A real run whose site's final evaluation dies, after a first cron
+tick that does not run it: tests/workflows/test_other_format_round.py, sharing that run.)"""
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
-from xffl.cli.app import app
 from xffl.core.files import write_json
-from xffl.core.layout import RunLayout
 from xffl.jobs.registry.attempts import SiteAttempts, write_attempts
-from xffl.jobs.registry.store import Registry
 from xffl.jobs.spec.load import load_job
 from xffl.workflows.plan.compile import write_plan
 from xffl.workflows.plan.validate import validate_cwl
 from xffl.workflows.steps.final_validation import main as final_step
-
-runner = CliRunner()
 
 
 def _job(tmp_path: Path, spec: dict[str, object]) -> Path:
@@ -132,42 +125,3 @@ def test_the_final_step_combines_what_came_back_and_names_what_did_not(
     layout.job_json.write_text("{")
     assert final_step([*args, f"--evaluation=beta={tmp_path / 'beta.json'}"]) == 0
     assert "the final model's held-out loss was not measured: " in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_a_site_whose_final_evaluation_fails(xffl_home: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two cron ticks (`xffl round`) of a 2-round job: the first runs round 1 and no final
-    evaluation (the run is not over); in the second, beta's evaluation of the final global
-    dies at the site (a failpoint SIGKILLs it): the run completes, alpha's loss is recorded as
-    the final loss, and the run's message names beta."""
-    spec = yaml.safe_load(QUICKSTART.read_text())
-    spec.update(name="finalfails", rounds=2)
-    spec["training"].update(steps=2)
-    for site in spec["sites"]:
-        site["ranks"] = 1
-        site["data"]["synthetic_sequences"] = 128
-    result = runner.invoke(app, ["submit", str(_job(tmp_path, spec)), "--no-start", "--json"])
-    assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["run_id"]
-    layout = RunLayout(Path(json.loads(result.stdout)["run_dir"]))
-
-    tick = runner.invoke(app, ["round", run_id])
-    assert tick.exit_code == 0, tick.output
-    assert Registry().get_run(run_id).rounds_done == 1
-    assert not layout.final_validation.exists()  # one round of two: not over
-
-    monkeypatch.setenv("XFFL_FAILPOINT", "evaluate-models-beta")
-    tick = runner.invoke(app, ["round", run_id])
-    assert tick.exit_code == 0, tick.output
-    run = Registry().get_run(run_id)
-    assert (run.state, run.rounds_done) == ("completed", 2), run.message
-    assert "the final model's held-out loss is" in run.message
-    assert "without site beta: the evaluation at the site failed" in run.message
-    final = Registry().final_loss(run_id)
-    assert final is not None and final.round == 2 and list(final.sites) == ["alpha"]
-    assert final.val_loss == final.sites["alpha"] and math.isfinite(final.val_loss)
-    assert json.loads(layout.final_validation.read_text()) == asdict(final)
-    assert json.loads(layout.final_attempts_file("beta").read_text())["gave_up"] is True
-    # the rounds' own records are not the final evaluation's
-    assert not layout.attempts_file(2, "beta").exists()
