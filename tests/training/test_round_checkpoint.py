@@ -1,6 +1,8 @@
 """Checkpoints inside a round (training.checkpoint): a killed 2-rank gloo round, run again,
 continues from its newest complete checkpoint and writes bitwise the uninterrupted update;
-checkpoints of another round, another global model, or cut off during their save are refused.
+checkpoints of another round, another global model, or cut off during their save are refused;
+a round longer than one job (``chain``) stops at SIGUSR1 and continues in the next job. The
+tests share the uninterrupted rounds (one per mode) and the killed round of each mode.
 
 Every round here is the real launcher (``python -m xffl.training.launch``, forked torchrun
 ranks on gloo) in a session of its own, so that a ``...@group`` failpoint SIGKILLs the
@@ -12,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +25,7 @@ import pytest
 from safetensors import safe_open
 
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
+from xffl.training.chain import CONTINUE_LINE, JOBS_FILE
 from xffl.training.checkpoint import init_global
 from xffl.training.config import (
     DataSpec,
@@ -29,10 +34,13 @@ from xffl.training.config import (
     TrainingSpec,
     TrainJob,
 )
+from xffl.training.round_spec import CONTINUE_EXIT
 from xffl.training.round_state import COMPLETE, ROOT
 
 STEPS, EVERY = 40, 10
 MODEL = ModelSpec(preset="tiny-test", overrides={"attention_dropout": 0.1})
+_CONTINUES = re.compile(re.escape(CONTINUE_LINE).replace(r"\{round\}", "1").replace(
+    r"\{step\}", "([0-9]+)").replace(r"\{steps\}", str(STEPS)))
 
 
 def make_job(data: Path, mode: str, checkpoint: bool) -> TrainJob:
@@ -97,6 +105,27 @@ def reference(where: Path, site: tuple[Path, Path], mode: str) -> tuple[Manifest
     return _REFERENCES[mode]
 
 
+_KILLED: dict[str, tuple[int, str, Path, Path]] = {}
+
+
+def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
+    """The checkpointed round killed (SIGKILL of the launcher and both ranks) after step 25:
+    its exit code, stderr, the state it left and a copy of that state's step-20 checkpoint
+    (the complete checkpoint test_foreign_and_half_written_checkpoints_are_refused plants
+    as other rounds' and globals'); once per module and mode."""
+    if mode not in _KILLED:
+        model, data = site
+        folder = site[0].parent / f"killed-{mode}"
+        folder.mkdir()
+        rc, err = run_round(folder, make_job(data, mode, True), model, folder / "state",
+                            folder / "out", failpoint="round-step-25@group")
+        donor = folder / "donor" / "step-000020"
+        if rc != 0 and (folder / "state" / ROOT).is_dir():
+            shutil.copytree(next((folder / "state" / ROOT).iterdir()) / donor.name, donor)
+        _KILLED[mode] = rc, err, folder / "state", donor
+    return _KILLED[mode]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
@@ -108,9 +137,8 @@ def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
     position, RNG, AdamW moments and step, the schedule's position) shows as a difference."""
     ref_manifest, ref = reference(tmp_path, site, mode)
     model, data = site
-    job, state = make_job(data, mode, True), tmp_path / "state"
-    rc, err = run_round(tmp_path, job, model, state, tmp_path / "out",
-                        failpoint="round-step-25@group")
+    job = make_job(data, mode, True)
+    rc, err, state, _ = killed(site, mode)
     assert rc != 0, err
     folders = list((state / ROOT).iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("run-ckpt-r1-")
@@ -155,11 +183,10 @@ def test_foreign_and_half_written_checkpoints_are_refused(
     (ours,) = list((state / ROOT).iterdir())
     half = ours / "step-000010"
     assert (half / ".metadata").is_file() and not (half / COMPLETE).exists()
-    # complete checkpoints to copy: an uninterrupted round's step 20 in a state of its own
-    rc, err = run_round(tmp_path, job, model, tmp_path / "donor", tmp_path / "donor-out",
-                        failpoint="round-step-25@group")
-    assert rc != 0, err
-    donor = next((tmp_path / "donor" / ROOT).iterdir()) / "step-000020"
+    # complete checkpoints to copy: the same job's step 20, killed at step 25 (the round
+    # test_killed_round_continues_bitwise continues)
+    donor = killed(site, mode)[3]
+    assert (donor / COMPLETE).is_file(), killed(site, mode)[1]
     other_round = _plant(donor, state, ours.name.replace("-r1-", "-r2-"), round=2)
     other_global = _plant(donor, state, "run-ckpt-r1-0123456789abcdef", parent="0" * 64)
     rc, err = run_round(tmp_path, job, model, state, tmp_path / "out")
@@ -202,3 +229,68 @@ def test_one_process_round_keeps_the_newest_and_continues(tmp_path: Path) -> Non
                                           "saved": 0}
     assert again.extra["losses"] == first.extra["losses"]
     assert tensor_digests(tmp_path / "again") == tensor_digests(tmp_path / "first")
+
+
+def chained(job: TrainJob) -> TrainJob:
+    """The job with ``training.checkpoint.chain`` on."""
+    return job.model_copy(update={"training": job.training.model_copy(update={
+        "checkpoint": RoundCheckpointSpec(every=EVERY, keep=2, chain=True)})})
+
+
+def signalled_round(where: Path, job: TrainJob, model: Path, state: Path,
+                    out: Path) -> tuple[int, str]:
+    """One launch that gets SIGUSR1 once the step-10 checkpoint is complete (its progress
+    line read from the launcher's stderr: an event, no sleep); exit code and stderr."""
+    job_file = where / "job-chain.json"
+    job_file.write_text(job.model_dump_json())
+    env = {k: v for k, v in os.environ.items() if k != "XFFL_FAILPOINT"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xffl.training.launch", "--ranks", "2", "--launcher",
+         "torchrun", "--keep", str(state), "--", "--job", str(job_file), "--round", "1",
+         "--model", str(model), "--out", str(out)],
+        env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr is not None
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if f"checkpoint complete: round 1 step {EVERY} " in line:
+                os.kill(proc.pid, signal.SIGUSR1)  # the launcher only, as the shell does
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return rc, "".join(lines)
+
+
+@pytest.mark.slow
+def test_signalled_job_continues_in_the_next_bitwise(tmp_path: Path,
+                                                     site: tuple[Path, Path]) -> None:
+    """SIGUSR1 after the step-10 checkpoint: both ranks stop at one step K (> 10), its
+    checkpoint is complete, the launcher exits 75 and writes no update; the next launch
+    continues at step K (not at 10: the stop saved its own step) and its update is bitwise
+    the one-job round's (sha256 of every tensor, the per-step losses); the state folder lists
+    the round's two jobs with their steps. No tolerance: same operations, same bits."""
+    ref_manifest, ref = reference(tmp_path, site, "fsdp")
+    model, data = site
+    job, state, out = chained(make_job(data, "fsdp", True)), tmp_path / "state", tmp_path / "out"
+    rc, err = signalled_round(tmp_path, job, model, state, out)
+    assert rc == CONTINUE_EXIT, err
+    match = _CONTINUES.search(err)
+    assert match is not None, err
+    k = int(match.group(1))
+    assert EVERY < k < STEPS, err
+    (folder,) = list((state / ROOT).iterdir())
+    assert (folder / f"step-{k:06d}" / COMPLETE).is_file(), (k, sorted(folder.iterdir()))
+    assert f"checkpoint complete: round 1 step {k} " in err  # printed before the job ended
+    assert not (out / "model.safetensors").exists()
+    rc, err2 = run_round(tmp_path, job, model, state, out)
+    assert rc == 0, err2
+    assert f"continuing round 1 at step {k} from checkpoint" in err2, err2
+    update = verify_checkpoint(out)
+    assert update.extra["checkpoints"]["resumed_at"] == k
+    assert update.extra["losses"] == ref_manifest.extra["losses"]
+    assert tensor_digests(out) == tensor_digests(ref)
+    jobs = json.loads((state / JOBS_FILE).read_text())["jobs"]
+    assert [(j["step_from"], j["step_to"], j["ended"]) for j in jobs] == \
+        [(0, k, "continued"), (k, STEPS, "completed")]
