@@ -141,16 +141,19 @@ def test_a_second_install_changes_nothing(installed: Installed,
     assert installed.profile.read_bytes() == profile
 
 
-def _job(installed: Installed, stack: StackInfo, name: str) -> Path:
-    """The quickstart for one round, alpha on the installed profile, one rank a site."""
+def _job(installed: Installed, stack: StackInfo, name: str, beta: bool = True) -> Path:
+    """The quickstart for one round, alpha on the installed profile, one rank a site; beta
+    on the stack's own profile unless ``beta`` is False."""
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec.update(name=name, rounds=1)
+    spec["sites"] = spec["sites"][:2 if beta else 1]
     for site in spec["sites"]:
         site["ranks"] = 1
         site["data"]["path"] = str(installed.folder / "data" / site["name"])
     spec["sites"][0]["profile"] = installed.profile.stem
-    spec["sites"][1]["profile"] = write_profile(installed.folder / "site_profiles",
-                                                stack.clusters["beta"], stack)
+    if beta:
+        spec["sites"][1]["profile"] = write_profile(installed.folder / "site_profiles",
+                                                    stack.clusters["beta"], stack)
     spec.setdefault("evaluation", {})["final"] = False
     job = installed.folder / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -159,7 +162,8 @@ def _job(installed: Installed, stack: StackInfo, name: str) -> Path:
 
 def test_a_slurm_round_trains_with_the_installed_venv(installed: Installed,
                                                       slurm_stack: StackInfo) -> None:
-    job = _job(installed, slurm_stack, "installed")
+    # alpha alone: the venv is alpha's, and a job of beta's would prove nothing of it
+    job = _job(installed, slurm_stack, "installed", beta=False)
     done = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "600"])
     assert done.exit_code == 0, done.output
     status = json.loads(done.stdout)
@@ -185,7 +189,8 @@ def _queued(stack: StackInfo) -> list[str]:
 def test_a_site_with_another_xffl_is_refused_at_submit(installed: Installed,
                                                        slurm_stack: StackInfo) -> None:
     """The installed venv's interpreter, its xffl seen as 9.9.9 of format 99: submit names
-    the site, both versions and `xffl profiles install test-alpha`; SLURM gets no job."""
+    the site, both versions and `xffl profiles install test-alpha`; SLURM gets no job, not
+    even one of beta, whose xffl is this one."""
     venv_python = f"{installed.workdir}/xffl-venvs/current/bin/python"
     other = other_xffl_python(installed.workdir / "other", base=venv_python)
     data = yaml.safe_load(installed.profile.read_text())
