@@ -3,8 +3,8 @@
 One real run (a module fixture): the image is built the way ``xffl profiles image`` says, its
 install steps (:func:`xffl.site_profiles.image.install_steps`, the Apptainer definition's
 ``%post``) run in it with ``ch-run -w`` and no package index; then a 1-round job trains at
-alpha with ``srun ... ch-run IMAGE -- python -m xffl.training``. Its updates are bitwise the
-ones the same job's trainer writes here without a container; the batch script SLURM ran
+alpha with ``srun ... ch-run IMAGE -- python -m xffl.training``. Its update is bitwise the
+one the same job's trainer writes here without a container; the batch script SLURM ran
 holds the container line; the ranks ran in the image (a file only the image has, a user
 namespace, the image's own Python and xffl).
 
