@@ -171,9 +171,17 @@ def test_a_slurm_round_trains_with_the_installed_venv(installed: Installed,
              if r.get("Name") == f"xffl-{status['run_id']}-alpha-r1"]
     assert len(alpha) == 1 and alpha[0]["JobState"] == "COMPLETED", alpha
     python = f"{installed.workdir}/xffl-venvs/current/bin/python"
-    scripts = [p for p in Path(status["run_dir"]).rglob("*") if p.is_file()
-               and p.stat().st_size < 1 << 20 and python in p.read_text(errors="replace")]
-    assert scripts, "no file of the run names the installed venv's python"
+    # the batch script SLURM ran starts the launcher with the installed venv's python (a file
+    # of the run naming it is not enough: the job's copy of the profile names it whatever
+    # python the plan's commands use)
+    job_id = json.loads((Path(status["run_dir"]) / "rounds" / "1" / "updates" / "alpha" /
+                         "slurm_job.json").read_text())["job_id"]
+    shown = subprocess.run(["scontrol", "write", "batch_script", job_id, "-"],
+                           env=slurm_stack.slurm_env("alpha"), capture_output=True, text=True,
+                           timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    launches = [ln for ln in shown.stdout.splitlines() if "xffl.training.launch" in ln]
+    assert launches and all(python in ln for ln in launches), shown.stdout
 
 
 def _queued(stack: StackInfo) -> list[str]:
