@@ -141,16 +141,19 @@ def test_a_second_install_changes_nothing(installed: Installed,
     assert installed.profile.read_bytes() == profile
 
 
-def _job(installed: Installed, stack: StackInfo, name: str) -> Path:
-    """The quickstart for one round, alpha on the installed profile, one rank a site."""
+def _job(installed: Installed, stack: StackInfo, name: str, beta: bool = True) -> Path:
+    """The quickstart for one round, alpha on the installed profile, one rank a site; beta
+    on the stack's own profile unless ``beta`` is False."""
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec.update(name=name, rounds=1)
+    spec["sites"] = spec["sites"][:2 if beta else 1]
     for site in spec["sites"]:
         site["ranks"] = 1
         site["data"]["path"] = str(installed.folder / "data" / site["name"])
     spec["sites"][0]["profile"] = installed.profile.stem
-    spec["sites"][1]["profile"] = write_profile(installed.folder / "site_profiles",
-                                                stack.clusters["beta"], stack)
+    if beta:
+        spec["sites"][1]["profile"] = write_profile(installed.folder / "site_profiles",
+                                                    stack.clusters["beta"], stack)
     spec.setdefault("evaluation", {})["final"] = False
     job = installed.folder / f"{name}.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -159,7 +162,8 @@ def _job(installed: Installed, stack: StackInfo, name: str) -> Path:
 
 def test_a_slurm_round_trains_with_the_installed_venv(installed: Installed,
                                                       slurm_stack: StackInfo) -> None:
-    job = _job(installed, slurm_stack, "installed")
+    # alpha alone: the venv is alpha's, and a job of beta's would prove nothing of it
+    job = _job(installed, slurm_stack, "installed", beta=False)
     done = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "600"])
     assert done.exit_code == 0, done.output
     status = json.loads(done.stdout)
@@ -167,9 +171,17 @@ def test_a_slurm_round_trains_with_the_installed_venv(installed: Installed,
              if r.get("Name") == f"xffl-{status['run_id']}-alpha-r1"]
     assert len(alpha) == 1 and alpha[0]["JobState"] == "COMPLETED", alpha
     python = f"{installed.workdir}/xffl-venvs/current/bin/python"
-    scripts = [p for p in Path(status["run_dir"]).rglob("*") if p.is_file()
-               and p.stat().st_size < 1 << 20 and python in p.read_text(errors="replace")]
-    assert scripts, "no file of the run names the installed venv's python"
+    # the batch script SLURM ran starts the launcher with the installed venv's python (a file
+    # of the run naming it is not enough: the job's copy of the profile names it whatever
+    # python the plan's commands use)
+    job_id = json.loads((Path(status["run_dir"]) / "rounds" / "1" / "updates" / "alpha" /
+                         "slurm_job.json").read_text())["job_id"]
+    shown = subprocess.run(["scontrol", "write", "batch_script", job_id, "-"],
+                           env=slurm_stack.slurm_env("alpha"), capture_output=True, text=True,
+                           timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    launches = [ln for ln in shown.stdout.splitlines() if "xffl.training.launch" in ln]
+    assert launches and all(python in ln for ln in launches), shown.stdout
 
 
 def _queued(stack: StackInfo) -> list[str]:
@@ -185,7 +197,8 @@ def _queued(stack: StackInfo) -> list[str]:
 def test_a_site_with_another_xffl_is_refused_at_submit(installed: Installed,
                                                        slurm_stack: StackInfo) -> None:
     """The installed venv's interpreter, its xffl seen as 9.9.9 of format 99: submit names
-    the site, both versions and `xffl profiles install test-alpha`; SLURM gets no job."""
+    the site, both versions and `xffl profiles install test-alpha`; SLURM gets no job, not
+    even one of beta, whose xffl is this one."""
     venv_python = f"{installed.workdir}/xffl-venvs/current/bin/python"
     other = other_xffl_python(installed.workdir / "other", base=venv_python)
     data = yaml.safe_load(installed.profile.read_text())
