@@ -146,7 +146,7 @@ def test_controller_outage_quorum_and_resume(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """beta's controller is down: a run that needs both sites stops with the reason, and
     `xffl resume` finishes it once the controller is back (a quorum of one going on without
-    a failed site: tests/workflows/test_failure_policy.py; round after round:
+    a failed site: tests/workflows/test_other_format_round.py; round after round:
     tests/workflows/extensions/test_plugin.py)."""
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)
     assert stack_mod.stop_slurmctld(slurm_stack.dir, "beta")
