@@ -88,10 +88,12 @@ def _check(name: str) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_certificate_and_agent_with_jump_host_end_to_end(
+def test_certificate_and_agent_with_jump_host_and_a_cron_round_that_waits_for_renewal(
         tmp_path: Path, slurm_stack: Any, certs: dict[str, Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """alpha: a CA-signed key (no key authorized); beta: only the ssh-agent, via a jump host."""
+    """alpha: a CA-signed key (no key authorized); beta: only the ssh-agent, via a jump host.
+    One run (its round 1 the only one trained, as a cron tick): the tick waits while alpha's
+    certificate has run out, and runs the round once it is renewed."""
     key = certs["key"]
     # the certificate away from KEY-cert.pub, where step-ca users may keep it
     cert = sign(slurm_stack, key, "-5m:+2h", cert=tmp_path / "certs" / "leonardo.cert")
@@ -122,13 +124,19 @@ def test_certificate_and_agent_with_jump_host_end_to_end(
             ["ssh-agent certificate"] * 2  # the jump host and the login node
         assert " via " in checked["checks"][1]["detail"]
 
-        job = _job(tmp_path, "cert2fa", {"alpha": alpha, "beta": beta})
-        result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout",
-                                     "300"])
+        job = _job(tmp_path, "crontick", {"alpha": alpha, "beta": beta}, rounds=2)
+        result = runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
         assert result.exit_code == 0, result.output
-        status = json.loads(result.stdout)
-        assert status["state"] == "completed" and status["rounds_done"] == 1
-        run_id = status["run_id"]
+        run_id = json.loads(result.stdout)["run_id"]
+        _waits_for_renewal(slurm_stack, key, cert, run_id)
+
+        sign(slurm_stack, key, "-1m:+2h", cert=cert)  # renewed: the next tick runs round 1
+        result = runner.invoke(app, ["round", run_id])
+        assert result.exit_code == 0, result.output
+        status = json.loads(runner.invoke(app, ["status", run_id, "--json", "--no-live"]).stdout)
+        assert status["rounds_done"] == 1 and status["state"] == "waiting"
+        assert status["rounds"][0]["state"] == "completed"
+        assert all(c["waiting"] is None for c in status["credentials"])
         streamflow = yaml.safe_load((Path(status["run_dir"]) / "streamflow.yml").read_text())
         login_beta = streamflow["deployments"]["login-beta"]["config"]
         assert "sshKey" not in login_beta  # asyncssh used the agent
@@ -140,6 +148,30 @@ def test_certificate_and_agent_with_jump_host_end_to_end(
     done = {r["Name"]: r["JobState"] for r in _jobs_named(slurm_stack, f"xffl-{run_id}-")}
     assert done == {f"xffl-{run_id}-alpha-r1": "COMPLETED",
                     f"xffl-{run_id}-beta-r1": "COMPLETED"}
+
+
+def _waits_for_renewal(stack: Any, key: Path, cert: Path, run_id: str) -> None:
+    """alpha's certificate runs out before a cron tick: the tick submits nothing, the run
+    waits, and a human's `xffl resume` is refused."""
+    sign(stack, key, "-3h:-1h", cert=cert)
+    result = runner.invoke(app, ["round", run_id])
+    assert result.exit_code == 0, result.output
+    assert "site alpha" in result.output and "expired at" in result.output
+    status = json.loads(runner.invoke(app, ["status", run_id, "--json", "--no-live"]).stdout)
+    assert status["state"] == "waiting" and status["rounds_done"] == 0
+    assert "site alpha:" in status["message"] and "expired at" in status["message"]
+    assert "nothing submitted" in status["message"] and status["rounds"] == []
+    creds = {c["site"]: c for c in status["credentials"]}
+    assert "expired at" in creds["alpha"]["waiting"] and creds["beta"]["waiting"] is None
+    assert creds["alpha"]["seconds_left"] < 0
+    shown = runner.invoke(app, ["status", run_id, "--no-live"])
+    assert "waiting: " in shown.output and "failed" not in shown.output
+    assert any(kind == "credential" for _, kind, _ in Registry().events(run_id))
+    assert _jobs_named(stack, f"xffl-{run_id}-") == []
+    resumed = runner.invoke(app, ["resume", run_id])  # a human resuming is refused, exit 3
+    assert resumed.exit_code == 3, resumed.output
+    assert f"then run `xffl resume {run_id}` again" in " ".join(resumed.output.split())
+    assert Registry().get_run(run_id).state == "waiting"
 
 
 @pytest.mark.slow
@@ -174,47 +206,3 @@ def test_expired_or_short_certificate_refused_before_any_job(
     assert Registry().list_runs() == []
     assert not runs_dir().exists() or not any(runs_dir().iterdir())
     assert _jobs_named(slurm_stack, "xffl-expired-") == []
-
-
-@pytest.mark.slow
-def test_cron_round_waits_for_renewed_certificate(
-        tmp_path: Path, slurm_stack: Any, certs: dict[str, Any]) -> None:
-    key = certs["key"]
-    sign(slurm_stack, key, "-5m:+2h")
-    alpha = _profile(certs["profiles"], slurm_stack, "alpha", "cert-alpha", key_file=str(key))
-    beta = _profile(certs["profiles"], slurm_stack, "beta", "plain-beta",
-                    key_file=slurm_stack.ssh_key)
-    job = _job(tmp_path, "crontick", {"alpha": alpha, "beta": beta}, rounds=2)
-    result = runner.invoke(app, ["submit", str(job), "--no-start", "--json"])
-    assert result.exit_code == 0, result.output
-    run_id = json.loads(result.stdout)["run_id"]
-
-    sign(slurm_stack, key, "-3h:-1h")  # the certificate ran out before the tick
-    result = runner.invoke(app, ["round", run_id])
-    assert result.exit_code == 0, result.output
-    assert "site alpha" in result.output and "expired at" in result.output
-    status = json.loads(runner.invoke(app, ["status", run_id, "--json", "--no-live"]).stdout)
-    assert status["state"] == "waiting" and status["rounds_done"] == 0
-    assert "site alpha:" in status["message"] and "expired at" in status["message"]
-    assert "nothing submitted" in status["message"] and status["rounds"] == []
-    creds = {c["site"]: c for c in status["credentials"]}
-    assert "expired at" in creds["alpha"]["waiting"] and creds["beta"]["waiting"] is None
-    assert creds["alpha"]["seconds_left"] < 0
-    shown = runner.invoke(app, ["status", run_id, "--no-live"])
-    assert "waiting: " in shown.output and "failed" not in shown.output
-    assert any(kind == "credential" for _, kind, _ in Registry().events(run_id))
-    assert _jobs_named(slurm_stack, f"xffl-{run_id}-") == []
-    resumed = runner.invoke(app, ["resume", run_id])  # a human resuming is refused, exit 3
-    assert resumed.exit_code == 3, resumed.output
-    assert f"then run `xffl resume {run_id}` again" in " ".join(resumed.output.split())
-    assert Registry().get_run(run_id).state == "waiting"
-
-    sign(slurm_stack, key, "-1m:+2h")  # renewed: the next tick runs round 1
-    result = runner.invoke(app, ["round", run_id])
-    assert result.exit_code == 0, result.output
-    status = json.loads(runner.invoke(app, ["status", run_id, "--json", "--no-live"]).stdout)
-    assert status["rounds_done"] == 1 and status["state"] == "waiting"
-    assert status["rounds"][0]["state"] == "completed"
-    assert all(c["waiting"] is None for c in status["credentials"])
-    names = {r["Name"] for r in _jobs_named(slurm_stack, f"xffl-{run_id}-")}
-    assert names == {f"xffl-{run_id}-alpha-r1", f"xffl-{run_id}-beta-r1"}

@@ -4,7 +4,9 @@ A site's data whose meta.json promises a flags.bin that is not there (a prepare 
 finish; `xffl submit` checks the tokens, not the flags) is a real failure of that site's
 training job (the trainer exits 2); preparing the data again with `xffl data prepare` is the
 fix a user would make before `xffl resume`. The SIGKILL and cron-tick cases run on the SLURM stack
-(tests/workflows/test_failure_slurm.py).
+(tests/workflows/test_failure_slurm.py); a round that goes on without a failed site under
+`failure.min_sites` 1 is tests/workflows/test_other_format_round.py's, and a round's global
+without its failed site test_failure_slurm.py's (its timed-out site gamma).
 """
 
 from __future__ import annotations
@@ -126,21 +128,3 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
         assert site["sent_bytes"] < 0.2 * site["received_bytes"], site
     again = runner.invoke(app, ["resume", status["run_id"]])
     assert again.exit_code == 2 and "nothing to resume" in again.stderr
-
-
-@pytest.mark.slow
-def test_min_sites_one_goes_on_without_the_failed_site(tmp_path: Path, xffl_home: Path) -> None:
-    # one round: the round completes without beta; rounds that go on without a site, round
-    # after round, are tests/workflows/extensions/test_plugin.py's (a second round here
-    # would only train alpha and fail beta again)
-    spec = _broken_beta(_spec("quorum1", rounds=1, min_sites=1), xffl_home)
-    code, status = _submit(tmp_path, spec, "--wait")
-    assert code == 0 and status["state"] == "completed", status["message"]
-    run_dir = Path(status["run_dir"])
-    assert [r["round"] for r in status["rounds"]] == [1]
-    for r in status["rounds"]:
-        sites = {s["site"]: s for s in r["sites"]}
-        assert r["state"] == "completed" and sites["alpha"]["state"] == "completed"
-        assert sites["beta"]["state"] == "failed" and sites["beta"]["reason"]
-        glob = verify_checkpoint(run_dir / "rounds" / str(r["round"]) / "global")
-        assert set(glob.extra["sites"]) == {"alpha"}
