@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +34,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("tests", nargs="+", help="pytest node ids")
     args = parser.parse_args(argv)
+    # a SIGTERM ends the series through the finally below, which stops the hogs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.hogs)]
     for hog in hogs:
         hog.start()
