@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from tests.training.warm import warm_presets
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec
@@ -91,6 +92,11 @@ def run_layout(layout: str, out: Path) -> None:
                         "placements": ";".join(sorted(set(where.values()))), **where,
                         "dp_rank": str(r), "dp_size": str(n), "tp_size": str(pm.tp_size),
                         **groups})
+
+
+def warm_imports(argv: list[str]) -> None:
+    """The model code every layout runs, imported once before the ranks fork."""
+    warm_presets(["tiny-test"])
 
 
 def main(out: Path, layouts: list[str]) -> None:
