@@ -20,7 +20,6 @@ from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec, TrainingSpec, TrainJob
 from xffl.training.launch import launch
 from xffl.training.memory_model import model_parts, site_layout, state_terms
-from xffl.training.model import build_model
 from xffl.training.parallelize import data_parallel_mode, hsdp_mesh
 
 NPROC = 4
@@ -114,9 +113,9 @@ def test_hsdp_2x2_is_fsdp2_over_4(layouts: Path) -> None:
 @pytest.mark.slow
 def test_hsdp_with_tensor_parallel_is_a_3d_mesh(layouts_tp: Path) -> None:
     """HSDP 2 x 2 with tensor_parallel 2 on 8 ranks, loaded from a checkpoint as a site loads
-    it: the 3-D (replicate, shard, tp) mesh, tp innermost, the seed's weights put together
-    from its slices bit for bit, and its losses and weights after 3 steps == FSDP2 over 4 dp
-    ranks x tp 2 built from the same seed.
+    it: the 3-D (replicate, shard, tp) mesh, tp innermost, the checkpoint's tensors put
+    together from its slices bit for bit, and its losses and weights after 3 steps == FSDP2
+    over 4 dp ranks x tp 2 built from the same seed.
 
     Bounds: the derivation of :func:`test_hsdp_2x2_is_fsdp2_over_4` holds term by term. Both
     layouts split every layer over the same tp pairs (ranks 2d, 2d + 1) and all-gather the
@@ -131,10 +130,9 @@ def test_hsdp_with_tensor_parallel_is_a_3d_mesh(layouts_tp: Path) -> None:
     differ from step 1 on, by 3.3e-3 to 1.1e-2 per rank, and the weights by 9.5e-3 (besides
     the mesh's names and groups, which the first asserts check); a load that puts a slice's
     rows in the wrong order (each rank's shard of every tensor reversed along dim 0)
-    differs from the seed's weights by up to 0.12 and moves step 1's loss (5.5409 to 5.5423).
+    differs from the checkpoint by up to 0.12 and moves step 1's loss (5.5409 to 5.5423).
     """
-    seeded = {name: p.detach() for name, p in
-              build_model(build_config(ModelSpec(preset="tiny-test")), seed=1).named_parameters()}
+    seeded, _ = _load(layouts_tp / "hsdp-2-2+sharded" / "global0" / MODEL_FILE)  # what it loaded
     for rank in range(NPROC_TP):
         ref, ref_meta = _load(layouts_tp / "fsdp-2" / f"rank{rank}.safetensors")
         got, meta = _load(layouts_tp / "hsdp-2-2+sharded" / f"rank{rank}.safetensors")
@@ -156,7 +154,8 @@ def test_hsdp_with_tensor_parallel_is_a_3d_mesh(layouts_tp: Path) -> None:
             # replicated over tp): 1/shard
             split = 2 * 2 if name.split(".")[-2] in TP_SPLIT else 2
             assert local * split == total, (name, local, total, placement)
-        # the site's own load: the slices put together are the seed's weights, bit for bit
+        # the site's own load: the slices put together are the checkpoint's tensors (round 0
+        # of the seed the FSDP2 reference was built from), bit for bit
         # (a copy of fp32 values; with the placements checked above, every slice in place)
         loaded = {k.removeprefix("loaded."): v for k, v in got.items() if k.startswith("loaded.")}
         assert sorted(loaded) == sorted(seeded)
