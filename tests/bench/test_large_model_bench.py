@@ -16,21 +16,22 @@ def _bench() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_small_model_through_two_rounds(tmp_path: Path) -> None:
+def test_small_model_through_a_round(tmp_path: Path) -> None:
+    """One round (the bench's real runs have 2 or more; the formula sums rounds alike)."""
     bench = _bench()
-    result = bench.run(0.04, 2, tmp_path, timeout=300)
+    result = bench.run(0.04, 1, tmp_path, timeout=300)
     assert result["state"] == "completed" and result["final_matches_formula"] is True
-    assert result["worst_error_ulps"] <= 4
-    assert len(result["round_s"]) == 2, result["round_s"]
+    # fp32 rounds each delta, each site's sum and the average once: 2 ulps a round
+    assert result["worst_error_ulps"] <= 2
+    assert len(result["round_s"]) == 1, result["round_s"]
     # the bench reports nan when the run recorded no coordinator peak (no 'resources' event
     # saying "peak RSS N MiB"): say that, not "nan > 0"
     peak = result["coordinator_peak_rss_gib"]
     assert not math.isnan(peak), "the run recorded no coordinator peak RSS ('resources' event)"
     assert peak > 0, peak
-    # the check is not vacuous: a global that missed one round's delta fails it
-    final = Path(next((tmp_path / "home" / "runs").iterdir())) / "rounds"
-    ok, worst = bench.check_final(tmp_path / "w0", final / "1" / "global", 2)
-    assert not ok and worst > 100
+    # the check is not vacuous: a global that missed the round's delta (w0 itself) fails it
+    ok, worst = bench.check_final(tmp_path / "w0", tmp_path / "w0", 1)
+    assert not ok and worst > 100, worst
 
 
 def test_model_config_sizes() -> None:

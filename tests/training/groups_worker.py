@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from tests.training.warm import warm_presets
 from xffl.training.chunked_loss import _MARK  # the loop's own-loss protocol
 from xffl.training.config import TrainingSpec
 from xffl.training.group_spec import LocalGroupsSpec
@@ -146,6 +147,12 @@ def run_layout(layout: str, steps: int, out: Path) -> None:
         "shape": ",".join(str(s) for s in pm.mesh.mesh.shape),
         "dp_rank": str(r), "group": str(pm.group),
         "metrics": json.dumps(sync.metrics() if sync is not None else {})})
+
+
+def warm_imports(argv: list[str]) -> None:
+    """The tiny-test model's code (the tp2 layouts'), imported once before the ranks fork."""
+    if any(layout.startswith("tp2") for layout in argv[2:]):
+        warm_presets(["tiny-test"])
 
 
 def main(out: Path, steps: int, layouts: list[str]) -> None:

@@ -8,7 +8,8 @@ checkpoint of the same weights loaded into the mesh's slices as a site loads it,
 update gathered as a site saves it checked against the parameters), STEPS optimizer steps of
 xffl's loop on a fixed global batch (dp rank r takes its GLOBAL / dp consecutive rows: the
 same rows under every layout of the same dp), then ``OUT/LAYOUT/rank<k>.safetensors`` (``:``
-and ``/`` as ``-``): the step losses, the full weights, and each parameter's local shard;
+and ``/`` as ``-``): the step losses, the full weights, and each parameter's local shard (and,
+``+sharded``, the loaded parameters put together from the slices before the first step);
 the mesh's dimension names and shape, the placements and the ranks of this rank's group
 along every mesh dimension in its metadata.
 """
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from tests.training.warm import warm_presets
 from xffl.training.arch import build_config
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec
@@ -71,6 +73,8 @@ def run_layout(layout: str, out: Path) -> None:
         record[f"local.{name}"] = p.to_local().detach().clone()
         record[f"shape.{name}"] = torch.tensor(tuple(p.shape))
         where[f"placement.{name}"] = str(p.placements)
+        if sharded:  # the loaded slices put together, before any step
+            record[f"loaded.{name}"] = p.full_tensor().detach().float().contiguous()
     optimizer = make_optimizer(pm.module, SPEC)
     scheduler = make_scheduler(optimizer, SPEC, offset=0, total=STEPS)
     result = run_steps(pm, optimizer, scheduler, mine, STEPS, SPEC, torch.device("cpu"))
@@ -91,6 +95,11 @@ def run_layout(layout: str, out: Path) -> None:
                         "placements": ";".join(sorted(set(where.values()))), **where,
                         "dp_rank": str(r), "dp_size": str(n), "tp_size": str(pm.tp_size),
                         **groups})
+
+
+def warm_imports(argv: list[str]) -> None:
+    """The model code every layout runs, imported once before the ranks fork."""
+    warm_presets(["tiny-test"])
 
 
 def main(out: Path, layouts: list[str]) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.training.warm import warm_presets
 from xffl.aggregator.exchange import Manifest
 from xffl.aggregator.exchange_spec import ExchangeSpec
 from xffl.training.arch import ModelConfig, build_config
@@ -163,6 +164,11 @@ def evaluate(out: Path) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
         {"sliced": sliced, "losses": losses}))
     dist.barrier()
+
+
+def warm_imports(argv: list[str]) -> None:
+    """The cases' families' model code, imported once before the ranks fork."""
+    warm_presets(["tiny-test", *(preset for preset, _, _ in FSDP_CASES.values())])
 
 
 def main(out: Path) -> None:

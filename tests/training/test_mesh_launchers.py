@@ -20,12 +20,14 @@ from xffl.training.data import ensure_synthetic
 from xffl.training.launch import launch
 
 # dp1-tp2 against the unsplit model: tests/training/test_parallelize.py (the same mesh code).
-# torchrun starts the dp1 and dp2 meshes without tensor parallelism, srun the full mesh: the
-# tp mesh under srun must match the dp2 mesh under torchrun (neither the launcher nor the
-# tensor-parallel split changes the math of a replica)
+# torchrun starts the full mesh (its ranks forked from one interpreter: one start-up for 4
+# ranks) and the one-rank dp1 mesh, srun the dp2 mesh without tensor parallelism (one
+# interpreter per rank: 2 start-ups, not 4): the tp mesh under torchrun must match the dp2
+# mesh under srun (neither the launcher nor the tensor-parallel split changes the math of a
+# replica)
 MESHES = {"dp1-tp1": (1, 1), "dp2-tp1": (2, 1), "dp2-tp2": (4, 2)}
-TORCHRUN_MESHES = ("dp1-tp1", "dp2-tp1")
-SRUN_MESH = "dp2-tp2"
+TORCHRUN_MESHES = ("dp1-tp1", "dp2-tp2")
+SRUN_MESH = "dp2-tp1"
 
 # Tolerances of two runs of the same 3 AdamW steps (lr 0.1, eps 1, grad_clip 1) whose fp32
 # sums are ordered differently: tp splits the row-parallel projections' sums, and another
@@ -85,12 +87,13 @@ def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Man
         ranks, tp = MESHES[name]
         results[name, "torchrun"] = _train(tmp_path, name, "torchrun", ranks, _job(data, tp),
                                            model)
-    # srun on cluster alpha (2 CPUs: --overcommit lets 4 ranks share them)
+    # srun on cluster alpha (2 CPUs for the 2 ranks; --overcommit lets them share one)
     monkeypatch.setenv("SLURM_CONF", slurm_stack.clusters["alpha"].slurm_conf)
     monkeypatch.setenv("SLURM_OVERCOMMIT", "1")
     monkeypatch.setenv("SLURM_TIMELIMIT", "5")
-    # srun on the full mesh: one launch maps SLURM's ranks onto both axes (dp and tp); the
-    # smaller meshes' mapping is the same code with one axis of size 1
+    # srun's ranks on the dp axis: SLURM's task ids become the ranks and their data rows; a
+    # rank's place on both axes (dp and tp) is the same code whichever launcher numbered it,
+    # run on the full mesh under torchrun
     results[SRUN_MESH, "srun"] = _train(tmp_path, SRUN_MESH, "srun", MESHES[SRUN_MESH][0],
                                         _job(data, MESHES[SRUN_MESH][1]), model)
 
@@ -100,16 +103,14 @@ def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Man
         assert manifest.extra["dp"] == ranks // tp
         assert manifest.num_tokens == 3 * 2 * 16 * (ranks // tp)
     # neither the launcher nor tensor parallelism changes the math of one replica
-    (m1, w1), (m2, w2) = results["dp2-tp1", "torchrun"], results[SRUN_MESH, "srun"]
+    (m1, w1), (m2, w2) = results["dp2-tp2", "torchrun"], results[SRUN_MESH, "srun"]
     assert m1.extra["losses"] == pytest.approx(m2.extra["losses"], abs=LOSS_ATOL)
-    _close(w1, w2, f"dp2-tp1 torchrun vs {SRUN_MESH} srun")
+    _close(w1, w2, f"dp2-tp2 torchrun vs {SRUN_MESH} srun")
     # while more data-parallel ranks do (a bigger global batch): a check that the test can
     # fail, at the tolerances used above (the losses differ by up to 8e-2 >> LOSS_ATOL)
-    assert results["dp1-tp1", "torchrun"][0].extra["losses"] != pytest.approx(
-        results["dp2-tp1", "torchrun"][0].extra["losses"], abs=LOSS_ATOL)
-    assert not all(torch.allclose(results["dp1-tp1", "torchrun"][1][k],
-                                  results["dp2-tp1", "torchrun"][1][k], atol=WEIGHT_ATOL, rtol=0)
-                   for k in results["dp1-tp1", "torchrun"][1])
+    m0, w0 = results["dp1-tp1", "torchrun"]
+    assert m0.extra["losses"] != pytest.approx(m2.extra["losses"], abs=LOSS_ATOL)
+    assert not all(torch.allclose(w0[k], w2[k], atol=WEIGHT_ATOL, rtol=0) for k in w0)
 
 
 @pytest.mark.slow

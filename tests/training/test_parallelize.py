@@ -145,6 +145,20 @@ def mesh_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Pa
     return launch
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """``reference(preset)``: :func:`_reference` of the preset, computed once for the module
+    (every mesh of a family compares with the same unsplit run; 6 presets, 17 meshes)."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def reference(preset: str) -> dict[str, Any]:
+        if preset not in done:
+            done[preset] = _reference(tmp_path_factory.mktemp(f"reference-{preset}"), preset)
+        return done[preset]
+
+    return reference
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("meshes")  # one worker runs each torchrun once
 @pytest.mark.parametrize(
@@ -153,7 +167,7 @@ def mesh_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Pa
 )
 def test_mesh_matches_the_unsplit_model(tp: int, mode: str, nproc: int, preset: str,
                                         mesh_outputs: Callable[[int], Path],
-                                        tmp_path: Path) -> None:
+                                        references: Callable[[str], dict[str, Any]]) -> None:
     """Logits, first gradients and weights after 3 steps of a mesh == the unsplit model's.
 
     Tolerances (u = 2^-24, fp32). tp splits the row-parallel projections' sums and dp the
@@ -174,7 +188,7 @@ def test_mesh_matches_the_unsplit_model(tp: int, mode: str, nproc: int, preset: 
     q/k norms sum 8 squares per head, Gemma 2's extra norms and soft-capping one each).
     """
     out = mesh_outputs(nproc) / f"{tp}-{mode}-{preset}"
-    ref = _reference(tmp_path, preset.removesuffix("+sharded"))
+    ref = references(preset.removesuffix("+sharded"))
     ranks = [_load(out / f"rank{k}.safetensors") for k in range(nproc)]
     dp = nproc // tp
     for got, meta in ranks:

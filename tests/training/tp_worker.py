@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from tests.training.warm import warm_presets
 from xffl.training.arch import ModelConfig, build_config
 from xffl.training.checkpoint import init_global
 from xffl.training.config import ModelSpec, TrainingSpec
@@ -133,6 +134,12 @@ def run_mesh(tp: int, mode: str, preset: str, out: Path) -> None:
     save_file(record, str(out / f"rank{dist.get_rank()}.safetensors"),
               metadata={"dp_rank": str(r), "dp": str(dp), "tp": str(pm.tp_size),
                         "mode": mode, **ran})
+
+
+def warm_imports(argv: list[str]) -> None:
+    """The meshes' families' model code, imported once before the ranks fork."""
+    warm_presets(["tiny-test", *(m.split(":")[2].removesuffix("+sharded")
+                                 for m in argv[1:] if m.count(":") == 2)])
 
 
 def main(out: Path, meshes: list[str]) -> None:
