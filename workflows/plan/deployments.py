@@ -81,6 +81,7 @@ class BatchPaths:
     base: str = "rounds/0/base"  # a LoRA job's frozen base model (RunLayout.base_model)
     job_file: str = "jobs/{site}.json"
     out: str = "updates/{site}"
+    kept: str = "kept/{site}"  # a chained round's state folder (the launcher's --keep)
 
 
 def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_path: str, *,
@@ -126,6 +127,7 @@ def batch_script(run_id: str, site: str, profile: SiteProfile, ranks: int, data_
         python=site_python(profile), launcher=profile.launcher, data=data_path,
         model=paths.model, job_file=paths.job_file.format(site=site),
         out=paths.out.format(site=site), base=paths.base if lora else "",
+        kept=paths.kept.format(site=site),
         rank_python=shlex.join(words), runtime=container and container.runtime,
         image=container and container.image, rank_command=shlex.join(build_command(
             ranks, profile.launcher, ["..."], python=words)) if words else "",

@@ -91,3 +91,78 @@ def test_batch_shell_forwards_usr1_to_the_launcher(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert "launcher: USR1" in rest
     assert (tmp_path / "xffl-launcher-4242.pid").is_file()
+
+
+def test_hand_run_script_keeps_the_round_in_kept_site() -> None:
+    """A chained round run by hand keeps its checkpoints where the next sbatch of the same
+    round finds them (``--keep``, default ``kept/<site>`` under the submit folder, or
+    $XFFL_KEEP); one job per round needs no state folder."""
+    text = batch_script("r1", "leo", PROFILE, 2, "/data", by_hand=True, chain_margin=542)
+    assert "KEEP=${XFFL_KEEP:-kept/leo}" in text.splitlines()
+    assert '  --keep "$KEEP" --slurm-job-name xffl-r1-leo-r"$ROUND" -- \\' in text.splitlines()
+    assert "--keep" not in batch_script("r1", "leo", PROFILE, 2, "/data", by_hand=True)
+
+
+@pytest.mark.slow
+def test_a_chained_round_run_by_hand_continues_in_the_next_job(tmp_path: Path) -> None:
+    """`xffl render` of a chained job, `sbatch/alpha.sh` run from the plan folder as sbatch
+    would (bash; the profile's launcher is none, so no SLURM here). The first job is held
+    after step 4 (a failpoint: the signal lands at a known step), gets SIGUSR1 as SLURM's
+    --signal=B: sends it, checkpoints and ends with 75; the same command again continues the
+    round at step 4 from kept/alpha and writes the update."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from tests.conftest import QUICKSTART
+    from xffl.aggregator.exchange import verify_checkpoint
+    from xffl.cli.app import app
+
+    profiles = tmp_path / "site_profiles"
+    profiles.mkdir()
+    (profiles / "cluster.yaml").write_text(yaml.safe_dump({
+        "name": "cluster", "connector": {"type": "ssh", "host": "login.example.org"},
+        "slurm": {"partition": "batch", "time": "00:30:00"}, "launcher": "none",
+        "python": sys.executable, "workdir": str(tmp_path / "work")}))
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    spec.update(name="byhand-chain", rounds=1, evaluation={"final": False})
+    spec["training"].update(steps=8, checkpoint={"every": 4, "chain": True})
+    spec["sites"] = spec["sites"][:1]
+    spec["sites"][0].update(profile="cluster", ranks=1)
+    spec["sites"][0]["data"]["path"] = str(tmp_path / "data" / "alpha")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    plan = tmp_path / "plan"
+    done = CliRunner().invoke(app, ["render", str(job), "-o", str(plan), "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["run_id"]
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+    env["TMPDIR"] = str(tmp_path)
+    first = subprocess.Popen(["bash", "sbatch/alpha.sh"], cwd=plan, text=True,
+                             env={**env, "XFFL_FAILPOINT": "chain-wait-4"}, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert first.stderr is not None
+    try:
+        for line in first.stderr:  # bounded: the process ends, or the failpoint holds it
+            if "failpoint chain-wait-4" in line:
+                break
+        else:
+            raise AssertionError(f"the job ended before step 4 (exit {first.wait(60)})")
+        os.kill(first.pid, signal.SIGUSR1)  # the batch shell only, as SLURM's B: does
+        said = first.stderr.read()
+        assert first.wait(timeout=120) == CONTINUE_EXIT, said[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert "round 1 continues in the next job at step 4 of 8" in said
+    assert (plan / "kept" / "alpha").is_dir() and not (plan / "updates" / "alpha-r1").exists()
+
+    second = subprocess.run(["bash", "sbatch/alpha.sh"], cwd=plan, env=env, text=True,
+                            capture_output=True, timeout=300, check=False)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "continuing round 1 at step 4 from checkpoint" in second.stderr, second.stderr[-3000:]
+    update = verify_checkpoint(plan / "updates" / "alpha-r1")
+    assert (update.site, update.round) == ("alpha", 1)
+    assert update.extra["checkpoints"]["resumed_at"] == 4, update.extra
