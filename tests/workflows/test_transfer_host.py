@@ -47,7 +47,8 @@ def test_bulk_copies_go_through_the_transfer_host(
             extra_login(slurm_stack, dtn_dir, dtn_extra) as dtn_port:
         job = _job(tmp_path, slurm_stack, "dtn", login_port)
         spec = yaml.safe_load(job.read_text())
-        path = tmp_path / "site_profiles" / f"{spec['sites'][1]['profile']}.yaml"
+        beta = next(site for site in spec["sites"] if site["name"] == "beta")
+        path = tmp_path / "site_profiles" / f"{beta['profile']}.yaml"
         profile = yaml.safe_load(path.read_text())
         profile["connector"]["transfer_host"] = f"127.0.0.1:{dtn_port}"
         known = Path(profile["connector"]["known_hosts"])
