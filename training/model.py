@@ -179,6 +179,13 @@ def warm_imports(model_dir: Path) -> None:
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return
+    warm_family(model_type)
+
+
+def warm_family(model_type: object) -> None:
+    """Import the transformers code a model of ``model_type`` (config.json's) loads and
+    trains with: the loading and masking modules, and the family's modeling module when
+    transformers knows the type."""
     import transformers
     import transformers.conversion_mapping
     import transformers.initialization

@@ -14,14 +14,12 @@ from collections.abc import Iterable
 
 from xffl.training.arch import build_config
 from xffl.training.config import ModelSpec
-from xffl.training.model import meta_model
+from xffl.training.model import meta_model, warm_family
 
 
 def warm_presets(presets: Iterable[str]) -> None:
     """Build each preset's model once on the meta device (imports only; no tensors)."""
-    import transformers.conversion_mapping
-    import transformers.initialization
-    import transformers.masking_utils  # noqa: F401  # what a load and a forward run
-
     for preset in dict.fromkeys(presets):
-        meta_model(build_config(ModelSpec(preset=preset)))
+        config = build_config(ModelSpec(preset=preset))
+        warm_family(config.model_type)  # what a load and a forward run, as the trainer warms
+        meta_model(config)
