@@ -17,14 +17,12 @@ time, how it ended); the job that finishes the round hands it back in ``slurm_jo
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,17 +33,12 @@ from xffl.core.errors import ExitCode, XfflError
 from xffl.core.failpoints import ENV as FAILPOINT_ENV
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
+from xffl.training.chain_files import CONTINUE_LINE, END_FILE, STOP_FILE
 from xffl.training.parallelize import ParallelModel
 from xffl.training.round_spec import RoundCheckpointSpec, chain_margin, checkpoint_seconds
 from xffl.training.round_state import Resumed, RoundCheckpointer, step_hook
 
-STOP_FILE = ".chain-stop"  # the launcher's request (its USR1), in the site's state folder
-END_FILE = ".chain-end.json"  # rank 0's account of the job that just ended
-JOBS_FILE = "chain-jobs.json"  # the launcher's list of the round's jobs
 WAIT_FAILPOINT = "chain-wait-{step}"  # xffl.core.failpoints' variable: see should_stop
-MAX_JOBS = 64  # jobs of one round kept and reported, the newest
-#: rank 0's line when a job ends a chained round early; the failure manager reads its numbers
-CONTINUE_LINE = "xffl.training: round {round} continues in the next job at step {step} of {steps}"
 
 
 class RoundContinues(XfflError):
@@ -139,73 +132,6 @@ def hook(after_step: Callable[[int, Tensor, int], None] | None, watch: StopWatch
                                                   steps=watch.steps)[len("xffl.training: "):])
 
     return after
-
-
-def clear(state_dir: Path) -> None:
-    """The launcher, before the ranks start: no stale request or account."""
-    for name in (STOP_FILE, END_FILE):
-        (Path(state_dir) / name).unlink(missing_ok=True)
-
-
-def request_stop(state_dir: Path) -> None:
-    """The launcher's USR1: ask the ranks to checkpoint and end the job."""
-    (Path(state_dir) / STOP_FILE).touch(mode=0o600)
-
-
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and \
-        0 <= value < 2**31 else None
-
-
-def read_end(state_dir: Path, rnd: int) -> dict[str, Any] | None:
-    """Rank 0's account of the job that just ended, for round ``rnd`` (None: none)."""
-    try:
-        data = json.loads((Path(state_dir) / END_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("round") != rnd or any(
-            _count(data.get(k)) is None for k in ("from", "to", "steps")):
-        return None
-    return data
-
-
-def record_job(state_dir: Path, end: dict[str, Any], job: dict[str, Any] | None,
-               now: float) -> list[dict[str, Any]]:
-    """Add the job that just ended to the round's list in ``state_dir`` (a list of another
-    round or global model is replaced); the list, oldest first."""
-    path = Path(state_dir) / JOBS_FILE
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        kept = {}
-    same = isinstance(kept, dict) and kept.get("round") == end["round"] and \
-        kept.get("parent") == end["parent"] and isinstance(kept.get("jobs"), list)
-    jobs: list[dict[str, Any]] = list(kept["jobs"]) if same else []
-    started = None if job is None else job.get("start_time") or job.get("launcher_start")
-    jobs.append({
-        "job_id": "" if job is None else str(job.get("job_id", "")),
-        "step_from": int(end["from"]), "step_to": int(end["to"]), "steps": int(end["steps"]),
-        "queue_wait_s": None if job is None else job.get("queue_wait_s"),
-        "run_s": None if started is None else round(now - float(started), 3),
-        "step_seconds": end.get("step_seconds"),
-        "ended": "continued" if end.get("continues") else "completed"})
-    jobs = jobs[-MAX_JOBS:]
-    write_json(path, {"round": end["round"], "parent": end["parent"], "jobs": jobs})
-    return jobs
-
-
-def round_jobs(state_dir: Path | None, rnd: int) -> list[dict[str, Any]] | None:
-    """The round's jobs the launcher recorded in ``state_dir`` (None: no chained round)."""
-    if state_dir is None:
-        return None
-    try:
-        kept = json.loads((Path(state_dir) / JOBS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(kept, dict) or kept.get("round") != rnd or \
-            not isinstance(kept.get("jobs"), list):
-        return None
-    return list(kept["jobs"])
 
 
 def begin(spec: RoundCheckpointSpec | None, saver: RoundCheckpointer | None,

@@ -43,10 +43,11 @@ from xffl.core.files import link_files
 from xffl.core.resources import usable_cpus
 from xffl.core.startup import collect_less
 from xffl.training import slurm_job
+from xffl.training.chain_files import clear, read_end, record_job, request_stop
 from xffl.training.feedback import SITE_STATE_ENV
 from xffl.training.forked import option_value
 from xffl.training.progress import STEP_LOG_ENV, STEP_LOG_FILE
-from xffl.training.round_spec import CONTINUE_EXIT
+from xffl.training.round_spec import CONTINUE_EXIT, ROOT
 from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
 
 Launcher = Literal["torchrun", "srun", "none"]
@@ -173,8 +174,6 @@ def keep_update(out_dir: Path, keep: Path, rnd: int) -> None:
 def drop_round_checkpoints(keep: Path) -> None:
     """Remove the checkpoints inside the round (training.checkpoint) once its update is kept:
     a rerun hands the kept update back and never continues from them."""
-    from xffl.training.round_state import ROOT  # after the ranks: torch's import is paid
-
     shutil.rmtree(Path(keep) / ROOT, ignore_errors=True)
 
 
@@ -221,8 +220,6 @@ def _listen(keep: Path | None) -> None:
     a chained round as a request in the state folder (:mod:`xffl.training.chain`)."""
     if keep is None:
         return
-    from xffl.training.chain import clear, request_stop
-
     def on_usr1(signum: int, frame: object) -> None:
         print("xffl.training.launch: SIGUSR1: asking the ranks to checkpoint and end this job "
               "(training.checkpoint.chain).", file=sys.stderr, flush=True)
@@ -246,8 +243,6 @@ def _chain_jobs(keep: Path | None, rnd: str | None,
     chained round)."""
     if keep is None or rnd is None or not rnd.isdigit():
         return None
-    from xffl.training.chain import read_end, record_job
-
     end = read_end(keep, int(rnd))
     if end is None:
         return None
@@ -261,8 +256,6 @@ def _chain_jobs(keep: Path | None, rnd: str | None,
 
 def _continues(state: Path, rnd: str | None) -> bool:
     """Whether rank 0 ended this job to continue the round in the next (chain)."""
-    from xffl.training.chain import read_end
-
     end = read_end(state, int(rnd)) if rnd is not None and rnd.isdigit() else None
     return end is not None and end.get("continues") is True
 

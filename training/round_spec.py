@@ -17,6 +17,9 @@ _MINUTES_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)m$")
 #: the exit code of a launcher whose job ended a chained round early after a checkpoint: the
 #: round continues in the next job (EX_TEMPFAIL of sysexits.h: "try again later")
 CONTINUE_EXIT = int(ExitCode.CONTINUED)
+#: the folder of a round's checkpoints in the site's state folder (xffl.training.round_state);
+#: the launcher removes it once the round's update is kept
+ROOT = "checkpoints"
 #: the signal SLURM sends the batch shell a margin before the time limit (``--signal``)
 CHAIN_SIGNAL = "USR1"
 #: SLURM sends ``--signal`` up to 60 s before the time it is asked for (its event

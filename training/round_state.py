@@ -48,9 +48,8 @@ from xffl.core.failpoints import failpoint
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
 from xffl.training.parallelize import ParallelModel
-from xffl.training.round_spec import RoundCheckpointSpec
+from xffl.training.round_spec import ROOT, RoundCheckpointSpec
 
-ROOT = "checkpoints"  # in the state folder; removed once the round's update is kept
 COMPLETE = "complete"
 FORMAT = 1
 #: failpoints (:mod:`xffl.core.failpoints`): die after step K once the checkpoints begun

@@ -15,7 +15,7 @@ from xffl.jobs.chains import round_chains
 from xffl.jobs.registry.attempts import SiteAttempts, write_attempts
 from xffl.jobs.registry.store import Registry
 from xffl.jobs.slurm_view import CONTINUED, record_delivered, recorded_view
-from xffl.training.chain import CONTINUE_LINE
+from xffl.training.chain_files import CONTINUE_LINE
 from xffl.training.slurm_job import MAX_ROUND_JOBS, ROUND_JOBS, read_record
 from xffl.workflows.steps.attempts import continues
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from xffl.training.chain import StopWatch, request_stop
+from xffl.training.chain import StopWatch
+from xffl.training.chain_files import request_stop
 from xffl.training.round_spec import chain_margin, checkpoint_seconds
 
 

@@ -167,6 +167,38 @@ def test_abort_without_a_new_valid_checkpoint_fails(
     assert fake_launch("exit3", tmp_path / "other") == 3
 
 
+LAUNCH_ALONE = """
+import json, sys
+from pathlib import Path
+import xffl.training.launch as launcher
+launcher.TRAINER_MODULE = "fake_trainer"  # the trainer's paths: chain list, step log, keep
+g0, out, keep = sys.argv[1:4]
+rc = launcher.launch(1, "none", [g0, out, "write", "--round", "1", "--model", g0], Path(out),
+                     module="fake_trainer", keep=Path(keep))
+print(json.dumps({"rc": rc, "torch": sorted(m for m in sys.modules
+                                            if m == "torch" or m.startswith("torch."))}))
+"""
+
+
+def test_the_launcher_itself_never_imports_torch(
+    tmp_path: Path, global0: tuple[Path, Manifest]
+) -> None:
+    """The launcher runs once per site and round beside the ranks (in the SLURM job, on a
+    login node's allocation); importing torch there costs 1.5-2 CPU-seconds and ~300 MB for
+    nothing. A round with a kept update, the chain's files and the round checkpoints' folder
+    (every path of :func:`launch` that once imported torch for a constant) stays torch-free."""
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    keep, out = tmp_path / "keep", tmp_path / "out"
+    (keep / "checkpoints").mkdir(parents=True)  # a round's checkpoints, dropped once kept
+    done = subprocess.run([sys.executable, "-c", LAUNCH_ALONE, str(global0[0]), str(out),
+                           str(keep)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == {"rc": 0, "torch": []}
+    assert (keep / "r1" / "manifest.json").is_file() and not (keep / "checkpoints").exists()
+
+
 @pytest.mark.slow
 def test_two_rank_ddp_round_equals_one_process_on_the_global_batch(
     tmp_path: Path, global0: tuple[Path, Manifest], make_job: JobFactory

@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
-from xffl.training.chain import CONTINUE_LINE, JOBS_FILE
+from xffl.training.chain_files import CONTINUE_LINE, JOBS_FILE
 from xffl.training.checkpoint import init_global
 from xffl.training.config import (
     DataSpec,

@@ -15,7 +15,8 @@ REASON_CHARS = 400
 _PROGRESS_RE = re.compile(r"\bxffl\.training: checkpoint complete: round ([0-9]{1,9}) "
                           r"step ([0-9]{1,9})\b")
 #: the line a site's rank 0 prints when its job ends a chained round early to continue it in
-#: the next job (xffl.training.chain.CONTINUE_LINE, with the seconds a step took): numbers only
+#: the next job (xffl.training.chain_files.CONTINUE_LINE, with the seconds a step took):
+#: numbers only
 _CONTINUE_RE = re.compile(r"\bxffl\.training: round ([0-9]{1,9}) continues in the next job at "
                           r"step ([0-9]{1,9}) of ([0-9]{1,9})(?: \(([0-9]{1,9}(?:\.[0-9]{1,6})?)"
                           r" s/step\))?")

@@ -11,7 +11,7 @@ import pytest
 
 from xffl.core.layout import RunLayout
 from xffl.jobs.registry.attempts import SiteAttempts, eta_seconds, read_attempts, write_attempts
-from xffl.training.chain import CONTINUE_LINE
+from xffl.training.chain_files import CONTINUE_LINE
 from xffl.training.round_state import PROGRESS_LINE
 from xffl.workflows.steps.attempts import FREE_RETRIES, continues, counts_against_retries
 
