@@ -1,10 +1,12 @@
-"""Failure policy on real runs (local sites): retries, quorum and resume.
+"""Failure policy on real runs (local sites): quorum and resume.
 
 A site's data whose meta.json promises a flags.bin that is not there (a prepare that did not
 finish; `xffl submit` checks the tokens, not the flags) is a real failure of that site's
 training job (the trainer exits 2); preparing the data again with `xffl data prepare` is the
 fix a user would make before `xffl resume`. The SIGKILL and cron-tick cases run on the SLURM stack
-(tests/workflows/test_failure_slurm.py); a round that goes on without a failed site under
+(tests/workflows/test_failure_slurm.py, which also retries a real site job under
+`failure.retries`; every attempt's reason in one line: tests/workflows/steps/test_attempts.py
+and extensions/test_plugin.py); a round that goes on without a failed site under
 `failure.min_sites` 1 is tests/workflows/test_other_format_round.py's, and a round's global
 without its failed site test_failure_slurm.py's (its timed-out site gamma).
 """
@@ -81,7 +83,9 @@ def _prepare_beta(xffl_home: Path) -> None:
 def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     """Also DiLoCo over nf4 deltas with error feedback: resumed, the kept update and the
     site's residual carry on, and only codes and scales travel."""
-    spec = _broken_beta(_spec("quorum", retries=1), xffl_home)
+    # no retry: beta's data would fail it again (a retry's cost, a trainer's start-up, for
+    # nothing this test reads; see the module's docstring for where retries are tested)
+    spec = _broken_beta(_spec("quorum", retries=0), xffl_home)
     spec.update(exchange={"update": "delta", "dtype": "nf4"},
                 aggregation={"strategy": "diloco"})
     code, status = _submit(tmp_path, spec, "--wait")
@@ -91,8 +95,8 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
     (r1,) = status["rounds"]
     sites = {s["site"]: s for s in r1["sites"]}
     assert r1["state"] == "failed" and sites["alpha"]["state"] == "completed"
-    assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 2
-    assert "attempt 1:" in sites["beta"]["reason"] and "attempt 2:" in sites["beta"]["reason"]
+    assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 1
+    assert sites["beta"]["reason"].startswith("attempt 1: ")
     # the reason is the trainer's own sentence, as StreamFlow reported the step's failure
     assert f"{BETA_DATA}/flags.bin: meta.json promises 4096 flags" in sites["beta"]["reason"]
     assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()
