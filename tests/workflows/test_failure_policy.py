@@ -1,17 +1,28 @@
-"""Failure policy on real runs (local sites): retries, quorum and resume.
+"""Failure policy on real runs (local sites): quorum and resume; `xffl logs` of the failed run.
 
 A site's data whose meta.json promises a flags.bin that is not there (a prepare that did not
 finish; `xffl submit` checks the tokens, not the flags) is a real failure of that site's
 training job (the trainer exits 2); preparing the data again with `xffl data prepare` is the
 fix a user would make before `xffl resume`. The SIGKILL and cron-tick cases run on the SLURM stack
-(tests/workflows/test_failure_slurm.py); a round that goes on without a failed site under
+(tests/workflows/test_failure_slurm.py, which also retries a real site job under
+`failure.retries`; every attempt's reason in one line: tests/workflows/steps/test_attempts.py
+and extensions/test_plugin.py); a round that goes on without a failed site under
 `failure.min_sites` 1 is tests/workflows/test_other_format_round.py's, and a round's global
 without its failed site test_failure_slurm.py's (its timed-out site gamma).
+
+`xffl logs` of the failed run (issue 44 item 6), read before it is resumed: the cause first,
+per site, as `xffl status` has it; StreamFlow's and the supervisor's tracebacks (StreamFlow
+logs its own as it shuts down) hidden unless --debug; `logs -f` exits 1 after a failed run.
+The run is made once, in :func:`quorum_run`, which records what each command printed before
+the resume changes the run; `logs` of a completed run and the traceback filter on its own are
+tests/cli/test_logs_cause.py's.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,6 +35,7 @@ from tests.workflows.runs import admitted, reused
 from tests.workflows.site_data import write_shards
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
+from xffl.core.layout import RunLayout
 from xffl.jobs.follow import wait_for_run
 from xffl.jobs.registry.store import Registry
 
@@ -77,32 +89,82 @@ def _prepare_beta(xffl_home: Path) -> None:
     assert result.exit_code == 0, result.output
 
 
+@dataclass(frozen=True)
+class QuorumRun:
+    """The run of :func:`quorum_run`: what each command printed, in this order."""
+
+    home: Path  # its XFFL_HOME
+    failed_code: int
+    failed: dict  # `xffl submit --wait --json` of the run that failed in round 1
+    global_1_made: bool  # whether round 1's global existed after the failure
+    raw_log: str  # streamflow.log + supervisor.log after the failure
+    logs: dict[str, tuple[int, str]]  # `xffl logs ...` after the failure: exit code, stdout
+    resumed_code: int  # `xffl resume --wait --json`, beta's data prepared again
+    resumed_output: str
+
+
+def _logs(*argv: str) -> tuple[int, str]:
+    result = runner.invoke(app, ["logs", *argv])
+    return result.exit_code, result.stdout
+
+
+@pytest.fixture(scope="module")
+def quorum_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuorumRun]:
+    """DiLoCo over nf4 deltas with error feedback, beta's data broken: the run fails in round
+    1 (no retry: beta's data would fail it again; a real site job's retry is
+    test_failure_slurm's, every attempt's reason in one line test_attempts' and test_plugin's);
+    `xffl logs` of it; beta's data prepared again; `xffl resume --wait`."""
+    where = tmp_path_factory.mktemp("quorum")
+    home = where / "xffl-home"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XFFL_HOME", str(home))
+        env.setenv("XDG_CONFIG_HOME", str(where / "config"))
+        spec = _broken_beta(_spec("quorum", retries=0), home)
+        spec.update(exchange={"update": "delta", "dtype": "nf4"},
+                    aggregation={"strategy": "diloco"})
+        failed_code, failed = _submit(where, spec, "--wait")
+        layout = RunLayout(Path(failed["run_dir"]))
+        global_1_made = layout.global_dir(1).exists()
+        raw = layout.streamflow_log.read_text() + layout.supervisor_log.read_text()
+        run_id = failed["run_id"]
+        logs = {"plain": _logs(run_id), "debug": _logs(run_id, "--debug", "-n", "100000"),
+                "json": _logs("last", "--json"), "beta": _logs("--site", "beta", "--json"),
+                "alpha": _logs("--site", "alpha", "--json"), "follow": _logs(run_id, "-f"),
+                "follow-beta": _logs(run_id, "-f", "--site", "beta")}
+        _prepare_beta(home)
+        # `xffl resume --wait` follows the run to its end, as `xffl submit --wait` does
+        resumed = runner.invoke(app, ["resume", run_id[:12], "--wait", "--timeout", "300",
+                                      "--json"])
+    yield QuorumRun(home, failed_code, failed, global_1_made, raw, logs, resumed.exit_code,
+                    resumed.output)
+
+
+@pytest.fixture
+def in_quorum_run(quorum_run: QuorumRun, monkeypatch: pytest.MonkeyPatch) -> QuorumRun:
+    """The run, XFFL_HOME pointing at its data directory."""
+    monkeypatch.setenv("XFFL_HOME", str(quorum_run.home))
+    return quorum_run
+
+
 @pytest.mark.slow
-def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
+def test_quorum_failure_then_resume(in_quorum_run: QuorumRun) -> None:
     """Also DiLoCo over nf4 deltas with error feedback: resumed, the kept update and the
     site's residual carry on, and only codes and scales travel."""
-    spec = _broken_beta(_spec("quorum", retries=1), xffl_home)
-    spec.update(exchange={"update": "delta", "dtype": "nf4"},
-                aggregation={"strategy": "diloco"})
-    code, status = _submit(tmp_path, spec, "--wait")
-    assert code == 1 and status["state"] == "failed"
+    run, status = in_quorum_run, in_quorum_run.failed
+    assert run.failed_code == 1 and status["state"] == "failed"
     assert "1 valid update(s), the job needs 2 (failure.min_sites)" in status["message"]
     assert "xffl resume" in status["message"]
     (r1,) = status["rounds"]
     sites = {s["site"]: s for s in r1["sites"]}
     assert r1["state"] == "failed" and sites["alpha"]["state"] == "completed"
-    assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 2
-    assert "attempt 1:" in sites["beta"]["reason"] and "attempt 2:" in sites["beta"]["reason"]
+    assert sites["beta"]["state"] == "failed" and sites["beta"]["attempts"] == 1
+    assert sites["beta"]["reason"].startswith("attempt 1: ")
     # the reason is the trainer's own sentence, as StreamFlow reported the step's failure
     assert f"{BETA_DATA}/flags.bin: meta.json promises 4096 flags" in sites["beta"]["reason"]
-    assert not (Path(status["run_dir"]) / "rounds" / "1" / "global").exists()
+    assert not run.global_1_made
 
-    _prepare_beta(xffl_home)
-    # `xffl resume --wait` follows the run to its end, as `xffl submit --wait` does
-    result = runner.invoke(app, ["resume", status["run_id"][:12], "--wait", "--timeout", "300",
-                                 "--json"])
-    assert result.exit_code == 0, result.output
-    resumed = check("status", json.loads(result.stdout))
+    assert run.resumed_code == 0, run.resumed_output
+    resumed = check("status", json.loads(run.resumed_output))
     assert resumed["state"] == "completed" and resumed["rounds_done"] == 2, resumed["message"]
     final = wait_for_run(Registry(), status["run_id"], 0)
     assert final.state == "completed" and final.rounds_done == 2, final.message
@@ -122,9 +184,55 @@ def test_quorum_failure_then_resume(tmp_path: Path, xffl_home: Path) -> None:
         assert sorted(p.name for p in update.iterdir() if p.name != "slurm_job.json") == \
             sorted(["manifest.json", *sent.files])
         # the residual stays beside the site's kept update: round 2's and the one it carried
-        feedback = xffl_home / "sites" / site / "kept" / status["run_id"] / "error-feedback"
+        feedback = run.home / "sites" / site / "kept" / status["run_id"] / "error-feedback"
         assert sorted(p.name for p in feedback.iterdir()) == ["r1.safetensors", "r2.safetensors"]
     for site in admitted_sites(resumed, 2):  # an eighth of the bytes, plus headers
         assert site["sent_bytes"] < 0.2 * site["received_bytes"], site
     again = runner.invoke(app, ["resume", status["run_id"]])
     assert again.exit_code == 2 and "nothing to resume" in again.stderr
+
+
+def _beta_reason(status: dict) -> str:
+    (rnd,) = status["rounds"]
+    (beta,) = [s for s in rnd["sites"] if s["site"] == "beta"]
+    assert beta["state"] == "failed" and "meta.json promises 4096 flags" in beta["reason"]
+    return str(beta["reason"])
+
+
+@pytest.mark.slow
+def test_logs_of_a_failed_run_start_with_its_cause_and_hide_tracebacks(quorum_run: QuorumRun
+                                                                       ) -> None:
+    status, raw = quorum_run.failed, quorum_run.raw_log
+    assert raw.count("Traceback (most recent call last):") >= 2  # what the user was shown
+    code, out = quorum_run.logs["plain"]
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[:3] == ["== cause ==", f"run {status['run_id']} failed: {status['message']}",
+                         f"round 1, site beta: failed: {_beta_reason(status)}"]
+    assert "Traceback" not in out and '  File "' not in out
+    assert "(traceback hidden: --debug shows it)" in out
+    # --debug, anywhere: every line of the logs' tails, the tracebacks with them
+    code, debug = quorum_run.logs["debug"]
+    assert code == 0 and debug.splitlines()[:3] == lines[:3]
+    assert debug.count("Traceback (most recent call last):") == \
+        raw.count("Traceback (most recent call last):")
+
+
+@pytest.mark.slow
+def test_logs_json_and_one_site(quorum_run: QuorumRun) -> None:
+    data = check("logs", json.loads(quorum_run.logs["json"][1]))
+    assert data["cause"][1] == f"round 1, site beta: failed: {_beta_reason(quorum_run.failed)}"
+    assert not any("Traceback" in line for line in data["streamflow_log"] + data["runner_log"])
+    beta = check("logs", json.loads(quorum_run.logs["beta"][1]))
+    alpha = check("logs", json.loads(quorum_run.logs["alpha"][1]))
+    assert beta["cause"] == data["cause"] and alpha["cause"] == data["cause"][:1]
+
+
+@pytest.mark.slow
+def test_logs_follow_exits_1_after_a_failed_run(quorum_run: QuorumRun) -> None:
+    """As `xffl watch`: a script's `xffl logs -f RUN && next-step` must not go on (0 after a
+    completed run: tests/cli/test_logs_cause.py)."""
+    code, out = quorum_run.logs["follow"]
+    assert code == 1, out
+    assert f"round 1, site beta: failed: {_beta_reason(quorum_run.failed)}" in out
+    assert quorum_run.logs["follow-beta"][0] == 1
