@@ -62,6 +62,12 @@ def trackers(spec: TrackingSpec) -> list[Tracker]:
     return found
 
 
+def warm_imports(spec: TrackingSpec) -> None:
+    """Import the job's tracking backends' libraries (a process that forks the steps)."""
+    for tracker in trackers(spec):
+        tracker.warm_imports()
+
+
 def log_round(spec: TrackingSpec, run: RunRecord, params: dict[str, Any], record: RoundRecord,
               transfers: list[Transfer]) -> list[str]:
     """Log one completed round to every configured backend; the warnings of those that failed."""

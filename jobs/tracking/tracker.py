@@ -17,6 +17,11 @@ class Tracker(ABC):
     def __init__(self, target: str) -> None:
         self.target = target  # where it logs: a folder or a URI
 
+    def warm_imports(self) -> None:
+        """Import the backend's own library (the warm step server does, once, before it forks
+        the rounds' aggregate steps); a backend with nothing heavy to import does nothing."""
+        return None
+
     @abstractmethod
     def log(self, run: RunRecord, params: dict[str, Any], step: int, wall_time: float,
             scalars: dict[str, float]) -> None:

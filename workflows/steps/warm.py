@@ -5,10 +5,11 @@ new Python process; nearly all of such a process's CPU time went to its imports 
 pydantic and the job spec's models: 0.41 of 0.45 CPU-s), and the last admission and the
 aggregation are on the round's critical path. The supervisor starts this server for the time
 its workflow runs (``python -m xffl.workflows.steps.warm RUN_DIR``). It imports the steps'
-modules once, listens on ``steps.sock`` in the run directory (a Unix socket, owner-only as
-every file the run makes; a peer of another user is refused by its credentials), and for
-each step :mod:`xffl.workflows.steps.handoff` hands it, forks: the fork takes the step's
-arguments, working directory, environment and standard streams (passed as file
+modules once (and the libraries of the trackers the job logs to: MLflow's client), listens
+on ``steps.sock`` in the run directory (a Unix socket, owner-only as every file the run
+makes; a peer of another user is refused by its credentials), and for each step
+:mod:`xffl.workflows.steps.handoff` hands it, forks: the fork takes the step's arguments,
+working directory, environment and standard streams (passed as file
 descriptors), runs the step's ``main`` as ``python -m`` would, and answers its exit code.
 The request is JSON; nothing is unpickled. Only the plan's coordinator steps can be asked
 for. The server ends when its supervisor does (it checks its parent every second) or on
@@ -130,9 +131,26 @@ def _reap(_signum: int = 0, _frame: object = None) -> None:
             pass
 
 
+def preload(run_dir: Path) -> None:
+    """Import what the run's steps import only when its job asks for it: the experiment
+    trackers' libraries (``tracking``; MLflow's client costs each round's aggregate step about
+    3 CPU-seconds otherwise). A failure here is left to the step, which reports it."""
+    try:
+        from xffl.jobs.spec.schema import JobSpec
+
+        spec = JobSpec.of_run(run_dir)
+        if spec.tracking is not None:
+            from xffl.jobs.tracking.rounds import warm_imports
+
+            warm_imports(spec.tracking)
+    except Exception:  # the step imports the same and says what is wrong
+        return
+
+
 def serve(run_dir: Path, parent: int) -> None:
     """Import the steps, listen in ``run_dir``, fork a process per step until ``parent`` ends."""
     modules = {s: importlib.import_module(f"xffl.workflows.steps.{s}") for s in STEPS}
+    preload(run_dir)
     os.chdir(run_dir)  # a relative name: a run directory's path may pass AF_UNIX's limit
     with contextlib.suppress(FileNotFoundError):
         os.unlink(SOCKET)

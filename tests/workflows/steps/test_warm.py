@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import QUICKSTART
 from xffl.core.files import write_json
@@ -174,3 +175,30 @@ def test_a_step_that_ends_at_once_keeps_its_exit_code() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):  # warm() relays them to the step's pid
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
                           else signal.SIG_DFL)
+
+
+PRELOADED = """
+import sys
+from pathlib import Path
+from xffl.workflows.steps.warm import preload
+preload(Path(sys.argv[1]))
+print("mlflow.tracking" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("tracking", [None, {"mlflow": "mlruns"}])
+def test_the_server_imports_the_trackers_the_job_logs_to(
+        tmp_path: Path, xffl_home: Path, tracking: dict[str, str] | None) -> None:
+    """A job that logs to MLflow: the server imports MLflow's client once, before it forks
+    the rounds' aggregate steps (each imported it again: about 3 CPU-seconds a round); a job
+    that tracks nothing never pays for it."""
+    spec = yaml.safe_load(QUICKSTART.read_text())
+    if tracking is not None:
+        spec["tracking"] = tracking
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    layout = write_plan(load_job(job), "qs-1", tmp_path / "plan")
+    done = subprocess.run([sys.executable, "-c", PRELOADED, str(layout.root)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tracking is not None)]
