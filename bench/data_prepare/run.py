@@ -68,12 +68,12 @@ print(pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py())
 """
 
 
-def write_jsonl(path: Path, size_mb: int, seed: int = 0) -> int:
+def write_jsonl(path: Path, size_mb: float, seed: int = 0) -> int:
     """Instruction examples of about ``size_mb`` MB at ``path``; the number written."""
     from xffl.training.sft_demo import INSTRUCTIONS, WORDS
 
     rng = random.Random(seed)
-    target, written, count = size_mb << 20, 0, 0
+    target, written, count = int(size_mb * (1 << 20)), 0, 0
     instructions = list(INSTRUCTIONS.values())
     with path.open("w") as fh:
         while written < target:
@@ -105,7 +105,8 @@ def measure(argv: list[str], peak: Path) -> tuple[float, float, str]:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print its lines (or JSON); 0 when the RSS target is met."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=int, default=2048)
+    parser.add_argument("--size-mb", type=float, default=2048,
+                        help="MB of JSON lines (a fraction for a smoke run)")
     parser.add_argument("--no-datasets", action="store_true",
                         help="leave out the datasets.map baseline")
     parser.add_argument("--json", action="store_true")

@@ -9,6 +9,10 @@ the seconds the sites spent evaluating, from the updates' manifests (``eval_seco
 
     python bench/evaluation_overhead/run.py               # 3 runs of each
     python bench/evaluation_overhead/run.py --repeat 5 --json
+
+``--sites N`` keeps the quickstart's first N sites and ``--no-final`` turns its final
+evaluation off (``evaluation.final: false``): the test suite's smallest runs that still show
+the difference.
 """
 
 from __future__ import annotations
@@ -32,9 +36,14 @@ TARGET = 1.10
 
 
 def write_job(work: Path, evaluate: bool, rounds: int | None, steps: int | None,
-              ranks: int | None) -> Path:
-    """The quickstart, with or without its sites' held-out data."""
+              ranks: int | None, sites: int | None = None, final: bool = True) -> Path:
+    """The quickstart, with or without its sites' held-out data (its first ``sites`` sites;
+    without its final evaluation when not ``final``)."""
     spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    if sites is not None:
+        spec["sites"] = spec["sites"][:sites]
+    if not final:
+        spec["evaluation"] = {"final": False}
     if rounds is not None:
         spec["rounds"] = rounds
     if steps is not None:
@@ -73,11 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="(default: the quickstart's)")
     parser.add_argument("--steps", type=int, default=None, help="(default: the quickstart's)")
     parser.add_argument("--ranks", type=int, default=None, help="(default: the quickstart's)")
+    parser.add_argument("--sites", type=int, default=None,
+                        help="the quickstart's first N sites (default: both)")
+    parser.add_argument("--no-final", action="store_true",
+                        help="no final evaluation (evaluation.final: false) in either variant")
     parser.add_argument("--json", action="store_true", help="also print the numbers as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xffl-bench-eval-") as tmp:
         work = Path(tmp)
-        jobs = {name: write_job(work, name == "with", args.rounds, args.steps, args.ranks)
+        jobs = {name: write_job(work, name == "with", args.rounds, args.steps, args.ranks,
+                                args.sites, not args.no_final)
                 for name in ("without", "with")}
         runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
         for i in range(args.repeat):

@@ -49,14 +49,16 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "small": Shape("tiny", SMALL, seq_len=256, batch_size=8, steps=20, lr=1e-3),
         "lora": Shape("llama3.1-8b", {}, seq_len=2048, batch_size=2, steps=12, lr=1e-4),
     },
+    # the dry run: the fewest tokens that still take every path (gradient accumulation in the
+    # dense round, a few optimizer steps in each); its cost is the processes' start-up
     "dry": {
-        "dense": Shape("tiny", {}, seq_len=64, batch_size=4, grad_accum=2, steps=6, lr=1e-2),
-        "small": Shape("tiny-test", {}, seq_len=32, batch_size=4, steps=6, lr=1e-3),
-        "lora": Shape("tiny", {}, seq_len=64, batch_size=2, steps=4, lr=1e-3),
+        "dense": Shape("tiny", {}, seq_len=32, batch_size=2, grad_accum=2, steps=3, lr=1e-2),
+        "small": Shape("tiny-test", {}, seq_len=32, batch_size=2, steps=3, lr=1e-3),
+        "lora": Shape("tiny", {}, seq_len=32, batch_size=2, steps=2, lr=1e-3),
     },
 }
 
 # what each mode asks of the dense round's loss: on the GPU 30 steps of a 128K-vocabulary
 # model from its uniform loss (ln 128256 = 11.8) onto bytes fall by far more than 1; the dry
-# run's 6 steps of a byte model from ln 256 = 5.5 fall by more than a few tenths (2.4 measured)
+# run's 3 steps of a byte model from ln 256 = 5.5 fall by more than a few tenths (1.1 measured)
 LOSS_DROP = {"full": 1.0, "dry": 0.1}

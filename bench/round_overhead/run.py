@@ -20,6 +20,8 @@ aggregate. The manifests' ``train_seconds`` (the training loop alone) are shown 
 
     python bench/round_overhead/run.py               # 3 rounds, 6 steps per round
     python bench/round_overhead/run.py --rounds 5 --json
+
+``--sites 1`` runs alpha alone (the test suite's smoke: the same paths at half the jobs).
 """
 
 from __future__ import annotations
@@ -53,13 +55,15 @@ SITES = ("alpha", "beta")
 
 
 def write_job(work: Path, info: stack.StackInfo, rounds: int, steps: int,
-              polling: float, ranks: int = 2) -> Path:
-    """The quickstart on the two test clusters, srun -n RANKS at each (as the SLURM tests)."""
+              polling: float, ranks: int = 2, sites: tuple[str, ...] = SITES) -> Path:
+    """The quickstart on the test clusters ``sites`` (both by default), srun -n RANKS at each
+    (as the SLURM tests)."""
     profiles = work / "site_profiles"
     profiles.mkdir(parents=True, exist_ok=True)
     spec = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     spec.update(name="overhead", rounds=rounds)
     spec["training"]["steps"] = steps
+    spec["sites"] = [site for site in spec["sites"] if site["name"] in sites]
     for site in spec["sites"]:
         site["profile"] = write_profile(profiles, info.clusters[site["name"]], info)
         site["data"]["path"] = str(work / "data" / site["name"])
@@ -100,7 +104,8 @@ def _round_row(wall: float, updates: dict[str, Path], extra: dict[str, Any]) -> 
             **extra}
 
 
-def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+def run_xffl(job: Path, env: dict[str, str],
+             sites: tuple[str, ...] = SITES) -> list[dict[str, Any]]:
     """Submit the job, wait for it, and read every round's times from the registry (and the
     coordinator's CPU seconds per round, :mod:`bench.round_overhead.cpu`)."""
     from xffl.jobs.registry.store import Registry
@@ -124,7 +129,7 @@ def run_xffl(job: Path, env: dict[str, str]) -> list[dict[str, Any]]:
           "model, StreamFlow set-up: once per run, not per round)", flush=True)
     for rnd in registry.rounds(status["run_id"]):
         assert rnd.started is not None and rnd.ended is not None
-        updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in SITES}
+        updates = {s: run_dir / "rounds" / str(rnd.round) / "updates" / s for s in sites}
         rows.append(_round_row(rnd.ended - rnd.started, updates,
                                {"aggregate_s": rnd.aggregate_seconds or 0.0}))
     windows = [(submitted, first)] + [(r.started or 0.0, r.ended or 0.0)
@@ -184,20 +189,20 @@ def _baseline_site(info: stack.StackInfo, plan: Path, work: Path, site: str, rnd
 
 
 def run_baseline(plan: Path, info: stack.StackInfo, work: Path, rounds: int, mode: str,
-                 poll: float) -> list[dict[str, Any]]:
+                 poll: float, sites: tuple[str, ...] = SITES) -> list[dict[str, Any]]:
     """The hand-written loop: rendered scripts, scp, jobs in parallel, FedAvg."""
     model = plan / "rounds" / "0" / "global"
     rows = []
-    with ThreadPoolExecutor(len(SITES)) as pool:
+    with ThreadPoolExecutor(len(sites)) as pool:
         for rnd in range(1, rounds + 1):
             t0 = time.time()
             futures = {s: pool.submit(_baseline_site, info, plan, work, s, rnd, model, mode,
-                                      poll) for s in SITES}
+                                      poll) for s in sites}
             updates = {s: f.result() for s, f in futures.items()}
             target = work / mode / f"r{rnd}" / "global"
             t1 = time.perf_counter()
-            run_strategy("fedavg", [updates[s] for s in SITES], model, target,
-                         weighting="samples", run_id=read_manifest(updates["alpha"]).run_id,
+            run_strategy("fedavg", [updates[s] for s in sites], model, target,
+                         weighting="samples", run_id=read_manifest(updates[sites[0]]).run_id,
                          round=rnd,
                          parent_digest=read_manifest(model).digest())
             aggregate = time.perf_counter() - t1
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="StreamFlow's squeue polling interval (the job spec's slurm override)")
     p.add_argument("--baselines", default="wait,poll", help="wait (sbatch --wait), poll "
                    "(squeue every polling interval), both: wait,poll, or none: ''")
+    p.add_argument("--sites", type=int, default=len(SITES), choices=range(1, len(SITES) + 1),
+                   help="the first N of the test clusters (alpha, beta; default both)")
     p.add_argument("--stack-dir", type=Path, default=None, help="default: the tests' stack dir")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", action="store_true", help="print the results as JSON at the end")
@@ -255,14 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "XFFL_HOME": str(work / "home"), "HOME": info.ssh_home,
            "XDG_CONFIG_HOME": str(work / "config")}
     os.environ.update(XFFL_HOME=env["XFFL_HOME"])
+    sites = SITES[:args.sites]
     try:
         job = write_job(work, info, args.rounds, args.steps, args.polling_interval,
-                        args.ranks)
-        print(f"{args.rounds} rounds of {args.steps} steps, 2 sites x {args.ranks} ranks (srun), "
+                        args.ranks, sites)
+        print(f"{args.rounds} rounds of {args.steps} steps, {len(sites)} sites x {args.ranks} "
+              "ranks (srun), "
               f"polling {args.polling_interval:g} s, {os.cpu_count()} CPUs; work dir {work}",
               flush=True)
         t0 = time.perf_counter()
-        xffl = run_xffl(job, env)
+        xffl = run_xffl(job, env, sites)
         print(f"xffl: {time.perf_counter() - t0:.1f} s in all (submit to completed)", flush=True)
         results = {"xffl": xffl}
         plan = work / "plan"
@@ -270,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in filter(None, args.baselines.split(",")):
             t0 = time.perf_counter()
             results[mode] = run_baseline(plan, info, work, args.rounds, mode,
-                                         args.polling_interval)
+                                         args.polling_interval, sites)
             print(f"{mode}: {time.perf_counter() - t0:.1f} s in all", flush=True)
         summary = report(results)
         if args.json:

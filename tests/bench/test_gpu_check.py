@@ -20,11 +20,13 @@ def test_cpu_dry_run_passes_every_step(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 0, "\n".join(lines)
     assert [line.split()[1:3] for line in lines] == [
         [step, "PASS"] for step in ("init", "dense", "admit", "parity", "fsdp1", "lora")]
-    # the dense round ran bf16 through the launcher and learned: 6 steps of a byte model
-    # from its uniform loss (ln 256 = 5.5) fall by far more than the gate's 0.1
+    # the dense round ran bf16 through the launcher and learned: 3 steps (of 2 accumulated
+    # micro-batches each) of a byte model from its uniform loss (ln 256 = 5.5) fall by far
+    # more than the gate's 0.1 (1.1 measured)
     dense = summary["dense"]
     assert dense["rc"] == 0 and dense["loss_drop"] > 0.1
-    assert dense["extra"]["steps"] == 6 and dense["extra"]["dp"] == 1
+    assert dense["extra"]["steps"] == 3 and dense["extra"]["grad_accum"] == 2
+    assert dense["extra"]["dp"] == 1
     assert summary["admit"]["global_digest"]
     # two CPU runs of the same fp32 round are the same computation: bit for bit equal
     assert summary["parity"]["loss_gap"] == 0.0 and summary["parity"]["max_weight_gap"] == 0.0
