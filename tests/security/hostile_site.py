@@ -5,8 +5,8 @@ plan's train step ``<python> -m xffl.training.launch ... -- --job J --round R --
 --out update`` runs it instead of training. The site's name (``h<NN>``) picks the attack from
 VARIANTS: a well-formed update of the global model is written first, then altered the way a
 compromised facility account could alter it; the site ``honest`` sends HONEST, well-formed
-weights of its own. Each variant names the reason admission must
-give (a substring), or None where the site delivers nothing at all.
+weights of its own. Each variant names the reason admission must give (a substring), or
+None where the site delivers nothing at all.
 """
 
 from __future__ import annotations
@@ -360,13 +360,9 @@ def honest_update(model: Path, out: Path, site: str, rnd: int, run_id: str) -> N
 
 
 def main(argv: list[str]) -> int:
-    """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``;
-    answer ``python -c SOURCE`` (xffl submit's version probe) as the real Python does, in
-    this interpreter (a second Python per site: 49 probes took 6.9 CPU-s, now 3.4)."""
-    if argv[:1] == ["-c"]:
-        sys.argv = ["-c", *argv[2:]]
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-        return 0
+    """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``
+    (xffl submit's version probe, ``python -c SOURCE``, never reaches this script: the
+    profile's wrapper answers it)."""
     job = json.loads(Path(_arg(argv, "--job")).read_text())
     site, rnd = job["site"], int(_arg(argv, "--round"))
     out = Path(_arg(argv, "--out"))

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from tests.security.hostile_site import ADMITTED, VARIANTS, honest_update
 from tests.workflows.site_data import write_shards
 from xffl.aggregator.exchange import Manifest, finalize_manifest, read_manifest, verify_checkpoint
 from xffl.cli.app import app
+from xffl.site_profiles.versions import probe_command
 
 runner = CliRunner()
 SCRIPT = Path(__file__).with_name("hostile_site.py")
@@ -93,7 +96,12 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
     profiles = tmp_path / "site_profiles"
     profiles.mkdir()
     wrapper = tmp_path / "hostile-python"
-    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {SCRIPT} \"$@\"\n")
+    # xffl submit's version probe (``python -c SOURCE``) is answered by the shell with this
+    # interpreter's answer, asked once here (a Python per site answering it: 3.0 CPU-s)
+    answer = subprocess.run(["sh", "-c", probe_command(sys.executable)], capture_output=True,
+                            text=True, check=True).stdout
+    wrapper.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then printf %s {shlex.quote(answer)}; "
+                       f"exit 0; fi\nexec {sys.executable} {SCRIPT} \"$@\"\n")
     wrapper.chmod(0o755)
     (profiles / "hostile.yaml").write_text(yaml.safe_dump(
         {"name": "hostile", "python": str(wrapper), "launcher": "none"}))
