@@ -4,17 +4,20 @@ The site profile's ``python`` points at this file (run by the venv's interpreter
 plan's train step ``<python> -m xffl.training.launch ... -- --job J --round R --model M ...
 --out update`` runs it instead of training. The site's name (``h<NN>``) picks the attack from
 VARIANTS: a well-formed update of the global model is written first, then altered the way a
-compromised facility account could alter it. Each variant names the reason admission must
-give (a substring), or None where the site delivers nothing at all.
+compromised facility account could alter it; the site ``honest`` sends HONEST, well-formed
+weights of its own. Each variant names the reason admission must give (a substring), or
+None where the site delivers nothing at all.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import struct
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,11 +129,13 @@ def _config_changed(out: Path, ctx: dict[str, Any]) -> None:
     _refresh_checksum(out, "config.json")
 
 
-def _refresh_checksum(out: Path, name: str) -> None:
-    from xffl.aggregator.exchange import sha256_file
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
+
+def _refresh_checksum(out: Path, name: str) -> None:
     data = _manifest(out)
-    data["files"][name] = sha256_file(out / name)
+    data["files"][name] = _sha256(out / name)
     _write_manifest(out, data)
 
 
@@ -324,37 +329,45 @@ VARIANTS: list[tuple[Attack, str | None]] = [
     (_crash, None),
 ]
 
+# the honest site: every weight moved by 1/64 (the global's are far below 2^17, where float32
+# would round that away), so the global it must become, bit for bit, is not the previous one
+HONEST = _rewrite_model(lambda t: {name: w + w.dtype.type(1 / 64) for name, w in t.items()})
+
 
 def _arg(argv: list[str], option: str) -> str:
     return argv[argv.index(option) + 1]
 
 
 def honest_update(model: Path, out: Path, site: str, rnd: int, run_id: str) -> None:
-    """A well-formed update of ``model`` (its weights unchanged) for ``site``."""
-    from xffl.aggregator.exchange import Manifest, finalize_manifest, read_manifest
-
-    parent = read_manifest(model)
+    """A well-formed update of ``model`` (its weights unchanged) for ``site``, in the
+    standard library alone: its manifest is what finalize_manifest writes for these files
+    (the global's tensor index: the same model.safetensors), which
+    tests/security/test_hostile_updates.py checks. xffl.aggregator.exchange's imports
+    (pydantic, numpy) took 0.23 CPU-s of each hostile site's 0.3."""
+    glob = _manifest(model)
     out.mkdir(parents=True)
     for name in ("model.safetensors", "config.json"):
         shutil.copyfile(model / name, out / name)
-    finalize_manifest(out, Manifest(kind="update", run_id=run_id, round=rnd, site=site,
-                                    parent=parent.digest(), num_samples=4, num_tokens=32,
-                                    metrics={"loss": 1.0}))
+    # the global's identity (Manifest.digest: sha256 over its sorted file checksums)
+    parent = hashlib.sha256("\n".join(
+        f"{name}:{glob['files'][name]}" for name in sorted(glob["files"])).encode()).hexdigest()
+    _write_manifest(out, {
+        "format_version": glob["format_version"], "xffl_version": glob["xffl_version"],
+        "kind": "update", "run_id": run_id, "round": rnd, "site": site, "num_samples": 4,
+        "num_tokens": 32, "metrics": {"loss": 1.0},
+        "files": {p.name: _sha256(p) for p in sorted(out.iterdir())},
+        "tensors": glob["tensors"], "parent": parent, "created": time.time(), "extra": {}})
 
 
 def main(argv: list[str]) -> int:
-    """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``;
-    answer ``python -c SOURCE`` (xffl submit's version probe) as the real Python does, in
-    this interpreter (a second Python per site: 49 probes took 6.9 CPU-s, now 3.4)."""
-    if argv[:1] == ["-c"]:
-        sys.argv = ["-c", *argv[2:]]
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-        return 0
+    """Act as ``python -m xffl.training.launch ... -- --job J --round R --model M --out O``
+    (xffl submit's version probe, ``python -c SOURCE``, never reaches this script: the
+    profile's wrapper answers it)."""
     job = json.loads(Path(_arg(argv, "--job")).read_text())
     site, rnd = job["site"], int(_arg(argv, "--round"))
     out = Path(_arg(argv, "--out"))
     honest_update(Path(_arg(argv, "--model")), out, site, rnd, job["run_id"])
-    attack, _ = VARIANTS[int(site[1:])]
+    attack = HONEST if site == "honest" else VARIANTS[int(site[1:])][0]
     attack(out, {"site": site, "round": rnd})
     return 0
 

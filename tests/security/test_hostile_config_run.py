@@ -1,18 +1,19 @@
-"""A real 1-round LoRA run in which one site sends its adapter_config.json as other bytes of
-the same JSON value.
+"""A real 1-round LoRA run whose one site sends its adapter_config.json as other bytes of the
+same JSON value.
 
 Site "eve" trains honestly, then rewrites its update's ``adapter_config.json`` with every
 integer as a float (``"r": 4.0``) and the right checksum (tests/security/json_equal_site.py):
-equal to the global's as a JSON value, so it is admitted, but not loadable by peft. "eve"
-sorts before "honest": were the first update's bytes written as the global's (as before the
-coordinator wrote its own), the global would carry eve's floats, and the honest site could
-not load it for round 2. The run must write the global's config from the coordinator's own
-bytes (round 0's, which peft loads: the export below), and export an adapter peft loads. One
-round is enough: every round's global is written by the same aggregate step, and a round 2
-would load exactly the bytes checked here (a real round 2 from a global written by the
-coordinator: the FedAdam run of tests/workflows/test_wiring.py). The whole-model case
-(``config.json`` with ``2.0`` for ``2``, which transformers cannot load) is folded into that
-FedAdam run.
+equal to the global's as a JSON value, so it is admitted, but not loadable by peft. Eve's is
+the round's only update, so it is both the first and the last: were either's bytes written
+as the global's (as before the coordinator wrote its own), the global would carry eve's
+floats, and no site could load it for round 2 (an honest second site, sorted after eve,
+caught only the first; it cost a second trainer). The run must write the global's config
+from the coordinator's own bytes (round 0's, which peft loads: the export below), and
+export an adapter peft loads. One round is enough: every round's global is written by the
+same aggregate step, and a round 2 would load exactly the bytes checked here (a real round 2
+from a global written by the coordinator: the FedAdam run of tests/workflows/test_wiring.py).
+The whole-model case (``config.json`` with ``2.0`` for ``2``, which transformers cannot
+load) is folded into that FedAdam run.
 """
 
 from __future__ import annotations
@@ -35,11 +36,8 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
 def _spec() -> dict[str, Any]:
-    sites = [{"name": name, "profile": profile, "ranks": 1,
-              "data": {"path": f"data/{name}", "synthetic": synthetic,
-                       "synthetic_sequences": 32}}
-             for name, profile, synthetic in (("eve", "jsoneq", "alpha"),
-                                              ("honest", "local", "beta"))]
+    sites = [{"name": "eve", "profile": "jsoneq", "ranks": 1,
+              "data": {"path": "data/eve", "synthetic": "alpha", "synthetic_sequences": 32}}]
     return {"name": "jsoneq-lora", "rounds": 1, "model": {"preset": "tiny-test"},
             "training": {"steps": 2, "batch_size": 2, "seq_len": 16, "lr": 0.01, "lora": LORA},
             # freeze_a, with the adapters sent as bf16
@@ -70,7 +68,7 @@ def test_a_json_equal_adapter_config_never_becomes_the_globals(tmp_path: Path,
     assert '"r": 4.0' in sent.decode()
     assert (rounds / "1" / "global" / name).read_bytes() == own
     assert {s["site"]: s["state"] for s in status["rounds"][0]["sites"]} == {
-        "eve": "completed", "honest": "completed"}, status["rounds"][0]
+        "eve": "completed"}, status["rounds"][0]
 
     out = tmp_path / "export"
     result = runner.invoke(app, ["export", run_id, "-o", str(out)])

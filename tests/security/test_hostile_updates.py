@@ -1,7 +1,9 @@
 """A hostile-update corpus through one real round: one honest site and many compromised ones.
 
-Every hostile site's "Python" is tests/security/hostile_site.py, which writes a well-formed
-update and then alters it one way (VARIANTS: names that are paths, extra files, links, huge
+Every site's "Python" is tests/security/hostile_site.py (no site trains: the round is about
+admission, and a trainer's interpreter, 3.3 CPU-s, costs 60 of theirs). The honest site sends
+well-formed weights of its own; every hostile site writes a well-formed update and then
+alters it one way (VARIANTS: names that are paths, extra files, links, huge
 and non-finite counts and metrics, wrong run, round, parent or config, impersonation,
 oversized JSON, header bombs, files the global's kind never holds, metric names of its own,
 ...). The hostile sites have real (not synthetic) data and no ``data.max_samples``. With
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,12 +26,14 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
-from tests.security.hostile_site import ADMITTED, VARIANTS
+from tests.security.hostile_site import ADMITTED, VARIANTS, honest_update
 from tests.workflows.site_data import write_shards
+from xffl.aggregator.exchange import Manifest, finalize_manifest, read_manifest, verify_checkpoint
 from xffl.cli.app import app
+from xffl.site_profiles.versions import probe_command
 
 runner = CliRunner()
 SCRIPT = Path(__file__).with_name("hostile_site.py")
@@ -60,17 +66,46 @@ def test_a_variant_is_named_by_its_factory_and_its_reason() -> None:
     assert nan.endswith("(_metric, expected: \"metric 'loss' is nan\")"), nan
 
 
+def test_the_hostile_sites_update_is_what_finalize_manifest_writes(tmp_path: Path) -> None:
+    """hostile_site.py writes its well-formed update with the standard library alone: the
+    manifest must be xffl's own for those files (else a variant could be rejected for a
+    flaw of the forgery, not for its attack)."""
+    glob = tmp_path / "global"
+    glob.mkdir()
+    save_file({"model.norm.weight": np.arange(8, dtype=np.float32),
+               "lm_head.weight": np.ones((4, 8), dtype=np.float32)},
+              str(glob / "model.safetensors"), metadata={"format": "pt"})
+    (glob / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    finalize_manifest(glob, Manifest(kind="global", run_id="run-1", round=0))
+
+    forged, own = tmp_path / "forged", tmp_path / "own"
+    honest_update(glob, forged, "h07", 1, "run-1")
+    own.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (own / name).write_bytes((forged / name).read_bytes())
+    expected = finalize_manifest(own, Manifest(
+        kind="update", run_id="run-1", round=1, site="h07", num_samples=4, num_tokens=32,
+        metrics={"loss": 1.0}, parent=read_manifest(glob).digest()))
+    made = verify_checkpoint(forged)
+    assert made.model_dump(exclude={"created"}) == expected.model_dump(exclude={"created"})
+
+
 @pytest.mark.slow
 def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
         tmp_path: Path, xffl_home: Path) -> None:
     profiles = tmp_path / "site_profiles"
     profiles.mkdir()
     wrapper = tmp_path / "hostile-python"
-    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {SCRIPT} \"$@\"\n")
+    # xffl submit's version probe (``python -c SOURCE``) is answered by the shell with this
+    # interpreter's answer, asked once here (a Python per site answering it: 3.0 CPU-s)
+    answer = subprocess.run(["sh", "-c", probe_command(sys.executable)], capture_output=True,
+                            text=True, check=True).stdout
+    wrapper.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then printf %s {shlex.quote(answer)}; "
+                       f"exit 0; fi\nexec {sys.executable} {SCRIPT} \"$@\"\n")
     wrapper.chmod(0o755)
     (profiles / "hostile.yaml").write_text(yaml.safe_dump(
         {"name": "hostile", "python": str(wrapper), "launcher": "none"}))
-    sites = [{"name": "honest", "profile": "local", "ranks": 1,
+    sites = [{"name": "honest", "profile": "hostile", "ranks": 1,
               "data": {"path": "data/alpha", "synthetic": "alpha", "synthetic_sequences": 32}}]
     sites += [{"name": f"h{i:02d}", "profile": "hostile", "ranks": 1,
                "data": {"path": "nothing", "validation": {"path": "nothing-held-out"}}}
@@ -107,12 +142,15 @@ def test_hostile_updates_are_rejected_and_the_honest_one_is_the_global(
             assert row["state"] == "rejected", (what, row)
             assert reason in row["reason"], (what, row["reason"])
 
-    # the global model is the honest update, bit for bit (FedAvg of one update)
+    # the global model is the honest update, bit for bit (FedAvg of one update), which is
+    # not the previous global (a round that kept it would fail here)
     run_dir = Path(status["run_dir"])
     glob = load_file(str(run_dir / "rounds" / "1" / "global" / "model.safetensors"))
     honest = load_file(str(run_dir / "rounds" / "1" / "updates" / "honest" / "model.safetensors"))
+    before0 = load_file(str(run_dir / "rounds" / "0" / "global" / "model.safetensors"))
     assert glob.keys() == honest.keys()
     assert all(np.array_equal(glob[k], honest[k]) for k in glob)
+    assert not any(np.array_equal(before0[k], honest[k]) for k in glob)
     assert sorted(p.name for p in (run_dir / "rounds" / "1" / "updates").iterdir()) == \
         sorted(admitted)
     # the global's config is the coordinator's bytes, not an admitted site's (2.0 for 2)
