@@ -11,7 +11,10 @@ whatever the family, and is tested as such in tests/aggregator). The five runs g
 (their torch start-ups overlap their StreamFlow waits). Submit and export run in this
 process (CliRunner): a submit checks the checkpoint against its family in transformers,
 whose import would cost each of five ``xffl`` processes ~2.5 CPU-seconds; the runs'
-supervisors and ranks are their own processes either way.
+supervisors are their own processes. The site's profile is the local one with its ranks
+forked from one warm interpreter that imported torch, the trainer and the five families'
+code once (tests/workflows/warm_ranks.py): each rank runs the product's trainer as
+``python -m`` would, without a ~3 CPU-s import of its own.
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on
@@ -34,6 +37,7 @@ from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from tests.workflows.warm_ranks import warm_profile, warm_server
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
@@ -68,13 +72,13 @@ def _checkpoint(folder: Path, model_type: str, extra: dict[str, Any]) -> Path:
     return folder
 
 
-def _job(where: Path, family: str, init: Path) -> Path:
+def _job(where: Path, family: str, init: Path, profile: str) -> Path:
     """The quickstart's shape, smaller: 1 round, 1 local site of one rank, 2 steps."""
     spec = {
         "name": f"family-{family}", "rounds": 1, "model": {"init": str(init)},
         "training": {"steps": 2, "batch_size": 4, "seq_len": 32, "lr": 0.003, "seed": 0},
         "aggregation": {"strategy": "fedavg", "weighting": "samples"},
-        "sites": [{"name": name, "profile": "local", "ranks": 1,
+        "sites": [{"name": name, "profile": profile, "ranks": 1,
                    "data": {"path": str(where / "data" / name), "synthetic": lang,
                             "synthetic_sequences": n}}
                   for name, lang, n in (("alpha", "alpha", 48),)],
@@ -102,11 +106,19 @@ def _same_config(init: Path, round0: Path, family: str) -> None:
 
 @pytest.mark.slow
 def test_every_family_trains_a_round_and_exports(tmp_path: Path) -> None:
+    with warm_server(tmp_path / "warm", [t for t, _ in FAMILIES.values()]) as ranks:
+        _check_families(tmp_path, ranks)
+
+
+def _check_families(tmp_path: Path, ranks: Path) -> None:
+    """Submit the five runs, wait for them, check what each wrote and exports."""
     runs = {}
     for family, (model_type, extra) in FAMILIES.items():
         where = tmp_path / family
         init = _checkpoint(where / "init", model_type, extra)
-        submitted = runner.invoke(app, ["submit", str(_job(where, family, init)), "--json"])
+        profile = warm_profile(where / "site_profiles", ranks)
+        submitted = runner.invoke(app, ["submit", str(_job(where, family, init, profile)),
+                                        "--json"])
         assert submitted.exit_code == 0, (family, submitted.output)
         runs[family] = json.loads(submitted.stdout)["run_id"]
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
