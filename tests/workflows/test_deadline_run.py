@@ -11,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.workflows.warm_ranks import warm_profile, warm_server
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.jobs.report.estimates import per_step_seconds
@@ -24,14 +25,19 @@ def test_round_two_steps_fit_the_deadline(tmp_path: Path, xffl_home: Path) -> No
     spec["evaluation"] = {"final": False}  # test_final_evaluation
     spec.update(name="deadline", rounds=2)
     # one rank per site and 4 steps in round 1 (its measures are all round 2 needs): the
-    # fitted budget is under test, not DDP (4 rank start-ups instead of 8)
+    # fitted budget is under test, not DDP (4 rank start-ups instead of 8); both sites, so
+    # that a site fitted from the other's measures shows; the ranks are forked from one warm
+    # interpreter (their start-up is then shorter, and measured all the same)
     spec["training"].update(steps=4)
     for site in spec["sites"]:
         site["ranks"] = 1
+        site["profile"] = "warm-local"  # tests/workflows/warm_ranks.py
     spec["round_deadline"] = {"seconds": 6, "min_steps": 2, "max_steps": 400, "startup": 5}
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
+    with warm_server(tmp_path / "warm", ["llama"]) as ranks:
+        warm_profile(tmp_path / "site_profiles", ranks)
+        result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300"])
     assert result.exit_code == 0, result.output
     status = json.loads(result.stdout)
     run_dir = Path(status["run_dir"])
