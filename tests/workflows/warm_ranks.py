@@ -76,6 +76,9 @@ def _rank(conn: socket.socket) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+            if entry and entry not in sys.path:  # as the interpreter's start-up puts it
+                sys.path.insert(0, entry)
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:  # read by torch at import, in the server
             import torch
