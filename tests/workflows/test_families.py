@@ -13,8 +13,8 @@ process (CliRunner): a submit checks the checkpoint against its family in transf
 whose import would cost each of five ``xffl`` processes ~2.5 CPU-seconds; the runs'
 supervisors are their own processes. The site's profile is the local one with its ranks
 forked from one warm interpreter that imported torch, the trainer and the five families'
-code once (tests/workflows/warm_ranks.py): each rank runs the product's trainer as
-``python -m`` would, without a ~3 CPU-s import of its own.
+code once (tests/workflows/warm_ranks.py, shared by the tests of this process): each rank
+runs the product's trainer as ``python -m`` would, without a ~3 CPU-s import of its own.
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on
@@ -37,7 +37,7 @@ from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from tests.workflows.warm_ranks import warm_profile, warm_server
+from tests.workflows.warm_ranks import warm_profile
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
@@ -106,17 +106,11 @@ def _same_config(init: Path, round0: Path, family: str) -> None:
 
 @pytest.mark.slow
 def test_every_family_trains_a_round_and_exports(tmp_path: Path) -> None:
-    with warm_server(tmp_path / "warm", [t for t, _ in FAMILIES.values()]) as ranks:
-        _check_families(tmp_path, ranks)
-
-
-def _check_families(tmp_path: Path, ranks: Path) -> None:
-    """Submit the five runs, wait for them, check what each wrote and exports."""
     runs = {}
     for family, (model_type, extra) in FAMILIES.items():
         where = tmp_path / family
         init = _checkpoint(where / "init", model_type, extra)
-        profile = warm_profile(where / "site_profiles", ranks)
+        profile = warm_profile(where / "site_profiles")
         submitted = runner.invoke(app, ["submit", str(_job(where, family, init, profile)),
                                         "--json"])
         assert submitted.exit_code == 0, (family, submitted.output)

@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.site_profiles.other_xffl import other_xffl_python
-from tests.workflows.warm_ranks import warm_profile, warm_server
+from tests.workflows.warm_ranks import rank_python, warm_profile
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.core.versions import FORMAT_VERSION, xffl_version
@@ -90,12 +90,6 @@ def ticks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ticks]:
     alpha's once its Python reads this format (tick 2), are forked from one warm interpreter
     (tests/workflows/warm_ranks.py); tick 1's alpha runs its other xffl's own."""
     where = tmp_path_factory.mktemp("ticks")
-    with warm_server(where / "warm", ["llama"]) as ranks:
-        yield _ticks(where, ranks)
-
-
-def _ticks(where: Path, ranks: Path) -> Ticks:
-    """The fixture's submit and two ticks, in ``where``; ``ranks``: the warm rank Python."""
     site = where / "alpha-site"
     site.mkdir()
     python = site / "python"  # at submit: this venv's xffl, which the version probe admits
@@ -106,7 +100,7 @@ def _ticks(where: Path, ranks: Path) -> Ticks:
     (profiles / "alpha-python.yaml").write_text(yaml.safe_dump({
         "name": "alpha-python", "connector": {"type": "local"}, "python": str(python),
         "launcher": "none"}))
-    warm_profile(profiles, ranks)
+    warm_profile(profiles)
     spec = yaml.safe_load(QUICKSTART.read_text())  # the final evaluation on, as by default
     spec.update(name="otherformat", rounds=2, model={"preset": "tiny-test"},
                 training={"steps": 2, "batch_size": 2, "seq_len": 16},
@@ -132,11 +126,11 @@ def _ticks(where: Path, ranks: Path) -> Ticks:
         final_after_tick_1 = layout.final_validation.exists()
 
         python.write_text(f"#!{sys.executable}\n" + NEWER_WRITER.format(
-            real=sys.executable, ranks=str(ranks)))
+            real=sys.executable, ranks=str(rank_python())))
         mp.setenv("XFFL_FAILPOINT", "evaluate-models-beta")
         _, second = _round(run_id, 2)
-    return Ticks(where / "xffl-home", run_id, layout, {1: first, 2: second}, tick_1,
-                 final_after_tick_1)
+    yield Ticks(where / "xffl-home", run_id, layout, {1: first, 2: second}, tick_1,
+                final_after_tick_1)
 
 
 @pytest.mark.slow

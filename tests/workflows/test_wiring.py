@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART, REPO
 from tests.security.json_equal_site import write_profile
-from tests.workflows.warm_ranks import warm_profile, warm_server
+from tests.workflows.warm_ranks import rank_python, warm_profile
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.cli.app import app
 from xffl.workflows.steps.balance import balanced_steps
@@ -42,26 +41,18 @@ runner = CliRunner()
 ETA, BETA_1, BETA_2, TAU = 0.05, 0.9, 0.99, 1e-9  # eta from the job spec; the rest Flower's
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The command that forks the local sites' ranks from one warm interpreter (both tests'
-    runs: tests/workflows/warm_ranks.py)."""
-    with warm_server(tmp_path_factory.mktemp("warm"), ["llama"]) as script:
-        yield script
-
-
-def _warm_sites(tmp_path: Path, spec: dict, ranks: Path) -> None:
-    """Every site of ``spec`` on a profile whose ranks ``ranks`` starts: ``warm-local``, or
-    the one it names already (in tmp_path/site_profiles) with that rank Python added."""
+def _warm_sites(tmp_path: Path, spec: dict) -> None:
+    """Every site of ``spec`` on a profile whose ranks the warm server forks: ``warm-local``,
+    or the one it names already (in tmp_path/site_profiles) with that rank Python added."""
     profiles = tmp_path / "site_profiles"
-    warm_profile(profiles, ranks)
+    warm_profile(profiles)
     for site in spec["sites"]:
         if site.get("profile", "local") == "local":
             site["profile"] = "warm-local"
             continue
         path = profiles / f"{site['profile']}.yaml"
         profile = yaml.safe_load(path.read_text())
-        profile.setdefault("env", {})["XFFL_RANK_PYTHON"] = str(ranks)
+        profile.setdefault("env", {})["XFFL_RANK_PYTHON"] = str(rank_python())
         path.write_text(yaml.safe_dump(profile))
 
 
@@ -93,8 +84,8 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path, xffl_home: Path,
-                                                            ranks: Path) -> None:
+def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
+                                                            xffl_home: Path) -> None:
     """FedAdam over token-weighted updates into a sharded global, round by round; per-site
     budgets (alpha 4 steps, beta 2) and, from round 2, throughput balancing within them; the
     updates travel as bf16 deltas (exchange), decoded against each round's global."""
@@ -110,7 +101,7 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path, xff
         site["data"]["synthetic_sequences"] = 64
     (tmp_path / "site_profiles").mkdir()
     spec["sites"][0]["profile"] = write_profile(tmp_path / "site_profiles")  # alpha: 2.0 for 2
-    _warm_sites(tmp_path, spec, ranks)
+    _warm_sites(tmp_path, spec)
     code, status = _submit(tmp_path, spec)
     assert code == 0, status
     run_dir = Path(status["run_dir"])
@@ -188,7 +179,7 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path, xff
 
 @pytest.mark.slow
 def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
-        tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch, ranks: Path) -> None:
+        tmp_path: Path, xffl_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the sites import tests.workflows.update_fns
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec["evaluation"] = {"final": False}  # test_final_evaluation
@@ -201,7 +192,7 @@ def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
         site.update(ranks=1)
         site["data"]["synthetic_sequences"] = 32
         del site["data"]["validation"]  # no held-out evaluation in the round
-    _warm_sites(tmp_path, spec, ranks)
+    _warm_sites(tmp_path, spec)
     code, status = _submit(tmp_path, spec, "--trust-entry-point")  # local sites import it
     assert code == 1 and status["state"] == "failed"
     (r1,) = status["rounds"]

@@ -5,10 +5,11 @@ trainer (about 3 CPU-s, most of a test round's cost). A site profile made by
 :func:`warm_profile` sets ``XFFL_RANK_PYTHON`` (the launcher's Python for its ranks, as a
 container's line sets it) to this file run as a client: instead of importing anything it
 hands its module, arguments, working folder, environment and standard streams to a server
-(:func:`serve`, one per test module) that imported torch, the trainer, the evaluation and the
-families' modeling code once; a fork of the server becomes the rank in a process group of its
-own and runs the module as ``python -m`` would (as xffl.training.forked's ranks and the warm
-step server's steps do), and the client exits as the rank did (a signal's death included).
+(:func:`serve`; :func:`rank_python` starts one per test process) that imported torch, the
+trainer, the evaluation and the families' modeling code once; a fork of the server becomes
+the rank in a process group of its own and runs the module as ``python -m`` would (as
+xffl.training.forked's ranks and the warm step server's steps do), and the client exits as
+the rank did (a signal's death included; a client that dies takes its rank with it).
 Submit, the supervisor, StreamFlow, the launcher, the rank's code and the round's files are
 the product's own: only where the rank's imports come from differs. Without a server (not
 up, gone) the client runs the module itself: same code, imports paid.
@@ -16,19 +17,24 @@ up, gone) the client runs the module itself: same code, imports paid.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 LIMIT = 1 << 20  # bytes of one request or reply line
+#: the model families the shared server imports the code of (tiny presets: llama)
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "mixtral")
 #: what every rank imports, preloaded by the server in this order (the families' code apart)
 PRELOAD = ("xffl.core.startup_preload", "torch", "xffl.training.trainer",
            "xffl.training.streamed", "xffl.training.__main__", "xffl.training.evaluate_models")
@@ -62,8 +68,6 @@ def _run(module: str, argv: list[str]) -> int:
 
 def _rank(conn: socket.socket) -> None:
     """In a fork of the server: take a request, fork the rank, answer its pid and its end."""
-    import atexit
-
     data, fds, _flags, _addr = socket.recv_fds(conn, LIMIT, 3)
     req = json.loads(data)
     pid = os.fork()
@@ -93,6 +97,10 @@ def _rank(conn: socket.socket) -> None:
     for fd in fds:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    ended = os.pidfd_open(pid)
+    readable, _, _ = select.select([ended, conn], [], [])
+    if ended not in readable:  # the client sends nothing more: it died, and so does its rank
+        os.killpg(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
@@ -170,10 +178,9 @@ def client(path: str, argv: list[str]) -> int:
     return code
 
 
-@contextmanager
-def warm_server(where: Path, model_types: list[str]) -> Iterator[Path]:
-    """Start a server in ``where`` (its preloads done); the client's command (a script) to
-    set as a profile's ``XFFL_RANK_PYTHON``; the server ends with the block."""
+def start(where: Path, model_types: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start a server in ``where`` and wait for its preloads; it and the client's command
+    (a script) to set as a profile's ``XFFL_RANK_PYTHON``."""
     where.mkdir(parents=True, exist_ok=True)
     path = where / "ranks.sock"
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve",
@@ -185,19 +192,41 @@ def warm_server(where: Path, model_types: list[str]) -> Iterator[Path]:
             assert server.poll() is None, f"the warm rank server ended ({server.returncode})"
             assert time.monotonic() < deadline, "the warm rank server did not start"
             time.sleep(0.1)
-        script = where / "rank-python"
-        script.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} "
-                          f"client {path} \"$@\"\n")
-        script.chmod(0o755)
-        yield script
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    except BaseException:
+        stop(server)
+        raise
+    script = where / "rank-python"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} "
+                      f"client {path} \"$@\"\n")
+    script.chmod(0o755)
+    return server, script
 
 
-def warm_profile(profiles: Path, script: Path, name: str = "warm-local") -> str:
-    """A local site profile (in the folder ``profiles``) whose ranks are the server's; its
-    name."""
+def stop(server: subprocess.Popen[bytes]) -> None:
+    """End a server (ranks it runs finish in their forks)."""
+    server.terminate()
+    server.wait(timeout=30)
+
+
+_SHARED: list[Path] = []
+
+
+def rank_python() -> Path:
+    """The client's command of this process's shared server, started at the first call
+    (preloading every family FAMILIES names) and ended when this process exits."""
+    if not _SHARED:
+        where = Path(tempfile.mkdtemp(prefix="xffl-warm-"))  # short: a socket's path
+        server, script = start(where, list(FAMILIES))
+        atexit.register(shutil.rmtree, where, True)
+        atexit.register(stop, server)  # runs first
+        _SHARED.append(script)
+    return _SHARED[0]
+
+
+def warm_profile(profiles: Path, script: Path | None = None, name: str = "warm-local") -> str:
+    """A local site profile (in the folder ``profiles``) whose ranks are the server's
+    (``script``; default: the shared one); its name."""
+    script = script or rank_python()
     profiles.mkdir(parents=True, exist_ok=True)
     (profiles / f"{name}.yaml").write_text(json.dumps({
         "name": name, "connector": {"type": "local"}, "launcher": "torchrun",
