@@ -8,9 +8,11 @@ failure.min_sites. In the FedAdam run, site alpha sends its config.json with eve
 as a float (tests/security/json_equal_site.py): equal to the global's as JSON, so admitted,
 but not loadable by transformers; every global's config must still be the coordinator's
 bytes (alpha sorts first: were the first update's bytes used, beta could not load round 1's
-global), beta trains round 2 and the export loads (issue 30). The local sites' ranks of both
-runs are forked from one warm interpreter (tests/workflows/warm_ranks.py; alpha's profile
-keeps its Python, which runs the launcher).
+global), beta trains round 2 and the export loads (issue 30). The FedAdam run is `xffl submit
+--wait`'s (a supervisor runs the rounds' loop); the rejected update's one round runs in this
+process as a cron tick runs it (`xffl round`). The local sites' ranks of both runs are
+forked from one warm interpreter (tests/workflows/warm_ranks.py; alpha's profile keeps its
+Python, which runs the launcher).
 """
 
 from __future__ import annotations
@@ -62,6 +64,20 @@ def _submit(tmp_path: Path, spec: dict, *flags: str) -> tuple[int, dict]:
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300",
                                  *flags])
     return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+def _tick(tmp_path: Path, spec: dict, *flags: str) -> tuple[int, dict]:
+    """Submit with --no-start, run the next round here (`xffl round`); its exit code and
+    `xffl status --json` of the run."""
+    job = tmp_path / f"{spec['name']}.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    submitted = runner.invoke(app, ["submit", str(job), "--no-start", "--json", *flags])
+    assert submitted.exit_code == 0, submitted.output
+    run_id = json.loads(submitted.stdout)["run_id"]
+    ticked = runner.invoke(app, ["round", run_id, "--json"])
+    shown = runner.invoke(app, ["status", run_id, "--json"])
+    assert shown.exit_code == 0, shown.output
+    return ticked.exit_code, json.loads(shown.stdout)
 
 
 def _widened(directory: Path) -> dict[str, np.ndarray]:
@@ -193,7 +209,8 @@ def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
         site["data"]["synthetic_sequences"] = 32
         del site["data"]["validation"]  # no held-out evaluation in the round
     _warm_sites(tmp_path, spec)
-    code, status = _submit(tmp_path, spec, "--trust-entry-point")  # local sites import it
+    # its one round runs in this process, as a cron tick runs it (no supervisor of its own)
+    code, status = _tick(tmp_path, spec, "--trust-entry-point")  # local sites import it
     assert code == 1 and status["state"] == "failed"
     (r1,) = status["rounds"]
     sites = {s["site"]: s for s in r1["sites"]}
