@@ -98,11 +98,12 @@ def _rank(conn: socket.socket) -> None:
         os.close(fd)
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     ended = os.pidfd_open(pid)
-    readable, _, _ = select.select([ended, conn], [], [])
+    readable, _, _ = select.select([ended, conn.fileno()], [], [])
     if ended not in readable:  # the client sends nothing more: it died, and so does its rank
         os.killpg(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    with suppress(OSError):  # a client that died reads no answer
+        conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
 
 def _reap(_signum: int = 0, _frame: object = None) -> None:
@@ -173,7 +174,8 @@ def client(path: str, argv: list[str]) -> int:
         print("warm_ranks: the rank ended without an exit code", file=sys.stderr)
         return 1
     if code < 0:  # killed by a signal: die of it too, as the launcher would see the rank
-        signal.signal(-code, signal.SIG_DFL)
+        with suppress(OSError):  # SIGKILL's cannot be set (nor caught)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 
