@@ -1,9 +1,9 @@
-"""Every model family trains through the quickstart's path: checkpoints transformers wrote.
+"""Every model family trains a round through a real run: checkpoints transformers wrote.
 
 For Llama 3 (llama3 rope scaling, GQA), Qwen2 (q/k/v biases, tied embeddings), Mistral,
 Gemma 2 (soft-capping, 1 + w norms) and Mixtral (a mixture of experts, data parallel), a tiny
-random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit``
-runs a round at a local site through StreamFlow, and ``xffl export`` of the global it
+random model written by ``save_pretrained`` is the job's ``model.init``; the run (``xffl
+submit``) trains a round at a local site through StreamFlow, and ``xffl export`` of the global it
 aggregated loads in ``AutoModelForCausalLM.from_pretrained`` (so a second round, which
 would train from that global, adds no family-specific path: one round keeps the suite
 short; so would a second site: the mean of two updates is taken tensor by tensor, by name,
