@@ -1,17 +1,23 @@
-"""Every model family trains through the quickstart's path: checkpoints transformers wrote.
+"""Every model family trains a round through a real run: checkpoints transformers wrote.
 
 For Llama 3 (llama3 rope scaling, GQA), Qwen2 (q/k/v biases, tied embeddings), Mistral,
 Gemma 2 (soft-capping, 1 + w norms) and Mixtral (a mixture of experts, data parallel), a tiny
-random model written by ``save_pretrained`` is the job's ``model.init``; ``xffl submit``
-runs a round at a local site through StreamFlow, and ``xffl export`` of the global it
+random model written by ``save_pretrained`` is the job's ``model.init``; the run (``xffl
+submit``) trains a round at a local site through StreamFlow, and ``xffl export`` of the global it
 aggregated loads in ``AutoModelForCausalLM.from_pretrained`` (so a second round, which
 would train from that global, adds no family-specific path: one round keeps the suite
 short; so would a second site: the mean of two updates is taken tensor by tensor, by name,
-whatever the family, and is tested as such in tests/aggregator). The five runs go at once
-(their torch start-ups overlap their StreamFlow waits). Submit and export run in this
-process (CliRunner): a submit checks the checkpoint against its family in transformers,
-whose import would cost each of five ``xffl`` processes ~2.5 CPU-seconds; the runs'
-supervisors and ranks are their own processes either way.
+whatever the family, and is tested as such in tests/aggregator). Submit, round and export
+run in this process (CliRunner): a submit checks the checkpoint against its family in
+transformers, whose import would cost each of five ``xffl`` processes ~2.5 CPU-seconds.
+Mixtral's run is the quickstart's: its detached supervisor (a fresh interpreter that imports
+what converting the checkpoint needs, ~4 CPU-s) runs the round while this process runs the
+other four's as a cron tick does (``submit --no-start`` then ``xffl round``: the same
+``execute`` of the supervisor module, the same plan and steps, with torch and transformers
+already imported here). The site's profile is the local one with its ranks forked from one
+warm interpreter that imported torch, the trainer and the five families' code once
+(tests/workflows/warm_ranks.py, shared by the tests of this process): each rank runs the
+product's trainer as ``python -m`` would, without a ~3 CPU-s import of its own.
 
 Bound: the export holds the final global's tensors and config bytes, and xffl's model is
 transformers' class of the family loaded from the global, so both compute the same ops on
@@ -34,6 +40,7 @@ from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from tests.workflows.warm_ranks import warm_profile
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
@@ -50,6 +57,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {"head_dim": 8}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
+DETACHED = "mixtral"  # the family whose run `xffl submit` starts (a supervisor of its own)
 runner = CliRunner()
 
 
@@ -68,13 +76,13 @@ def _checkpoint(folder: Path, model_type: str, extra: dict[str, Any]) -> Path:
     return folder
 
 
-def _job(where: Path, family: str, init: Path) -> Path:
+def _job(where: Path, family: str, init: Path, profile: str) -> Path:
     """The quickstart's shape, smaller: 1 round, 1 local site of one rank, 2 steps."""
     spec = {
         "name": f"family-{family}", "rounds": 1, "model": {"init": str(init)},
         "training": {"steps": 2, "batch_size": 4, "seq_len": 32, "lr": 0.003, "seed": 0},
         "aggregation": {"strategy": "fedavg", "weighting": "samples"},
-        "sites": [{"name": name, "profile": "local", "ranks": 1,
+        "sites": [{"name": name, "profile": profile, "ranks": 1,
                    "data": {"path": str(where / "data" / name), "synthetic": lang,
                             "synthetic_sequences": n}}
                   for name, lang, n in (("alpha", "alpha", 48),)],
@@ -103,12 +111,18 @@ def _same_config(init: Path, round0: Path, family: str) -> None:
 @pytest.mark.slow
 def test_every_family_trains_a_round_and_exports(tmp_path: Path) -> None:
     runs = {}
-    for family, (model_type, extra) in FAMILIES.items():
+    for family, (model_type, extra) in sorted(FAMILIES.items(), key=lambda f: f[0] != DETACHED):
         where = tmp_path / family
         init = _checkpoint(where / "init", model_type, extra)
-        submitted = runner.invoke(app, ["submit", str(_job(where, family, init)), "--json"])
+        profile = warm_profile(where / "site_profiles")
+        submitted = runner.invoke(app, ["submit", str(_job(where, family, init, profile)),
+                                        "--json", *([] if family == DETACHED else ["--no-start"])])
         assert submitted.exit_code == 0, (family, submitted.output)
         runs[family] = json.loads(submitted.stdout)["run_id"]
+    for family, run_id in runs.items():  # the detached one's supervisor runs meanwhile
+        if family != DETACHED:
+            ticked = runner.invoke(app, ["round", run_id, "--json"])
+            assert ticked.exit_code == 0, (family, ticked.output)
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
     for family, run_id in runs.items():
         final = wait_for_run(Registry(), run_id, 400)

@@ -12,6 +12,8 @@ the first tick runs round 1 and no final evaluation (the run is not over: it wai
 next tick, as a cron tick leaves it, tests/jobs/test_schedule.py); in the second,
 beta's evaluation of the final global dies at the site (a failpoint SIGKILLs it): the run
 completes, alpha's loss is recorded as the final loss, and the run's message names beta.
+The ranks of this format's xffl are forked from one warm interpreter
+(tests/workflows/warm_ranks.py; the failpoint's SIGKILL is the rank's death all the same).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.site_profiles.other_xffl import other_xffl_python
+from tests.workflows.warm_ranks import rank_python, warm_profile
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
 from xffl.core.versions import FORMAT_VERSION, xffl_version
@@ -38,12 +41,13 @@ from xffl.jobs.registry.store import Registry
 
 runner = CliRunner()
 
-#: a site's Python that trains with the real one, then writes its update's manifest as an
-#: xffl 9.9.9 of exchange format 99 would (the manifest is not among the files it hashes)
-NEWER_WRITER = """import json, subprocess, sys
+#: a site's Python that trains with the real one (its ranks forked from the warm server,
+#: tests/workflows/warm_ranks.py), then writes its update's manifest as an xffl 9.9.9 of
+#: exchange format 99 would (the manifest is not among the files it hashes)
+NEWER_WRITER = """import json, os, subprocess, sys
 from pathlib import Path
 argv = sys.argv[1:]
-code = subprocess.call([{real!r}, *argv])
+code = subprocess.call([{real!r}, *argv], env={{**os.environ, "XFFL_RANK_PYTHON": {ranks!r}}})
 manifest = Path(argv[argv.index("--out") + 1]) / "manifest.json" if "--out" in argv else None
 if code == 0 and manifest is not None and manifest.is_file():
     data = json.loads(manifest.read_text())
@@ -82,7 +86,9 @@ def _round(run_id: str, rnd: int) -> tuple[dict[str, Any], dict[str, dict[str, A
 @pytest.fixture(scope="module")
 def ticks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ticks]:
     """Submit the job (--no-start), then its two ticks, alpha's Python changed before each,
-    beta's final evaluation made to die in the second (a home of its own)."""
+    beta's final evaluation made to die in the second (a home of its own). Beta's ranks, and
+    alpha's once its Python reads this format (tick 2), are forked from one warm interpreter
+    (tests/workflows/warm_ranks.py); tick 1's alpha runs its other xffl's own."""
     where = tmp_path_factory.mktemp("ticks")
     site = where / "alpha-site"
     site.mkdir()
@@ -94,12 +100,13 @@ def ticks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ticks]:
     (profiles / "alpha-python.yaml").write_text(yaml.safe_dump({
         "name": "alpha-python", "connector": {"type": "local"}, "python": str(python),
         "launcher": "none"}))
+    warm_profile(profiles)
     spec = yaml.safe_load(QUICKSTART.read_text())  # the final evaluation on, as by default
     spec.update(name="otherformat", rounds=2, model={"preset": "tiny-test"},
                 training={"steps": 2, "batch_size": 2, "seq_len": 16},
                 failure={"min_sites": 1})
     for entry in spec["sites"]:
-        entry.update(ranks=1)
+        entry.update(ranks=1, profile="warm-local")
         entry["data"].update(synthetic_sequences=32)
     spec["sites"][0]["profile"] = "alpha-python"
     job = where / "job.yaml"
@@ -118,7 +125,8 @@ def ticks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ticks]:
         tick_1, first = _round(run_id, 1)
         final_after_tick_1 = layout.final_validation.exists()
 
-        python.write_text(f"#!{sys.executable}\n" + NEWER_WRITER.format(real=sys.executable))
+        python.write_text(f"#!{sys.executable}\n" + NEWER_WRITER.format(
+            real=sys.executable, ranks=str(rank_python())))
         mp.setenv("XFFL_FAILPOINT", "evaluate-models-beta")
         _, second = _round(run_id, 2)
     yield Ticks(where / "xffl-home", run_id, layout, {1: first, 2: second}, tick_1,

@@ -8,7 +8,11 @@ failure.min_sites. In the FedAdam run, site alpha sends its config.json with eve
 as a float (tests/security/json_equal_site.py): equal to the global's as JSON, so admitted,
 but not loadable by transformers; every global's config must still be the coordinator's
 bytes (alpha sorts first: were the first update's bytes used, beta could not load round 1's
-global), beta trains round 2 and the export loads (issue 30).
+global), beta trains round 2 and the export loads (issue 30). The FedAdam run is `xffl submit
+--wait`'s (a supervisor runs the rounds' loop); the rejected update's one round runs in this
+process as a cron tick runs it (`xffl round`). The local sites' ranks of both runs are
+forked from one warm interpreter (tests/workflows/warm_ranks.py; alpha's profile keeps its
+Python, which runs the launcher).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART, REPO
 from tests.security.json_equal_site import write_profile
+from tests.workflows.warm_ranks import rank_python, warm_profile
 from xffl.aggregator.exchange import read_manifest, verify_checkpoint
 from xffl.cli.app import app
 from xffl.workflows.steps.balance import balanced_steps
@@ -38,12 +43,41 @@ runner = CliRunner()
 ETA, BETA_1, BETA_2, TAU = 0.05, 0.9, 0.99, 1e-9  # eta from the job spec; the rest Flower's
 
 
+def _warm_sites(tmp_path: Path, spec: dict) -> None:
+    """Every site of ``spec`` on a profile whose ranks the warm server forks: ``warm-local``,
+    or the one it names already (in tmp_path/site_profiles) with that rank Python added."""
+    profiles = tmp_path / "site_profiles"
+    warm_profile(profiles)
+    for site in spec["sites"]:
+        if site.get("profile", "local") == "local":
+            site["profile"] = "warm-local"
+            continue
+        path = profiles / f"{site['profile']}.yaml"
+        profile = yaml.safe_load(path.read_text())
+        profile.setdefault("env", {})["XFFL_RANK_PYTHON"] = str(rank_python())
+        path.write_text(yaml.safe_dump(profile))
+
+
 def _submit(tmp_path: Path, spec: dict, *flags: str) -> tuple[int, dict]:
     job = tmp_path / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = runner.invoke(app, ["submit", str(job), "--wait", "--json", "--timeout", "300",
                                  *flags])
     return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else {}
+
+
+def _tick(tmp_path: Path, spec: dict, *flags: str) -> tuple[int, dict]:
+    """Submit with --no-start, run the next round here (`xffl round`); its exit code and
+    `xffl status --json` of the run."""
+    job = tmp_path / f"{spec['name']}.yaml"
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    submitted = runner.invoke(app, ["submit", str(job), "--no-start", "--json", *flags])
+    assert submitted.exit_code == 0, submitted.output
+    run_id = json.loads(submitted.stdout)["run_id"]
+    ticked = runner.invoke(app, ["round", run_id, "--json"])
+    shown = runner.invoke(app, ["status", run_id, "--json"])
+    assert shown.exit_code == 0, shown.output
+    return ticked.exit_code, json.loads(shown.stdout)
 
 
 def _widened(directory: Path) -> dict[str, np.ndarray]:
@@ -83,6 +117,7 @@ def test_fedadam_tokens_shards_and_balance_reach_every_round(tmp_path: Path,
         site["data"]["synthetic_sequences"] = 64
     (tmp_path / "site_profiles").mkdir()
     spec["sites"][0]["profile"] = write_profile(tmp_path / "site_profiles")  # alpha: 2.0 for 2
+    _warm_sites(tmp_path, spec)
     code, status = _submit(tmp_path, spec)
     assert code == 0, status
     run_dir = Path(status["run_dir"])
@@ -173,7 +208,9 @@ def test_an_update_rejected_in_a_real_round_counts_against_min_sites(
         site.update(ranks=1)
         site["data"]["synthetic_sequences"] = 32
         del site["data"]["validation"]  # no held-out evaluation in the round
-    code, status = _submit(tmp_path, spec, "--trust-entry-point")  # local sites import it
+    _warm_sites(tmp_path, spec)
+    # its one round runs in this process, as a cron tick runs it (no supervisor of its own)
+    code, status = _tick(tmp_path, spec, "--trust-entry-point")  # local sites import it
     assert code == 1 and status["state"] == "failed"
     (r1,) = status["rounds"]
     sites = {s["site"]: s for s in r1["sites"]}
