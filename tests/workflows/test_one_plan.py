@@ -27,6 +27,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
+from tests.workflows.warm_ranks import warm_profile
 from xffl.cli.app import app
 
 runner = CliRunner()
@@ -55,8 +56,12 @@ def test_cwltool_streamflow_and_submit_give_the_same_model(
     spec["training"].update(steps=2, lr=1e-8, stop_when={"patience": 1, "min_delta": 1e-3})
     # 160 and 128 sequences: 2 steps of 8 fit, 16 and 13 held-out windows; the sites still
     # weigh their updates differently (samples), so the global is no plain copy or mean
+    # the ranks are forked from one warm interpreter (tests/workflows/warm_ranks.py: the
+    # profile's XFFL_RANK_PYTHON, in the plan the three runners share)
+    warm_profile(tmp_path / "site_profiles")
     for site, sequences in zip(spec["sites"], (160, 128), strict=True):
         site["ranks"] = 1
+        site["profile"] = "warm-local"
         site["data"]["synthetic_sequences"] = sequences
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
