@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.stack.profiles import write_profile
+from tests.workflows.warm_ranks import warm_profile
 from xffl.cli.app import app
 from xffl.core.errors import InvalidInput
 from xffl.core.layout import RunLayout
@@ -113,8 +114,10 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Evaluated]:
     home = where / "xffl-home"
     spec = yaml.safe_load(QUICKSTART.read_text())
     spec.update(name="evaluated", rounds=1)
+    warm_profile(where / "site_profiles")  # ranks forked from one warm interpreter
     for site, sequences in zip(spec["sites"], (128, 96), strict=True):
         site["ranks"] = 1
+        site["profile"] = "warm-local"  # tests/workflows/warm_ranks.py
         site["data"]["synthetic_sequences"] = sequences
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XFFL_HOME", str(home))
