@@ -33,6 +33,7 @@ from tests.cli.schemas import check
 from tests.conftest import QUICKSTART
 from tests.workflows.runs import admitted, reused
 from tests.workflows.site_data import write_shards
+from tests.workflows.warm_ranks import warm_profile
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 from xffl.core.layout import RunLayout
@@ -50,6 +51,7 @@ def _spec(name: str, rounds: int = 2, **failure: object) -> dict:
     spec["training"].update(steps=3, batch_size=4)
     for site in spec["sites"]:
         site["ranks"] = 1
+        site["profile"] = "warm-local"  # ranks forked from one warm interpreter (_submit)
         site["data"]["synthetic_sequences"] = 64
     return spec
 
@@ -69,6 +71,7 @@ def _broken_beta(spec: dict, xffl_home: Path) -> dict:
 
 
 def _submit(tmp_path: Path, spec: dict, *extra: str) -> tuple[int, dict]:
+    warm_profile(tmp_path / "site_profiles")  # tests/workflows/warm_ranks.py
     job = tmp_path / f"{spec['name']}.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     result = runner.invoke(app, ["submit", str(job), "--json", *extra])
