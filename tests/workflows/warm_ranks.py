@@ -32,6 +32,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from xffl.core.fork_server import exit_code, serve_forks
+
 LIMIT = 1 << 20  # bytes of one request or reply line
 #: the model families the shared server imports the code of (tiny presets: llama)
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "mixtral")
@@ -49,24 +51,14 @@ def _line(stream: Any) -> dict[str, Any]:
 def _run(module: str, argv: list[str]) -> int:
     """In the rank's fork: ``module`` run as ``python -m module argv`` would; its exit code."""
     import runpy
-    import traceback
 
     sys.argv = [module, *argv]
     sys.modules.pop(f"{module}.__main__", None)  # preloaded: runpy runs a fresh copy
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0
-        print(exc.code, file=sys.stderr)
-        return 1
-    except BaseException:  # as an uncaught exception would: its traceback, exit 1
-        traceback.print_exc()
-        return 1
-    return 0
+    return exit_code(lambda _: runpy.run_module(module, run_name="__main__", alter_sys=True),
+                     argv)
 
 
-def _rank(conn: socket.socket) -> None:
+def _rank(conn: socket.socket) -> int:
     """In a fork of the server: take a request, fork the rank, answer its pid and its end."""
     data, fds, _flags, _addr = socket.recv_fds(conn, LIMIT, 3)
     req = json.loads(data)
@@ -104,15 +96,7 @@ def _rank(conn: socket.socket) -> None:
     _, status = os.waitpid(pid, 0)
     with suppress(OSError):  # a client that died reads no answer
         conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-
-
-def _reap(_signum: int = 0, _frame: object = None) -> None:
-    """Collect the ended forks (their CPU time then counts as this process's children's)."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
+    return 0
 
 
 def serve(path: str, model_types: list[str], parent: int) -> None:
@@ -129,26 +113,7 @@ def serve(path: str, model_types: list[str], parent: int) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path + ".new")
     os.replace(path + ".new", path)  # the client finds a listening socket or none
-    sock.listen(16)
-    sock.settimeout(1.0)
-    signal.signal(signal.SIGCHLD, _reap)
-    while os.getppid() == parent:
-        try:
-            conn, _ = sock.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            conn.settimeout(None)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if os.fork() == 0:
-                sock.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                try:
-                    _rank(conn)
-                finally:
-                    os._exit(0)
+    serve_forks(sock, parent, _rank)
 
 
 def client(path: str, argv: list[str]) -> int:

@@ -26,15 +26,13 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from xffl.core.fork_server import exit_code, serve_forks
 from xffl.core.paths import private_files
 from xffl.core.startup import collect_less
 from xffl.workflows.steps.handoff import LIMIT, SOCKET, STEPS
@@ -54,27 +52,6 @@ def stop(server: subprocess.Popen[bytes]) -> None:
         server.terminate()
     with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(timeout=10)
-
-
-def peer_uid(conn: socket.socket) -> int:
-    """The user id of the process at the other end of ``conn`` (SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
-
-
-def exit_code(main: Callable[[list[str]], int], argv: list[str]) -> int:
-    """Run ``main(argv)``; its exit code as the interpreter would make it."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0
-        print(exc.code, file=sys.stderr)
-        return 1
-    except BaseException:  # as an uncaught exception would: its traceback, exit 1
-        traceback.print_exc()
-        return 1
-    return code if isinstance(code, int) else 0
 
 
 def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -99,8 +76,6 @@ def _request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 def run_fork(conn: socket.socket, modules: dict[str, ModuleType]) -> int:
     """In the fork: take the request, become the step's process, run it, answer its code."""
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
     try:
         req, fds = _request(conn)
     except (OSError, ValueError):
@@ -121,14 +96,6 @@ def run_fork(conn: socket.socket, modules: dict[str, ModuleType]) -> int:
             stream.flush()
     conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
     return code
-
-
-def _reap(_signum: int = 0, _frame: object = None) -> None:
-    """Collect the forks that have ended, as they end (their CPU time then counts as this
-    process's children's, where ``/proc`` and ``getrusage`` show it)."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
 
 
 def preload(run_dir: Path) -> None:
@@ -157,27 +124,7 @@ def serve(run_dir: Path, parent: int) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(SOCKET)  # 0600: the process's umask is owner-only
     try:
-        sock.listen(16)
-        sock.settimeout(1.0)
-        signal.signal(signal.SIGCHLD, _reap)
-        while os.getppid() == parent:
-            try:
-                conn, _ = sock.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(None)
-                if peer_uid(conn) != os.getuid():
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                if os.fork() == 0:
-                    sock.close()
-                    code = 2
-                    try:
-                        code = run_fork(conn, modules)
-                    finally:
-                        os._exit(code)
+        serve_forks(sock, parent, lambda conn: run_fork(conn, modules))
     finally:
         with contextlib.suppress(OSError):
             os.unlink(SOCKET)
