@@ -7,6 +7,7 @@ user is refused by its credentials (SO_PEERCRED) all the same.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -14,7 +15,7 @@ import socket
 import struct
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -38,6 +39,26 @@ def exit_code(main: Callable[[list[str]], Any], argv: list[str]) -> int:
         traceback.print_exc()
         return 1
     return code if isinstance(code, int) else 0
+
+
+def become(fds: Sequence[int], cwd: str, env: Mapping[str, str]) -> None:
+    """In a fork: take the client's standard streams (``fds``, closed here), working folder
+    and environment, as the process it stands in for would have them."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def end_as_interpreter() -> None:
+    """In a fork, before ``os._exit``: what the interpreter does at exit and ``os._exit``
+    skips (the ``atexit`` functions, flushing stdout and stderr)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
 
 
 def reap(_signum: int = 0, _frame: object = None) -> None:

@@ -32,7 +32,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from xffl.core.fork_server import exit_code, serve_forks
+from xffl.core.fork_server import become, end_as_interpreter, exit_code, serve_forks
 
 LIMIT = 1 << 20  # bytes of one request or reply line
 #: the model families the shared server imports the code of (tiny presets: llama)
@@ -66,12 +66,7 @@ def _rank(conn: socket.socket) -> int:
     if pid == 0:
         conn.close()
         os.setpgid(0, 0)  # a group of its own: a kill of its group reaches no test process
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
+        become(fds, req["cwd"], req["env"])
         for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:  # as the interpreter's start-up puts it
                 sys.path.insert(0, entry)
@@ -81,10 +76,7 @@ def _rank(conn: socket.socket) -> int:
 
             torch.set_num_threads(int(threads))
         code = _run(req["module"], req["argv"])
-        atexit._run_exitfuncs()  # what the interpreter runs at exit (os._exit does not)
-        for stream in (sys.stdout, sys.stderr):
-            with suppress(OSError, ValueError):
-                stream.flush()
+        end_as_interpreter()
         os._exit(code)
     for fd in fds:
         os.close(fd)

@@ -19,7 +19,6 @@ SIGTERM. (:mod:`multiprocessing`'s forkserver forks preloaded processes too, but
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import json
@@ -32,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from xffl.core.fork_server import exit_code, serve_forks
+from xffl.core.fork_server import become, end_as_interpreter, exit_code, serve_forks
 from xffl.core.paths import private_files
 from xffl.core.startup import collect_less
 from xffl.workflows.steps.handoff import LIMIT, SOCKET, STEPS
@@ -81,19 +80,11 @@ def run_fork(conn: socket.socket, modules: dict[str, ModuleType]) -> int:
     except (OSError, ValueError):
         return 2
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
+    become(fds, req["cwd"], req["env"])
     module = modules[req["step"]]
     sys.argv = [module.__name__, *req["argv"]]
     code = exit_code(module.main, req["argv"])
-    atexit._run_exitfuncs()  # what the interpreter runs at exit (os._exit does not)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    end_as_interpreter()
     conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
     return code
 
