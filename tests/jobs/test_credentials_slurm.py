@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import QUICKSTART
 from tests.stack.certs import agent_add, bare_home, new_key, sign, ssh_agent
+from tests.stack.profiles import profile_env
 from xffl.cli.app import app
 from xffl.core.paths import runs_dir
 from xffl.jobs.registry.store import Registry
@@ -37,7 +38,7 @@ def _profile(folder: Path, stack: Any, cluster: str, name: str, **conn: Any) -> 
                       "renew": f"ssh-keygen -s CA -V +12h {name}.pub", **conn},
         "slurm": {"partition": info.partition, "time": "00:10:00", "polling_interval": 1},
         "launcher": "srun", "python": sys.executable, "workdir": info.work_dir,
-        "env": {"OMP_NUM_THREADS": "1"},
+        "env": profile_env(),  # warm ranks: logins are under test, not the ranks' start
     }))
     return name
 

@@ -80,7 +80,8 @@ def counting_index() -> Iterator[tuple[str, list[str]]]:
 def install_profile(folder: Path, stack: StackInfo, workdir: Path, **fields: Any) -> Path:
     """Write alpha's profile (``test-alpha``) into ``folder`` with ``workdir``, a python that
     is not there yet and ``fields`` (``install``, ``setup``, ...); its file."""
-    name = write_profile(folder, stack.clusters["alpha"], stack)
+    # exec'd ranks: the installed venv's Python starts them, which is what is under test
+    name = write_profile(folder, stack.clusters["alpha"], stack, warm=False)
     path = folder / f"{name}.yaml"
     data = {**yaml.safe_load(path.read_text()), "workdir": str(workdir),
             "python": "/not/installed/yet/bin/python", **fields}
