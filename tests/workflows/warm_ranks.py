@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ def _rank(conn: socket.socket) -> int:
         conn.close()
         os.setpgid(0, 0)  # a group of its own: a kill of its group reaches no test process
         become(fds, req["cwd"], req["env"])
+        sys.path[0] = req["cwd"]  # python -m's first entry (the server's: this file's folder)
         for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:  # as the interpreter's start-up puts it
                 sys.path.insert(0, entry)
@@ -180,6 +182,13 @@ def rank_python() -> Path:
         atexit.register(stop, server)  # runs first
         _SHARED.append(script)
     return _SHARED[0]
+
+
+def warm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with ``XFFL_RANK_PYTHON`` set to the shared server's
+    client: a launcher started with it forks its ranks' engine (and so its ranks) from the
+    server instead of importing torch and the trainer again."""
+    return {**(os.environ if env is None else env), "XFFL_RANK_PYTHON": str(rank_python())}
 
 
 def warm_profile(profiles: Path, script: Path | None = None, name: str = "warm-local") -> str:
