@@ -20,7 +20,7 @@ import os, signal, sys, threading
 from pathlib import Path
 
 print("torch preloaded:", "torch" in sys.modules, "| first path is the cwd:",
-      sys.path[0] == os.getcwd(), flush=True)
+      sys.path[0] == os.getcwd(), "| umask:", oct(os.umask(0)), flush=True)
 mode = sys.argv[1]
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
@@ -59,12 +59,14 @@ def _alive(pid: int) -> bool:
 
 def test_a_rank_runs_as_python_m_in_the_warm_server(tmp_path: Path) -> None:
     """The module runs with torch already imported (the server's fork, not a new
-    interpreter), finds its module in the working folder as ``python -m`` does, writes to
-    the client's stdout, and the client exits with the rank's exit code."""
-    proc = _probe(tmp_path, "exit", "3", stdout=subprocess.PIPE)
+    interpreter), finds its module in the working folder as ``python -m`` does, has the
+    client's umask (the launcher's owner-only one at a site), writes to the client's stdout,
+    and the client exits with the rank's exit code."""
+    proc = _probe(tmp_path, "exit", "3", stdout=subprocess.PIPE, umask=0o077)
     out, _ = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 3, out
-    assert out.decode() == "torch preloaded: True | first path is the cwd: True\n"
+    assert out.decode() == \
+        "torch preloaded: True | first path is the cwd: True | umask: 0o77\n"
 
 
 def test_a_rank_killed_by_a_signal_kills_its_client_alike(tmp_path: Path) -> None:
