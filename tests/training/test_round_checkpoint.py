@@ -5,8 +5,11 @@ a round longer than one job (``chain``) stops at SIGUSR1 and continues in the ne
 tests share the uninterrupted rounds (one per mode) and the killed round of each mode.
 
 Every round here is the real launcher (``python -m xffl.training.launch``, forked torchrun
-ranks on gloo) in a session of its own, so that a ``...@group`` failpoint SIGKILLs the
-launcher and both ranks at once, as ``scancel`` or a node failure would.
+ranks on gloo) in a session of its own; its torchrun engine, and so its ranks, are forked from
+the tests' warm rank server (tests/workflows/warm_ranks.py: no import of torch per launch), in
+a process group of their own, so that a ``...@group`` failpoint SIGKILLs the engine and both
+ranks at once, as ``scancel`` or a node failure would; the launcher sees its ranks killed and
+fails the round (it writes nothing a rerun reads).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tests.workflows.warm_ranks import warm_env
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.training.chain_files import CONTINUE_LINE, JOBS_FILE
 from xffl.training.checkpoint import init_global
@@ -62,7 +66,7 @@ def run_round(where: Path, job: TrainJob, model: Path, state: Path, out: Path,
     """One site round through the launcher (2 ranks); its exit code and stderr."""
     job_file = where / f"job-{out.name}.json"
     job_file.write_text(job.model_dump_json())
-    env = {k: v for k, v in os.environ.items() if k != "XFFL_FAILPOINT"}
+    env = {k: v for k, v in warm_env().items() if k != "XFFL_FAILPOINT"}
     if failpoint is not None:
         env["XFFL_FAILPOINT"] = failpoint
     proc = subprocess.run(
@@ -109,7 +113,7 @@ _KILLED: dict[str, tuple[int, str, Path, Path]] = {}
 
 
 def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
-    """The checkpointed round killed (SIGKILL of the launcher and both ranks) after step 25:
+    """The checkpointed round killed (SIGKILL of both ranks and their engine) after step 25:
     its exit code, stderr, the state it left and a copy of that state's step-20 checkpoint
     (the complete checkpoint test_foreign_and_half_written_checkpoints_are_refused plants
     as other rounds' and globals'); once per module and mode."""
@@ -130,7 +134,7 @@ def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
                                         mode: str) -> None:
-    """Killed (SIGKILL of the launcher and both ranks) after step 25, the round run again
+    """Killed (SIGKILL of both ranks and their engine) after step 25, the round run again
     starts at step 20 and its update is bitwise the uninterrupted round's: the same tensors
     (sha256 of each), the same per-step losses. No tolerance: on CPU the same operations on
     the same values in the same order give the same bits, so any state not restored (data
@@ -243,7 +247,7 @@ def signalled_round(where: Path, job: TrainJob, model: Path, state: Path,
     line read from the launcher's stderr: an event, no sleep); exit code and stderr."""
     job_file = where / "job-chain.json"
     job_file.write_text(job.model_dump_json())
-    env = {k: v for k, v in os.environ.items() if k != "XFFL_FAILPOINT"}
+    env = {k: v for k, v in warm_env().items() if k != "XFFL_FAILPOINT"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "xffl.training.launch", "--ranks", "2", "--launcher",
          "torchrun", "--keep", str(state), "--", "--job", str(job_file), "--round", "1",
