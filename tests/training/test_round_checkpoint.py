@@ -41,16 +41,16 @@ from xffl.training.config import (
 from xffl.training.round_spec import CONTINUE_EXIT
 from xffl.training.round_state import COMPLETE, ROOT
 
-STEPS, EVERY = 20, 5
-KILL = 13  # the killed rounds die after this step: the step-5 and step-10 checkpoints are kept
-HOLD = 7  # the signalled job's rank 0 holds after this step until the stop is asked (at most)
+STEPS, EVERY = 12, 3
+KILL = 8  # the killed rounds die after this step: the step-3 and step-6 checkpoints are kept
+HOLD = 4  # the signalled job's rank 0 holds after this step until the stop is asked (at most)
 MODEL = ModelSpec(preset="tiny-test", overrides={"attention_dropout": 0.1})
 _CONTINUES = re.compile(re.escape(CONTINUE_LINE).replace(r"\{round\}", "1").replace(
     r"\{step\}", "([0-9]+)").replace(r"\{steps\}", str(STEPS)))
 
 
 def make_job(data: Path, mode: str, checkpoint: bool) -> TrainJob:
-    """20 steps of the tiny-test model with attention dropout (the ranks' RNG matters), 2
+    """12 steps of the tiny-test model with attention dropout (the ranks' RNG matters), 2
     micro-batches a step, cosine schedule with warm-up: every piece a continued round must
     restore moves the result if it is not restored."""
     return TrainJob(
@@ -115,8 +115,8 @@ _KILLED: dict[str, tuple[int, str, Path, Path]] = {}
 
 
 def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
-    """The checkpointed round killed (SIGKILL of both ranks and their engine) after step 13:
-    its exit code, stderr, the state it left and a copy of that state's step-10 checkpoint
+    """The checkpointed round killed (SIGKILL of both ranks and their engine) after step 8:
+    its exit code, stderr, the state it left and a copy of that state's step-6 checkpoint
     (the complete checkpoint test_foreign_and_half_written_checkpoints_are_refused plants
     as other rounds' and globals'); once per module and mode."""
     if mode not in _KILLED:
@@ -136,8 +136,8 @@ def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
                                         mode: str) -> None:
-    """Killed (SIGKILL of both ranks and their engine) after step 13, the round run again
-    starts at step 10 and its update is bitwise the uninterrupted round's: the same tensors
+    """Killed (SIGKILL of both ranks and their engine) after step 8, the round run again
+    starts at step 6 and its update is bitwise the uninterrupted round's: the same tensors
     (sha256 of each), the same per-step losses. No tolerance: on CPU the same operations on
     the same values in the same order give the same bits, so any state not restored (data
     position, RNG, AdamW moments and step, the schedule's position) shows as a difference."""
@@ -148,16 +148,16 @@ def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
     assert rc != 0, err
     folders = list((state / ROOT).iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("run-ckpt-r1-")
-    assert sorted(p.name for p in folders[0].iterdir()) == ["step-000005", "step-000010"]
-    assert (folders[0] / "step-000010" / COMPLETE).is_file()
+    assert sorted(p.name for p in folders[0].iterdir()) == ["step-000003", "step-000006"]
+    assert (folders[0] / "step-000006" / COMPLETE).is_file()
     assert os.stat(folders[0]).st_mode & 0o077 == 0  # the site user's alone
     rc, err = run_round(tmp_path, job, model, state, tmp_path / "out")
     assert rc == 0, err
-    assert f"continuing round 1 at step 10 from checkpoint {folders[0] / 'step-000010'}" \
+    assert f"continuing round 1 at step 6 from checkpoint {folders[0] / 'step-000006'}" \
         in err
     update = verify_checkpoint(tmp_path / "out")
-    assert update.extra["checkpoints"]["resumed_at"] == 10
-    assert update.extra["checkpoints"]["saved"] == 1  # step 15 (none at the last step)
+    assert update.extra["checkpoints"]["resumed_at"] == 6
+    assert update.extra["checkpoints"]["saved"] == 1  # step 9 (none at the last step)
     assert update.extra["losses"] == ref_manifest.extra["losses"]
     assert update.num_tokens == ref_manifest.num_tokens
     assert tensor_digests(tmp_path / "out") == tensor_digests(ref)
@@ -189,7 +189,7 @@ def test_foreign_and_half_written_checkpoints_are_refused(
     (ours,) = list((state / ROOT).iterdir())
     half = ours / f"step-{EVERY:06d}"
     assert (half / ".metadata").is_file() and not (half / COMPLETE).exists()
-    # complete checkpoints to copy: the same job's step 10, killed at step 13 (the round
+    # complete checkpoints to copy: the same job's step 6, killed at step 8 (the round
     # test_killed_round_continues_bitwise continues)
     donor = killed(site, mode)[3]
     assert (donor / COMPLETE).is_file(), killed(site, mode)[1]
@@ -245,7 +245,7 @@ def chained(job: TrainJob) -> TrainJob:
 
 def signalled_round(where: Path, job: TrainJob, model: Path, state: Path,
                     out: Path) -> tuple[int, str]:
-    """One launch that gets SIGUSR1 once the step-5 checkpoint is complete (its progress
+    """One launch that gets SIGUSR1 once the step-3 checkpoint is complete (its progress
     line read from the launcher's stderr: an event, no sleep); its rank 0 holds after step
     HOLD until the stop is asked (the ``chain-wait-K`` failpoint: the request lands before
     the round's last step however slow the machine); exit code and stderr."""
@@ -274,9 +274,9 @@ def signalled_round(where: Path, job: TrainJob, model: Path, state: Path,
 @pytest.mark.slow
 def test_signalled_job_continues_in_the_next_bitwise(tmp_path: Path,
                                                      site: tuple[Path, Path]) -> None:
-    """SIGUSR1 after the step-5 checkpoint: both ranks stop at one step K (5 < K <= HOLD), its
+    """SIGUSR1 after the step-3 checkpoint: both ranks stop at one step K (3 < K <= HOLD), its
     checkpoint is complete, the launcher exits 75 and writes no update; the next launch
-    continues at step K (not at 5: the stop saved its own step) and its update is bitwise
+    continues at step K (not at 3: the stop saved its own step) and its update is bitwise
     the one-job round's (sha256 of every tensor, the per-step losses); the state folder lists
     the round's two jobs with their steps. No tolerance: same operations, same bits."""
     ref_manifest, ref = reference(tmp_path, site, "fsdp")
