@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -112,7 +114,9 @@ def worker(way: str, out: Path, overrides: dict[str, Any]) -> None:
 def launch(way: str, out: Path, overrides: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One save ``way`` by two gloo ranks under torchrun's agent (forked); rank 0's
     measurements."""
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+    # the ranks' Python: XFFL_RANK_PYTHON's words when set, as the launcher takes them
+    python = shlex.split(os.environ.get("XFFL_RANK_PYTHON", "")) or [sys.executable]
+    cmd = [*python, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
            "bench.save_update.run", "--worker", way, "--out", str(out),
            "--overrides", json.dumps(overrides)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,

@@ -10,6 +10,7 @@ from types import ModuleType
 import pytest
 
 from tests.bench.scripts import load_bench
+from tests.workflows.warm_ranks import rank_python
 
 
 def _bench() -> ModuleType:
@@ -72,11 +73,13 @@ def test_the_step_table_prints_ratios_against_fsdp(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.slow
-def test_the_loss_table_runs_every_kind_of_mode(tmp_path: Path) -> None:
-    """Real site rounds (4 CPU ranks), 3 steps each, one of each kind of mode (FSDP2, HSDP,
-    federated groups: the groups' K=8 and K=64 rows are the K=1 row's code with another
-    number): each trains from the same global, and its update's held-out loss is below the
-    global's."""
+def test_the_loss_table_runs_every_kind_of_mode(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real site rounds (4 CPU ranks, forked from the warm rank server), 3 steps each, one of
+    each kind of mode (FSDP2, HSDP, federated groups: the groups' K=8 and K=64 rows are the
+    K=1 row's code with another number): each trains from the same global, and its update's
+    held-out loss is below the global's."""
+    monkeypatch.setenv("XFFL_RANK_PYTHON", str(rank_python()))
     losses = load_bench("inside_site", "losses.py")
     kinds = ("fsdp", "hsdp 2 x 2", "groups 2, K=1")
     assert set(kinds) <= set(losses.MODES) and {"groups 2, K=8", "groups 2, K=64"} <= set(

@@ -4,7 +4,6 @@ losses and gradients of one process computing from its full logits."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from tests.training.chunked_loss_worker import (
     global_batches,
 )
 from tests.training.tp_worker import mesh_config
+from tests.workflows.warm_ranks import rank_python
 from xffl.training.chunked_loss import full_logits_loss
 from xffl.training.data import IGNORE, TokenShards, ensure_synthetic
 from xffl.training.evaluate import evaluate_net
@@ -61,7 +61,7 @@ def _reference(tmp: Path, preset: str) -> dict[str, torch.Tensor]:
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """All meshes, in one launch of 2 forked ranks."""
     out = tmp_path_factory.mktemp("chunked")
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+    cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
            "tests.training.chunked_loss_worker", str(out), *MESHES]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                           cwd=REPO)

@@ -4,7 +4,6 @@ and with tensor parallelism a 2 x 2 x 2 (replicate, shard, tp) mesh == FSDP2 ove
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tests.conftest import REPO
+from tests.workflows.warm_ranks import rank_python, warm_env
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.shards import MODEL_FILE
 from xffl.core.errors import InvalidInput
@@ -36,7 +36,7 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 4-rank launch (the forked launcher xffl runs CPU ranks with): FSDP2(4), HSDP 2x2."""
     out = tmp_path_factory.mktemp("hsdp")
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
+    cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
            "-m", "tests.training.hsdp_worker", str(out), "fsdp", "hsdp:2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                           cwd=REPO)
@@ -50,7 +50,7 @@ def layouts_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from a round-0 checkpoint of the same seed as a site loads it (and its update gathered as
     a site saves it, which the worker checks against the parameters)."""
     out = tmp_path_factory.mktemp("hsdp-tp")
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC_TP),
+    cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC_TP),
            "-m", "tests.training.hsdp_worker", str(out), "fsdp/2", "hsdp:2/2+sharded"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
                           cwd=REPO)
@@ -217,7 +217,7 @@ def test_an_hsdp_round_through_the_launcher(tmp_path: Path, global0: tuple[Path,
     out = tmp_path / "update"
     args = ["--job", str(tmp_path / "job.json"), "--round", "1", "--model", str(global0[0]),
             "--out", str(out)]
-    assert launch(NPROC, "torchrun", args, out) == 0
+    assert launch(NPROC, "torchrun", args, out, env=warm_env()) == 0
     manifest = verify_checkpoint(out)
     assert manifest.extra["dp"] == NPROC
     with safe_open(str(out / MODEL_FILE), "pt") as got, \

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.workflows.warm_ranks import warm_env
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.training.checkpoint import load_model
 from xffl.training.config import TrainJob
@@ -239,7 +240,7 @@ def test_two_rank_ddp_round_equals_one_process_on_the_global_batch(
     job_file.write_text(job.model_dump_json())
     out = tmp_path / "update"
     args = ["--job", str(job_file), "--round", "1", "--model", str(g0), "--out", str(out)]
-    assert launch(2, "torchrun", args, out) == 0
+    assert launch(2, "torchrun", args, out, env=warm_env()) == 0  # the warm server's ranks
 
     manifest = verify_checkpoint(out)
     assert manifest.kind == "update" and manifest.round == 1
@@ -290,7 +291,8 @@ def test_launch_module_entry_reports_failure(tmp_path: Path) -> None:
         f"sys.exit(main(['--ranks', '1', '--launcher', 'none', '--', '--job', {str(job)!r}, "
         f"'--round', '1', '--model', 'm', '--out', {str(out)!r}]))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=warm_env())  # its rank forked from the warm rank server
     assert proc.returncode == 2, proc.stderr
     assert "run_id" in proc.stderr and "training failed" in proc.stderr
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from safetensors import safe_open
 from tests.conftest import REPO
 from tests.training.groups_worker import OPTIMIZERS, global_batches
 from tests.training.local_sgd_reference import local_sgd
+from tests.workflows.warm_ranks import rank_python, warm_env
 from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.aggregator.shards import MODEL_FILE
@@ -41,7 +41,7 @@ Record = tuple[dict[str, torch.Tensor], dict[str, str]]
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 4-rank launch (the forked launcher xffl runs CPU ranks with) of every layout."""
     out = tmp_path_factory.mktemp("groups")
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
+    cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
            "-m", "tests.training.groups_worker", str(out), str(STEPS), *LAYOUTS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                           cwd=REPO)
@@ -256,7 +256,7 @@ def test_a_groups_round_through_the_launcher(tmp_path: Path, global0: tuple[Path
     out = tmp_path / "update"
     args = ["--job", str(tmp_path / "job.json"), "--round", "1", "--model", str(global0[0]),
             "--out", str(out)]
-    assert launch(NPROC, "torchrun", args, out, keep=tmp_path / "state") == 0
+    assert launch(NPROC, "torchrun", args, out, keep=tmp_path / "state", env=warm_env()) == 0
     manifest = verify_checkpoint(out)
     kept = [tmp_path / "state" / "groups" / "r1" / f"group-{g}.safetensors" for g in (0, 1)]
     with safe_open(str(kept[0]), "pt") as a, safe_open(str(kept[1]), "pt") as b, \

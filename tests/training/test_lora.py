@@ -10,7 +10,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.conftest import REPO
+from tests.workflows.warm_ranks import rank_python
 from xffl.aggregator.adapter import adapted_modules, factor_names
 from xffl.aggregator.engine import run_strategy
 from xffl.aggregator.exchange import Manifest, read_manifest, verify_checkpoint
@@ -215,7 +215,7 @@ def test_fsdp2_trains_the_adapter_as_ddp_does(tmp_path: Path, adapter0: Path,
         jobs[-1].write_text(job.model_copy(update={"training": training}).model_dump_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+        [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
          "tests.training.lora_worker", str(adapter0), str(base), job.data.path,
          str(tmp_path / "out"), *map(str, jobs)], capture_output=True, text=True,
         timeout=300, env=env, cwd=REPO)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from tests.conftest import REPO
 from tests.training.lora_fsdp_worker import built, train
 from tests.training.tp_worker import mesh_spec
+from tests.workflows.warm_ranks import rank_python
 from xffl.aggregator.shards import ADAPTER_FILE
 from xffl.training import lora, trainer
 from xffl.training.checkpoint import init_global, read_config
@@ -69,7 +69,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         args.append(f"{name}:{base}:{adapter}:{tmp / f'{name}.json'}")
     out = tmp / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
+        [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
          "tests.training.lora_fsdp_worker", str(out), *args], capture_output=True,
         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]

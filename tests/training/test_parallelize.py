@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from tests.training.tp_worker import (
     global_batches,
     mesh_config,
 )
+from tests.workflows.warm_ranks import rank_python
 from xffl.core.errors import InvalidInput
 from xffl.training.arch import PRESETS, build_config
 from xffl.training.config import ModelSpec
@@ -134,7 +134,7 @@ def mesh_outputs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Pa
     def launch(nproc: int) -> Path:
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"meshes-{nproc}")
-            cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node",
+            cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node",
                    str(nproc), "-m", "tests.training.tp_worker", str(out), *LAUNCHES[nproc]]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                                   check=False, cwd=REPO)

@@ -5,8 +5,11 @@ a round longer than one job (``chain``) stops at SIGUSR1 and continues in the ne
 tests share the uninterrupted rounds (one per mode) and the killed round of each mode.
 
 Every round here is the real launcher (``python -m xffl.training.launch``, forked torchrun
-ranks on gloo) in a session of its own, so that a ``...@group`` failpoint SIGKILLs the
-launcher and both ranks at once, as ``scancel`` or a node failure would.
+ranks on gloo) in a session of its own; its torchrun engine, and so its ranks, are forked from
+the tests' warm rank server (tests/workflows/warm_ranks.py: no import of torch per launch), in
+a process group of their own, so that a ``...@group`` failpoint SIGKILLs the engine and both
+ranks at once, as ``scancel`` or a node failure would; the launcher sees its ranks killed and
+fails the round (it writes nothing a rerun reads).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tests.workflows.warm_ranks import warm_env
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.training.chain_files import CONTINUE_LINE, JOBS_FILE
 from xffl.training.checkpoint import init_global
@@ -37,14 +41,16 @@ from xffl.training.config import (
 from xffl.training.round_spec import CONTINUE_EXIT
 from xffl.training.round_state import COMPLETE, ROOT
 
-STEPS, EVERY = 40, 10
+STEPS, EVERY = 12, 3
+KILL = 8  # the killed rounds die after this step: the step-3 and step-6 checkpoints are kept
+HOLD = 4  # the signalled job's rank 0 holds after this step until the stop is asked (at most)
 MODEL = ModelSpec(preset="tiny-test", overrides={"attention_dropout": 0.1})
 _CONTINUES = re.compile(re.escape(CONTINUE_LINE).replace(r"\{round\}", "1").replace(
     r"\{step\}", "([0-9]+)").replace(r"\{steps\}", str(STEPS)))
 
 
 def make_job(data: Path, mode: str, checkpoint: bool) -> TrainJob:
-    """40 steps of the tiny-test model with attention dropout (the ranks' RNG matters), 2
+    """12 steps of the tiny-test model with attention dropout (the ranks' RNG matters), 2
     micro-batches a step, cosine schedule with warm-up: every piece a continued round must
     restore moves the result if it is not restored."""
     return TrainJob(
@@ -62,7 +68,7 @@ def run_round(where: Path, job: TrainJob, model: Path, state: Path, out: Path,
     """One site round through the launcher (2 ranks); its exit code and stderr."""
     job_file = where / f"job-{out.name}.json"
     job_file.write_text(job.model_dump_json())
-    env = {k: v for k, v in os.environ.items() if k != "XFFL_FAILPOINT"}
+    env = {k: v for k, v in warm_env().items() if k != "XFFL_FAILPOINT"}
     if failpoint is not None:
         env["XFFL_FAILPOINT"] = failpoint
     proc = subprocess.run(
@@ -109,8 +115,8 @@ _KILLED: dict[str, tuple[int, str, Path, Path]] = {}
 
 
 def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
-    """The checkpointed round killed (SIGKILL of the launcher and both ranks) after step 25:
-    its exit code, stderr, the state it left and a copy of that state's step-20 checkpoint
+    """The checkpointed round killed (SIGKILL of both ranks and their engine) after step 8:
+    its exit code, stderr, the state it left and a copy of that state's step-6 checkpoint
     (the complete checkpoint test_foreign_and_half_written_checkpoints_are_refused plants
     as other rounds' and globals'); once per module and mode."""
     if mode not in _KILLED:
@@ -118,8 +124,8 @@ def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
         folder = site[0].parent / f"killed-{mode}"
         folder.mkdir()
         rc, err = run_round(folder, make_job(data, mode, True), model, folder / "state",
-                            folder / "out", failpoint="round-step-25@group")
-        donor = folder / "donor" / "step-000020"
+                            folder / "out", failpoint=f"round-step-{KILL}@group")
+        donor = folder / "donor" / f"step-{2 * EVERY:06d}"
         if rc != 0 and (folder / "state" / ROOT).is_dir():
             shutil.copytree(next((folder / "state" / ROOT).iterdir()) / donor.name, donor)
         _KILLED[mode] = rc, err, folder / "state", donor
@@ -130,8 +136,8 @@ def killed(site: tuple[Path, Path], mode: str) -> tuple[int, str, Path, Path]:
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
                                         mode: str) -> None:
-    """Killed (SIGKILL of the launcher and both ranks) after step 25, the round run again
-    starts at step 20 and its update is bitwise the uninterrupted round's: the same tensors
+    """Killed (SIGKILL of both ranks and their engine) after step 8, the round run again
+    starts at step 6 and its update is bitwise the uninterrupted round's: the same tensors
     (sha256 of each), the same per-step losses. No tolerance: on CPU the same operations on
     the same values in the same order give the same bits, so any state not restored (data
     position, RNG, AdamW moments and step, the schedule's position) shows as a difference."""
@@ -142,16 +148,16 @@ def test_killed_round_continues_bitwise(tmp_path: Path, site: tuple[Path, Path],
     assert rc != 0, err
     folders = list((state / ROOT).iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("run-ckpt-r1-")
-    assert sorted(p.name for p in folders[0].iterdir()) == ["step-000010", "step-000020"]
-    assert (folders[0] / "step-000020" / COMPLETE).is_file()
+    assert sorted(p.name for p in folders[0].iterdir()) == ["step-000003", "step-000006"]
+    assert (folders[0] / "step-000006" / COMPLETE).is_file()
     assert os.stat(folders[0]).st_mode & 0o077 == 0  # the site user's alone
     rc, err = run_round(tmp_path, job, model, state, tmp_path / "out")
     assert rc == 0, err
-    assert f"continuing round 1 at step 20 from checkpoint {folders[0] / 'step-000020'}" \
+    assert f"continuing round 1 at step 6 from checkpoint {folders[0] / 'step-000006'}" \
         in err
     update = verify_checkpoint(tmp_path / "out")
-    assert update.extra["checkpoints"]["resumed_at"] == 20
-    assert update.extra["checkpoints"]["saved"] == 1  # step 30 (none at the last step)
+    assert update.extra["checkpoints"]["resumed_at"] == 6
+    assert update.extra["checkpoints"]["saved"] == 1  # step 9 (none at the last step)
     assert update.extra["losses"] == ref_manifest.extra["losses"]
     assert update.num_tokens == ref_manifest.num_tokens
     assert tensor_digests(tmp_path / "out") == tensor_digests(ref)
@@ -181,9 +187,9 @@ def test_foreign_and_half_written_checkpoints_are_refused(
                         failpoint="round-checkpoint-marker@group")
     assert rc != 0, err
     (ours,) = list((state / ROOT).iterdir())
-    half = ours / "step-000010"
+    half = ours / f"step-{EVERY:06d}"
     assert (half / ".metadata").is_file() and not (half / COMPLETE).exists()
-    # complete checkpoints to copy: the same job's step 20, killed at step 25 (the round
+    # complete checkpoints to copy: the same job's step 6, killed at step 8 (the round
     # test_killed_round_continues_bitwise continues)
     donor = killed(site, mode)[3]
     assert (donor / COMPLETE).is_file(), killed(site, mode)[1]
@@ -239,11 +245,13 @@ def chained(job: TrainJob) -> TrainJob:
 
 def signalled_round(where: Path, job: TrainJob, model: Path, state: Path,
                     out: Path) -> tuple[int, str]:
-    """One launch that gets SIGUSR1 once the step-10 checkpoint is complete (its progress
-    line read from the launcher's stderr: an event, no sleep); exit code and stderr."""
+    """One launch that gets SIGUSR1 once the step-3 checkpoint is complete (its progress
+    line read from the launcher's stderr: an event, no sleep); its rank 0 holds after step
+    HOLD until the stop is asked (the ``chain-wait-K`` failpoint: the request lands before
+    the round's last step however slow the machine); exit code and stderr."""
     job_file = where / "job-chain.json"
     job_file.write_text(job.model_dump_json())
-    env = {k: v for k, v in os.environ.items() if k != "XFFL_FAILPOINT"}
+    env = {**warm_env(), "XFFL_FAILPOINT": f"chain-wait-{HOLD}"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "xffl.training.launch", "--ranks", "2", "--launcher",
          "torchrun", "--keep", str(state), "--", "--job", str(job_file), "--round", "1",
@@ -266,9 +274,9 @@ def signalled_round(where: Path, job: TrainJob, model: Path, state: Path,
 @pytest.mark.slow
 def test_signalled_job_continues_in_the_next_bitwise(tmp_path: Path,
                                                      site: tuple[Path, Path]) -> None:
-    """SIGUSR1 after the step-10 checkpoint: both ranks stop at one step K (> 10), its
+    """SIGUSR1 after the step-3 checkpoint: both ranks stop at one step K (3 < K <= HOLD), its
     checkpoint is complete, the launcher exits 75 and writes no update; the next launch
-    continues at step K (not at 10: the stop saved its own step) and its update is bitwise
+    continues at step K (not at 3: the stop saved its own step) and its update is bitwise
     the one-job round's (sha256 of every tensor, the per-step losses); the state folder lists
     the round's two jobs with their steps. No tolerance: same operations, same bits."""
     ref_manifest, ref = reference(tmp_path, site, "fsdp")
@@ -279,7 +287,7 @@ def test_signalled_job_continues_in_the_next_bitwise(tmp_path: Path,
     match = _CONTINUES.search(err)
     assert match is not None, err
     k = int(match.group(1))
-    assert EVERY < k < STEPS, err
+    assert EVERY < k <= HOLD, err
     (folder,) = list((state / ROOT).iterdir())
     assert (folder / f"step-{k:06d}" / COMPLETE).is_file(), (k, sorted(folder.iterdir()))
     assert f"checkpoint complete: round 1 step {k} " in err  # printed before the job ended

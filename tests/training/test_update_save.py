@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from tests.training.save_worker import (
     save_new,
     save_old,
 )
+from tests.workflows.warm_ranks import rank_python, warm_env
 from xffl.aggregator import metrics as metric
 from xffl.aggregator.exchange import CONFIG_FILE, Manifest, read_manifest, verify_checkpoint
 from xffl.aggregator.exchange_spec import ExchangeSpec
@@ -133,7 +133,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("save")
     ensure_synthetic(out / "evaluate" / "data", "alpha", 64, 16)
     init_global("save-test", ModelSpec(preset="tiny-test"), 3, out / "evaluate" / "global")
-    cmd = [sys.executable, "-m", "xffl.training.forked", "--nproc-per-node", "2",
+    cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", "2",
            "-m", "tests.training.save_worker", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
                           cwd=REPO)
@@ -304,7 +304,7 @@ def test_a_fsdp2_round_writes_its_update_streamed(
     out = tmp_path / "update"
     args = ["--job", str(tmp_path / "job.json"), "--round", "1", "--model", str(global0[0]),
             "--out", str(out)]
-    assert launch(2, "torchrun", args, out) == 0
+    assert launch(2, "torchrun", args, out, env=warm_env()) == 0
     manifest = verify_checkpoint(out)
     assert manifest.extra["dp"] == 2 and manifest.metrics[metric.SAVE_SECONDS] > 0
     delta, base = _tensors(out / MODEL_FILE), _tensors(global0[0] / MODEL_FILE)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from tests.conftest import REPO
+from tests.workflows.warm_ranks import rank_python
 from xffl.cli.app import app
 from xffl.training.prepare_examples import SPLIT_SALT
 
@@ -97,6 +98,9 @@ def sft_page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PageRun]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XFFL_HOME", str(folder / "xffl-home"))
         mp.setenv("XDG_CONFIG_HOME", str(folder / "config"))
+        # the local site's launcher forks its ranks from the warm rank server (no torch import
+        # per launch: tests/workflows/warm_ranks.py); the run's supervisor inherits it
+        mp.setenv("XFFL_RANK_PYTHON", str(rank_python()))
         os.chdir(folder)
         try:
             for language, text in blocks(PAGE.read_text()):

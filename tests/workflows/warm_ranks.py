@@ -7,12 +7,12 @@ container's line sets it) to this file run as a client: instead of importing any
 hands its module, arguments, working folder, environment and standard streams to a server
 (:func:`serve`; :func:`rank_python` starts one per test process) that imported torch, the
 trainer, the evaluation and the families' modeling code once; a fork of the server becomes
-the rank in a process group of its own and runs the module as ``python -m`` would (as
-xffl.training.forked's ranks and the warm step server's steps do), and the client exits as
-the rank did (a signal's death included; a client that dies takes its rank with it).
-Submit, the supervisor, StreamFlow, the launcher, the rank's code and the round's files are
-the product's own: only where the rank's imports come from differs. Without a server (not
-up, gone) the client runs the module itself: same code, imports paid.
+the rank in a process group of its own (with the client's umask) and runs the module as
+``python -m`` would (as xffl.training.forked's ranks and the warm step server's steps do),
+and the client exits as the rank did (a signal's death included; a client that dies takes
+its rank with it). Submit, the supervisor, StreamFlow, the launcher, the rank's code and the
+round's files are the product's own: only where the rank's imports come from differs.
+Without a server (not up, gone) the client runs the module itself: same code, imports paid.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ def _rank(conn: socket.socket) -> int:
         conn.close()
         os.setpgid(0, 0)  # a group of its own: a kill of its group reaches no test process
         become(fds, req["cwd"], req["env"])
+        sys.path[0] = req["cwd"]  # python -m's first entry (the server's: this file's folder)
+        os.umask(req["umask"])  # the launcher's (owner-only files at a site), not the server's
         for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
             if entry and entry not in sys.path:  # as the interpreter's start-up puts it
                 sys.path.insert(0, entry)
@@ -117,7 +120,10 @@ def client(path: str, argv: list[str]) -> int:
         sock.connect(path)
     except OSError:  # no server: run it here
         os.execv(sys.executable, [sys.executable, *argv])
-    request = {"module": argv[1], "argv": argv[2:], "cwd": os.getcwd(), "env": dict(os.environ)}
+    umask = os.umask(0o077)
+    os.umask(umask)
+    request = {"module": argv[1], "argv": argv[2:], "cwd": os.getcwd(), "env": dict(os.environ),
+               "umask": umask}
     socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     replies = sock.makefile("rb")
     pid = _line(replies).get("pid")
@@ -180,6 +186,13 @@ def rank_python() -> Path:
         atexit.register(stop, server)  # runs first
         _SHARED.append(script)
     return _SHARED[0]
+
+
+def warm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with ``XFFL_RANK_PYTHON`` set to the shared server's
+    client: a launcher started with it forks its ranks' engine (and so its ranks) from the
+    server instead of importing torch and the trainer again."""
+    return {**(os.environ if env is None else env), "XFFL_RANK_PYTHON": str(rank_python())}
 
 
 def warm_profile(profiles: Path, script: Path | None = None, name: str = "warm-local") -> str:
