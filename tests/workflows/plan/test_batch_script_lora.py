@@ -12,6 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from tests.workflows.warm_ranks import warm_env
 from xffl.aggregator.exchange import verify_checkpoint
 from xffl.cli.app import app
 
@@ -44,7 +45,9 @@ def test_sft_lora_batch_script_runs_by_hand(tmp_path: Path,
     script = (plan / "sbatch" / "alpha.sh").read_text()
     assert "BASE=${5:-rounds/0/base}" in script and '--base "$BASE"' in script, script
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+    # warm ranks (tests/workflows/warm_ranks.py): the script by hand is under test, not the
+    # ranks' imports
+    env = warm_env({k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))})
     ran = subprocess.run(["bash", "sbatch/alpha.sh"], cwd=plan, env=env, text=True,
                          capture_output=True, timeout=300, check=False)
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from tests.workflows.warm_ranks import warm_env
 from xffl.site_profiles.schema import SiteProfile
 from xffl.training.round_spec import (
     CHAIN_SAFETY_SECONDS,
@@ -138,7 +139,9 @@ def test_a_chained_round_run_by_hand_continues_in_the_next_job(tmp_path: Path) -
     assert done.exit_code == 0, done.output
     assert json.loads(done.stdout)["run_id"]
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+    # warm ranks (tests/workflows/warm_ranks.py): the script by hand is under test, not the
+    # ranks' imports
+    env = warm_env({k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))})
     env["TMPDIR"] = str(tmp_path)
     first = subprocess.Popen(["bash", "sbatch/alpha.sh"], cwd=plan, text=True,
                              env={**env, "XFFL_FAILPOINT": "chain-wait-4"}, start_new_session=True,
