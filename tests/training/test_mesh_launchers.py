@@ -3,6 +3,11 @@
 The same seed and data must give the same update whichever launcher started the ranks, and
 meshes that differ only in tensor parallelism must agree (tp splits the math of one
 replica; dp changes the global batch, so dp=1 and dp=2 are compared only among themselves).
+
+Every launcher's rank processes are the real ones (srun's tasks, torchrun's forks), but their
+Python is tests/workflows/warm_ranks.py's client (``XFFL_RANK_PYTHON``, as a container's line
+would be): the rank's module runs in a fork of the shared server that imported torch and the
+trainer once, instead of ~3.3 CPU-s of imports per rank.
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.workflows.warm_ranks import rank_python
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
-from xffl.training.launch import launch
+from xffl.training.launch import RANK_PYTHON_ENV, launch
 
 # dp1-tp2 against the unsplit model: tests/training/test_parallelize.py (the same mesh code).
-# torchrun starts the full mesh (its ranks forked from one interpreter: one start-up for 4
-# ranks) and the one-rank dp1 mesh, srun the dp2 mesh without tensor parallelism (one
-# interpreter per rank: 2 start-ups, not 4): the tp mesh under torchrun must match the dp2
-# mesh under srun (neither the launcher nor the tensor-parallel split changes the math of a
-# replica)
+# torchrun starts the full mesh (its 4 ranks forked from one process) and the one-rank dp1
+# mesh, srun the dp2 mesh without tensor parallelism (2 tasks: 2 ranks, not 4): the tp mesh
+# under torchrun must match the dp2 mesh under srun (neither the launcher nor the
+# tensor-parallel split changes the math of a replica)
 MESHES = {"dp1-tp1": (1, 1), "dp2-tp1": (2, 1), "dp2-tp2": (4, 2)}
 TORCHRUN_MESHES = ("dp1-tp1", "dp2-tp2")
 SRUN_MESH = "dp2-tp1"
@@ -82,6 +87,7 @@ def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Man
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
     model = global0[0]
+    monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))  # every launcher's ranks warm
     results: dict[tuple[str, str], tuple[Manifest, dict[str, torch.Tensor]]] = {}
     for name in TORCHRUN_MESHES:
         ranks, tp = MESHES[name]
@@ -117,13 +123,17 @@ def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Man
 def test_stops_before_the_slurm_time_limit(tmp_path: Path, global0: tuple[Path, Manifest],
                                            slurm_stack,  # type: ignore[no-untyped-def]
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 1-minute SLURM job with a 40 s margin trains ~20 s, then writes its checkpoint.
+    """A 1-minute SLURM job with a 50 s margin trains ~10 s, then writes its checkpoint.
 
-    The 20 s window is 4x two ranks' start-up on an idle 2-core machine (torch, DDP): a
-    machine loaded enough to start no step in it fails the round, as it should.
+    Its two ranks (srun's tasks) are forks of the warm rank server (no imports of their
+    own: srun's step, a fork, gloo's rendezvous and the tiny model's load took 1.0 s
+    (``startup_seconds``) at a load of 8 on 2 cores), so the 10 s window leaves 10x that
+    start-up, and its CPU-s (both ranks compute for the whole window) are half the 20 s
+    window's: a machine loaded enough to start no step in it fails the round, as it should.
     """
     data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
-    job = _job(data, 1, steps=10_000_000, time_margin=40)
+    job = _job(data, 1, steps=10_000_000, time_margin=50)
+    monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))
     monkeypatch.setenv("SLURM_CONF", slurm_stack.clusters["alpha"].slurm_conf)
     monkeypatch.setenv("SLURM_TIMELIMIT", "1")
     name = f"xffl-limit-{time.monotonic_ns()}"
