@@ -70,7 +70,7 @@ def _train(tmp: Path, name: str, launcher: str, ranks: int, job: TrainJob,
     job_file.write_text(job.model_dump_json())
     out = tmp / f"{name}-{launcher}"
     args = ["--job", str(job_file), "--round", "1", "--model", str(model), "--out", str(out)]
-    assert launch(ranks, launcher if ranks > 1 else "none", args, out) == 0  # type: ignore[arg-type]
+    assert launch(ranks, launcher, args, out) == 0  # type: ignore[arg-type]
     return verify_checkpoint(out), load_file(out / "model.safetensors")
 
 
@@ -125,20 +125,23 @@ def test_stops_before_the_slurm_time_limit(tmp_path: Path, global0: tuple[Path, 
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A 1-minute SLURM job with a 50 s margin trains ~10 s, then writes its checkpoint.
 
-    Its two ranks (srun's tasks) are forks of the warm rank server (no imports of their
-    own: srun's step, a fork, gloo's rendezvous and the tiny model's load took 1.0 s
-    (``startup_seconds``) at a load of 8 on 2 cores), so the 10 s window leaves 10x that
-    start-up, and its CPU-s (both ranks compute for the whole window) are half the 20 s
-    window's: a machine loaded enough to start no step in it fails the round, as it should.
+    Its rank (srun's task) is a fork of the warm rank server (no imports of its own: srun's
+    step, a fork and the tiny model's load took 1.0 s (``startup_seconds``) at a load of 8
+    on 2 cores), so the 10 s window leaves 10x that start-up: a machine loaded enough to
+    start no step in it fails the round, as it should. The window's CPU-s are its cores
+    times 10 s: one rank of one thread (a second rank proved nothing more: two ranks under
+    one SLURM deadline check it at the same step, and passed here with the ranks' agreement
+    to stop, xffl.training.loop._agree_to_stop, removed).
     """
     data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
     job = _job(data, 1, steps=10_000_000, time_margin=50)
     monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))
     monkeypatch.setenv("SLURM_CONF", slurm_stack.clusters["alpha"].slurm_conf)
     monkeypatch.setenv("SLURM_TIMELIMIT", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one core computing for the window, not all
     name = f"xffl-limit-{time.monotonic_ns()}"
     monkeypatch.setenv("SLURM_JOB_NAME", name)
-    manifest, _ = _train(tmp_path, "limit", "srun", 2, job, global0[0])
+    manifest, _ = _train(tmp_path, "limit", "srun", 1, job, global0[0])
     assert manifest.extra["stopped_early"] is True
     assert 1 <= manifest.extra["steps"] < 10_000_000
     # SLURM's own record: a 1-minute job that ended COMPLETED, not TIMEOUT
