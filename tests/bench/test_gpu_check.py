@@ -1,4 +1,10 @@
-"""The one-GPU check's CPU dry run: every step of bench/gpu_check passes at tiny shapes."""
+"""The one-GPU check's CPU dry run: every step of bench/gpu_check passes at tiny shapes.
+
+Its four trainer runs start through ``xffl.training.launch`` as on the GPU, with the rank's
+Python set to tests/workflows/warm_ranks.py's client (``XFFL_RANK_PYTHON``, as a container's
+line would be): each rank is a fork of the shared server that imported torch and the trainer
+once, instead of an interpreter paying ~3.3 CPU-s of imports of its own.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.bench.scripts import load_bench
+from tests.workflows.warm_ranks import rank_python
+from xffl.training.launch import RANK_PYTHON_ENV
 
 
 @pytest.mark.slow
-def test_cpu_dry_run_passes_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cpu_dry_run_passes_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     bench = load_bench("gpu_check")
+    monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))  # the steps' launches: warm ranks
     code = bench.main(["--cpu-dry-run", "--out", str(tmp_path / "out"),
                        "--work", str(tmp_path / "work")])
     lines = capsys.readouterr().out.splitlines()

@@ -9,6 +9,8 @@ from types import ModuleType
 import pytest
 
 from tests.bench.scripts import load_bench
+from tests.workflows.warm_ranks import rank_python
+from xffl.training.launch import RANK_PYTHON_ENV
 
 
 def _bench() -> ModuleType:
@@ -16,9 +18,15 @@ def _bench() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_small_model_through_a_round(tmp_path: Path) -> None:
-    """One round (the bench's real runs have 2 or more; the formula sums rounds alike)."""
+def test_small_model_through_a_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round (the bench's real runs have 2 or more; the formula sums rounds alike).
+
+    The two local sites' ranks are forks of tests/workflows/warm_ranks.py's server
+    (``XFFL_RANK_PYTHON``, inherited by submit, the supervisor and the launcher), not
+    interpreters importing torch and the trainer (~3.3 CPU-s each) for a tensor-wise add.
+    """
     bench = _bench()
+    monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))
     result = bench.run(0.04, 1, tmp_path, timeout=300)
     assert result["state"] == "completed" and result["final_matches_formula"] is True
     # fp32 rounds each delta, each site's sum and the average once: 2 ulps a round

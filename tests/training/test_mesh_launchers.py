@@ -3,6 +3,11 @@
 The same seed and data must give the same update whichever launcher started the ranks, and
 meshes that differ only in tensor parallelism must agree (tp splits the math of one
 replica; dp changes the global batch, so dp=1 and dp=2 are compared only among themselves).
+
+Every launcher's rank processes are the real ones (srun's tasks, torchrun's forks), but their
+Python is tests/workflows/warm_ranks.py's client (``XFFL_RANK_PYTHON``, as a container's line
+would be): the rank's module runs in a fork of the shared server that imported torch and the
+trainer once, instead of ~3.3 CPU-s of imports per rank.
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.workflows.warm_ranks import rank_python
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
 from xffl.training.config import DataSpec, ModelSpec, TrainingSpec, TrainJob
 from xffl.training.data import ensure_synthetic
-from xffl.training.launch import launch
+from xffl.training.launch import RANK_PYTHON_ENV, launch
 
 # dp1-tp2 against the unsplit model: tests/training/test_parallelize.py (the same mesh code).
-# torchrun starts the full mesh (its ranks forked from one interpreter: one start-up for 4
-# ranks) and the one-rank dp1 mesh, srun the dp2 mesh without tensor parallelism (one
-# interpreter per rank: 2 start-ups, not 4): the tp mesh under torchrun must match the dp2
-# mesh under srun (neither the launcher nor the tensor-parallel split changes the math of a
-# replica)
+# torchrun starts the full mesh (its 4 ranks forked from one process) and the one-rank dp1
+# mesh, srun the dp2 mesh without tensor parallelism (2 tasks: 2 ranks, not 4): the tp mesh
+# under torchrun must match the dp2 mesh under srun (neither the launcher nor the
+# tensor-parallel split changes the math of a replica)
 MESHES = {"dp1-tp1": (1, 1), "dp2-tp1": (2, 1), "dp2-tp2": (4, 2)}
 TORCHRUN_MESHES = ("dp1-tp1", "dp2-tp2")
 SRUN_MESH = "dp2-tp1"
@@ -65,7 +70,7 @@ def _train(tmp: Path, name: str, launcher: str, ranks: int, job: TrainJob,
     job_file.write_text(job.model_dump_json())
     out = tmp / f"{name}-{launcher}"
     args = ["--job", str(job_file), "--round", "1", "--model", str(model), "--out", str(out)]
-    assert launch(ranks, launcher if ranks > 1 else "none", args, out) == 0  # type: ignore[arg-type]
+    assert launch(ranks, launcher, args, out) == 0  # type: ignore[arg-type]
     return verify_checkpoint(out), load_file(out / "model.safetensors")
 
 
@@ -82,6 +87,7 @@ def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Man
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
     model = global0[0]
+    monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))  # every launcher's ranks warm
     results: dict[tuple[str, str], tuple[Manifest, dict[str, torch.Tensor]]] = {}
     for name in TORCHRUN_MESHES:
         ranks, tp = MESHES[name]
@@ -117,18 +123,25 @@ def test_meshes_under_torchrun_and_srun(tmp_path: Path, global0: tuple[Path, Man
 def test_stops_before_the_slurm_time_limit(tmp_path: Path, global0: tuple[Path, Manifest],
                                            slurm_stack,  # type: ignore[no-untyped-def]
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 1-minute SLURM job with a 40 s margin trains ~20 s, then writes its checkpoint.
+    """A 1-minute SLURM job with a 50 s margin trains ~10 s, then writes its checkpoint.
 
-    The 20 s window is 4x two ranks' start-up on an idle 2-core machine (torch, DDP): a
-    machine loaded enough to start no step in it fails the round, as it should.
+    Its rank (srun's task) is a fork of the warm rank server (no imports of its own: srun's
+    step, a fork and the tiny model's load took 1.0 s (``startup_seconds``) at a load of 8
+    on 2 cores), so the 10 s window leaves 10x that start-up: a machine loaded enough to
+    start no step in it fails the round, as it should. The window's CPU-s are its cores
+    times 10 s: one rank of one thread (a second rank proved nothing more: two ranks under
+    one SLURM deadline check it at the same step, and passed here with the ranks' agreement
+    to stop, xffl.training.loop._agree_to_stop, removed).
     """
     data = ensure_synthetic(tmp_path / "data", "alpha", 64, 16)
-    job = _job(data, 1, steps=10_000_000, time_margin=40)
+    job = _job(data, 1, steps=10_000_000, time_margin=50)
+    monkeypatch.setenv(RANK_PYTHON_ENV, str(rank_python()))
     monkeypatch.setenv("SLURM_CONF", slurm_stack.clusters["alpha"].slurm_conf)
     monkeypatch.setenv("SLURM_TIMELIMIT", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one core computing for the window, not all
     name = f"xffl-limit-{time.monotonic_ns()}"
     monkeypatch.setenv("SLURM_JOB_NAME", name)
-    manifest, _ = _train(tmp_path, "limit", "srun", 2, job, global0[0])
+    manifest, _ = _train(tmp_path, "limit", "srun", 1, job, global0[0])
     assert manifest.extra["stopped_early"] is True
     assert 1 <= manifest.extra["steps"] < 10_000_000
     # SLURM's own record: a 1-minute job that ended COMPLETED, not TIMEOUT
