@@ -43,6 +43,9 @@ def no_env_help(option: Any) -> Any:
     return option
 
 
+_DECLARED_HELP = "_xffl_declared_help"  # an option's help before fill_help, kept on it
+
+
 class XfflCommand(TyperCommand):
     """A command whose usage line reads as click and man pages write it: ``JOB``, not
     Typer 0.28's ``{JOB}`` (braces read as a choice); optional ones stay ``[RUN]``."""
@@ -58,12 +61,14 @@ class XfflCommand(TyperCommand):
 
     def get_params(self, ctx: Any) -> list[Any]:  # typer's vendored Context and Parameter
         """The parameters; an option whose type can name its choices (``fill_help``) has them
-        in its help, as they are when the help is drawn (a plugin's included)."""
+        in its help, as they are when the help is drawn (a plugin's included): filled from the
+        declared help each time, so a command drawn twice in one process shows them anew."""
         params: list[Any] = super().get_params(ctx)
         for param in params:
             fill = getattr(param.type, "fill_help", None)
             if callable(fill) and getattr(param, "help", None):
-                param.help = fill(param.help)
+                declared = param.__dict__.setdefault(_DECLARED_HELP, param.help)
+                param.help = fill(declared)
         return params
 
 

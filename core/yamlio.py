@@ -91,9 +91,14 @@ def load_yaml(path: Path, what: str) -> YamlDoc:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"{path}: cannot read the {what} ({exc}); check the file.") from exc
+    lines: dict[Loc, int] = {}
+    loader = None
     try:
-        node = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=_LineLoader)
+        loader = _LineLoader(text)  # one parse: the lines from its nodes, then the data
+        node = loader.get_single_node()
+        if node is not None:
+            _index_lines(node, (), lines)  # before construction flattens merge keys (<<)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -119,6 +124,9 @@ def load_yaml(path: Path, what: str) -> YamlDoc:
         raise InvalidInput(
             f"{path}: the {what} is nested too deeply to read; flatten it."
         ) from exc
+    finally:
+        if loader is not None:
+            loader.dispose()
     if data is None:
         raise InvalidInput(f"{path}: the {what} is empty; write its fields as a YAML mapping.")
     if not isinstance(data, dict):
@@ -127,7 +135,4 @@ def load_yaml(path: Path, what: str) -> YamlDoc:
             f"not {_KINDS.get(type(data).__name__, type(data).__name__)}; "
             "write it as a mapping."
         )
-    lines: dict[Loc, int] = {}
-    if node is not None:
-        _index_lines(node, (), lines)
     return YamlDoc(path, data, lines)

@@ -162,3 +162,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 from tests.stack.fixtures import slurm_stack  # noqa: E402, F401
+from tests.typer_once import build_each_app_once  # noqa: E402
+
+build_each_app_once()  # CliRunner.invoke: each app's click command built once per process

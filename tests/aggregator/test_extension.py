@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import typer.main
+import typer.testing
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
@@ -94,3 +96,25 @@ def test_a_registered_strategy_is_known_everywhere(
 def test_an_unregistered_name_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="input should be one of 'fedavg'"):
         AggregationSpec.model_validate({"strategy": "fedhalf-test"})
+
+
+def test_one_command_drawn_twice_lists_the_strategies_registered_then(
+        fedhalf: type[strategy_catalog.Strategy[FedHalfParams]],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``xffl`` program builds its click command once per process, and so does CliRunner in
+    these tests (tests/typer_once.py): each drawing of ``aggregate --help`` fills in the names
+    registered at that moment, not those of the first drawing."""
+    assert typer.testing._get_command(app) is typer.testing._get_command(app)
+    command = typer.main.get_command(app)
+
+    def shown() -> str:
+        with pytest.raises(SystemExit):
+            command.main(["aggregate", "--help"], prog_name="xffl")
+        return capsys.readouterr().out
+
+    assert "fedhalf-test" in shown()
+    registered = strategy_catalog.STRATEGIES.pop("fedhalf-test")
+    try:
+        assert "fedhalf-test" not in (text := shown()) and "fedavg" in text
+    finally:
+        strategy_catalog.STRATEGIES["fedhalf-test"] = registered

@@ -41,3 +41,14 @@ def test_not_a_mapping(tmp_path: Path) -> None:
     f.write_text("- 1\n- 2\n")
     with pytest.raises(InvalidInput, match="must be a YAML mapping"):
         load_yaml(f, "job spec")
+
+
+def test_a_merge_key_keeps_the_lines_as_written(tmp_path: Path) -> None:
+    """One parse gives the lines and the data: the lines are read before the data is built,
+    which flattens a merge key (``<<``) into its anchor's keys, in the node itself."""
+    f = tmp_path / "merge.yaml"
+    f.write_text("base: &b\n  x: 1\nsite:\n  <<: *b\n  y: 2\n")
+    doc = load_yaml(f, "job spec")
+    assert doc.data == {"base": {"x": 1}, "site": {"x": 1, "y": 2}}
+    assert doc.lines == {(): 1, ("base",): 1, ("base", "x"): 2, ("site",): 3,
+                         ("site", "<<"): 4, ("site", "y"): 5}
