@@ -165,3 +165,19 @@ from tests.stack.fixtures import slurm_stack  # noqa: E402, F401
 from tests.typer_once import build_each_app_once  # noqa: E402
 
 build_each_app_once()  # CliRunner.invoke: each app's click command built once per process
+
+
+_TIMELINE = os.environ.get("XFFL_TEST_TIMELINE")  # scripts/test_timeline.py reads what it writes
+if _TIMELINE:
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        """With ``XFFL_TEST_TIMELINE=PREFIX``: each test's start and end (setup to teardown),
+        one JSON line in ``PREFIX.<worker>``, to see what the workers ran when the cores idled."""
+        import time
+
+        start = time.time()
+        yield
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_TIMELINE}.{worker}", "a") as out:
+            out.write(json.dumps({"test": item.nodeid, "start": start, "end": time.time()}) + "\n")

@@ -1,0 +1,71 @@
+"""What each pytest worker ran while the machine's cores idled: a suite's schedule, read back.
+
+Usage: ``XFFL_TEST_TIMELINE=/tmp/tl bash scripts/test.sh`` beside
+``scripts/test_timeline.py --sample /tmp/cpu.txt`` (samples the busy cores every 5 s until
+killed), then ``scripts/test_timeline.py --report /tmp/tl --cpu /tmp/cpu.txt``: for each
+5-second window with less than 1.2 of 2 cores busy, the tests the workers were in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import time
+from pathlib import Path
+
+
+def _busy_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all cores since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def sample(out: Path, interval: float = 5.0) -> None:
+    """Append ``<unix time> <busy cores>`` to ``out`` every ``interval`` seconds."""
+    import os
+
+    cores = os.cpu_count() or 1
+    busy, total = _busy_ticks()
+    while True:
+        time.sleep(interval)
+        b, t = _busy_ticks()
+        with out.open("a") as f:
+            f.write(f"{time.time():.1f} {cores * (b - busy) / max(t - total, 1):.2f}\n")
+        busy, total = b, t
+
+
+def report(prefix: str, cpu: Path, below: float) -> None:
+    """Print the idle windows and the tests each worker was in during them."""
+    runs = [json.loads(line) | {"worker": Path(f).suffix[1:]}
+            for f in sorted(glob.glob(f"{prefix}.*")) for line in Path(f).read_text().splitlines()]
+    samples = [tuple(map(float, line.split())) for line in cpu.read_text().splitlines()]
+    first = min(r["start"] for r in runs)
+    idle = 0.0
+    for (end, cores), prev in zip(samples[1:], samples, strict=False):
+        start = prev[0]
+        if cores >= below or end < first:
+            continue
+        idle += (end - start) * (2 - cores)
+        inside = sorted({f'{r["worker"]} {r["test"][:110]}' for r in runs
+                         if r["start"] < end and r["end"] > start})
+        print(f"{start - first:6.0f}s {cores:4.2f} cores: " + " | ".join(inside))
+    print(f"idle core-seconds in windows below {below}: {idle:.0f}")
+
+
+def main() -> None:
+    """Sample, or report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--sample", type=Path)
+    parser.add_argument("--report")
+    parser.add_argument("--cpu", type=Path)
+    parser.add_argument("--below", type=float, default=1.2)
+    args = parser.parse_args()
+    if args.sample:
+        sample(args.sample)
+    else:
+        report(args.report, args.cpu, args.below)
+
+
+if __name__ == "__main__":
+    main()
