@@ -161,6 +161,31 @@ def test_deadline_stops_between_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.stopped_early and len(result.losses) == 4  # checks at t=0,1,2,3 pass; 4 stops
 
 
+def _stop_rank(rank: int, where: str) -> None:
+    """One of two gloo ranks training under one deadline check: rank 0's own deadline passes
+    before its 5th step (the fake clock above), rank 1 has none of its own."""
+    store = torch.distributed.FileStore(f"{where}/store", 2)
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            clock = iter(range(100))
+            loop.time.time = lambda: float(next(clock))  # this fork's only: it ends below
+        _, result = _train(TrainingSpec(batch_size=2), iter(_batches(2, 10)), 10,
+                           deadline=3.5 if rank == 0 else None, check_deadline=True)
+        Path(where, f"{rank}.txt").write_text(repr((result.stopped_early, len(result.losses))))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_ranks_stop_together_when_one_is_late(tmp_path: Path) -> None:
+    """Two gloo ranks: rank 0 is late before its 5th step, rank 1 never is on its own; they
+    agree before each step (one all-reduce) and both stop after 4 steps. A rank that went on
+    alone would meet its peers' next collective without them (DDP's all-reduce hangs)."""
+    torch.multiprocessing.start_processes(_stop_rank, args=(str(tmp_path),), nprocs=2,
+                                          start_method="fork")
+    assert [(tmp_path / f"{r}.txt").read_text() for r in range(2)] == ["(True, 4)"] * 2
+
+
 def test_time_budget_writes_a_checkpoint(tmp_path: Path, global0: tuple[Path, Manifest],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     data = ensure_synthetic(tmp_path / "data", "alpha", 32, 16)
