@@ -32,15 +32,26 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
 
 
+def _launch(cmd: list[str]) -> None:
+    """Run one forked launch; a launch that hangs fails in 5 minutes (such a launch takes
+    ~20-30 s at load 2-4) with what its ranks printed, not at pytest's 10-minute timeout."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                              cwd=REPO)
+    except subprocess.TimeoutExpired as exc:
+        printed = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) \
+            else str(exc.stderr or "")
+        pytest.fail(f"the launch did not end in 300 s; its stderr ended with:\n{printed[-3000:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 4-rank launch (the forked launcher xffl runs CPU ranks with): FSDP2(4), HSDP 2x2."""
     out = tmp_path_factory.mktemp("hsdp")
     cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC),
            "-m", "tests.training.hsdp_worker", str(out), "fsdp", "hsdp:2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _launch(cmd)
     return out
 
 
@@ -52,9 +63,7 @@ def layouts_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hsdp-tp")
     cmd = [str(rank_python()), "-m", "xffl.training.forked", "--nproc-per-node", str(NPROC_TP),
            "-m", "tests.training.hsdp_worker", str(out), "fsdp/2", "hsdp:2/2+sharded"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _launch(cmd)
     return out
 
 
