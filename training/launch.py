@@ -103,6 +103,13 @@ def build_command(ranks: int, launcher: Launcher, trainer_args: Sequence[str],
     raise ValueError(f"unknown launcher {launcher!r}; choose one of {known}")
 
 
+def rank_python_words(env: Mapping[str, str]) -> list[str] | None:
+    """The ranks' Python as ``XFFL_RANK_PYTHON`` in ``env`` names it (words, a container's
+    line; the working-folder word filled in), or None for this interpreter's."""
+    return [w.replace(CWD_WORD, os.getcwd())
+            for w in shlex.split(env.get(RANK_PYTHON_ENV, ""))] or None
+
+
 def forkable(env: Mapping[str, str], devices: Path = Path("/dev")) -> bool:
     """Whether torchrun's ranks may be forked here: no accelerator a rank could compute on.
 
@@ -264,9 +271,8 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
                module: str, env: Mapping[str, str] | None) -> int:
     """Start the ranks and judge the outcome (see the module doc)."""
     child_env = dict(os.environ if env is None else env)
-    rank_python = [w.replace(CWD_WORD, os.getcwd())
-                   for w in shlex.split(child_env.get(RANK_PYTHON_ENV, ""))] or None
-    command = build_command(ranks, launcher, trainer_args, module=module, python=rank_python,
+    command = build_command(ranks, launcher, trainer_args, module=module,
+                            python=rank_python_words(child_env),
                             fork=forkable(child_env))
     threads = rank_threads(child_env, ranks_per_node(ranks, child_env, launcher), usable_cpus())
     if threads is not None:

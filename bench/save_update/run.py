@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -114,8 +113,9 @@ def worker(way: str, out: Path, overrides: dict[str, Any]) -> None:
 def launch(way: str, out: Path, overrides: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One save ``way`` by two gloo ranks under torchrun's agent (forked); rank 0's
     measurements."""
-    # the ranks' Python: XFFL_RANK_PYTHON's words when set, as the launcher takes them
-    python = shlex.split(os.environ.get("XFFL_RANK_PYTHON", "")) or [sys.executable]
+    from xffl.training.launch import rank_python_words  # (it imports no torch)
+
+    python = rank_python_words(os.environ) or [sys.executable]  # as the launcher's ranks
     cmd = [*python, "-m", "xffl.training.forked", "--nproc-per-node", "2", "-m",
            "bench.save_update.run", "--worker", way, "--out", str(out),
            "--overrides", json.dumps(overrides)]
