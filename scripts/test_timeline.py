@@ -3,7 +3,7 @@
 Usage: ``XFFL_TEST_TIMELINE=/tmp/tl bash scripts/test.sh`` beside
 ``scripts/test_timeline.py --sample /tmp/cpu.txt`` (samples the busy cores every 5 s until
 killed), then ``scripts/test_timeline.py --report /tmp/tl --cpu /tmp/cpu.txt``: for each
-5-second window with less than 1.2 of 2 cores busy, the tests the workers were in.
+5-second window with fewer than ``--below`` cores busy (1.2), the tests the workers were in.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import time
 from pathlib import Path
 
@@ -23,8 +24,6 @@ def _busy_ticks() -> tuple[int, int]:
 
 def sample(out: Path, interval: float = 5.0) -> None:
     """Append ``<unix time> <busy cores>`` to ``out`` every ``interval`` seconds."""
-    import os
-
     cores = os.cpu_count() or 1
     busy, total = _busy_ticks()
     while True:
@@ -46,7 +45,7 @@ def report(prefix: str, cpu: Path, below: float) -> None:
         start = prev[0]
         if cores >= below or end < first:
             continue
-        idle += (end - start) * (2 - cores)
+        idle += (end - start) * ((os.cpu_count() or 1) - cores)
         inside = sorted({f'{r["worker"]} {r["test"][:110]}' for r in runs
                          if r["start"] < end and r["end"] > start})
         print(f"{start - first:6.0f}s {cores:4.2f} cores: " + " | ".join(inside))
