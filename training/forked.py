@@ -11,6 +11,14 @@ a function entry point: each rank runs the module as ``python -m`` would, with t
 already done. Rendezvous, the ranks' environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), signal handling and failure reports are torchrun's own.
 
+The ranks are not forked from the agent itself. By the time it starts them, its rendezvous
+runs threads (the TCPStore's libuv loops, the keep-alive timer); a rank forked while one of
+them holds a libc lock waits for that lock forever (seen: glibc's resolver lock, in the rank's
+first ``getaddrinfo``, inside its TCPStore connect, once in a few hundred rounds on a busy
+machine). So the agent uses multiprocessing's ``forkserver`` start method, and its fork server
+is started as a fork of this interpreter before the agent runs (:func:`start_fork_server`):
+a process with one thread, whose forks hold no lock, with every import already done.
+
 Only for ranks that compute on the CPU: a CUDA context does not survive ``fork``, so
 machines with accelerator devices keep ``torchrun``'s exec'd ranks (see
 :func:`xffl.training.launch.forkable`).
@@ -24,8 +32,11 @@ import importlib.util
 import os
 import runpy
 import sys
+import threading
+import traceback
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from xffl.core.startup import collect_less
 
@@ -74,6 +85,53 @@ def run_module(module: str, argv: Sequence[str]) -> None:
         sys.stderr.flush()
 
 
+def _fork_instead_of_exec(path: object, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    """``multiprocessing.util.spawnv_passfds`` for the fork server's start: run the ``-c``
+    command it would exec in a fork of this process instead (the fds it would pass, and the
+    standard streams, kept; the rest closed, as the exec'd one has them); the fork's pid."""
+    command = str(args[list(args).index("-c") + 1])
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        low = 3
+        for fd in sorted(int(f) for f in passfds if int(f) >= 3):
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+        exec(command, {"__name__": "__mp_forkserver__"})
+        code = 0
+    except SystemExit as exc:  # the server ends so when the agent is gone
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def start_fork_server() -> bool:
+    """Start multiprocessing's fork server as a fork of this interpreter (its imports done);
+    False, leaving multiprocessing to start it by exec (its ranks then import their code),
+    when the imports started a Python thread.
+
+    The native pools an import may start are no hazard: OpenBLAS (numpy's, loaded with torch)
+    parks its threads on its own condition variable and shuts them down before any fork; what
+    hung a rank was the agent's threads at work in libc.
+    """
+    if threading.active_count() > 1:
+        return False
+    from multiprocessing import forkserver, util
+
+    real = util.spawnv_passfds
+    util.spawnv_passfds = _fork_instead_of_exec
+    try:
+        forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = real
+    return True
+
+
 def launch_forked(nproc: int, module: str, argv: Sequence[str]) -> int:
     """Start ``nproc`` forked ranks of ``module`` under torch's elastic agent; the exit code."""
     # never let a CUDA probe in the agent make the forked ranks unable to use CUDA
@@ -89,8 +147,9 @@ def launch_forked(nproc: int, module: str, argv: Sequence[str]) -> int:
                                          "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                          "localhost:0", "--rdzv-id",
                                          str(uuid.uuid4()), "--max-restarts", "0",
-                                         "--start-method", "fork", "-m", module])
+                                         "--start-method", "forkserver", "-m", module])
     config, _, _ = config_from_args(args)
+    start_fork_server()  # before the agent's threads (see the module doc)
     try:
         elastic_launch(config, run_module)(module, list(argv))
     except ChildFailedError as exc:
