@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xffl.aggregator.names import MANIFEST_FILE as MANIFEST_FILE  # the checkpoint's manifest
 from xffl.aggregator.safetensors_io import MAX_HEADER, SafetensorsReader
 from xffl.aggregator.shards import (
     ADAPTER_FILE,
@@ -39,7 +40,6 @@ from xffl.core.versions import FORMAT_VERSION as FORMAT_VERSION  # the exchange 
 from xffl.core.versions import VERSION_PATTERN, format_mismatch, same_format, xffl_version
 from xffl.core.words import WORD_CHARS, capped
 
-MANIFEST_FILE = "manifest.json"
 MAX_JSON_BYTES = 16 << 20  # manifest.json, config.json, an index json: read only below this
 _CHUNK = 8 << 20
 

@@ -11,8 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from xffl.core.errors import ExitCode
 from xffl.core.files import write_json
 
+#: the exit code of a launcher whose job ended a chained round early after a checkpoint: the
+#: round continues in the next job (EX_TEMPFAIL of sysexits.h: "try again later")
+CONTINUE_EXIT = int(ExitCode.CONTINUED)
+#: the folder of a round's checkpoints in the site's state folder (xffl.training.round_state);
+#: the launcher removes it once the round's update is kept
+ROOT = "checkpoints"
+SITE_STATE_ENV = "XFFL_SITE_STATE"  # the launcher's --keep folder, for the ranks
 STOP_FILE = ".chain-stop"  # the launcher's request (its USR1), in the site's state folder
 END_FILE = ".chain-end.json"  # rank 0's account of the job that just ended
 JOBS_FILE = "chain-jobs.json"  # the launcher's list of the round's jobs

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from xffl.aggregator.safetensors_io import Array, SafetensorsReader, SafetensorsWriter
+from xffl.training.chain_files import SITE_STATE_ENV as SITE_STATE_ENV  # the launcher's
 
-SITE_STATE_ENV = "XFFL_SITE_STATE"  # the launcher's --keep folder, for the ranks
 FOLDER = "error-feedback"
 _NAME = re.compile(r"^r([0-9]{1,9})\.safetensors$")
 

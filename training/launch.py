@@ -37,17 +37,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from xffl.aggregator.exchange import MANIFEST_FILE, read_manifest, verify_checkpoint
+from xffl.aggregator.names import MANIFEST_FILE
 from xffl.core.errors import XfflError
 from xffl.core.files import link_files
 from xffl.core.resources import usable_cpus
 from xffl.core.startup import collect_less
 from xffl.training import slurm_job
-from xffl.training.chain_files import clear, read_end, record_job, request_stop
-from xffl.training.feedback import SITE_STATE_ENV
+from xffl.training.chain_files import (
+    CONTINUE_EXIT,
+    ROOT,
+    SITE_STATE_ENV,
+    clear,
+    read_end,
+    record_job,
+    request_stop,
+)
 from xffl.training.forked import option_value
 from xffl.training.progress import STEP_LOG_ENV, STEP_LOG_FILE
-from xffl.training.round_spec import CONTINUE_EXIT, ROOT
 from xffl.training.threads import OMP_ENV, rank_threads, ranks_per_node
 
 Launcher = Literal["torchrun", "srun", "none"]
@@ -148,6 +154,8 @@ def reuse_kept(keep: Path, rnd: int, model: Path, out_dir: Path) -> bool:
 
     True when there was one (verified: checksums, round, parent digest); False otherwise.
     """
+    from xffl.aggregator.exchange import read_manifest, verify_checkpoint
+
     kept = Path(keep) / f"r{rnd}"
     if not (kept / MANIFEST_FILE).is_file():
         return False
@@ -165,6 +173,8 @@ def reuse_kept(keep: Path, rnd: int, model: Path, out_dir: Path) -> bool:
 
 def keep_update(out_dir: Path, keep: Path, rnd: int) -> None:
     """Keep the update in ``out_dir`` as ``keep/r<rnd>`` (replacing older rounds' updates)."""
+    from xffl.aggregator.exchange import read_manifest
+
     manifest = read_manifest(out_dir)
     keep = Path(keep)
     staging = keep / f".r{rnd}.tmp-{os.getpid()}"
@@ -291,6 +301,8 @@ def _run_ranks(ranks: int, launcher: Launcher, trainer_args: Sequence[str], out_
         return 0
     after = _manifest_fingerprint(out_dir)
     if after is not None and after != before:
+        from xffl.aggregator.exchange import verify_checkpoint
+
         try:
             verify_checkpoint(Path(out_dir))
         except XfflError:

@@ -9,17 +9,12 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from xffl.core.errors import ExitCode
 from xffl.core.validation import StrictModel
+from xffl.training.chain_files import CONTINUE_EXIT as CONTINUE_EXIT  # the launcher's
+from xffl.training.chain_files import ROOT as ROOT  # the launcher's
 
 _MINUTES_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)m$")
 
-#: the exit code of a launcher whose job ended a chained round early after a checkpoint: the
-#: round continues in the next job (EX_TEMPFAIL of sysexits.h: "try again later")
-CONTINUE_EXIT = int(ExitCode.CONTINUED)
-#: the folder of a round's checkpoints in the site's state folder (xffl.training.round_state);
-#: the launcher removes it once the round's update is kept
-ROOT = "checkpoints"
 #: the signal SLURM sends the batch shell a margin before the time limit (``--signal``)
 CHAIN_SIGNAL = "USR1"
 #: SLURM sends ``--signal`` up to 60 s before the time it is asked for (its event
