@@ -41,6 +41,8 @@ from typing import Any
 from xffl.core.startup import collect_less
 
 PROG = "python -m xffl.training.forked"
+#: the longest temporary folder whose pymp-*/listener-* socket path fits in 107 bytes
+SOCKET_DIR_MAX = 64
 
 
 def option_value(argv: Sequence[str], option: str) -> str | None:
@@ -110,6 +112,26 @@ def _fork_instead_of_exec(path: object, args: Sequence[Any], passfds: Sequence[i
         os._exit(code)
 
 
+def short_temp_dir() -> None:
+    """Give multiprocessing a temporary folder whose fork-server socket path fits a Unix
+    socket (107 bytes): under /tmp (or /dev/shm) when the TMPDIR a site job sets is too long.
+
+    The folder (owner-only, removed at exit) is made once per process and kept by
+    multiprocessing; ``tempfile`` is left as it was for everything else.
+    """
+    import tempfile
+    from multiprocessing import util
+
+    saved = tempfile.tempdir
+    if len(tempfile.gettempdir()) > SOCKET_DIR_MAX:
+        tempfile.tempdir = next((d for d in ("/tmp", "/dev/shm")
+                                 if os.access(d, os.W_OK | os.X_OK)), None)
+    try:
+        util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
 def start_fork_server() -> bool:
     """Start multiprocessing's fork server as a fork of this interpreter (its imports done);
     False, leaving multiprocessing to start it by exec (its ranks then import their code),
@@ -119,6 +141,7 @@ def start_fork_server() -> bool:
     parks its threads on its own condition variable and shuts them down before any fork; what
     hung a rank was the agent's threads at work in libc.
     """
+    short_temp_dir()  # the fork server's socket lives there
     if threading.active_count() > 1:
         return False
     from multiprocessing import forkserver, util

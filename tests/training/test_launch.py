@@ -100,9 +100,13 @@ def test_torchrun_ranks_forked_from_one_warmed_interpreter(tmp_path: Path, fork:
     Forked ranks come from a process that runs one thread (the fork server), not from the
     agent, whose rendezvous threads may hold a libc lock at the fork: a rank forked from the
     agent (4 threads) hung in getaddrinfo once in a few hundred rounds on a busy machine.
+    The fork server's socket lives in a short folder, whatever the TMPDIR.
     """
     (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), FORK_ENV: "1" if fork else "0"}
+    long_tmp = tmp_path / ("t" * 100)  # a site job's TMPDIR: too long for a socket's path
+    long_tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), FORK_ENV: "1" if fork else "0",
+           "TMPDIR": str(long_tmp)}
     out = tmp_path / "out"
     out.mkdir()
     assert launch(2, "torchrun", [str(out), "ok"], out, module="fake_rank", env=env) == 0
