@@ -176,8 +176,11 @@ if _TIMELINE:
         one JSON line in ``PREFIX.<worker>``, to see what the workers ran when the cores idled."""
         import time
 
-        start = time.time()
+        start, times = time.time(), os.times()
         yield
+        after = os.times()
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        own = after.user + after.system - times.user - times.system  # the worker's own, no children
+        record = {"test": item.nodeid, "start": start, "end": time.time(), "cpu": round(own, 3)}
         with open(f"{_TIMELINE}.{worker}", "a") as out:
-            out.write(json.dumps({"test": item.nodeid, "start": start, "end": time.time()}) + "\n")
+            out.write(json.dumps(record) + "\n")
