@@ -35,7 +35,7 @@ import sys
 import threading
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from xffl.core.startup import collect_less
@@ -87,16 +87,24 @@ def run_module(module: str, argv: Sequence[str]) -> None:
         sys.stderr.flush()
 
 
-def _fork_instead_of_exec(path: object, args: Sequence[Any], passfds: Sequence[int]) -> int:
-    """``multiprocessing.util.spawnv_passfds`` for the fork server's start: run the ``-c``
-    command it would exec in a fork of this process instead (the fds it would pass, and the
-    standard streams, kept; the rest closed, as the exec'd one has them); the fork's pid."""
+def _fork_server_process(args: Sequence[Any], passfds: Sequence[int],
+                         spawnv: Callable[..., int]) -> int:
+    """What ``multiprocessing.util.spawnv_passfds`` (``spawnv``) does for the fork server's
+    start, by a fork of this process: run the ``-c`` command it would exec (the fds it would
+    pass, and the standard streams, kept; the rest closed, as the exec'd one has them); the
+    fork's pid. The fork is left as a fresh interpreter would be: ``ensure_running``'s lock,
+    held here across the fork, free again and ``spawnv`` back in place (a rank that starts a
+    fork server of its own then starts one as it would anywhere)."""
     command = str(args[list(args).index("-c") + 1])
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
+        from multiprocessing import forkserver, util
+
+        util.spawnv_passfds = spawnv
+        forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
         low = 3
         for fd in sorted(int(f) for f in passfds if int(f) >= 3):
             os.closerange(low, fd)
@@ -147,7 +155,11 @@ def start_fork_server() -> bool:
     from multiprocessing import forkserver, util
 
     real = util.spawnv_passfds
-    util.spawnv_passfds = _fork_instead_of_exec
+
+    def fork_instead(path: object, args: Sequence[Any], passfds: Sequence[int]) -> int:
+        return _fork_server_process(args, passfds, real)
+
+    util.spawnv_passfds = fork_instead
     try:
         forkserver.ensure_running()
     finally:

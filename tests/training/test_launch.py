@@ -67,12 +67,33 @@ def test_forkable_only_without_accelerator_devices(tmp_path: Path) -> None:
 
 
 FAKE_RANK = """
-import json, os, sys
+import json, multiprocessing, os, sys, threading
 WARMED = []
 
 
 def warm_imports(argv):
     WARMED.append(list(argv))
+
+
+def nothing():
+    pass
+
+
+def own_fork_server():
+    \"\"\"The exit code of a process this rank starts through a fork server of its own (as a
+    DataLoader's workers may be started); None if that start is still stuck after 60 s.\"\"\"
+    done = []
+
+    def start():
+        proc = multiprocessing.get_context("forkserver").Process(target=nothing)
+        proc.start()
+        proc.join(60)
+        done.append(proc.exitcode)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(60)
+    return done[0] if done else None
 
 
 if __name__ == "__main__":
@@ -83,7 +104,9 @@ if __name__ == "__main__":
         json.dump({"world": os.environ["WORLD_SIZE"], "master": os.environ["MASTER_ADDR"],
                    "warmed": preloaded.WARMED if preloaded else None,
                    "parent": os.getppid(),
-                   "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task"))}, fh)
+                   "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),
+                   "own_fork_server": own_fork_server() if rank == "1" and preloaded else 0},
+                  fh)
     if rank == "1" and mode == "exit3":
         sys.exit(3)
     if rank == "1" and mode == "abort":
@@ -100,7 +123,8 @@ def test_torchrun_ranks_forked_from_one_warmed_interpreter(tmp_path: Path, fork:
     Forked ranks come from a process that runs one thread (the fork server), not from the
     agent, whose rendezvous threads may hold a libc lock at the fork: a rank forked from the
     agent (4 threads) hung in getaddrinfo once in a few hundred rounds on a busy machine.
-    The fork server's socket lives in a short folder, whatever the TMPDIR.
+    The fork server's socket lives in a short folder, whatever the TMPDIR, and a rank can
+    start a fork server of its own (the one it was forked from left no lock held).
     """
     (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
     long_tmp = tmp_path / ("t" * 100)  # a site job's TMPDIR: too long for a socket's path
@@ -112,6 +136,7 @@ def test_torchrun_ranks_forked_from_one_warmed_interpreter(tmp_path: Path, fork:
     assert launch(2, "torchrun", [str(out), "ok"], out, module="fake_rank", env=env) == 0
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == ["2", "2"]
+    assert [r["own_fork_server"] for r in ranks] == [0, 0]
     assert ranks[0]["parent"] == ranks[1]["parent"] != os.getpid()
     if fork:
         assert [r["warmed"] for r in ranks] == [[[str(out), "ok"]]] * 2
