@@ -10,7 +10,7 @@ itself, or the trainer's own guard (the SLURM end time minus the margin, the las
 seconds included). Stopping, they write the step's checkpoint (waiting for any save under
 way), rank 0 prints the progress line and :data:`CONTINUE_LINE` and leaves its account of
 the job in :data:`END_FILE`, and the launcher exits with
-:data:`~xffl.training.round_spec.CONTINUE_EXIT` (no update written). The launcher keeps the
+:data:`~xffl.training.chain_files.CONTINUE_EXIT` (no update written). The launcher keeps the
 list of the round's jobs (:data:`JOBS_FILE`: job id, steps from and to, queue wait, run
 time, how it ended); the job that finishes the round hands it back in ``slurm_job.json``.
 """

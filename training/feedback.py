@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from xffl.aggregator.safetensors_io import Array, SafetensorsReader, SafetensorsWriter
-from xffl.training.chain_files import SITE_STATE_ENV as SITE_STATE_ENV  # the launcher's
+from xffl.training.chain_files import SITE_STATE_ENV
 
 FOLDER = "error-feedback"
 _NAME = re.compile(r"^r([0-9]{1,9})\.safetensors$")

@@ -10,8 +10,6 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, field_validator
 
 from xffl.core.validation import StrictModel
-from xffl.training.chain_files import CONTINUE_EXIT as CONTINUE_EXIT  # the launcher's
-from xffl.training.chain_files import ROOT as ROOT  # the launcher's
 
 _MINUTES_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)m$")
 

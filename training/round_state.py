@@ -47,8 +47,9 @@ from xffl.core.failpoints import ENV as FAILPOINT_ENV
 from xffl.core.failpoints import failpoint
 from xffl.core.files import write_json
 from xffl.training import distributed as xdist
+from xffl.training.chain_files import ROOT
 from xffl.training.parallelize import ParallelModel
-from xffl.training.round_spec import ROOT, RoundCheckpointSpec
+from xffl.training.round_spec import RoundCheckpointSpec
 
 COMPLETE = "complete"
 FORMAT = 1

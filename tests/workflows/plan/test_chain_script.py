@@ -16,9 +16,9 @@ import pytest
 
 from tests.workflows.warm_ranks import warm_env
 from xffl.site_profiles.schema import SiteProfile
+from xffl.training.chain_files import CONTINUE_EXIT
 from xffl.training.round_spec import (
     CHAIN_SAFETY_SECONDS,
-    CONTINUE_EXIT,
     SIGNAL_MAX_SECONDS,
     chain_margin,
     checkpoint_seconds,
