@@ -31,8 +31,13 @@ HOOK = """import atexit, json, os, sys
 def _xffl_profile_dump(log={log!r}):
     try:
         t = os.times()
-        line = json.dumps({{"cpu": t.user + t.system, "argv": sys.argv[:4],
-                           "test": os.environ.get("PYTEST_CURRENT_TEST", "")}})
+        argv = sys.argv[:4]
+        if argv[:1] == ["-c"]:  # the code's first line says what ran (multiprocessing's -c)
+            code = sys.orig_argv[sys.orig_argv.index("-c") + 1]
+            argv = ["-c " + code.strip().splitlines()[0][:60]] + argv[1:]
+        line = json.dumps({{"cpu": t.user + t.system, "argv": argv,
+                           "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                           "job": os.environ.get("SLURM_JOB_NAME", "")}})
         with open(log, "a") as f:
             f.write(line + "\\n")
     except Exception:

@@ -30,7 +30,7 @@ docs=$!
 # jobs (slurmstepd) and the stacks' daemons included, which the workers never wait for
 set +e
 .venv/bin/python scripts/test_cost.py -- \
-  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 \
+  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 --no-loadscope-reorder \
   --dist loadgroup "$@"
 tests=$?
 wait "$typecheck"

@@ -143,14 +143,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the tests of one shared finished run in one worker; the tests of a module that share a
     module fixture (one real run, an image, an installed venv) in one worker, so that it is
     made once, not once per worker; tests of the SLURM stack are marked
-    ``stack`` (``-m "not stack"`` leaves them out). Slow tests go first, so that the workers
-    do not end on one long test while the other idles.
+    ``stack`` (``-m "not stack"`` leaves them out). Tests that wait out a deadline
+    (``waits``: minutes idle, hardly any CPU) run one after another in one worker, first,
+    so that they wait beside the other workers' CPU instead of all idling the cores at once;
+    slow tests come next, so that the workers do not end on one long test while the others
+    idle (scripts/test.sh keeps this order: ``--no-loadscope-reorder``).
 
     Every pytest-xdist worker has its own SLURM stack (tests/stack/fixtures.py).
     """
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if item.get_closest_marker("serial") is not None:
+        if item.get_closest_marker("waits") is not None:
+            item.add_marker(pytest.mark.xdist_group("waits"))
+        elif item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif "quickstart_run" in fixtures:
             item.add_marker(pytest.mark.xdist_group("quickstart"))
@@ -158,7 +163,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         if "slurm_stack" in fixtures:
             item.add_marker(pytest.mark.stack)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items.sort(key=lambda item: (item.get_closest_marker("waits") is None,
+                                 item.get_closest_marker("slow") is None))
 
 
 from tests.stack.fixtures import slurm_stack  # noqa: E402, F401

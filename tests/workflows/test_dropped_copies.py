@@ -247,6 +247,7 @@ def _check(status: dict[str, Any], stack: Any) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_copy_out_and_a_copy_back_survive_killed_sshd_sessions(
         tmp_path: Path, slurm_stack: Any, slow_beta: Proxy,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:

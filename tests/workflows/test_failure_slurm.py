@@ -74,6 +74,7 @@ def _profile_as(stack: Any, cluster: str, name: str, folder: Path,
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_scancelled_job_is_retried_and_one_past_the_round_timeout_is_scancelled(
         tmp_path: Path, slurm_stack,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,6 +142,7 @@ def test_scancelled_job_is_retried_and_one_past_the_round_timeout_is_scancelled(
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_controller_outage_quorum_and_resume(tmp_path: Path,
                                              slurm_stack,  # type: ignore[no-untyped-def]
                                              monkeypatch: pytest.MonkeyPatch) -> None:

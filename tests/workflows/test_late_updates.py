@@ -54,6 +54,7 @@ def _beta_records(stack: Any, run_id: str) -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_late_job_is_left_running_adopted_across_a_tick_and_a_resume_and_applied_with_staleness(
         tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)

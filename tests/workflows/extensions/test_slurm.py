@@ -44,6 +44,7 @@ def _records(stack: Any, name: str) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_slurm_job_past_the_round_deadline_is_scancelled(
         tmp_path: Path, slurm_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", slurm_stack.ssh_home)  # asyncssh reads ~/.ssh/known_hosts
