@@ -8,10 +8,12 @@ For the command's duration a ``.pth`` line in this venv's site-packages makes ev
 interpreter of the venv (the test workers, the runs' supervisors, StreamFlow's steps, the
 launchers and ranks in the SLURM jobs of the test stack, reached over ssh) append its own
 CPU-seconds (``os.times``, children excluded), argv and current test to a log when it exits;
-the line is removed at the end, whatever happens. Processes that end with ``os._exit``
-(forked ranks, pytest-xdist workers) leave no line: ``scripts/test_cost.py`` counts every
-process's CPU, this says which command spends it. The table groups by what ran (the module
-or script, and the step name of ``xffl.workflows.steps``) and by test.
+the line is removed at the end, whatever happens. ``os._exit`` is wrapped too, so forked
+ranks and fork servers leave their line (as ``fork of <what the parent ran>``, their CPU
+counted from the fork); a process killed by a signal leaves none: ``scripts/test_cost.py``
+counts every process's CPU, this says which command spends it. The table groups by what ran
+(the module or script, the step name of ``xffl.workflows.steps``, a ``-c`` code's first
+line) and by test.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 HOOK = """import atexit, json, os, sys
+_xffl_profile_pid, _xffl_profile_exit = os.getpid(), os._exit
 def _xffl_profile_dump(log={log!r}):
     try:
         t = os.times()
@@ -35,6 +38,8 @@ def _xffl_profile_dump(log={log!r}):
         if argv[:1] == ["-c"]:  # the code's first line says what ran (multiprocessing's -c)
             code = sys.orig_argv[sys.orig_argv.index("-c") + 1]
             argv = ["-c " + code.strip().splitlines()[0][:60]] + argv[1:]
+        if os.getpid() != _xffl_profile_pid:  # a fork (its CPU counts from the fork)
+            argv = ["fork of " + (argv[0] if argv else "?")] + argv[1:]
         line = json.dumps({{"cpu": t.user + t.system, "argv": argv,
                            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
                            "job": os.environ.get("SLURM_JOB_NAME", "")}})
@@ -42,7 +47,11 @@ def _xffl_profile_dump(log={log!r}):
             f.write(line + "\\n")
     except Exception:
         pass
+def _xffl_profile_os_exit(code):
+    _xffl_profile_dump()
+    _xffl_profile_exit(code)
 atexit.register(_xffl_profile_dump)
+os._exit = _xffl_profile_os_exit  # forked ranks and servers end with os._exit, past atexit
 """
 
 

@@ -139,23 +139,21 @@ def _module_fixture(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker;
+    """Tests of state the whole machine shares (the crontab: ``serial``) run in one worker,
+    with the tests that wait out a deadline (``waits``: minutes idle, hardly any CPU);
     the tests of one shared finished run in one worker; the tests of a module that share a
     module fixture (one real run, an image, an installed venv) in one worker, so that it is
     made once, not once per worker; tests of the SLURM stack are marked
-    ``stack`` (``-m "not stack"`` leaves them out). Tests that wait out a deadline
-    (``waits``: minutes idle, hardly any CPU) run one after another in one worker, first,
-    so that they wait beside the other workers' CPU instead of all idling the cores at once;
-    slow tests come next, so that the workers do not end on one long test while the others
-    idle (scripts/test.sh keeps this order: ``--no-loadscope-reorder``).
+    ``stack`` (``-m "not stack"`` leaves them out). That one worker starts with the waiting
+    tests, so that they wait beside the other workers' CPU instead of idling the cores all at
+    once; slow tests come next, so that the workers do not end on one long test while the
+    others idle (scripts/test.sh keeps this order: ``--no-loadscope-reorder``).
 
     Every pytest-xdist worker has its own SLURM stack (tests/stack/fixtures.py).
     """
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if item.get_closest_marker("waits") is not None:
-            item.add_marker(pytest.mark.xdist_group("waits"))
-        elif item.get_closest_marker("serial") is not None:
+        if any(item.get_closest_marker(mark) is not None for mark in ("waits", "serial")):
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif "quickstart_run" in fixtures:
             item.add_marker(pytest.mark.xdist_group("quickstart"))

@@ -186,6 +186,7 @@ def test_a_site_that_cannot_be_reached_is_left_out_of_every_round(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_local_job_past_its_time_limit_is_killed(tmp_path: Path) -> None:
     ctl = tmp_path / "ctl"
     ctl.mkdir()
