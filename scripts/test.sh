@@ -11,10 +11,11 @@ bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 bash scripts/site-wheels.sh  # the wheels `xffl profiles install` tests build a wheelhouse from
 .venv/bin/ruff check .
-# mypy (one core, ~20 s) runs beside the suite's start-up (collection, the workers' SLURM stacks
+# mypy (one core, ~35 CPU-s) runs beside the suite's start-up (collection, the workers' SLURM stacks
 # coming up); it prints its verdict when done and the script fails if it found anything
 mkdir -p build
-(rc=0; bash scripts/typecheck.sh > build/typecheck.log 2>&1 || rc=$?  # (set -e holds here)
+# (no cache: a fresh clone has none to reuse, and writing mypy's ~150 MB of it costs 7 CPU-s)
+(rc=0; MYPY_CACHE_DIR=/dev/null bash scripts/typecheck.sh > build/typecheck.log 2>&1 || rc=$?
  cat build/typecheck.log; exit "$rc") &
 typecheck=$!
 # the docs site, strict (a broken link or anchor, or a page out of the nav, fails it; not
@@ -22,15 +23,16 @@ typecheck=$!
 (rc=0; .venv/bin/mkdocs build --strict --clean -d build/site > build/mkdocs.log 2>&1 || rc=$?
  [ "$rc" -eq 0 ] || cat build/mkdocs.log; exit "$rc") &
 docs=$!
-# three workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py): the
-# third keeps both cores busy while another waits on a deadline, a SLURM poll or a sbatch
-# timeout (on 2026-11-26, 1170 tests: 3 workers 573 s of pytest, 4 workers 606 s; 1213 tests:
-# 427-447 s with both cores 90-100% busy nearly throughout); XFFL_TEST_WORKERS=0 runs everything here.
+# four workers (pytest-xdist), each with its own SLURM stack (tests/stack/fixtures.py). One
+# runs the tests that wait out deadlines (idle for minutes: the ``waits`` mark) and the serial
+# ones; the other three keep both cores busy while one of them waits on a SLURM poll or a
+# sbatch (on 2026-11-29, 1755 tests: 3 workers without that split 603 s of pytest, 3 with it
+# 581 s, 4 with it 481 s); XFFL_TEST_WORKERS=0 runs everything here.
 # scripts/test_cost.py prints the run's CPU-seconds at the end, by process name: the SLURM
 # jobs (slurmstepd) and the stacks' daemons included, which the workers never wait for
 set +e
 .venv/bin/python scripts/test_cost.py -- \
-  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-3}" --durations=15 --no-loadscope-reorder \
+  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-4}" --durations=15 --no-loadscope-reorder \
   --dist loadgroup "$@"
 tests=$?
 wait "$typecheck"
