@@ -30,8 +30,11 @@ import tempfile
 from pathlib import Path
 
 HOOK = """import atexit, json, os, sys
-_xffl_profile_pid, _xffl_profile_exit = os.getpid(), os._exit
+_xffl_profile_pid, _xffl_profile_exit, _xffl_profile_done = os.getpid(), os._exit, set()
 def _xffl_profile_dump(log={log!r}):
+    if os.getpid() in _xffl_profile_done:  # a fork may run the atexit handlers, then os._exit
+        return
+    _xffl_profile_done.add(os.getpid())
     try:
         t = os.times()
         argv = sys.argv[:4]
