@@ -111,8 +111,8 @@ def check(name: NameArg, data: Annotated[Path | None, typer.Option(
 
     Example: xffl profiles check leonardo --data job.yaml
     """
+    from xffl.site_profiles.checks import check_site
     from xffl.site_profiles.lookup import find_profile
-    from xffl.site_profiles.remote import check_site
 
     loaded = None
     if data is not None:  # a broken job is exit 2 before any login

@@ -16,8 +16,8 @@ from xffl.jobs.registry.states import RunState
 from xffl.jobs.registry.store import Registry, new_run_id
 from xffl.jobs.spec.load import LoadedJob, load_job
 from xffl.jobs.spec.trust import record_consent, require_consent, require_site_consent
+from xffl.site_profiles.checks import preflight
 from xffl.site_profiles.privacy import check_workdir
-from xffl.site_profiles.remote import preflight
 from xffl.workflows.plan.compile import write_plan
 from xffl.workflows.plan.deployments import site_workdir
 from xffl.workflows.site_ready import check_sites_ready

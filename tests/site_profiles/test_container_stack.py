@@ -227,8 +227,8 @@ def test_profiles_check_finds_the_image_and_names_a_missing_one(
         container_run: ContainerRun) -> None:
     """`xffl profiles check`'s row over the site's SSH login: the image and ch-run are there;
     an image path that does not exist at the site is one row naming it and the fix."""
+    from xffl.site_profiles.checks import check_site
     from xffl.site_profiles.lookup import load_profile_file
-    from xffl.site_profiles.remote import check_site
 
     profile = load_profile_file(container_run.profile)
     rows = {row: (ok, detail) for row, ok, detail in check_site("alpha", profile).rows}

@@ -1,4 +1,4 @@
-"""site_profiles.remote against the real test stack: verified host keys, checks, preflight."""
+"""site_profiles.remote and .checks on the real test stack: host keys verified, preflight."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import yaml
 from tests.conftest import QUICKSTART, REPO
 from xffl.core.errors import ConnectionFailed
 from xffl.core.versions import FORMAT_VERSION, xffl_version
+from xffl.site_profiles.checks import check_site, preflight
 from xffl.site_profiles.lookup import bundled_dir, load_profile_file
-from xffl.site_profiles.remote import check_site, connect, preflight, run
+from xffl.site_profiles.remote import connect, run
 from xffl.site_profiles.schema import SiteProfile
 from xffl.workflows.submit import submit
 
