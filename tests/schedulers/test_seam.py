@@ -85,7 +85,7 @@ ELSEWHERE = {
     "jobs/report/estimates.py",  # the registry's source column: "sbatch --test-only"
     "training/threads.py",  # SLURM_CPUS_PER_TASK, SLURM_JOB_NUM_NODES: srun's ranks
     "cli/logs.py",  # scontrol show job's StdOut: where the round's job wrote its log
-    "site_profiles/remote.py",  # `xffl profiles check`'s SLURM rows (sbatch, squeue, sinfo)
+    "site_profiles/checks.py",  # `xffl profiles check`'s SLURM rows (sbatch, squeue, sinfo)
     "site_profiles/schema.py",  # the profile's slurm section: "seconds between squeue polls"
     "training/launch.py",  # --slurm-job-name's help: "renamed with scontrol"
 }
