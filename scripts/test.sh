@@ -11,8 +11,8 @@ bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 bash scripts/site-wheels.sh  # the wheels `xffl profiles install` tests build a wheelhouse from
 .venv/bin/ruff check .
-# mypy (one core, ~35 CPU-s) runs beside the suite's start-up (collection, the workers' SLURM stacks
-# coming up); it prints its verdict when done and the script fails if it found anything
+# mypy (one core, ~35 CPU-s) runs beside the suite's start-up (collection, the workers' SLURM
+# stacks coming up); it prints its verdict when done and the script fails if it found anything
 mkdir -p build
 # (no cache: a fresh clone has none to reuse, and writing mypy's ~150 MB of it costs 7 CPU-s)
 (rc=0; MYPY_CACHE_DIR=/dev/null bash scripts/typecheck.sh > build/typecheck.log 2>&1 || rc=$?
@@ -32,8 +32,8 @@ docs=$!
 # jobs (slurmstepd) and the stacks' daemons included, which the workers never wait for
 set +e
 .venv/bin/python scripts/test_cost.py -- \
-  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-4}" --durations=15 --no-loadscope-reorder \
-  --dist loadgroup "$@"
+  .venv/bin/python -m pytest -p no:cacheprovider -n "${XFFL_TEST_WORKERS:-4}" --durations=15 \
+  --dist loadgroup --no-loadscope-reorder "$@"
 tests=$?
 wait "$typecheck"
 types=$?

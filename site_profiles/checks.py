@@ -25,6 +25,7 @@ from xffl.site_profiles.remote import (
     transfer_login,
 )
 from xffl.site_profiles.schema import SiteProfile, SshConnector
+from xffl.site_profiles.shell_text import expand_workdir
 from xffl.site_profiles.site_check import SiteCheck, missing_certificate
 from xffl.site_profiles.versions import gres_of, probe_command, python_rows
 
@@ -80,7 +81,7 @@ def _check_local(check: SiteCheck, profile: SiteProfile, workdir: str) -> None:
 def _workdir(profile: SiteProfile, name: str) -> str:
     from xffl.core.paths import xffl_home
 
-    return profile.workdir.replace("{xffl_home}", str(xffl_home())).replace("{site}", name)
+    return expand_workdir(profile.workdir, str(xffl_home()), name)
 
 
 def check_site(name: str, profile: SiteProfile) -> SiteCheck:

@@ -26,6 +26,7 @@ from xffl.site_profiles.lookup import available, bundled_dir, find_profile, unfi
 from xffl.site_profiles.pins import torch_version
 from xffl.site_profiles.profile_edit import set_top_level
 from xffl.site_profiles.schema import SiteProfile
+from xffl.site_profiles.shell_text import expand_workdir
 from xffl.site_profiles.site_access import Site, open_site
 from xffl.site_profiles.site_python import STAMP, SitePython, Stamp, parse, probe_command
 from xffl.site_profiles.versions import parse_probe
@@ -267,7 +268,7 @@ def install(name: str, find_links: Sequence[Path], step: Step) -> Installed:
     """Install this xffl at site ``name`` (see the module doc); ``find_links``: build the
     wheelhouse from these folders only. Bad answers from the site are one line each."""
     profile, path = _profile_file(name)
-    workdir = profile.workdir.replace("{xffl_home}", str(xffl_home())).replace("{site}", name)
+    workdir = expand_workdir(profile.workdir, str(xffl_home()), name)
     with open_site(profile) as site:
         step(f"asking the site's {profile.install.python}")
         target = _ask(site, name, profile, path)

@@ -26,6 +26,12 @@ def shell_unsafe_char(path: str) -> str | None:
     return next((c for c in path if not (c.isalnum() or c in WORKDIR_PUNCTUATION)), None)
 
 
+def expand_workdir(workdir: str, home: str, site: str) -> str:
+    """A profile's workdir with its placeholders filled: ``{xffl_home}`` by ``home`` (this
+    machine's XFFL_HOME), ``{site}`` by the site's name."""
+    return workdir.replace("{xffl_home}", home).replace("{site}", site)
+
+
 def workdir_text(value: str) -> str:
     """A workdir is plain path text to an unquoted shell word (see :func:`shell_unsafe_char`)."""
     check_path_text(value)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from tests.workflows.warm_ranks import warm_env
 from xffl.aggregator.exchange import Manifest, verify_checkpoint
-from xffl.training.chain_files import CONTINUE_EXIT, CONTINUE_LINE, JOBS_FILE
+from xffl.training.chain_files import CONTINUE_EXIT, CONTINUE_LINE, JOBS_FILE, ROOT
 from xffl.training.checkpoint import init_global
 from xffl.training.config import (
     DataSpec,
@@ -38,7 +38,7 @@ from xffl.training.config import (
     TrainingSpec,
     TrainJob,
 )
-from xffl.training.round_state import COMPLETE, ROOT
+from xffl.training.round_state import COMPLETE
 
 STEPS, EVERY = 12, 3
 KILL = 8  # the killed rounds die after this step: the step-3 and step-6 checkpoints are kept

@@ -29,6 +29,7 @@ from xffl.site_profiles.schema import (
     SiteProfile,
     shell_unsafe_char,
 )
+from xffl.site_profiles.shell_text import expand_workdir
 from xffl.workflows.extensions import (
     LOCAL_CONNECTOR,
     SSH_CONNECTOR,
@@ -53,7 +54,7 @@ def site_workdir(profile: SiteProfile, site: str) -> str:
             f"{home!r}, which holds {bad!r}; StreamFlow passes the workdir unquoted to a shell, "
             "so set XFFL_HOME to a path of letters, digits and _ . / - + , : @ % =, or give "
             "the profile an absolute workdir")
-    return profile.workdir.replace("{xffl_home}", home).replace("{site}", site)
+    return expand_workdir(profile.workdir, home, site)
 
 
 def site_python(profile: SiteProfile) -> str:
