@@ -11,7 +11,7 @@ bash scripts/install-system-deps.sh
 bash scripts/setup-venv.sh
 bash scripts/site-wheels.sh  # the wheels `xffl profiles install` tests build a wheelhouse from
 .venv/bin/ruff check .
-# mypy (one core, ~35 CPU-s) runs beside the suite's start-up (collection, the workers' SLURM
+# mypy (one core, ~15 CPU-s) runs beside the suite's start-up (collection, the workers' SLURM
 # stacks coming up); it prints its verdict when done and the script fails if it found anything
 mkdir -p build
 # (no cache: a fresh clone has none to reuse, and writing mypy's ~150 MB of it costs 7 CPU-s)
